@@ -97,6 +97,7 @@ def test_cluster_parsing():
     assert hardware.cluster("1xRTX4090").world_size == 1
     assert hardware.cluster("2xRTX4090-PCIe").intra.name == "PCIe 4 x16"
     assert hardware.cluster("8xH200-NVLink").gpu.memory_bytes == 141e9
+    assert hardware.cluster("2xH100-PCIe").gpu.name == "H100 PCIe"   # the GPU, not a link word
     c = hardware.cluster("4x8xA100-IB-HDR")
     assert c.world_size == 32 and c.inter.name == "InfiniBand HDR"
     assert hardware.cluster(c) is c

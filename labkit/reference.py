@@ -1,0 +1,94 @@
+"""The single-device reference run that every parallel technique is checked against.
+
+One process, the full global batch, plain `loss.backward(); optimizer.step()`. A technique run
+on N ranks must end with the same loss curve and the same parameters (within float32 rounding).
+Memory on one device, for mixed-precision-free fp32 Adam: 4Ψ weights + 4Ψ grads + 8Ψ moments.
+"""
+from contextlib import nullcontext
+from dataclasses import dataclass, field, asdict
+
+import torch
+
+from . import data, models
+from .runtime.memory import MemoryTracker
+
+
+@dataclass
+class RunConfig:
+    """What every technique trains: model, steps, global batch, optimizer and seed."""
+    model: str = "gpt"
+    steps: int = 3
+    global_batch: int = 8
+    lr: float = 1e-2
+    optimizer: str = "adam"
+    seed: int = 0
+    model_kwargs: dict = field(default_factory=dict)
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def build_model(cfg):
+    return models.build(cfg.model, seed=cfg.seed, **cfg.model_kwargs)
+
+
+def build_optimizer(params, cfg):
+    """Adam or plain SGD; `foreach=False` keeps the update order identical across layouts."""
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, foreach=False)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, foreach=False)
+    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {cfg.optimizer!r}")
+
+
+def batch(model, cfg, step):
+    """The global batch of `step`: the same tensors on every rank and in the reference."""
+    return data.batch_for(model, step, cfg.global_batch, cfg.seed)
+
+
+def train(cfg=None, ctx=None, track_memory=True):
+    """Train on one device; returns losses, final parameters and measured memory.
+
+    With a `ctx` (a one-rank launch) the step is also placed on the modelled clock.
+    """
+    cfg = cfg or RunConfig()
+    model = build_model(cfg)
+    optimizer = build_optimizer(model.parameters(), cfg)
+    memory = ctx.memory if ctx is not None else MemoryTracker()
+    memory.watch(model=model, optimizer=optimizer)
+    losses = []
+    for step in range(cfg.steps):
+        x, y = batch(model, cfg, step)
+        optimizer.zero_grad(set_to_none=True)
+        with _maybe(memory.track_activations(), track_memory), _compute(ctx, "forward+backward"):
+            loss = model(x, y)
+            loss.backward()
+        with _compute(ctx, "optimizer step"):
+            optimizer.step()
+        memory.sample(f"after step {step}")
+        if ctx is not None:
+            ctx.clock.mark_step()
+        losses.append(loss.item())
+    return dict(loss=losses, params=full_params(model), memory=memory.report(),
+                param_count=sum(p.numel() for p in model.parameters()))
+
+
+def full_params(model):
+    """Name -> a detached copy of every parameter (what `max_param_diff` compares)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def max_param_diff(params, reference):
+    """Largest absolute difference between two {name: tensor} dicts with the same names."""
+    missing = set(reference) ^ set(params)
+    if missing:
+        raise KeyError(f"parameter names differ: {sorted(missing)[:5]}")
+    return max((params[k] - reference[k]).abs().max().item() for k in reference)
+
+
+def _maybe(manager, enabled):
+    return manager if enabled else nullcontext()
+
+
+def _compute(ctx, name):
+    return ctx.clock.compute(name) if ctx is not None else nullcontext()

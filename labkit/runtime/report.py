@@ -1,0 +1,86 @@
+"""The run report (DESIGN.md): one dict per run, the same for the CLI, tests and notebooks.
+
+Each rank's `fn` returns `rank_result(ctx, ...)`; `build_report` puts the ranks together, runs
+the single-device reference on the same config and adds `max_param_diff_vs_reference`.
+"""
+import json
+import math
+
+import torch
+
+
+def rank_result(ctx, loss, params=None, **extra):
+    """What one rank hands back: its losses, memory, comm summary, clock and (rank 0) params."""
+    out = dict(rank=ctx.rank, loss=list(loss), memory=ctx.memory.report(),
+               comm=ctx.comm.summary(), wall_s=ctx.elapsed(),
+               modelled_step_s=ctx.clock.step_times(), timeline=ctx.clock.timeline(),
+               backend=ctx.backend, cluster=ctx.clock.cluster.name)
+    if params is not None:
+        out["params"] = params
+    out.update(extra)
+    return out
+
+
+def build_report(technique, cfg, results, *, config=None, predicted_memory=None,
+                 predicted_comm_bytes_per_rank=None, reference=None, **extra):
+    """The JSON-able report of a run, plus `timeline` and `params` for notebooks."""
+    from ..reference import max_param_diff, train
+    first = results[0]
+    reference = reference or train(cfg)
+    params = first.get("params")
+    step_times = first["modelled_step_s"]
+    report = dict(
+        technique=technique, world_size=len(results), backend=first["backend"],
+        cluster=first["cluster"], config=dict(cfg.as_dict(), **(config or {})),
+        steps=cfg.steps, loss=first["loss"], reference_loss=reference["loss"],
+        max_param_diff_vs_reference=(max_param_diff(params, reference["params"])
+                                     if params is not None else None),
+        memory={r["rank"]: r["memory"] for r in results},
+        predicted_memory=predicted_memory,
+        comm=first["comm"],
+        predicted_comm_bytes_per_rank=predicted_comm_bytes_per_rank,
+        wall_s=max(r["wall_s"] for r in results),
+        modelled_step_s=max(step_times[1:] or step_times) if step_times else None,
+    )
+    report.update(extra)
+    report["timeline"] = [e for r in results for e in r["timeline"]]
+    report["params"] = params
+    return report
+
+
+def to_json(report, timeline=False):
+    """The report as JSON text: tensors and (unless asked) the timeline left out."""
+    skip = {"params"} | (set() if timeline else {"timeline"})
+    return json.dumps({k: v for k, v in report.items() if k not in skip}, indent=2,
+                      default=_plain)
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return str(value)
+
+
+def format_table(report):
+    """A short human-readable summary of a report (what the CLI prints without --json)."""
+    lines = [f"{report['technique']} on {report['world_size']} rank(s), {report['backend']}, "
+             f"modelled on {report['cluster']}"]
+    for step, (a, b) in enumerate(zip(report["loss"], report["reference_loss"])):
+        lines.append(f"  step {step}: loss {a:.5f}   reference {b:.5f}")
+    diff = report["max_param_diff_vs_reference"]
+    if diff is not None:
+        lines.append(f"  max |param - reference| after the last step: {diff:.2e}")
+    lines.append("  memory per rank (measured, MB): " + ", ".join(
+        f"r{r}: params {m['params'] / 1e6:.2f} grads {m['grads'] / 1e6:.2f} "
+        f"opt {m['optimizer'] / 1e6:.2f} act {m['activations'] / 1e6:.2f} "
+        f"peak {m['peak'] / 1e6:.2f}" for r, m in report["memory"].items()))
+    for row in report["comm"]:
+        lines.append(f"  comm {row['op']:>14}: {row['calls']:4d} calls, {row['bytes']:>10d} B, "
+                     f"wire/rank {row['wire_bytes_per_rank']:>12.0f} B")
+    lines.append(f"  wall clock (measured, this machine): {report['wall_s']:.2f} s")
+    if report["modelled_step_s"] is not None:
+        lines.append(f"  step time (modelled on {report['cluster']}): "
+                     f"{report['modelled_step_s'] * 1e6:.1f} us")
+    return "\n".join(lines)
