@@ -92,3 +92,55 @@ def _maybe(manager, enabled):
 
 def _compute(ctx, name):
     return ctx.clock.compute(name) if ctx is not None else nullcontext()
+
+
+def predict_memory(cfg, model=None):
+    """theory/'s bytes for one device: fp32 Adam states (4+4+8)Ψ and the activations formula.
+
+    `peak` is params + grads + optimizer + activations: an upper bound, since backward frees
+    activations while it fills in gradients.
+    """
+    from .theory import memory as tm
+    model = model or build_model(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    states = tm.model_state_bytes(n, mixed_precision=False, optimizer=cfg.optimizer)
+    out = dict(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
+               activations=activation_bytes(model, cfg.global_batch))
+    out["peak"] = sum(out.values())
+    return out
+
+
+def activation_bytes(model, batch_size):
+    """What `model` saves for backward on a batch of `batch_size` (theory/ formulas)."""
+    from .theory import memory as tm
+    if isinstance(model, models.TinyGPT):
+        c = model.cfg
+        return tm.tiny_gpt_activation_bytes(layers=c.layers, seq=c.seq, batch=batch_size,
+                                            hidden=c.hidden, heads=c.heads, vocab=c.vocab)
+    # MLP: each Linear keeps its input, each GELU its input; MSE keeps output and target.
+    dims = model.dims
+    elements = sum(dims[:-1]) + sum(dims[1:-1]) + 2 * dims[-1]
+    return 4 * batch_size * elements
+
+
+def run(ctx, cfg):
+    """The `single` technique: the reference training on one rank, with the clock running."""
+    from .runtime.report import rank_result
+    out = train(cfg, ctx=ctx)
+    return rank_result(ctx, out["loss"], params=out["params"])
+
+
+def add_arguments(parser):
+    """`single` has no options of its own."""
+
+
+def report(world_size=1, cfg=None, cluster="8xH100-NVLink", **_):
+    """Run `single` and return the run report."""
+    from .runtime.launch import launch
+    from .runtime.report import build_report
+    cfg = cfg or RunConfig()
+    if world_size != 1:
+        raise ValueError("the single-device reference runs on exactly one rank (--world-size 1)")
+    results = launch(run, 1, cfg, cluster=cluster)
+    return build_report("single", cfg, results, predicted_memory=predict_memory(cfg),
+                        predicted_comm_bytes_per_rank=0)

@@ -30,13 +30,14 @@ class Group:
 
 
 class Context:
-    def __init__(self, rank, world_size, backend, cluster="8xH100-NVLink", status=None, seed=0):
+    def __init__(self, rank, world_size, backend, cluster="8xH100-NVLink", status=None,
+                 progress=None, seed=0):
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
             else torch.device("cpu")
         self.seed = seed
         self.world = Group(tuple(range(world_size)), None, rank)
-        self._status = status
+        self._status, self._progress = status, progress
         self.started = time.perf_counter()
         self.clock = Clock(self, cluster)
         self.comm = Comm(self)
@@ -70,6 +71,11 @@ class Context:
         raw = text.encode()[:STATUS_WIDTH - 1] + b"\0"
         start = self.rank * STATUS_WIDTH
         self._status[start:start + len(raw)] = raw
+
+    def progress(self, done, total):
+        """Report steps done (rank 0's numbers drive the progress bar the caller sees)."""
+        if self._progress is not None and self.rank == 0:
+            self._progress[1], self._progress[0] = total, done
 
     def elapsed(self):
         """Wall-clock seconds since this rank's context was made."""

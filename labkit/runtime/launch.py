@@ -49,29 +49,27 @@ def launch(fn, world_size, *args, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed)
     backend = check_launch_args(world_size, backend)
+    _check_cluster(cluster, world_size)
     if threads is None:  # share the cores: oversubscribed ranks are much slower than idle ones
         threads = max(1, (os.cpu_count() or 1) // world_size)
     payload = cloudpickle.dumps((fn, args, kwargs))
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           wait_for_workers=False, timeout=_td(timeout_s + 30))
-    status = _mp_context().Array("c", STATUS_WIDTH * world_size, lock=False)
-    spawn = _mp_context()
+    procs = _mp_context()
+    status = procs.Array("c", STATUS_WIDTH * world_size, lock=False)
+    progress = procs.Array("q", 2, lock=False)  # rank 0's (steps done, steps in all)
     children = []
-    old_sigint = _ignore_sigint_in_children()
     try:
         for rank in range(world_size):
-            parent_conn, child_conn = spawn.Pipe(duplex=False)
-            p = spawn.Process(
+            parent_conn, child_conn = procs.Pipe(duplex=False)
+            p = procs.Process(
                 target=_worker, daemon=True,
-                args=(rank, world_size, backend, store.port, payload, child_conn, status,
-                      cluster, seed, threads, timeout_s, os.getpid()))
+                args=(rank, world_size, backend, store.port, payload, child_conn,
+                      (status, progress), cluster, seed, threads, timeout_s, os.getpid()))
             p.start()
             child_conn.close()
             children.append(_Child(rank, p, parent_conn))
-    finally:
-        signal.signal(signal.SIGINT, old_sigint)
-    try:
-        return _collect(children, status, timeout_s)
+        return _collect(children, status, progress, timeout_s)
     finally:
         _stop_all(children)
         del store
@@ -100,6 +98,15 @@ def check_launch_args(world_size, backend):
     return backend
 
 
+def _check_cluster(cluster, world_size):
+    from ..theory import hardware
+    modelled = hardware.cluster(cluster)
+    if world_size > modelled.world_size:
+        raise ValueError(f"the modelled cluster {modelled.name!r} has {modelled.world_size} GPUs "
+                         f"but world_size={world_size}; pick a bigger one, e.g. "
+                         f"'{-(-world_size // 8)}x8xH100-IB'")
+
+
 def max_cpu_ranks():
     """The most simulated ranks worth starting here: bounded by memory and by cores."""
     try:
@@ -109,8 +116,20 @@ def max_cpu_ranks():
     return max(2, min(int(available // BYTES_PER_CPU_RANK), 8 * max(2, os.cpu_count() or 1)))
 
 
-def _collect(children, status, timeout_s):
-    """Wait for every rank's answer; raise on the first error, death, or at the timeout."""
+def _collect(children, status, progress, timeout_s):
+    """Wait for every rank's answer; raise on the first error, death, or at the timeout.
+
+    While waiting, show a progress bar if rank 0 reports steps (`ctx.progress(done, total)`).
+    """
+    bar_box = [None]  # the tqdm bar, made once rank 0 says how many steps there are
+    try:
+        return _wait_for_results(children, status, progress, timeout_s, bar_box)
+    finally:
+        if bar_box[0] is not None:
+            bar_box[0].close()
+
+
+def _wait_for_results(children, status, progress, timeout_s, bar_box):
     results = [None] * len(children)
     deadline = time.monotonic() + timeout_s
     pending = {c.conn: c for c in children}
@@ -120,7 +139,8 @@ def _collect(children, status, timeout_s):
         if left <= 0:
             raise LaunchError(_timeout_message(children, status, timeout_s))
         ready = wait_for(list(pending) + [s for s, c in sentinels.items() if not c.done],
-                         timeout=min(left, 1.0))
+                         timeout=min(left, 0.2))
+        _show_progress(progress, bar_box)
         for obj in ready:
             if obj in pending:
                 child = pending.pop(obj)
@@ -137,6 +157,16 @@ def _collect(children, status, timeout_s):
                 if not child.done and child.conn in pending and not child.conn.poll():
                     raise LaunchError(_death_message(child))
     return results
+
+
+def _show_progress(progress, bar_box):
+    done, total = progress[0], progress[1]
+    if total <= 0:
+        return
+    if bar_box[0] is None:
+        from tqdm.auto import tqdm
+        bar_box[0] = tqdm(total=total, desc="steps (rank 0)", leave=False)
+    bar_box[0].update(done - bar_box[0].n)
 
 
 def _death_message(child):
@@ -177,11 +207,6 @@ def _stop_all(children):
         c.conn.close()
 
 
-def _ignore_sigint_in_children():
-    # Children inherit the handler at spawn; the parent alone handles Ctrl-C and stops them.
-    return signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def _die_with_parent(parent_pid):
     """Leave at once if the launching process goes away (e.g. a killed Jupyter kernel)."""
     def watch():
@@ -194,8 +219,9 @@ def _die_with_parent(parent_pid):
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _worker(rank, world_size, backend, port, payload, conn, status, cluster, seed, threads,
+def _worker(rank, world_size, backend, port, payload, conn, boards, cluster, seed, threads,
             timeout_s, parent_pid):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us all
     _die_with_parent(parent_pid)
     torch.set_num_threads(threads)
     ctx = None
@@ -207,7 +233,8 @@ def _worker(rank, world_size, backend, port, payload, conn, status, cluster, see
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=_td(timeout_s + 30))
-        ctx = Context(rank, world_size, backend, cluster=cluster, status=status, seed=seed)
+        ctx = Context(rank, world_size, backend, cluster=cluster, status=boards[0],
+                      progress=boards[1], seed=seed)
         result = fn(ctx, *args, **kwargs)
         body = cloudpickle.dumps(result)
         conn.send(("ok", body))

@@ -144,3 +144,21 @@ def largest_trainable_params(gpu_memory_bytes, world_size, zero_stage, mixed_pre
     per_param = model_state_bytes(1, mixed_precision=mixed_precision, optimizer=optimizer,
                                   zero_stage=zero_stage, world_size=world_size)["total"]
     return mem / per_param
+
+
+def tiny_gpt_activation_bytes(*, layers, seq, batch, hidden, heads, vocab,
+                              bytes_per_element=4, dropout=False) -> float:
+    """Bytes autograd saves for backward in labkit's tiny GPT (`labkit.models.TinyGPT`).
+
+    Korthikanti et al. 2022 (arXiv 2205.05198) count per layer, in elements: attention 5sbh
+    (LN out, Q, K, V, proj input) + as^2b (softmax output), MLP 9sbh (input, 4h GELU input,
+    4h GELU output), two LayerNorm inputs 2sbh: 16sbh + as^2b. Their 34sbh + 5as^2b is this in
+    2 bytes plus 1-byte dropout masks (sbh + sbh + as^2b) and the attention dropout output.
+    Outside the blocks: final LayerNorm input and head input (2sbh) and the log-softmax (bsV).
+    LayerNorm statistics, the causal mask and token ids are left out (under 1% here).
+    """
+    s, b, h, a, B = seq, batch, hidden, heads, bytes_per_element
+    per_layer = (16 * s * b * h + a * s * s * b) * B
+    if dropout:
+        per_layer += 2 * s * b * h + a * s * s * b + a * s * s * b * B
+    return layers * per_layer + (2 * s * b * h + b * s * vocab) * B

@@ -1,0 +1,126 @@
+"""python -m labkit {doctor, run, memory}: the lab from a terminal.
+
+  python -m labkit doctor                        torch, backends, GPUs, cores
+  python -m labkit run single --json             the single-device reference run
+  python -m labkit run dp --world-size 4         a technique on 4 ranks (see `run -h`)
+  python -m labkit memory --model llama-3-70b    what a real model needs, by category
+"""
+import argparse
+import importlib
+import os
+import platform
+import sys
+
+# technique name on the command line -> the module that implements it
+TECHNIQUES = {
+    "single": "labkit.reference",
+    "dp": "labkit.data_parallel",
+    "pipeline": "labkit.pipeline",
+    "tp": "labkit.tensor_parallel",
+    "zero": "labkit.zero",
+    "moe": "labkit.moe",
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("doctor", help="what this machine offers the lab")
+    run = commands.add_parser("run", help="run a technique and print its report")
+    techniques = run.add_subparsers(dest="technique", required=True)
+    for name, module_name in TECHNIQUES.items():
+        module = _technique(module_name)
+        if module is None:
+            continue
+        sub = techniques.add_parser(name, help=(module.__doc__ or "").strip().split("\n")[0])
+        _common_run_arguments(sub, default_world_size=1 if name == "single" else 2)
+        module.add_arguments(sub)
+    memory = commands.add_parser("memory", help="memory a real model needs (theory/)")
+    memory.add_argument("--model", default="llama-3-70b")
+    memory.add_argument("--batch", type=int, default=1)
+    memory.add_argument("--seq", type=int, default=4096)
+    memory.add_argument("--gpus", type=int, default=1, help="data-parallel size for ZeRO")
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        print(doctor())
+    elif args.command == "run":
+        print(run_technique(args))
+    elif args.command == "memory":
+        print(memory_table(args.model, args.batch, args.seq, args.gpus))
+    return 0
+
+
+def _technique(module_name):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name == module_name:  # that lesson is not written yet
+            return None
+        raise
+
+
+def _common_run_arguments(parser, default_world_size):
+    parser.add_argument("--world-size", type=int, default=default_world_size)
+    parser.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cluster", default="8xH100-NVLink",
+                        help="the modelled cluster for the virtual clock")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--timeline", action="store_true", help="include the timeline in JSON")
+
+
+def run_technique(args):
+    from .reference import RunConfig
+    from .runtime.report import format_table, to_json
+    module = importlib.import_module(TECHNIQUES[args.technique])
+    cfg = RunConfig(model=args.model, steps=args.steps, global_batch=args.batch, lr=args.lr,
+                    optimizer=args.optimizer, seed=args.seed)
+    options = {k: v for k, v in vars(args).items()
+               if k not in ("command", "technique", "model", "steps", "batch", "lr",
+                            "optimizer", "seed", "json", "timeline", "world_size", "cluster")}
+    report = module.report(world_size=args.world_size, cfg=cfg, cluster=args.cluster, **options)
+    return to_json(report, timeline=args.timeline) if args.json else format_table(report)
+
+
+def doctor():
+    import torch
+    import torch.distributed as dist
+    from .runtime.launch import max_cpu_ranks
+    lines = [f"python        {platform.python_version()} ({sys.executable})",
+             f"torch         {torch.__version__}",
+             f"cpu cores     {os.cpu_count()}  (at most {max_cpu_ranks()} simulated ranks here)",
+             f"gloo          {'yes' if dist.is_gloo_available() else 'no'}",
+             f"nccl          {'yes' if dist.is_nccl_available() else 'no'}"]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            lines.append(f"gpu {i}         {p.name}, {p.total_memory / 2**30:.0f} GiB")
+    else:
+        lines.append("gpus          none: ranks run on the CPU with gloo (simulated devices)")
+    return "\n".join(lines)
+
+
+def memory_table(model_name, batch, seq, gpus):
+    """Inference and training bytes for a catalog model, in GB (1e9 bytes)."""
+    from .theory import catalog, memory as tm
+    m = catalog.model(model_name)
+    lines = [f"{m.display_name}: {m.param_count() / 1e9:.2f}B parameters (derived from shapes)",
+             "", "inference (weights + KV cache at batch %d, context %d):" % (batch, seq)]
+    for dtype in ("bf16", "int8", "int4"):
+        inf = tm.inference_memory(m, batch=batch, context=seq, weight_dtype=dtype)
+        lines.append(f"  {dtype:>5}: weights {inf['weights'] / 1e9:8.1f} GB   "
+                     f"KV cache {inf['kv_cache'] / 1e9:6.1f} GB   total {inf['total'] / 1e9:8.1f} GB")
+    lines += ["", f"training, mixed-precision Adam, batch {batch} x {seq} tokens, "
+              f"{gpus} data-parallel GPU(s):"]
+    for stage in range(4):
+        tr = tm.training_memory(m, batch=batch, seq=seq, zero_stage=stage, dp=gpus)
+        label = "no ZeRO" if stage == 0 else f"ZeRO-{stage}"
+        lines.append(f"  {label:>8}: params {tr['params'] / 1e9:7.1f}  grads {tr['grads'] / 1e9:7.1f}"
+                     f"  optimizer {tr['optimizer'] / 1e9:7.1f}  activations "
+                     f"{tr['activations'] / 1e9:7.1f}  total {tr['total'] / 1e9:8.1f} GB")
+    return "\n".join(lines)
