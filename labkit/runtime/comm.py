@@ -44,9 +44,9 @@ class Handle:
 
     def wait(self):
         if not self.done:
-            self.comm.ctx.set_status(f"waiting in async {self.record.op} "
-                                     f"(group of {self.record.group_size}) {self.record.tag}")
             if self.work is not None:
+                self.comm.ctx.set_status(f"waiting in async {self.record.op} (group of "
+                                         f"{self.record.group_size}) {self.record.tag}")
                 self.work.wait()
             if self.finish is not None:
                 self.finish()
@@ -198,7 +198,7 @@ class Comm:
     def _run(self, op, tensor, result, group, async_op, finish, call):
         record = self._record(op, tensor, group.size)
         record.async_op = async_op
-        timing = self.ctx.clock.start_collective(op, tensor.nbytes, group)
+        timing = self.ctx.clock.start_collective(op, tensor.nbytes, group, async_op)
         self.ctx.set_status(f"{op} (group {list(group.ranks)}, {tensor.nbytes} bytes, "
                             f"call #{len(self.records)}) {self.tag}")
         t0 = time.perf_counter()
