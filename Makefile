@@ -14,7 +14,6 @@ install: $(STAMP)
 # would pull a multi-GB CUDA build). Installed first so nothing else picks another torch.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)

@@ -40,14 +40,19 @@ def main(argv=None):
     memory.add_argument("--model", default="llama-3-70b")
     memory.add_argument("--batch", type=int, default=1)
     memory.add_argument("--seq", type=int, default=4096)
-    memory.add_argument("--gpus", type=int, default=1, help="data-parallel size for ZeRO")
+    memory.add_argument("--gpus", type=int, default=8, help="data-parallel size for ZeRO")
     args = parser.parse_args(argv)
-    if args.command == "doctor":
-        print(doctor())
-    elif args.command == "run":
-        print(run_technique(args))
-    elif args.command == "memory":
-        print(memory_table(args.model, args.batch, args.seq, args.gpus))
+    try:
+        if args.command == "doctor":
+            print(doctor())
+        elif args.command == "run":
+            print(run_technique(args))
+        elif args.command == "memory":
+            print(memory_table(args.model, args.batch, args.seq, args.gpus))
+    except (ValueError, KeyError) as error:  # bad input: say so plainly, no traceback
+        message = error.args[0] if error.args else error
+        print(f"error: {message}", file=sys.stderr)
+        return 2
     return 0
 
 
