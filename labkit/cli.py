@@ -11,6 +11,8 @@ import os
 import platform
 import sys
 
+from .runtime.launch import LaunchError
+
 # technique name on the command line -> the module that implements it
 TECHNIQUES = {
     "single": "labkit.reference",
@@ -49,7 +51,7 @@ def main(argv=None):
             print(run_technique(args))
         elif args.command == "memory":
             print(memory_table(args.model, args.batch, args.seq, args.gpus))
-    except (ValueError, KeyError) as error:  # bad input: say so plainly, no traceback
+    except (ValueError, KeyError, LaunchError) as error:  # say so plainly, no traceback
         message = error.args[0] if error.args else error
         print(f"error: {message}", file=sys.stderr)
         return 2

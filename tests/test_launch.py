@@ -196,3 +196,11 @@ def test_the_same_script_runs_under_torchrun(tmp_path):
         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("RESULT [2.0, 2.0]") == 2  # every rank gets all results
+
+
+def test_a_script_piped_on_stdin_can_launch(tmp_path):
+    code = SCRIPT.replace('if __name__ == "__main__":', 'if True:')
+    out = subprocess.run([sys.executable, "-", str(tmp_path), "2"], input=code,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "RESULT [2.0, 2.0]" in out.stdout

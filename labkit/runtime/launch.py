@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import cloudpickle
@@ -60,19 +61,25 @@ def launch(fn, world_size, *args, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
     progress = procs.Array("q", 2, lock=False)  # rank 0's (steps done, steps in all)
     children = []
     try:
-        for rank in range(world_size):
-            parent_conn, child_conn = procs.Pipe(duplex=False)
-            p = procs.Process(
-                target=_worker, daemon=True,
-                args=(rank, world_size, backend, store.port, payload, child_conn,
-                      (status, progress), cluster, seed, threads, timeout_s, os.getpid()))
-            p.start()
-            child_conn.close()
-            children.append(_Child(rank, p, parent_conn))
+        with _no_missing_main_file():
+            _start_ranks(procs, children, world_size, backend, store.port, payload,
+                         (status, progress), cluster, seed, threads, timeout_s)
         return _collect(children, status, progress, timeout_s)
     finally:
         _stop_all(children)
         del store
+
+
+def _start_ranks(procs, children, world_size, backend, port, payload, boards, cluster, seed,
+                 threads, timeout_s):
+    for rank in range(world_size):
+        parent_conn, child_conn = procs.Pipe(duplex=False)
+        p = procs.Process(target=_worker, daemon=True,
+                          args=(rank, world_size, backend, port, payload, child_conn, boards,
+                                cluster, seed, threads, timeout_s, os.getpid()))
+        p.start()
+        child_conn.close()
+        children.append(_Child(rank, p, parent_conn))
 
 
 def check_launch_args(world_size, backend):
@@ -283,3 +290,19 @@ def _mp_context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", __name__])
     return ctx
+
+
+@contextmanager
+def _no_missing_main_file():
+    """With `python - <<EOF` the main "file" is <stdin>, which a new process cannot re-import;
+    hide it while ranks start (they get `fn` by value and need no main module)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
