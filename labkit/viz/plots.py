@@ -1,0 +1,323 @@
+"""The lab's figures: memory stacks, per-rank Gantt timelines, speedup curves, comm bars.
+
+Every function takes plain data (dicts of bytes, lists of event dicts, summary rows), draws on
+a given `ax` or on a new figure, and returns the matplotlib Figure. Nothing is saved. Numbers
+from `labkit.theory` are *modelled*, numbers from a run are *measured*: the caller's labels say
+which, and the axes always carry units.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter
+
+# --------------------------------------------------------------------------------- shared bits
+
+UNITS = {"TB": 1e12, "GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1.0}
+UNIT_NOTES = {"TB": "TB = 10¹² bytes", "GB": "GB = 10⁹ bytes", "MB": "MB = 10⁶ bytes",
+              "KB": "KB = 10³ bytes", "B": "bytes"}
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6}
+
+# Memory categories, bottom to top, with one colour each (the same in every lesson).
+MEMORY_ORDER = ("params", "grads", "optimizer", "activations", "kv_cache", "weights", "buffers")
+MEMORY_COLORS = {
+    "params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
+    "kv_cache": "#8172b3", "weights": "#64b5cd", "buffers": "#937860",
+}
+MEMORY_LABELS = {"params": "parameters", "grads": "gradients", "weights": "weights (served)",
+                 "optimizer": "optimizer state", "kv_cache": "KV cache"}
+NOT_STACKED = ("total", "peak", "peak_phase", "peak_allocator")
+EXTRA_COLORS = ("#da8bc3", "#8c8c8c", "#ccb974", "#17becf")
+
+
+def _figure(ax, size):
+    """The axes to draw on: the given one, or a fresh figure of `size` inches."""
+    if ax is None:
+        fig, ax = plt.subplots(figsize=size)
+    return ax.figure, ax
+
+
+def fmt(value):
+    """A readable number: 1,129 / 38.0 / 4.53 / 0.0811 (no scientific notation)."""
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.3g}"
+
+
+def pick_byte_unit(max_bytes):
+    """'GB', 'MB', 'KB' or 'B' so that the largest value reads as 1 ... 999."""
+    for unit in ("TB", "GB", "MB", "KB"):
+        if max_bytes >= UNITS[unit]:
+            return unit
+    return "B"
+
+
+def pick_time_unit(max_seconds):
+    """'s', 'ms' or 'µs' for an axis whose largest value is `max_seconds`."""
+    if max_seconds >= 1:
+        return "s"
+    if max_seconds >= 1e-3:
+        return "ms"
+    return "µs"
+
+
+def _spread(values, gap):
+    """Push sorted label positions apart so that neighbours are at least `gap` apart."""
+    out = []
+    for v in sorted(values):
+        out.append(max(v, out[-1] + gap) if out else v)
+    return out
+
+
+# ------------------------------------------------------------------------------- memory_stack
+
+def memory_stack(bars, capacity=None, title="", unit="GB", ax=None):
+    """One stacked bar per label of `bars` ({label: {category: bytes}}), dashed capacity lines.
+
+    Categories stack in MEMORY_ORDER (unknown ones after, in the order met; zero everywhere:
+    left out); 'total', 'peak' and 'peak_phase' are not stacked, but a 'peak' is drawn as a
+    black marker at its height.
+    `capacity` is {name: bytes}, e.g. {'H100 80 GB': 80e9}; equal capacities share one line.
+    """
+    scale = UNITS[unit]
+    labels = list(bars)
+    fig, ax = _figure(ax, (max(5.5, 1.3 * len(labels) + 4.5), 4.6))
+    seen = []
+    for values in bars.values():
+        seen += [k for k, v in values.items() if k not in NOT_STACKED and k not in seen and v]
+    cats = [c for c in MEMORY_ORDER if c in seen] + [c for c in seen if c not in MEMORY_ORDER]
+
+    x = list(range(len(labels)))
+    bottoms = [0.0] * len(labels)
+    for i, cat in enumerate(cats):
+        heights = [float(bars[label].get(cat) or 0) / scale for label in labels]
+        color = MEMORY_COLORS.get(cat, EXTRA_COLORS[i % len(EXTRA_COLORS)])
+        ax.bar(x, heights, 0.6, bottom=bottoms, color=color, label=MEMORY_LABELS.get(cat, cat),
+               edgecolor="white", linewidth=0.5)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+
+    top = max(bottoms + [0.0])
+    for xi, total in zip(x, bottoms):   # the stack's total above each bar
+        ax.text(xi, total, f"{fmt(total)} {unit}", ha="center", va="bottom", fontsize=9,
+                bbox=dict(facecolor="white", edgecolor="none", pad=1, alpha=0.8))
+    peaks = [(xi, bars[label]["peak"] / scale) for xi, label in zip(x, labels)
+             if bars[label].get("peak") is not None]
+    if peaks:
+        ax.plot([p[0] + 0.36 for p in peaks], [p[1] for p in peaks], "<", color="black",
+                markersize=7, linestyle="none", label="peak")
+        top = max([top] + [p[1] for p in peaks])
+
+    right = len(labels) - 0.5           # capacity lines end here; their names sit to the right
+    if capacity:
+        by_value = {}
+        for name, cap in capacity.items():
+            by_value.setdefault(float(cap) / scale, []).append(name)
+        top = max([top] + list(by_value))
+        ys = sorted(by_value)
+        for y, ty in zip(ys, _spread(ys, 0.055 * top)):
+            ax.plot([-0.6, right], [y, y], color="0.35", linestyle="--", linewidth=1)
+            ax.plot([right, right + 0.12], [y, ty], color="0.35", linewidth=0.7)
+            ax.text(right + 0.14, ty, " / ".join(by_value[y]), va="center", fontsize=8,
+                    color="0.2")
+        ax.set_xlim(-0.6, len(labels) + 0.9)
+    else:
+        ax.set_xlim(-0.6, right + 0.1)
+    ax.set_ylim(0, top * 1.12 if top > 0 else 1)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1000
+                                               else f"{v:g}"))
+    ax.set_xticks(x, labels)
+    ax.set_ylabel(f"memory ({UNIT_NOTES[unit]})")
+    ax.set_title(title)
+    entries = list(zip(*ax.get_legend_handles_labels()))
+    stack = [e for e in entries if e[1] != "peak"][::-1]   # top of the stack first, like the bars
+    if stack:
+        handles, names = zip(*([e for e in entries if e[1] == "peak"] + stack))
+        ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+                  frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------------------------------- gantt
+
+GANTT_COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "compute": "#2ca02c",
+                "comm": "#9467bd", "p2p": "#c5b0d5", "idle": "#dcdcdc"}
+GANTT_LABELS = {"forward": "forward", "backward": "backward", "compute": "other compute",
+                "comm": "collective (comm)", "p2p": "send / recv", "idle": "idle (waiting)"}
+
+
+def _gantt_style(event):
+    """Which colour key an event gets: by kind, and for compute by its name."""
+    kind = event["kind"]
+    if kind == "compute":
+        name = str(event.get("name", "")).lower()
+        if "forward" in name:
+            return "forward"
+        if "backward" in name:
+            return "backward"
+        return "compute"
+    if kind in ("send", "recv"):
+        return "p2p"
+    return "idle" if kind == "idle" else "comm"
+
+
+def gantt(timeline, *, clock="modelled", ax=None, title=""):
+    """Per-rank timeline: rank 0 on top, its comm lane as a thin bar under its compute lane.
+
+    clock='modelled' draws start/end (modelled seconds on the run's cluster); clock='wall' draws
+    wall_start/wall_end (seconds measured on this machine). Bars show meta['microbatch'].
+    """
+    if clock not in ("modelled", "wall"):
+        raise ValueError(f"clock must be 'modelled' or 'wall', not {clock!r}")
+    lo, hi = ("start", "end") if clock == "modelled" else ("wall_start", "wall_end")
+    ranks = sorted({int(e["rank"]) for e in timeline})
+    fig, ax = _figure(ax, (10, 0.9 * len(ranks) + 1.6))
+    t_max = max([float(e[hi]) for e in timeline] + [0.0])
+    t_min = min([float(e[lo]) for e in timeline] + [0.0])
+    unit = pick_time_unit(t_max) if clock == "modelled" else "s"
+    scale = TIME_UNITS[unit]
+    span = max(t_max - t_min, 1e-30) / scale
+
+    used = []
+    for e in timeline:
+        row = -ranks.index(int(e["rank"]))
+        key = _gantt_style(e)
+        used.append(key)
+        if e.get("lane", "compute") == "comm":
+            y, height = row - 0.38, 0.16
+        else:
+            y, height = row, 0.5
+        left, width = float(e[lo]) / scale, (float(e[hi]) - float(e[lo])) / scale
+        ax.barh(y, width, left=left, height=height, color=GANTT_COLORS[key],
+                edgecolor="white", linewidth=0.4)
+        mb = (e.get("meta") or {}).get("microbatch")
+        if mb is not None and width > 0.025 * span and height > 0.3:
+            ax.text(left + width / 2, y, str(mb), ha="center", va="center", fontsize=7,
+                    color="white" if key in ("forward", "comm") else "black")
+
+    ax.set_yticks([-i for i in range(len(ranks))], [f"rank {r}" for r in ranks])
+    ax.set_ylim(-len(ranks) + 0.4, 0.5)
+    if clock == "modelled":
+        ax.set_xlabel(f"modelled time ({unit})")
+    else:
+        ax.set_xlabel("measured wall-clock time (s) on this machine")
+    word = "modelled" if clock == "modelled" else "measured"
+    if not title:
+        title = ("per-rank timeline, modelled clock" if clock == "modelled"
+                 else "per-rank timeline, measured wall clock")
+    elif word not in title.lower():
+        title = f"{title} ({word})"
+    ax.set_title(title)
+    order = [k for k in GANTT_COLORS if k in used]
+    handles = [Patch(color=GANTT_COLORS[k], label=GANTT_LABELS[k]) for k in order]
+    handles.append(Patch(color="none", label="thin bar: comm lane (async)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+              frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+# -------------------------------------------------------------------------------- speedup_curve
+
+def speedup_curve(gpus, series, *, ideal=True, ax=None, title="", ylabel="speedup"):
+    """One line with markers per series ({label: [value per GPU count]}) over a log2 x axis.
+
+    Label each series 'modelled ...' or 'measured ...'. ideal=True adds y = x, dashed.
+    """
+    fig, ax = _figure(ax, (6, 4.2))
+    gpus = list(gpus)
+    markers = "osD^vP*X"
+    for i, (label, values) in enumerate(series.items()):
+        ax.plot(gpus, list(values), marker=markers[i % len(markers)], label=label)
+    if ideal:
+        ax.plot(gpus, gpus, "k--", linewidth=1, label="ideal (y = x)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(gpus, [str(g) for g in gpus])
+    ax.minorticks_off()
+    ax.set_xlabel("GPUs (log2 scale)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+# ------------------------------------------------------------------------------------ comm_bars
+
+def comm_bars(summary, ax=None, title=""):
+    """Payload bytes and wire bytes per rank for each op (`ctx.comm.summary()` rows).
+
+    Rows may carry a 'rank' key (one summary per rank): then each op gets one group per rank.
+    Payload bytes come from the logged tensors; wire bytes from the ring algorithm's formula.
+    """
+    rows = summary.to_dict("records") if hasattr(summary, "to_dict") else list(summary)
+    fig, ax = _figure(ax, (max(5.0, 1.1 * len(rows) + 3), 4.2))
+    largest = max([float(r["bytes"]) for r in rows] +
+                  [float(r["wire_bytes_per_rank"]) for r in rows] + [1.0])
+    unit = pick_byte_unit(largest)
+    scale = UNITS[unit]
+    x = list(range(len(rows)))
+    names = [r["op"] if "rank" not in r else f"{r['op']}\nrank {r['rank']}" for r in rows]
+    payload = [float(r["bytes"]) / scale for r in rows]
+    wire = [float(r["wire_bytes_per_rank"]) / scale for r in rows]
+    ax.bar([i - 0.2 for i in x], payload, 0.4, color="#4c72b0",
+           label="payload bytes handed to the op (logged)")
+    ax.bar([i + 0.2 for i in x], wire, 0.4, color="#9467bd",
+           label="wire bytes sent per rank (ring algorithm)")
+    for i, r in enumerate(rows):
+        if "calls" in r:
+            calls = f"{r['calls']} call" + ("s" if r["calls"] != 1 else "")
+            ax.text(i, max(payload[i], wire[i]), calls, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, names)
+    ax.set_ylabel(f"bytes ({unit})")
+    ax.set_ylim(0, max(payload + wire + [1e-9]) * 1.18)
+    ax.set_title(title or "communication per op")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+# ------------------------------------------------------------------------------------ time_split
+
+TIME_ORDER = ("compute", "exposed_comm", "bubble", "other")
+TIME_COLORS = {"compute": "#2ca02c", "exposed_comm": "#9467bd", "bubble": "#dcdcdc",
+               "other": "#8c8c8c"}
+TIME_LABELS = {"exposed_comm": "exposed comm"}
+
+
+def time_split(rows, ax=None, title="", unit="ms"):
+    """Stacked horizontal bars per label ({label: {compute, exposed_comm, bubble, other}}, s).
+
+    Keys other than those four (except 'total') are stacked after them. Say 'modelled' or
+    'measured' in the labels or title.
+    """
+    scale = TIME_UNITS[unit]
+    labels = list(rows)
+    fig, ax = _figure(ax, (7.5, 0.6 * len(labels) + 2))
+    seen = []
+    for parts in rows.values():
+        seen += [k for k in parts if k != "total" and k not in seen]
+    cats = [c for c in TIME_ORDER if c in seen] + [c for c in seen if c not in TIME_ORDER]
+    y = [-i for i in range(len(labels))]
+    lefts = [0.0] * len(labels)
+    for i, cat in enumerate(cats):
+        widths = [float(rows[label].get(cat) or 0) / scale for label in labels]
+        ax.barh(y, widths, 0.6, left=lefts, label=TIME_LABELS.get(cat, cat),
+                color=TIME_COLORS.get(cat, EXTRA_COLORS[i % len(EXTRA_COLORS)]),
+                edgecolor="white", linewidth=0.5)
+        lefts = [a + w for a, w in zip(lefts, widths)]
+    ax.set_yticks(y, labels)
+    ax.set_xlabel(f"time per step ({unit})")
+    ax.set_xlim(0, max(lefts + [0.0]) * 1.05 or 1)
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+

@@ -1,0 +1,319 @@
+"""Build notebooks/00_why_parallelism.ipynb from the cells below, then execute it in place.
+
+Run from anywhere: `.venv/bin/python notebooks/make/00_why_parallelism.py`. Edit the lesson
+here, not in the .ipynb: the notebook is regenerated (with its outputs) from this list.
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "00_why_parallelism.ipynb"
+
+
+def md(text):
+    return nbformat.v4.new_markdown_cell(text.strip())
+
+
+def code(text):
+    return nbformat.v4.new_code_cell(text.strip())
+
+
+CELLS = [
+    md(r"""
+# 00 · Why parallelism? What fills a GPU's memory
+
+A model too big for one GPU is the first reason to use many. Before any parallel technique, this
+lesson counts what a GPU has to hold, measures it on a tiny model, and scales the same formulas
+up to real ones.
+
+**Training.** With Ψ parameters and mixed-precision Adam, every GPU keeps the bf16 weights
+(2Ψ bytes), their bf16 gradients (2Ψ) and the optimizer state (12Ψ: an fp32 master copy of the
+weights plus Adam's fp32 momentum and variance). That is **2Ψ + 2Ψ + 12Ψ = 16Ψ bytes** of
+*model states* before a single token is processed (the accounting of the ZeRO paper,
+Rajbhandari et al. 2020). On top come the **activations** that the forward pass saves for the
+backward pass. For one transformer layer in 16-bit, Korthikanti et al. 2022 count
+s·b·h·(34 + 5·a·s/h) bytes for s tokens, b sequences, hidden size h and a heads: the 34·sbh part
+are the layer's inputs, Q, K, V, MLP intermediates and dropout masks; the 5·a·s²·b part is the
+attention score matrix, which grows with the square of the sequence length.
+
+**Inference.** No gradients, no optimizer: the **weights** (Ψ × bytes per weight: 2 for bf16,
+1 for int8/fp8, ½ for int4) and the **KV cache**, the keys and values of every token seen so
+far, 2 · layers · kv_heads · head_dim · context · batch · bytes. The cache grows with context and
+batch; grouped-query attention (few KV heads) keeps it small.
+"""),
+    code(r"""
+import pandas as pd
+import matplotlib.pyplot as plt
+import torch
+
+import labkit
+from labkit.reference import RunConfig, predict_memory, train
+from labkit.theory import catalog, hardware, memory as tm
+from labkit.viz import comm_bars, memory_stack
+from labkit.viz.widgets import capacities, memory_explorer
+
+pd.set_option("display.precision", 3)
+pd.set_option("display.width", 120)
+GB = 1e9
+"""),
+    md(r"""
+## 1 · Run it and measure it: the tiny GPT on this machine
+
+`labkit.reference.train` trains the lab's tiny GPT (2 layers, hidden 64, 32 tokens, batch 8) on
+one CPU with fp32 Adam and *measures* the bytes of every tensor that exists, by category.
+`predict_memory` *models* the same run with `labkit.theory`: fp32 Adam holds 4Ψ weights + 4Ψ
+gradients + 8Ψ moments, and the activation formula counts what this model saves for backward.
+"""),
+    code(r"""
+cfg = RunConfig(steps=2)
+run = train(cfg)
+measured = run["memory"]       # bytes, measured from the tensors
+predicted = predict_memory(cfg)  # bytes, modelled by labkit.theory
+
+rows = ["params", "grads", "optimizer", "activations", "peak"]
+table = pd.DataFrame({
+    "measured (MB)": [measured[k] / 1e6 for k in rows],
+    "modelled (MB)": [predicted[k] / 1e6 for k in rows],
+}, index=rows)
+table["measured / modelled"] = table["measured (MB)"] / table["modelled (MB)"]
+table
+"""),
+    code(r"""
+fig = memory_stack({"measured": measured, "modelled": predicted}, unit="MB",
+                   title="tiny GPT, fp32 Adam, one CPU: measured vs modelled")
+"""),
+    md(r"""
+Weights, gradients and optimizer state agree to the byte: they are just Ψ times 4, 4 and 8.
+The activations agree within about 1%. The formula
+(`theory.memory.tiny_gpt_activation_bytes`) counts, per layer, 16·sbh + a·s²·b fp32 elements:
+the attention block keeps its LayerNorm output, Q, K, V and the input of the output projection
+(5sbh) plus the softmax output (a·s²·b), the MLP keeps its input and the two 4h-wide GELU tensors
+(9sbh), and the two LayerNorms keep their inputs (2sbh). It is the Korthikanti count without
+dropout masks (this model has no dropout) and in 4-byte floats. Outside the blocks: the final
+LayerNorm and head inputs and the log-softmax over the vocabulary. What it leaves out (LayerNorm
+statistics, the causal mask) is the small gap you see. The modelled *peak* is an upper bound
+(everything at once); the measured peak is lower because backward frees activations while it
+fills in gradients.
+"""),
+    code(r"""
+# NBVAL_CHECK_OUTPUT
+print("parameters:", run["param_count"])
+print("params equal:", measured["params"] == predicted["params"])
+print("grads equal:", measured["grads"] == predicted["grads"])
+print("optimizer equal:", measured["optimizer"] == predicted["optimizer"])
+print("activations within 1%:", abs(measured["activations"] / predicted["activations"] - 1) < 0.01)
+"""),
+    md(r"""
+## 2 · Real models: the same formulas, scaled up
+
+`labkit.theory.catalog` holds real model shapes (from `data/models.csv`, each with its source).
+Parameter counts are *derived* from the shapes and checked against the published totals.
+"""),
+    code(r"""
+models = catalog.table()
+params = pd.DataFrame({
+    "model": models["display_name"],
+    "derived (B params)": models["params_derived"] / 1e9,
+    "published (B params)": models["params_published"] / 1e9,
+})
+params["derived / published"] = params["derived (B params)"] / params["published (B params)"]
+params.set_index("model")
+"""),
+    md(r"""
+Llama 3 70B, served (batch 1, an 8192-token context, bf16 KV cache) with three weight precisions,
+and trained with mixed-precision Adam (batch 1 × 4096 tokens, no activation recomputation).
+The dashed lines are single GPUs from `data/hardware.csv`. All numbers here are *modelled*.
+"""),
+    code(r"""
+llama70 = catalog.model("llama-3-70b")
+serving = {f"{dtype} weights": tm.inference_memory(llama70, batch=1, context=8192,
+                                                   weight_dtype=dtype)
+           for dtype in ("bf16", "int8", "int4")}
+training = tm.training_memory(llama70, batch=1, seq=4096, mixed_precision=True)
+
+fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), width_ratios=[3, 2])
+memory_stack(serving, capacity=capacities(), ax=left,
+             title="Llama 3 70B inference (modelled)")
+memory_stack({"mixed-precision\nAdam": training}, capacity=capacities(), ax=right,
+             title="Llama 3 70B training (modelled)")
+fig.tight_layout()
+"""),
+    md(r"""
+Training needs more than ten times what serving in bf16 does, and the optimizer state alone is
+the biggest block. The activations here assume the attention score matrix is stored
+(the 5·a·s/h term); FlashAttention and selective recomputation avoid most of it.
+
+## 3 · The source article's claims, checked
+
+The source article says: *"Let's say you want to run Llama 3 70B on your hardware. You will
+require about 40GB of RAM."* And, of image models: *"Stable Diffusion, which has over a billion
+parameters"*.
+"""),
+    code(r"""
+claim = []
+for dtype in ("bf16", "int8", "int4"):
+    for context in (8192, 32768):
+        m = tm.inference_memory(llama70, batch=1, context=context, weight_dtype=dtype)
+        claim.append({"what": f"serve, {dtype} weights, {context}-token context",
+                      "weights (GB)": m["weights"] / GB, "KV cache (GB)": m["kv_cache"] / GB,
+                      "grads + optimizer (GB)": 0.0, "total (GB)": m["total"] / GB})
+states = tm.model_state_bytes(llama70.param_count(), mixed_precision=True, optimizer="adam")
+claim.append({"what": "train, mixed-precision Adam, model states only",
+              "weights (GB)": states["params"] / GB, "KV cache (GB)": 0.0,
+              "grads + optimizer (GB)": (states["grads"] + states["optimizer"]) / GB,
+              "total (GB)": states["total"] / GB})
+pd.DataFrame(claim).set_index("what")
+"""),
+    code(r"""
+sd = catalog.model("stable-diffusion-1.5")
+print(f"Stable Diffusion 1.5: {sd.param_count() / 1e9:.2f} B parameters "
+      "(UNet ~0.86B + text encoder ~0.12B + VAE ~0.08B, from the catalog)")
+"""),
+    md(r"""
+**Verdict.**
+- *"about 40GB"* for Llama 3 70B holds **only for 4-bit weights and a short context**: int4
+  weights are ≈ 35 GB, plus ≈ 2.7 GB of KV cache at 8k tokens, ≈ 38 GB. In bf16, the precision
+  the model is released in, the weights alone are ≈ 141 GB (two H100s at least); int8 is ≈ 71 GB
+  (one 80 GB GPU, little room for the cache). A 32k context adds ≈ 11 GB of cache.
+- For **training**, the claim is off by a factor of about 30: mixed-precision Adam needs
+  16 bytes per parameter, ≈ 1.13 TB of model states before any activation. No single GPU comes
+  close; that is what the rest of this lab is about.
+- *"over a billion parameters"* for Stable Diffusion holds, barely: SD 1.5 is ≈ 1.07 B in all,
+  and its UNet alone (≈ 0.86 B) is under a billion.
+
+## 4 · Explore
+
+Pick a model, inference or training, a precision, batch and sequence length. The bar is
+modelled by `labkit.theory.memory`, on one GPU with no parallelism.
+"""),
+    code(r"""
+memory_explorer()
+"""),
+    md(r"""
+## 5 · A first taste of `launch`
+
+`labkit.launch(fn, world_size=4)` starts four processes (*ranks*) on this machine, joins them in
+a process group (gloo on CPU) and calls `fn(ctx)` on each; `ctx` knows its rank, the world size
+and the logged collectives in `ctx.comm`. Here each rank holds a tensor filled with its rank + 1
+and they sum them with an all-reduce: 1 + 2 + 3 + 4 = 10 everywhere.
+"""),
+    code(r"""
+# NBVAL_CHECK_OUTPUT
+def hello(ctx):
+    t = torch.ones(4) * (ctx.rank + 1)
+    ctx.comm.all_reduce(t)
+    return f"rank {ctx.rank} of {ctx.world_size}: sum {t[0].item():.0f}"
+
+
+for line in labkit.launch(hello, world_size=4):
+    print(line)
+"""),
+    md(r"""
+Every collective is logged. The next function runs four of them on 4 MB tensors and hands back
+rank 0's log.
+"""),
+    code(r"""
+def comm_demo(ctx):
+    ctx.comm.all_reduce(torch.ones(1_000_000))          # 4 MB, summed everywhere
+    ctx.comm.all_gather(torch.ones(250_000))            # 1 MB from each rank -> 4 MB
+    ctx.comm.reduce_scatter(torch.ones(1_000_000))      # 4 MB summed, 1 MB kept per rank
+    ctx.comm.broadcast(torch.ones(1_000_000), src=0)    # 4 MB from rank 0
+    return (ctx.comm.dataframe(), ctx.comm.summary()) if ctx.rank == 0 else None
+
+
+log, summary = labkit.launch(comm_demo, world_size=4)[0]
+log = log[["op", "group_size", "bytes", "wire_bytes_per_rank", "wall_s", "modelled_s"]]
+log.rename(columns={"wall_s": "wall_s (measured)",
+                    "modelled_s": "modelled_s (modelled on 8xH100-NVLink)"})
+"""),
+    code(r"""
+fig = comm_bars(summary, title="rank 0's collectives (payload logged, wire bytes by ring formula)")
+"""),
+    md(r"""
+`bytes` is the tensor a rank hands to the op; `wire_bytes_per_rank` is what each rank sends over
+the wire with the ring algorithm. A ring all-reduce of S bytes over n ranks is a reduce-scatter
+followed by an all-gather, each moving (n−1)/n·S per rank, so **2(n−1)/n·S**: 6 MB for 4 MB on
+4 ranks, and it approaches 2S however many ranks join. `wall_s` is *measured* here, on CPU
+processes talking through gloo; `modelled_s` is what the alpha-beta model says the same call
+would take on the *modelled* cluster, eight H100s on NVLink. The two are different machines:
+never compare them as if they were one.
+
+## 6 · Exercise: training Llama 3 8B
+
+Count model states only (mixed-precision Adam, 16 bytes per parameter; activations aside).
+
+1. With plain data parallelism (no ZeRO), how many GB does each GPU hold, and does it fit on
+   an 80 GB H100?
+2. With ZeRO stage 3 on 8 GPUs (weights, gradients and optimizer state each split 8 ways), how
+   many GB per GPU?
+3. With ZeRO-3, what is the fewest H100s that can hold the model states?
+
+Fill in your answers (replace `None`) and run the checking cell.
+"""),
+    code(r"""
+gb_per_gpu_no_zero = None      # e.g. 100.0
+fits_on_one_h100 = None        # True or False
+gb_per_gpu_zero3_on_8 = None   # e.g. 10.0
+fewest_h100s_zero3 = None      # an integer
+"""),
+    code(r"""
+def check(name, answer, truth, hint, tolerance=0.05):
+    if answer is None:
+        print(f"{name}: not answered yet. Hint: {hint}")
+    elif isinstance(truth, bool) or isinstance(truth, int):
+        print(f"{name}: {'right' if answer == truth else 'not quite'}. {hint}")
+    elif abs(answer - truth) <= tolerance * truth:
+        print(f"{name}: right ({truth:.1f}).")
+    else:
+        print(f"{name}: not quite ({answer} vs about {truth:.1f}). Hint: {hint}")
+
+
+llama8 = catalog.model("llama-3-8b")
+h100 = hardware.gpu("H100").memory_bytes
+plain = tm.model_state_bytes(llama8.param_count(), zero_stage=0)["total"]
+zero3 = tm.model_state_bytes(llama8.param_count(), zero_stage=3, world_size=8)["total"]
+check("GB per GPU without ZeRO", gb_per_gpu_no_zero, plain / GB,
+      "16 bytes x 8.03 B parameters, and every data-parallel GPU holds all of it.")
+check("fits on one H100", fits_on_one_h100, plain <= h100,
+      "Without ZeRO adding GPUs does not help: each one still needs all the model states.")
+check("GB per GPU, ZeRO-3 on 8", gb_per_gpu_zero3_on_8, zero3 / GB,
+      "ZeRO-3 divides all three model states by the number of GPUs.")
+fewest = next(n for n in range(1, 65)
+              if tm.model_state_bytes(llama8.param_count(), zero_stage=3,
+                                      world_size=n)["total"] <= h100)
+check("fewest H100s with ZeRO-3", fewest_h100s_zero3, fewest,
+      "Find the smallest n with 16 x 8.03e9 / n <= 80e9 (and activations still need room).")
+"""),
+    md(r"""
+## Takeaways
+
+- Training memory is dominated by **model states**: 16 bytes per parameter with mixed-precision
+  Adam, 12 of them optimizer state. Llama 3 70B needs ≈ 1.1 TB before activations.
+- Inference needs the **weights** (2, 1 or ½ byte per parameter) plus a **KV cache** that grows
+  with context × batch; "70B in 40 GB" is true only with 4-bit weights and a short context.
+- The formulas are not folklore: on the tiny model they match the measured bytes exactly for
+  model states and within 1% for activations.
+- Plain data parallelism copies everything to every GPU, so it cannot make a model fit; splitting
+  the states (ZeRO), the layers (pipeline) or the matrices (tensor parallelism) can, and the next
+  lessons measure what each costs in communication.
+"""),
+]
+
+
+def build():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = CELLS
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    nbformat.write(nb, NOTEBOOK)
+    subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook",
+                    "--execute", "--inplace", "--ExecutePreprocessor.timeout=120",
+                    str(NOTEBOOK)], check=True)
+    print(f"wrote and executed {NOTEBOOK}")
+
+
+if __name__ == "__main__":
+    build()

@@ -1,0 +1,208 @@
+"""Tests for labkit.viz: every plot returns a Figure with the bars, lines and rows expected."""
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from labkit import launch  # noqa: E402
+from labkit.theory import catalog  # noqa: E402
+from labkit.viz import comm_bars, gantt, memory_stack, speedup_curve, time_split  # noqa: E402
+from labkit.viz import widgets  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def _rects(ax):
+    return [p for p in ax.patches if isinstance(p, matplotlib.patches.Rectangle)]
+
+
+# ------------------------------------------------------------------------------- memory_stack
+
+def test_memory_stack_bars_order_and_capacities():
+    bars = {"measured": dict(params=4e6, grads=4e6, optimizer=8e6, activations=2e7, buffers=0,
+                             peak=3e7, peak_phase="forward"),
+            "predicted": dict(params=4e6, grads=4e6, optimizer=8e6, activations=2.1e7,
+                              total=3.7e7)}
+    fig = memory_stack(bars, capacity={"A": 40e6, "B": 80e6, "C": 80e6}, unit="MB")
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    assert len(_rects(ax)) == 2 * 4   # 2 labels x 4 categories; total/peak/zero buffers not
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["measured", "predicted"]
+    assert "MB" in ax.get_ylabel()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[-1] == "parameters" and "peak" in legend   # top of the stack listed first
+    dashed = [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+    assert len(dashed) == 2                  # B and C (both 80) share a line
+    texts = [t.get_text() for t in ax.texts]
+    assert "B / C" in texts
+    # The top of the measured stack is the sum of its categories, in MB.
+    assert _rects(ax)[-2].get_y() + _rects(ax)[-2].get_height() == pytest.approx(36.0)
+
+
+def test_memory_stack_unknown_keys_and_given_ax():
+    fig, ax = plt.subplots()
+    out = memory_stack({"x": {"weights": 1e9, "kv_cache": 2e9, "mystery": 5e8}}, ax=ax)
+    assert out is fig
+    assert len(_rects(ax)) == 3
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["mystery", "weights (served)", "KV cache"]
+
+
+# ---------------------------------------------------------------------------------------- gantt
+
+def _events():
+    ev = []
+    for rank in range(3):
+        t = 1e-5 * rank
+        for mb in range(2):
+            ev.append(dict(rank=rank, lane="compute", kind="compute", name="forward", start=t,
+                           end=t + 1e-5, wall_start=t * 1e3, wall_end=(t + 1e-5) * 1e3,
+                           meta={"microbatch": mb}))
+            t += 1e-5
+        ev.append(dict(rank=rank, lane="compute", kind="idle", name="wait", start=t,
+                       end=t + 5e-6, wall_start=t * 1e3, wall_end=t * 1e3, meta={}))
+        ev.append(dict(rank=rank, lane="comm", kind="comm", name="all_reduce", start=t,
+                       end=t + 2e-5, wall_start=t * 1e3, wall_end=(t + 2e-5) * 1e3, meta={}))
+        ev.append(dict(rank=rank, lane="compute", kind="compute", name="backward",
+                       start=t + 5e-6, end=t + 3e-5, wall_start=t * 1e3,
+                       wall_end=(t + 3e-5) * 1e3, meta={}))
+    return ev
+
+
+@pytest.mark.parametrize("clock", ["modelled", "wall"])
+def test_gantt_both_clocks(clock):
+    ev = _events()
+    fig = gantt(ev, clock=clock)
+    ax = fig.axes[0]
+    assert len(_rects(ax)) == len(ev)                 # one bar per event
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1", "rank 2"]
+    word = "modelled" if clock == "modelled" else "measured"
+    assert word in ax.get_xlabel() and word in ax.get_title()
+    if clock == "modelled":
+        assert ax.get_xlabel() == "modelled time (µs)"
+        assert sorted(t.get_text() for t in ax.texts) == ["0", "0", "0", "1", "1", "1"]
+    else:
+        assert ax.get_xlabel() == "measured wall-clock time (s) on this machine"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"forward", "backward", "collective (comm)", "idle (waiting)"} <= set(legend)
+    # rank 0 on top, comm lane just under the compute lane
+    bars = _rects(ax)
+    y_of = {(e["rank"], e["lane"]): b.get_y() + b.get_height() / 2 for e, b in zip(ev, bars)}
+    assert y_of[(0, "compute")] > y_of[(0, "comm")] > y_of[(1, "compute")]
+
+
+def test_gantt_title_gets_clock_word_and_units_scale():
+    ev = [dict(rank=0, lane="compute", kind="compute", name="step", start=0.0, end=0.02,
+               wall_start=0.0, wall_end=1.0, meta={})]
+    ax = gantt(ev, title="one step").axes[0]
+    assert ax.get_title() == "one step (modelled)" and ax.get_xlabel() == "modelled time (ms)"
+    with pytest.raises(ValueError):
+        gantt(ev, clock="cpu")
+
+
+def test_gantt_of_a_real_run():
+    def work(ctx):
+        import torch
+        with ctx.clock.compute("forward", microbatch=0):
+            x = torch.ones(64, 64) @ torch.ones(64, 64)
+        handle = ctx.comm.all_reduce(x, async_op=True)
+        with ctx.clock.compute("backward"):
+            torch.ones(64, 64) @ torch.ones(64, 64)
+        handle.wait()
+        ctx.comm.all_reduce(torch.ones(8))
+        return ctx.clock.timeline()
+
+    timeline = [e for rank in launch(work, 2) for e in rank]
+    for clock in ("modelled", "wall"):
+        ax = gantt(timeline, clock=clock).axes[0]
+        assert len(_rects(ax)) == len(timeline)
+
+
+# ----------------------------------------------------------------------- speedup, comm, split
+
+def test_speedup_curve_lines():
+    fig = speedup_curve([1, 2, 4, 8], {"modelled": [1, 1.9, 3.5, 6], "measured": [1, 1.5, 2, 2]})
+    ax = fig.axes[0]
+    assert len(ax.get_lines()) == 3 and ax.get_xscale() == "log"
+    assert ax.get_lines()[-1].get_linestyle() == "--"
+    ax = speedup_curve([1, 2], {"m": [1, 2]}, ideal=False).axes[0]
+    assert len(ax.get_lines()) == 1
+
+
+def test_comm_bars_rows_and_dataframe():
+    rows = [dict(op="all_reduce", calls=2, bytes=4_000_000, wire_bytes_per_rank=6e6),
+            dict(op="broadcast", calls=1, bytes=1000, wire_bytes_per_rank=750.0)]
+    for data in (rows, pd.DataFrame(rows)):
+        ax = comm_bars(data).axes[0]
+        assert len(_rects(ax)) == 4
+        assert ax.get_ylabel() == "bytes (MB)"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["all_reduce", "broadcast"]
+
+
+def test_time_split_stacks():
+    rows = {"modelled, 1 GPU": {"compute": 0.1},
+            "modelled, 8 GPUs": {"compute": 0.0125, "exposed_comm": 0.004, "bubble": 0.001,
+                                 "total": 0.0175}}
+    ax = time_split(rows).axes[0]
+    assert len(_rects(ax)) == 2 * 3
+    assert ax.get_xlabel() == "time per step (ms)"
+    widths = [r.get_width() for r in _rects(ax)]
+    assert widths[0] == pytest.approx(100.0)
+
+
+# ------------------------------------------------------------------------------------- widgets
+
+LM_MODELS = [m.display_name for m in catalog.models() if m.arch != "unet"]
+
+
+@pytest.mark.parametrize("model", LM_MODELS)
+@pytest.mark.parametrize("mode,precision", [("inference", "bf16"), ("inference", "int4"),
+                                            ("training", "bf16 mixed precision"),
+                                            ("training", "fp32")])
+def test_memory_explorer_figure_every_model_fast(model, mode, precision):
+    t0 = time.perf_counter()
+    fig = widgets.memory_explorer_figure(model, mode, precision, "Adam", 4, 4096)
+    fig.canvas.draw()
+    assert time.perf_counter() - t0 < 1.0
+    ax = fig.axes[0]
+    assert "modelled" in ax.get_title() and "x H100" in ax.get_title()
+    names = " ".join(t.get_text() for t in ax.texts)
+    assert "H100 80 GB" in names and "RTX 4090 24 GB" in names and "H200 141 GB" in names
+
+
+def test_memory_explorer_numbers():
+    parts = widgets.memory_breakdown("Llama 3 70B", "inference", "int4", batch=1, seq=8192)
+    assert parts["weights"] / 1e9 == pytest.approx(35.3, abs=0.1)
+    parts = widgets.memory_breakdown("Llama 3 8B", "training", "bf16 mixed precision", "SGD",
+                                     1, 512)
+    assert parts["optimizer"] == pytest.approx(4 * catalog.model("llama-3-8b").param_count())
+    assert widgets.gpus_needed(81e9) == 2 and widgets.gpus_needed(1) == 1
+    assert "Stable Diffusion 1.5" not in widgets.explorer_models()
+    with pytest.raises(ValueError):
+        widgets.memory_breakdown("Llama 3 8B", "serving", "bf16")
+
+
+def test_memory_explorer_widget_redraws():
+    box = widgets.memory_explorer()
+    controls = [w for row in box.children[:-2] for w in row.children]
+    by_name = {w.description: w for w in controls}
+    text = box.children[-2]
+    assert "x H100" in text.value
+    by_name["mode"].value = "training"
+    assert by_name["precision"].value == "bf16 mixed precision"
+    assert not by_name["optimizer"].disabled
+    t0 = time.perf_counter()
+    by_name["batch"].value = 8
+    assert time.perf_counter() - t0 < 1.0
+    assert "x H100" in text.value
+    assert plt.get_fignums() == []   # the explorer's figure is not left in pyplot
