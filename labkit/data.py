@@ -39,4 +39,5 @@ def shard(tensor, rank, world_size):
         raise ValueError(f"global batch of {tensor.shape[0]} does not split evenly over "
                          f"{world_size} ranks; use a multiple of {world_size}")
     size = tensor.shape[0] // world_size
-    return tensor[rank * size:(rank + 1) * size]
+    # A copy, not a view: a rank holds only its shard (and memory counts only that).
+    return tensor[rank * size:(rank + 1) * size].clone()

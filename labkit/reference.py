@@ -33,9 +33,15 @@ def build_model(cfg):
 
 
 def build_optimizer(params, cfg):
-    """Adam or plain SGD; `foreach=False` keeps the update order identical across layouts."""
+    """Adam or plain SGD; `foreach=False` keeps the update order identical across layouts.
+
+    Adam's eps is 1e-6, not 1e-8: the attention key bias has a true gradient of exactly zero
+    (softmax ignores a constant shift of a row of scores), so what backward computes for it is
+    float rounding noise (~1e-10), which differs between layouts. With eps 1e-8 Adam divides
+    that noise by itself and takes lr-sized steps; with 1e-6 they stay ~1e-6 of lr.
+    """
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, foreach=False)
+        return torch.optim.Adam(params, lr=cfg.lr, eps=1e-6, foreach=False)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, foreach=False)
     raise ValueError(f"optimizer must be 'adam' or 'sgd', got {cfg.optimizer!r}")

@@ -2,7 +2,7 @@
 
 Nothing here runs distributed code: only the standard library, pandas and math.
 """
-from . import catalog, hardware, memory, time
+from . import catalog, hardware, memory, tensor_parallel, time
 from .catalog import ModelShape, model, models
 from .hardware import GPU, Cluster, Link, cluster, gpu, gpus, link, links
 from .memory import (activation_bytes_per_layer, inference_memory, largest_trainable_params,

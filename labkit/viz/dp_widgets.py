@@ -1,0 +1,165 @@
+"""Lesson 01's explorer: data parallelism on a modelled H100 cluster, from `labkit.theory`.
+
+Controls: GPUs, a catalog model, the global batch (tokens), the gradient bucket size and the
+links. Three panels, all *modelled* (theory.time.dp_step_time, alpha-beta ring all-reduce):
+the step split into compute and exposed communication (with and without overlap), the
+strong-scaling speedup curve, and the bytes each GPU sends per step, 2(N-1)/N x gradient bytes.
+"""
+from __future__ import annotations
+
+import math
+
+import matplotlib.pyplot as plt
+
+from ..theory import catalog, hardware
+from ..theory import time as tt
+from ..theory.memory import dtype_bytes
+from .plots import TIME_COLORS, fmt, pick_time_unit, TIME_UNITS
+
+# label -> (cluster name pattern for n nodes of 8, note)
+LINKS = {
+    "NVLink in a node, InfiniBand NDR between": "{nodes}x8xH100-IB",
+    "NVLink in a node, InfiniBand HDR between": "{nodes}x8xH100-IB-HDR",
+    "PCIe 5 only (H100 PCIe), InfiniBand NDR between": "{nodes}x8xH100-PCIe-IB",
+}
+GPU_CHOICES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+TOKEN_CHOICES = {f"{2 ** k // 1024}K tokens" if k < 20 else f"{2 ** (k - 20)}M tokens": 2 ** k
+                 for k in range(14, 25)}
+
+
+def cluster_for(gpus, link=next(iter(LINKS))):
+    """The smallest cluster of 8-GPU nodes that holds `gpus`, with the chosen links."""
+    nodes = max(1, math.ceil(gpus / 8))
+    name = LINKS.get(link, link).format(nodes=nodes)
+    if nodes == 1:  # one node: no inter-node word
+        name = name.replace("-IB-HDR", "").replace("-IB", "")
+        if "PCIe" not in name:
+            name += "-NVLink"
+    return hardware.cluster(name)
+
+
+def step_split(model, gpus, tokens, bucket_mb=25, link=next(iter(LINKS)), overlap=True):
+    """theory.time.dp_step_time on the cluster `cluster_for(gpus, link)` (bf16 gradients)."""
+    return tt.dp_step_time(model, gpus=gpus, cluster=cluster_for(gpus, link),
+                           global_batch_tokens=tokens, overlap=overlap,
+                           bucket_bytes=bucket_mb * 1e6)
+
+
+def speedups(model, gpus_list, tokens, bucket_mb=25, link=next(iter(LINKS)), overlap=True):
+    """Strong scaling at a fixed global batch: time(1 GPU) / time(n GPUs)."""
+    return tt.dp_speedup(model, gpus_list, lambda n: cluster_for(n, link),
+                         global_batch_tokens=tokens, overlap=overlap,
+                         bucket_bytes=bucket_mb * 1e6)
+
+
+def draw(fig, model, gpus, tokens, bucket_mb, link):
+    """Fill `fig` with the three panels; return the summary line (HTML)."""
+    m = catalog.model(model)
+    n_params = m.param_count()
+    grad_bytes = n_params * dtype_bytes("bf16")
+    ax_split, ax_speed, ax_comm = fig.subplots(1, 3, gridspec_kw=dict(width_ratios=[1.1, 1, 1]))
+    # 1. the step split, with and without overlap
+    on = step_split(m, gpus, tokens, bucket_mb, link, True)
+    off = step_split(m, gpus, tokens, bucket_mb, link, False)
+    unit = pick_time_unit(max(off["total"], 1e-12))
+    scale = TIME_UNITS[unit]
+    labels = ["overlap", "no overlap"]
+    comp = [on["compute"] / scale, off["compute"] / scale]
+    exposed = [on["exposed_comm"] / scale, off["exposed_comm"] / scale]
+    hidden = [(on["comm"] - on["exposed_comm"]) / scale, 0.0]
+    ax_split.barh(labels, comp, color=TIME_COLORS["compute"], label="compute")
+    ax_split.barh(labels, exposed, left=comp, color=TIME_COLORS["exposed_comm"],
+                  label="exposed comm")
+    ax_split.barh([labels[0]], [hidden[0]], left=[comp[0] - hidden[0]], height=0.25,
+                  color="#c5b0d5", label="comm hidden under backward")
+    ax_split.set_ylim(1.5, -1.3)   # room above the bars for the legend
+    ax_split.set_xlabel(f"modelled step time ({unit})")
+    ax_split.set_title(f"one step on {gpus} GPU{'s' if gpus > 1 else ''}", fontsize=10)
+    ax_split.legend(fontsize=7, loc="upper right", ncol=2)
+    ax_split.grid(axis="x", alpha=0.3)
+    # 2. speedup
+    ns = [n for n in GPU_CHOICES if n <= max(64, gpus)]
+    s_on = speedups(m, ns, tokens, bucket_mb, link, True)
+    s_off = speedups(m, ns, tokens, bucket_mb, link, False)
+    ax_speed.plot(ns, ns, "k--", lw=1, label="ideal")
+    ax_speed.plot(ns, s_on, "o-", ms=3, label="modelled, overlap")
+    ax_speed.plot(ns, s_off, "s-", ms=3, label="modelled, no overlap")
+    here = s_on[ns.index(gpus)]
+    ax_speed.plot([gpus], [here], "o", ms=9, mfc="none", mec="red")
+    ax_speed.set_xscale("log", base=2)
+    ax_speed.set_yscale("log", base=2)
+    ax_speed.set_xticks(ns, [str(n) for n in ns], fontsize=7)
+    ax_speed.set_yticks(ns, [str(n) for n in ns], fontsize=7)
+    ax_speed.minorticks_off()
+    ax_speed.axvline(8.5, color="grey", lw=0.8, ls=":")
+    ax_speed.text(9, 1.05, "> 1 node", fontsize=7, color="grey")
+    ax_speed.set_xlabel("GPUs")
+    ax_speed.set_ylabel("speedup over 1 GPU")
+    ax_speed.set_title("strong scaling, fixed global batch", fontsize=10)
+    ax_speed.legend(fontsize=7)
+    ax_speed.grid(alpha=0.3)
+    # 3. bytes each GPU sends per step
+    ns2 = [n for n in ns if n > 1]
+    wire = [tt.wire_bytes_per_rank("all_reduce", grad_bytes, n) / 1e9 for n in ns2]
+    ax_comm.plot(ns2, wire, "o-", color="#9467bd", ms=3, label="2(N-1)/N x gradients")
+    ax_comm.axhline(2 * grad_bytes / 1e9, color="k", ls="--", lw=1, label="2 x gradients (limit)")
+    if gpus > 1:
+        ax_comm.plot([gpus], [wire[ns2.index(gpus)]], "o", ms=9, mfc="none", mec="red")
+    ax_comm.set_xscale("log", base=2)
+    ax_comm.set_xticks(ns2, [str(n) for n in ns2], fontsize=7)
+    ax_comm.minorticks_off()
+    ax_comm.set_ylim(0, 2.2 * grad_bytes / 1e9)
+    ax_comm.set_xlabel("GPUs")
+    ax_comm.set_ylabel("GB sent per GPU per step")
+    ax_comm.set_title("all-reduce traffic per GPU", fontsize=10)
+    ax_comm.legend(fontsize=7, loc="lower right")
+    ax_comm.grid(alpha=0.3)
+    fig.suptitle(f"{m.display_name} ({n_params / 1e9:.2f}B params, bf16 grads "
+                 f"{grad_bytes / 1e9:.1f} GB), {tokens:,} tokens per step, modelled on "
+                 f"{cluster_for(gpus, link).name}", fontsize=10)
+    fig.tight_layout()
+    eff = here / gpus
+    return (f"<b>{gpus} GPUs</b>: step {fmt(on['total'] / scale)} {unit} (compute "
+            f"{fmt(on['compute'] / scale)}, exposed comm {fmt(on['exposed_comm'] / scale)}; "
+            f"without overlap {fmt(off['total'] / scale)}) &middot; speedup {here:.1f}x "
+            f"({eff:.0%} efficiency) &middot; each GPU sends "
+            f"{tt.wire_bytes_per_rank('all_reduce', grad_bytes, gpus) / 1e9:.2f} GB per step "
+            f"&middot; <i>modelled</i>")
+
+
+def dp_explorer(model="Llama 3 8B", gpus=16, tokens=2 ** 20, bucket_mb=25):
+    """The widget: change a control, the three panels redraw (theory only: well under 1 s)."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    names = [m.display_name for m in catalog.models() if m.arch != "unet"]
+    style = dict(description_width="initial")
+    controls = dict(
+        gpus=widgets.SelectionSlider(options=GPU_CHOICES, value=gpus, description="GPUs",
+                                     style=style),
+        model=widgets.Dropdown(options=names, value=catalog.model(model).display_name,
+                               description="model", style=style),
+        tokens=widgets.SelectionSlider(options=list(TOKEN_CHOICES.items()), value=tokens,
+                                       description="global batch", style=style),
+        bucket_mb=widgets.SelectionSlider(options=[1, 5, 10, 25, 50, 100, 250, 1000],
+                                          value=bucket_mb, description="bucket (MB)",
+                                          style=style),
+        link=widgets.Dropdown(options=list(LINKS), description="links", style=style,
+                              layout=widgets.Layout(width="420px")),
+    )
+    out, text = widgets.Output(), widgets.HTML()
+    fig = plt.figure(figsize=(12, 3.8))
+    plt.close(fig)
+
+    def redraw(_change=None):
+        fig.clf()
+        text.value = draw(fig, **{k: w.value for k, w in controls.items()})
+        with out:
+            out.clear_output(wait=True)
+            display(fig)
+
+    for w in controls.values():
+        w.observe(redraw, names="value")
+    redraw()
+    rows = list(controls.values())
+    return widgets.VBox([widgets.HBox(rows[:3]), widgets.HBox(rows[3:]), text, out])

@@ -1,0 +1,94 @@
+"""Lesson 03's explorer: a real model under tensor parallelism, all modelled by labkit.theory.
+
+Model, TP degree, sequence parallel on/off, link, batch and sequence length -> three panels:
+memory per GPU by category (mixed-precision Adam training), the bytes each GPU sends per step,
+and the step time split into compute and exposed communication.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from ..theory import catalog, hardware
+from ..theory import tensor_parallel as ttp
+from .plots import fmt, memory_stack, time_split
+from .widgets import explorer, explorer_models
+
+LINKS = {"NVLink 4 (inside a node)": "NVLink 4", "InfiniBand NDR (across nodes)": "InfiniBand NDR",
+         "PCIe 5 x16 (no NVLink)": "PCIe 5 x16"}
+TP_CHOICES = (1, 2, 4, 8, 16)
+
+
+def tp_panels(fig, model="Llama 3 70B", tp=8, sequence_parallel=False, link="NVLink 4",
+              batch=1, seq=4096):
+    """Draw the three modelled panels on `fig`; return a one-line summary (HTML)."""
+    m = catalog.model(model)
+    fig.clf()
+    mem_ax, comm_ax, time_ax = fig.subplots(1, 3, gridspec_kw=dict(width_ratios=[1.1, 1, 1.4]))
+    bars = {}
+    for label, t, sp in (("TP=1", 1, False), (f"TP={tp}", tp, False),
+                         (f"TP={tp} + SP", tp, True)):
+        parts = ttp.training_memory_per_gpu(m, t, batch=batch, seq=seq, sequence_parallel=sp)
+        bars[label] = {k: parts[k] for k in ("params", "grads", "optimizer", "activations")}
+    capacity = {"H100 80 GB": hardware.gpu("H100").memory_bytes}
+    memory_stack(bars, capacity=capacity, unit="GB", ax=mem_ax,
+                 title="memory per GPU (modelled,\nbf16 + fp32 Adam)")
+    mem_ax.legend(fontsize=7, loc="upper right")
+
+    rows = ttp.block_comm(batch, seq, m.hidden, tp, sequence_parallel=sequence_parallel)
+    per_op = {}
+    for r in rows:
+        per_op[r["op"]] = per_op.get(r["op"], 0.0) + m.layers * r["wire_bytes_per_rank"]
+    names = list(per_op) or ["none (TP=1)"]
+    values = [per_op.get(n, 0.0) / 1e9 for n in names]
+    comm_ax.bar(names, values, color="#9467bd", width=0.5)
+    comm_ax.set_ylabel("GB sent per GPU per step")
+    extra = ", incl. SP's backward regathers" if sequence_parallel else ""
+    comm_ax.set_title(f"communication per step (modelled)\n{m.layers} layers, ring{extra}",
+                      fontsize=10)
+    comm_ax.grid(axis="y", alpha=0.3)
+
+    timing = ttp.step_time(m, tp, batch=batch, seq=seq, link=link,
+                           sequence_parallel=sequence_parallel,
+                           cluster=ttp.cluster_for(tp))
+    one = ttp.step_time(m, 1, batch=batch, seq=seq)
+    unit = "s" if timing["total"] >= 1 else "ms"
+    time_split({"TP=1": dict(compute=one["compute"], exposed_comm=0.0),
+                f"TP={tp}\n{link}": dict(compute=timing["compute"],
+                                         exposed_comm=timing["exposed_comm"])},
+               ax=time_ax, unit=unit,
+               title=f"step time, modelled (H100 at mfu 0.5)\nbatch {batch} x {seq} tokens")
+    fig.tight_layout()
+    total = sum(bars[f"TP={tp}" + (" + SP" if sequence_parallel else "")].values())
+    return (f"{m.display_name}, TP={tp}{' + SP' if sequence_parallel else ''} over {link}: "
+            f"<b>{fmt(total / 1e9)} GB</b> per GPU, step {fmt(timing['total'] * 1e3)} ms "
+            f"(modelled), of which exposed communication "
+            f"<b>{timing['exposed_share']:.0%}</b>; speedup over one GPU "
+            f"{one['total'] / timing['total']:.1f}x")
+
+
+def tp_explorer():
+    """The widget: dropdowns and sliders over tp_panels (theory only: redraws in ms)."""
+    import ipywidgets as widgets
+
+    names = explorer_models()
+    controls = dict(
+        model=widgets.Dropdown(options=names, value="Llama 3 70B", description="model"),
+        tp=widgets.SelectionSlider(options=TP_CHOICES, value=8, description="TP degree"),
+        sequence_parallel=widgets.Checkbox(value=False, description="sequence parallel"),
+        link=widgets.Dropdown(options=list(LINKS), value=list(LINKS)[0], description="link"),
+        batch=widgets.IntSlider(value=1, min=1, max=16, description="batch"),
+        seq=widgets.SelectionSlider(options=[1024, 2048, 4096, 8192, 16384], value=4096,
+                                    description="seq"),
+    )
+
+    def draw(ax, link, **values):
+        return tp_panels(ax.figure, link=LINKS[link], **values)
+
+    return explorer(controls, draw, figsize=(14, 4.4))
+
+
+def tp_figure(**kwargs):
+    """tp_panels on a new figure (for a static cell or a saved PNG)."""
+    fig = plt.figure(figsize=(14, 4.4))
+    fig.labkit_summary = tp_panels(fig, **kwargs)
+    return fig

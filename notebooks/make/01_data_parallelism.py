@@ -1,0 +1,419 @@
+"""Build notebooks/01_data_parallelism.ipynb from the cells below, then execute it in place.
+
+Run from anywhere: `.venv/bin/python notebooks/make/01_data_parallelism.py`. Edit the lesson
+here, not in the .ipynb: the notebook is regenerated (with its outputs) from this list.
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "01_data_parallelism.ipynb"
+
+
+def md(text):
+    return nbformat.v4.new_markdown_cell(text.strip())
+
+
+def code(text):
+    return nbformat.v4.new_code_cell(text.strip())
+
+
+CELLS = [
+    md(r"""
+# 01 · Data parallelism: replicas, an all-reduce, and hiding it under backward
+
+**The idea.** Put a full copy of the model on each of N GPUs. Split every global batch into N
+equal shards; each replica runs forward and backward on its own shard. The loss is a mean over
+examples, so the *average* of the N shard gradients is exactly the full-batch gradient. One
+collective, an **all-reduce** that averages the gradients across the replicas, therefore makes
+every replica take the same optimizer step a single GPU would take on the whole batch: the same
+numbers, with 1/N of the compute per GPU.
+
+**The price.** The all-reduce moves data every step. The ring algorithm cuts the S gradient
+bytes into N chunks and passes them around a ring twice (reduce-scatter, then all-gather), so
+each GPU sends
+
+$$\text{bytes per GPU per step} = \frac{2(N-1)}{N}\,S \;<\; 2S \quad\text{whatever } N.$$
+
+The traffic per GPU does not grow with N, but it does not shrink either, while the compute per
+GPU does: with enough GPUs the step is all communication. PyTorch's `DistributedDataParallel`
+fights this by **overlapping**: gradients are grouped into buckets and each bucket's all-reduce
+starts while backward is still computing the earlier layers (Li et al. 2020).
+
+This lesson runs it on CPU ranks (gloo), checks it against one device, measures the traffic,
+builds the ring from `send`/`recv`, shows the overlap on a modelled H100 timeline, and checks
+two claims of the source article.
+"""),
+    code(r"""
+import os
+import statistics
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+
+import labkit
+from labkit import data_parallel as dp
+from labkit.reference import RunConfig, batch, build_model, max_param_diff, train
+from labkit.theory import catalog, time as tt
+from labkit.viz import comm_bars, gantt, speedup_curve, time_split
+from labkit.viz import dp_widgets
+
+pd.set_option("display.precision", 3)
+pd.set_option("display.width", 120)
+"""),
+    md(r"""
+## 1 · Run it: four replicas against one device
+
+`dp.train` is the whole technique (a few dozen lines in `labkit/data_parallel.py`): build the
+same model on every rank (same seed), take `data.shard(batch, rank, N)`, forward, backward,
+average the gradients with `ctx.comm.all_reduce(..., op="avg")`, step. Here in *bucketed* mode:
+a hook on each parameter drops its gradient into a flat bucket, and a full bucket's all-reduce
+starts at once, asynchronously.
+
+We use plain SGD for this check, so the comparison is about the parallelism only. (With Adam,
+one tensor, the attention *key* bias, has a true gradient of exactly 0 that softmax cancels; its
+computed gradient is float noise, which Adam rescales to full-size steps, so it differs between
+*any* two summation orders. The tests check Adam on everything else.)
+"""),
+    code(r"""
+cfg = RunConfig(steps=3, global_batch=8, optimizer="sgd")   # the tiny GPT, 8 sequences of 32
+
+
+def train_and_log(ctx, cfg, **options):
+    # A function defined in a notebook cell runs on every rank (sent by value).
+    out = dp.train(ctx, cfg, **options)
+    out["log"] = ctx.comm.dataframe()
+    return out
+
+
+results = labkit.launch(train_and_log, 4, cfg, bucket_mb=0.25)
+reference = train(cfg)
+loss = dp.global_loss(results)   # the mean over ranks of each shard's loss = full-batch loss
+print(pd.DataFrame({"4 ranks (mean of shard losses)": loss, "one device": reference["loss"]}))
+"""),
+    code(r"""
+# NBVAL_CHECK_OUTPUT
+diff = max_param_diff(results[0]["params"], reference["params"])
+print(f"largest |parameter difference| after {cfg.steps} steps below 1e-6: {diff < 1e-6}")
+print("losses agree to 1e-6:", all(abs(a - b) < 1e-6 for a, b in zip(loss, reference["loss"])))
+"""),
+    md(r"""
+## 2 · Measure it: the comm log against 2(N−1)/N
+
+Every collective goes through `ctx.comm`, which logs it. With 0.25 MB buckets the tiny model's
+0.47 MB of fp32 gradients become two buckets, so each step is two all-reduces (plus the clock's
+8-byte time stamps, which are not logged).
+"""),
+    code(r"""
+log = results[0]["log"]
+log[["op", "tag", "group_size", "bytes", "wire_bytes_per_rank", "async_op"]].head(4)
+"""),
+    code(r"""
+# NBVAL_CHECK_OUTPUT
+n = 4
+grad_bytes = dp.gradient_bytes(cfg)
+measured = log.loc[log.op == "all_reduce", "wire_bytes_per_rank"].sum()
+formula = 2 * (n - 1) / n * grad_bytes * cfg.steps
+print(f"gradient bytes per step S      = {grad_bytes:,}")
+print(f"wire bytes per rank, comm log  = {measured:,.0f}")
+print(f"2(N-1)/N x S x {cfg.steps} steps        = {formula:,.0f}")
+"""),
+    code(r"""
+fig = comm_bars(results[0]["comm"], title="rank 0, 3 steps on 4 ranks (logged)")
+"""),
+    md(r"""
+## 3 · The ring all-reduce, from `send` and `recv`
+
+`dp.ring_all_reduce(ctx, tensor)` is written with nothing but point-to-point messages. Cut the
+tensor into N chunks. **Reduce-scatter:** in step s (of N−1), rank r sends chunk (r−s) mod N to
+its right neighbour and adds the chunk arriving from its left into chunk (r−s−1) mod N. After
+N−1 steps, rank r holds the complete sum of chunk (r+1) mod N. **All-gather:** N−1 more steps
+pass the finished chunks around the ring. Each step moves one chunk of S/N bytes per rank, so
+each rank sends 2(N−1)·S/N: at most 2S whatever N is, while a naive "everyone sends everything
+to everyone" would send (N−1)·S.
+
+To avoid a deadlock, each step *posts* its send (`async_op=True`), then receives, then waits.
+"""),
+    code(r"""
+# NBVAL_CHECK_OUTPUT
+def ring_vs_library(ctx, numel):
+    t = torch.arange(numel, dtype=torch.float32) * (ctx.rank + 1)
+    mine = dp.ring_all_reduce(ctx, t.clone())
+    sent = sum(r.bytes for r in ctx.comm.records if r.op == "send")
+    return torch.equal(mine, ctx.comm.all_reduce(t.clone())), sent
+
+
+S = 96 * 4   # 96 float32 numbers
+rows = []
+for n in (2, 3, 4, 8):
+    out = labkit.launch(ring_vs_library, n, 96)
+    rows.append(dict(N=n, equals_all_reduce=all(ok for ok, _ in out),
+                     sent_per_rank=out[0][1], formula=2 * (n - 1) / n * S,
+                     naive_send_everything=(n - 1) * S))
+print(pd.DataFrame(rows).to_string(index=False))
+"""),
+    md(r"""
+## 4 · Overlap on the virtual timeline
+
+The CPU ranks also run a **modelled clock**: each compute region advances by its counted FLOPs
+at 50% of an H100's bf16 peak, each collective by its alpha-beta time on NVLink. Async
+all-reduces run on a separate *comm lane* (the thin bar under each rank), so overlap shows.
+
+On a tiny model communication dominates: the overlap can hide at most the backward pass. What
+matters is the ratio of compute to gradient bytes, which is the number of **tokens per GPU**.
+So this run uses a wider GPT (0.83M parameters, 3.3 MB of gradients) and a global batch of 128
+sequences (2,048 tokens per rank), 1 MB buckets, on 2 ranks.
+"""),
+    code(r"""
+big = RunConfig(steps=2, global_batch=128, optimizer="sgd",
+                model_kwargs=dict(hidden=128, layers=4, ffn=512))
+runs = {}
+for overlap in (True, False):
+    runs[overlap] = labkit.launch(dp.train, 2, big, bucket_mb=1.0, overlap=overlap)
+
+
+def last_step(results):
+    # modelled events of the last step, shifted to start at 0 (the first step warms up)
+    out = []
+    for r in results:
+        begin = sum(r["modelled_step_s"][:-1])
+        out += [dict(e, start=e["start"] - begin, end=e["end"] - begin)
+                for e in r["timeline"] if e["start"] >= begin - 1e-12]
+    return out
+
+
+fig, axes = plt.subplots(2, 1, figsize=(10, 4.6), sharex=True)
+for ax, overlap in zip(axes, (True, False)):
+    gantt(last_step(runs[overlap]), ax=ax,
+          title=f"bucketed, overlap={overlap}: one step on 2 modelled H100s (NVLink)")
+fig.tight_layout()
+"""),
+    code(r"""
+# NBVAL_CHECK_OUTPUT
+on, off = (runs[o][0]["modelled_step_s"][-1] for o in (True, False))
+print(f"modelled step with overlap shorter than without: {on < off}")
+"""),
+    code(r"""
+on, off = (runs[o][0]["modelled_step_s"][-1] for o in (True, False))
+print(f"modelled step time: overlap {on * 1e6:.1f} us, no overlap {off * 1e6:.1f} us "
+      f"({(off - on) / off:.0%} shorter)")
+wall = []
+for r in runs[True]:   # each rank's wall clock starts when its process does: align the first bar
+    t0 = min(e["wall_start"] for e in r["timeline"])
+    wall += [dict(e, wall_start=e["wall_start"] - t0, wall_end=e["wall_end"] - t0)
+             for e in r["timeline"]]
+fig = gantt(wall, clock="wall",
+            title="the same run (overlap=True), both steps, measured on this machine's CPUs")
+"""),
+    md(r"""
+The **modelled** chart is the story for H100s: the purple bucket bars on the comm lane start
+while backward (orange) is still running, so only the tail of the communication is exposed. The
+**measured** chart is what two CPU processes on this laptop did: the gloo all-reduce over
+loopback costs milliseconds and compute hundreds of milliseconds, so the proportions have nothing
+to do with an H100's; it is there to show that the modelled picture comes from a real run.
+
+## 5 · How far does it scale? Modelled on H100s, measured here
+
+`theory.time.dp_step_time` is the closed form: compute 6·Ψ·tokens/N at 50% of peak, plus the
+all-reduce of 2Ψ bytes of bf16 gradients in 25 MB buckets, of which everything but the last
+bucket hides under backward. Within a node the ring runs on NVLink (450 GB/s); beyond 8 GPUs it
+crosses InfiniBand NDR (50 GB/s per GPU), and the curve bends.
+"""),
+    code(r"""
+gpus = [1, 2, 4, 8, 16, 32, 64]
+cluster = lambda n: dp_widgets.cluster_for(n)   # 8 x H100 per node, NVLink in, IB NDR between
+series = {}
+for name, tokens, words in (("Llama 3 8B", 2**20, "1M"), ("GPT-2 small", 2**17, "128K")):
+    series[f"modelled {name}, {words} tokens per step"] = tt.dp_speedup(
+        name, gpus, cluster, global_batch_tokens=tokens)
+
+
+def wall_step(n, cfg):
+    out = labkit.launch(dp.train, n, cfg, threads=1)   # one core's worth per rank, as 1 GPU each
+    per_step = [max(ts) for ts in zip(*(r["step_wall_s"] for r in out))][1:]
+    return statistics.median(per_step)
+
+
+small = RunConfig(steps=4, global_batch=32, model_kwargs=dict(hidden=128, layers=4, ffn=512))
+wall = {n: wall_step(n, small) for n in (1, 2, 4)}
+
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+speedup_curve(gpus, series, ax=ax1, title="modelled strong scaling on H100 nodes")
+ax1.axvline(8, color="grey", lw=0.8, ls=":")
+ax1.text(8.4, 1.3, "node boundary:\nNVLink -> InfiniBand", fontsize=8, color="grey")
+speedup_curve([1, 2, 4], {"measured wall clock, CPU ranks (gloo)":
+                          [wall[1] / wall[n] for n in (1, 2, 4)]},
+              ax=ax2, title=f"measured on this machine ({os.cpu_count()} CPU cores)")
+fig.tight_layout()
+"""),
+    md(r"""
+The measured curve is not the H100 story, and is not meant to be: every rank is a process on
+the same few CPU cores (one thread each), so past as many ranks as there are cores the ranks only
+split the same cores' time, and pay for gloo messages over loopback and process switching on top;
+on a shared or busy machine even the first step up is noisy. Speedup needs a processor per
+replica, which is what each GPU is.
+
+## 6 · The article's two claims, with numbers
+
+**Claim 1** (source article): *"Iterating through the same training data can be up to twice as
+fast with double the number of GPUs in use, depending on the batch size."*
+"""),
+    code(r"""
+rows = []
+for tokens in (2**14, 2**17, 2**20, 2**22):
+    row = {"global batch (tokens)": f"{tokens:,}"}
+    for a, b in ((1, 2), (4, 8), (8, 16), (32, 64)):
+        ta = tt.dp_step_time("Llama 3 8B", gpus=a, cluster=cluster(a), global_batch_tokens=tokens)
+        tb = tt.dp_step_time("Llama 3 8B", gpus=b, cluster=cluster(b), global_batch_tokens=tokens)
+        row[f"{a}->{b} GPUs"] = round(ta["total"] / tb["total"], 2)
+    rows.append(row)
+print("speedup from doubling the GPUs, Llama 3 8B, modelled (overlap on, 25 MB buckets)")
+print(pd.DataFrame(rows).to_string(index=False))
+"""),
+    md(r"""
+It holds where compute dominates: large batches (a million tokens per step and more) get close
+to 2×, inside a node and across nodes. It stops holding when the tokens per GPU get few: the
+all-reduce does not shrink with N, so at 16K–128K tokens the first step across nodes (8→16,
+NVLink at 450 GB/s to InfiniBand at 50 GB/s per GPU) makes the step *slower* (0.23× and 1.4×),
+and at 64 GPUs doubling no longer pays (0.83×, 0.88×). "Up to" and "depending on the batch size" are both doing
+real work in that sentence. (At a fixed batch size per GPU instead, "weak scaling", the step
+time stays nearly flat and the throughput doubles, but each step then sees twice the data.)
+
+**Claim 2** (source article): running Stable Diffusion at 2.6 s per batch on one H100 node, a
+second node "allows you to process 2 batches in 2.6 seconds, effectively reducing the inference
+time to 1.3 seconds per batch". Inference data parallelism needs no communication at all: each
+replica serves its own batches.
+"""),
+    code(r"""
+# NBVAL_CHECK_OUTPUT
+rows = []
+for batches in (1, 2, 3, 10, 100):
+    for nodes in (1, 2):
+        r = dp.inference_throughput(2.6, replicas=nodes, batches=batches)
+        rows.append(dict(batches=batches, nodes=nodes, makespan_s=r["makespan_s"],
+                         s_per_batch=round(r["seconds_per_batch"], 2),
+                         latency_per_batch_s=r["latency_s"], utilisation=r["utilisation"]))
+print(pd.DataFrame(rows).to_string(index=False))
+"""),
+    md(r"""
+With a steady stream of batches the second node doubles throughput: 2 batches per 2.6 s, 1.3 s
+per batch *on average*. But no batch finishes sooner: each still takes **2.6 s**, so a user
+waiting for one image waits just as long. It stops holding when there are fewer batches than
+replicas (1 batch: the second node idles, 50% utilisation) or an odd count (3 batches take
+5.2 s, 1.73 s per batch). Cutting the latency of one batch needs its work split (a smaller
+batch per node, or model parallelism), and a batch that is already small does not get twice as
+fast at half the size.
+
+The same thing on CPU ranks with the tiny GPT, on the modelled clock:
+"""),
+    code(r"""
+# NBVAL_CHECK_OUTPUT
+model = build_model(RunConfig())
+batches = [batch(model, RunConfig(), i)[0] for i in range(4)]
+for n in (1, 2):
+    out = labkit.launch(dp.infer, n, RunConfig(), batches)
+    per_batch = out[0]["batch_s"][0]
+    finish = max(r["finished_s"] for r in out)
+    print(f"{n} replica(s), 4 batches: all done at {finish / per_batch:.0f} x the latency of "
+          f"one batch; each batch still takes 1 x")
+"""),
+    md(r"""
+## 7 · Explore: when does the all-reduce stop hiding?
+
+All modelled (theory only, so it redraws at once). Things to try: Llama 3 8B at 16K tokens on
+64 GPUs (communication-bound); the same at 4M tokens; 1 MB buckets (latency-bound: many small
+messages) against 1000 MB buckets (nothing left to overlap: one bucket arrives at the end of
+backward); PCIe instead of NVLink.
+"""),
+    code(r"""
+dp_widgets.dp_explorer()
+"""),
+    md(r"""
+## 8 · Exercise: write the ring all-reduce
+
+Fill in `my_ring_all_reduce` using only `ctx.comm.send(t, dst, async_op=True)` (returns a handle
+with `.wait()`) and `ctx.comm.recv(t, src)`. Then set `MY_RING_IS_READY = True` and run the
+cell: `dp.check_ring_all_reduce` runs it on 4 ranks with different data, and tells you in words
+what is wrong: a wrong sum, chunks in the wrong place, a deadlock (every rank waiting in recv),
+or more bytes sent than the ring's 2(N−1)/N·S. Until then the cell checks labkit's own ring so
+that you can see what success looks like.
+"""),
+    code(r"""
+def my_ring_all_reduce(ctx, tensor):
+    n, r = ctx.world_size, ctx.rank
+    chunks = list(torch.tensor_split(tensor.view(-1), n))   # views: writing them writes tensor
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):                                   # reduce-scatter
+        send_i, recv_i = None, None        # TODO: which chunk goes right, which comes from left?
+        incoming = torch.empty_like(chunks[recv_i])
+        handle = ctx.comm.send(chunks[send_i], right, async_op=True)
+        ctx.comm.recv(incoming, left)
+        handle.wait()
+        ...                                # TODO: combine incoming with your chunk
+    for s in range(n - 1):                                   # all-gather
+        ...                                # TODO: pass the finished chunks around the ring
+    return tensor
+
+
+MY_RING_IS_READY = False
+verdict = dp.check_ring_all_reduce(my_ring_all_reduce if MY_RING_IS_READY else
+                                   dp.ring_all_reduce)
+"""),
+    md(r"""
+What the feedback looks like for two classic mistakes: forgetting that the other ranks' data
+differ, and receiving before anybody sends (this one waits 3 s for the time-out).
+"""),
+    code(r"""
+def assumes_same_data(ctx, tensor):
+    return tensor * ctx.world_size
+
+
+def receives_first(ctx, tensor):
+    incoming = torch.empty_like(tensor)
+    ctx.comm.recv(incoming, (ctx.rank - 1) % ctx.world_size)
+    ctx.comm.send(tensor, (ctx.rank + 1) % ctx.world_size)
+    return tensor + incoming
+
+
+_ = dp.check_ring_all_reduce(assumes_same_data)
+print()
+_ = dp.check_ring_all_reduce(receives_first, timeout_s=3)
+"""),
+    md(r"""
+## Takeaways
+
+- Data parallelism copies the whole model to every GPU and averages gradients with one
+  all-reduce per step; the result equals one device on the full batch (checked above to float
+  rounding).
+- A ring all-reduce sends 2(N−1)/N × the gradient bytes per GPU: under 2× whatever N, measured
+  byte-for-byte in the comm log. It does not shrink with N while compute does, so scaling is set
+  by **tokens per GPU** against gradient bytes and link bandwidth.
+- Buckets launched from gradient hooks overlap the all-reduce with backward (what PyTorch DDP
+  does); the modelled step gets shorter, and only the last bucket is always exposed.
+- "Twice as fast with twice the GPUs" holds for big batches inside a node, not for small batches
+  or across the NVLink → InfiniBand boundary; a second inference node doubles throughput, not
+  the speed of one batch.
+- Every copy still holds all parameters, gradients and optimizer state: data parallelism does
+  not help a model fit. ZeRO (lesson 04) shards those states across the same replicas.
+"""),
+]
+
+
+def build():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = CELLS
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    nbformat.write(nb, NOTEBOOK)
+    subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook",
+                    "--execute", "--inplace", "--ExecutePreprocessor.timeout=300",
+                    str(NOTEBOOK)], check=True)
+    print(f"wrote and executed {NOTEBOOK}")
+
+
+if __name__ == "__main__":
+    build()
