@@ -128,4 +128,219 @@ def build(name="gpt", seed=0, **overrides):
         return TinyGPT(GPTConfig(**overrides))
     if name == "mlp":
         return MLP(**overrides)
-    raise ValueError(f"unknown model {name!r}: use 'gpt' or 'mlp'")
+    if name == "moe":
+        return build_moe(seed, **overrides)
+    raise ValueError(f"unknown model {name!r}: use 'gpt', 'mlp' or 'moe'")
+
+
+# ================================================================ Mixture of Experts (lesson 05)
+# A single-process reference MoE: Router -> top-k -> capacity -> experts -> weighted combine.
+# labkit/moe.py runs the same routing with the experts spread over ranks (expert parallelism).
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Conventions, stated once:
+
+    capacity = ceil(capacity_factor * top_k * tokens_per_group / experts) slots per expert (for
+    top_k = 1 this is Switch's capacity_factor * tokens / experts). A routing *group* (GShard) is
+    the set of tokens whose capacity and queue order are decided together: the whole batch with
+    groups = 1; with expert parallelism inside data parallelism, the tokens of one EP group.
+    Queue order inside a group: all first choices before all second choices (GShard), and within
+    one choice by token index. Assignments past the capacity are dropped; a token whose every
+    choice is dropped passes through the residual unchanged.
+    Gate weights: top-1 keeps the raw softmax probability (Switch, so the router gets a
+    gradient from the main loss); top-2 renormalises the two probabilities to sum to 1 (Mixtral).
+    """
+    experts: int = 4
+    top_k: int = 1
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01     # Switch load-balancing loss weight (alpha)
+    z_loss_coef: float = 1e-3       # router z-loss weight (ST-MoE, Zoph et al. 2022)
+    expert_ffn: int = None          # an expert's hidden width; None: the GPT's ffn
+    groups: int = 1
+    dense: bool = False             # dense dispatch: every expert on every token, no capacity
+
+    def __post_init__(self):
+        if self.top_k not in (1, 2) or self.top_k > self.experts:
+            raise ValueError(f"top_k must be 1 or 2 (and <= experts), got {self.top_k}")
+        if self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}")
+
+    def capacity(self, tokens_per_group):
+        return math.ceil(self.capacity_factor * self.top_k * tokens_per_group / self.experts)
+
+    def as_dict(self):
+        return asdict(self)
+
+
+class Router(nn.Module):
+    """A linear gate, no bias: one logit per expert for every token."""
+
+    def __init__(self, hidden, experts):
+        super().__init__()
+        self.gate = nn.Linear(hidden, experts, bias=False)
+
+    def forward(self, x):
+        return self.gate(x)
+
+
+class Expert(MLPBlock):
+    """One expert is an ordinary MLP (fc1, GELU, fc2); an MoE layer holds `experts` of them."""
+
+
+@dataclass
+class Routing:
+    """Where every (token, choice) of a chunk of tokens goes, and whether it fits."""
+    expert: torch.Tensor     # (T, k) expert index of each choice
+    weight: torch.Tensor     # (T, k) gate weight (differentiable)
+    position: torch.Tensor   # (T, k) slot in that expert's queue, counted over the whole group
+    kept: torch.Tensor       # (T, k) position < capacity
+    capacity: int
+    group_load: torch.Tensor  # (E,) assignments routed to each expert in the whole group
+    aux_loss: torch.Tensor   # this chunk's share of the group's Switch loss
+    z_loss: torch.Tensor     # mean over this chunk's tokens of logsumexp(logits)^2
+
+    @property
+    def dropped(self):
+        return int((~self.kept).sum())
+
+
+def top_k_gates(logits, k):
+    """softmax over experts, the top-k experts and their gate weights (see MoEConfig)."""
+    probs = logits.softmax(dim=-1)
+    top_p, expert = probs.topk(k, dim=-1)
+    weight = top_p / top_p.sum(dim=-1, keepdim=True) if k > 1 else top_p
+    return probs, expert, weight
+
+
+def choice_counts(expert, experts):
+    """(k, E): how many tokens of this chunk chose expert e as their j-th choice."""
+    return F.one_hot(expert, experts).sum(dim=0)
+
+
+def queue_offsets(counts_by_chunk, chunk):
+    """(k, E) assignments queued ahead of chunk `chunk`'s first token, for each choice, expert.
+
+    counts_by_chunk (chunks, k, E) holds every chunk's choice_counts in token order (chunks are
+    ranks of an EP group, or the one chunk of a single process). Ahead of choice j: every
+    choice < j of the whole group, then choice j of the earlier chunks.
+    """
+    total = counts_by_chunk.sum(dim=0)
+    return total.cumsum(dim=0) - total + counts_by_chunk[:chunk].sum(dim=0)
+
+
+def queue_positions(expert, experts, offsets):
+    """(T, k) slot of each (token, choice) in its expert's queue: offset + earlier tokens."""
+    onehot = F.one_hot(expert, experts)                  # (T, k, E)
+    earlier_here = onehot.cumsum(dim=0) - onehot         # same choice and expert, earlier token
+    return ((earlier_here + offsets) * onehot).sum(dim=-1)
+
+
+def switch_aux_loss(probs, group_load, group_tokens):
+    """This chunk's share of E * sum_e f_e * P_e (Fedus et al. 2021, eq. 4): f_e the fraction of
+    the group's assignments routed to e (no gradient), P_e the group's mean router probability;
+    P_e is a sum over tokens, so the chunks' shares add up to the group's loss. 1.0 = balanced."""
+    experts = probs.shape[-1]
+    fraction = group_load.to(probs.dtype) / group_load.sum()
+    return experts * (fraction * probs.sum(dim=0)).sum() / group_tokens
+
+
+def router_z_loss(logits):
+    """mean_t logsumexp(logits_t)^2 (ST-MoE, Zoph et al. 2022): keeps router logits small."""
+    return logits.logsumexp(dim=-1).pow(2).mean()
+
+
+class MoELayer(nn.Module):
+    """Router + experts in one process: the reference that expert parallelism must reproduce.
+
+    Experts live in a ModuleDict keyed by their global index, so a rank holding experts 2 and 3
+    names them `experts.2`, `experts.3`, exactly as the full model does.
+    """
+
+    def __init__(self, hidden, ffn, moe=MoEConfig()):
+        super().__init__()
+        self.moe = moe
+        self.router = Router(hidden, moe.experts)
+        self.experts = nn.ModuleDict({str(e): Expert(hidden, moe.expert_ffn or ffn)
+                                      for e in range(moe.experts)})
+        self.aux_loss = self.z_loss = torch.zeros(())
+        self.last = []    # the Routing of each group in the last forward
+
+    def gate(self, tokens):
+        logits = self.router(tokens)
+        probs, expert, weight = top_k_gates(logits, self.moe.top_k)
+        return logits, probs, expert, weight
+
+    def assign(self, logits, probs, expert, weight, counts_by_chunk, chunk, group_tokens):
+        """Capacity and queue slots from every chunk's counts: the same on every rank."""
+        capacity = self.moe.capacity(group_tokens)
+        position = queue_positions(expert, self.moe.experts, queue_offsets(counts_by_chunk, chunk))
+        load = counts_by_chunk.sum(dim=(0, 1))
+        return Routing(expert, weight, position, position < capacity, capacity, load,
+                       switch_aux_loss(probs, load, group_tokens), router_z_loss(logits))
+
+    def forward(self, x):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        if self.moe.dense:
+            return self.dense_forward(tokens).view(shape)
+        outs, self.last = [], []
+        for chunk in tokens.chunk(self.moe.groups):   # routing groups, in token order
+            logits, probs, expert, weight = self.gate(chunk)
+            counts = choice_counts(expert, self.moe.experts)[None]
+            routing = self.assign(logits, probs, expert, weight, counts, 0, chunk.shape[0])
+            outs.append(self.apply_experts(chunk, routing))
+            self.last.append(routing)
+        self.aux_loss = torch.stack([r.aux_loss for r in self.last]).mean()
+        self.z_loss = torch.stack([r.z_loss for r in self.last]).mean()
+        return torch.cat(outs).view(shape)
+
+    def apply_experts(self, tokens, routing):
+        """sum over kept choices of weight * expert(token); dropped choices add nothing."""
+        out = torch.zeros_like(tokens)
+        for name, expert in self.experts.items():
+            tok, choice = ((routing.expert == int(name)) & routing.kept).nonzero(as_tuple=True)
+            if tok.numel():
+                y = expert(tokens[tok]) * routing.weight[tok, choice].unsqueeze(-1)
+                out = out.index_add(0, tok, y)
+        return out
+
+    def dense_forward(self, tokens):
+        """Every expert on every token, weighted by the top-k gates (zero elsewhere): no capacity,
+        no drops. What capacity dispatch equals when the capacity factor is high enough."""
+        logits, probs, expert, weight = self.gate(tokens)
+        gates = torch.zeros_like(probs).scatter(1, expert, weight)
+        self.aux_loss = switch_aux_loss(probs, choice_counts(expert, self.moe.experts).sum(0),
+                                        tokens.shape[0])
+        self.z_loss = router_z_loss(logits)
+        self.last = []
+        return sum(gates[:, int(name), None] * e(tokens) for name, e in self.experts.items())
+
+
+class MoEGPT(TinyGPT):
+    """TinyGPT with every block's MLP replaced by an MoELayer; the loss adds the router losses:
+    cross-entropy + aux_loss_coef * sum_layers Switch loss + z_loss_coef * sum_layers z-loss."""
+
+    def __init__(self, cfg=GPTConfig(), moe=MoEConfig()):
+        super().__init__(cfg)
+        self.moe = moe
+        for block in self.blocks:
+            block.mlp = MoELayer(cfg.hidden, cfg.ffn, moe)
+
+    def moe_layers(self):
+        return [block.mlp for block in self.blocks]
+
+    def forward(self, idx, targets=None):
+        out = super().forward(idx, targets)
+        if targets is None:
+            return out
+        self.ce_loss = out.detach()
+        layers = self.moe_layers()
+        return (out + self.moe.aux_loss_coef * sum(m.aux_loss for m in layers)
+                + self.moe.z_loss_coef * sum(m.z_loss for m in layers))
+
+
+def build_moe(seed=0, moe=MoEConfig(), **overrides):
+    """A freshly initialised MoEGPT (what `build('moe', ...)` would return)."""
+    torch.manual_seed(seed)
+    return MoEGPT(GPTConfig(**overrides), moe)

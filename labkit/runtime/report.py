@@ -79,6 +79,9 @@ def format_table(report):
     for row in report["comm"]:
         lines.append(f"  comm {row['op']:>14}: {row['calls']:4d} calls, {row['bytes']:>10d} B, "
                      f"wire/rank {row['wire_bytes_per_rank']:>12.0f} B")
+    for key in ("bubble_fraction", "tokens_dropped", "expert_load"):
+        if report.get(key) is not None:
+            lines.append(f"  {key.replace('_', ' ')}: {report[key]}")
     lines.append(f"  wall clock (measured, this machine): {report['wall_s']:.2f} s")
     if report["modelled_step_s"] is not None:
         lines.append(f"  step time (modelled on {report['cluster']}): "
