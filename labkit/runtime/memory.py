@@ -81,6 +81,16 @@ class MemoryTracker:
 
     def remove_buffer(self, name):
         self.buffers.pop(name, None)
+        self.sample(f"-{name}")
+
+    def exclude(self, tensor):
+        """Do not count `tensor`'s storage as an activation when autograd saves it (e.g. a
+        weight gathered after tracking started: it is counted as a parameter or buffer)."""
+        self._exclude.add(tensor.untyped_storage().data_ptr())
+
+    def include(self, tensor):
+        """Undo `exclude` (the storage may be reused for something else later)."""
+        self._exclude.discard(tensor.untyped_storage().data_ptr())
 
     # --- activations ---------------------------------------------------------------------------
     @contextmanager
