@@ -3,22 +3,7 @@
 Run from anywhere: `.venv/bin/python notebooks/make/00_why_parallelism.py`. Edit the lesson
 here, not in the .ipynb: the notebook is regenerated (with its outputs) from this list.
 """
-import subprocess
-import sys
-from pathlib import Path
-
-import nbformat
-
-NOTEBOOK = Path(__file__).resolve().parents[1] / "00_why_parallelism.ipynb"
-
-
-def md(text):
-    return nbformat.v4.new_markdown_cell(text.strip())
-
-
-def code(text):
-    return nbformat.v4.new_code_cell(text.strip())
-
+from nbmake import code, md, write_and_execute
 
 CELLS = [
     md(r"""
@@ -302,18 +287,5 @@ check("fewest H100s with ZeRO-3", fewest_h100s_zero3, fewest,
 ]
 
 
-def build():
-    nb = nbformat.v4.new_notebook()
-    nb.cells = CELLS
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nb.metadata["language_info"] = {"name": "python"}
-    nbformat.write(nb, NOTEBOOK)
-    subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook",
-                    "--execute", "--inplace", "--ExecutePreprocessor.timeout=120",
-                    str(NOTEBOOK)], check=True)
-    print(f"wrote and executed {NOTEBOOK}")
-
-
 if __name__ == "__main__":
-    build()
+    write_and_execute(CELLS, "00_why_parallelism.ipynb")

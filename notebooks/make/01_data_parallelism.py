@@ -3,22 +3,7 @@
 Run from anywhere: `.venv/bin/python notebooks/make/01_data_parallelism.py`. Edit the lesson
 here, not in the .ipynb: the notebook is regenerated (with its outputs) from this list.
 """
-import subprocess
-import sys
-from pathlib import Path
-
-import nbformat
-
-NOTEBOOK = Path(__file__).resolve().parents[1] / "01_data_parallelism.ipynb"
-
-
-def md(text):
-    return nbformat.v4.new_markdown_cell(text.strip())
-
-
-def code(text):
-    return nbformat.v4.new_code_cell(text.strip())
-
+from nbmake import code, md, write_and_execute
 
 CELLS = [
     md(r"""
@@ -402,18 +387,5 @@ _ = dp.check_ring_all_reduce(receives_first, timeout_s=3)
 ]
 
 
-def build():
-    nb = nbformat.v4.new_notebook()
-    nb.cells = CELLS
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nb.metadata["language_info"] = {"name": "python"}
-    nbformat.write(nb, NOTEBOOK)
-    subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook",
-                    "--execute", "--inplace", "--ExecutePreprocessor.timeout=300",
-                    str(NOTEBOOK)], check=True)
-    print(f"wrote and executed {NOTEBOOK}")
-
-
 if __name__ == "__main__":
-    build()
+    write_and_execute(CELLS, "01_data_parallelism.ipynb")

@@ -3,22 +3,7 @@
 Run from anywhere: `.venv/bin/python notebooks/make/05_mixture_of_experts.py`. Edit the lesson
 here, not in the .ipynb: the notebook is regenerated (with its outputs) from this list.
 """
-import subprocess
-import sys
-from pathlib import Path
-
-import nbformat
-
-NOTEBOOK = Path(__file__).resolve().parents[1] / "05_mixture_of_experts.ipynb"
-
-
-def md(text):
-    return nbformat.v4.new_markdown_cell(text.strip())
-
-
-def code(text):
-    return nbformat.v4.new_code_cell(text.strip())
-
+from nbmake import code, md, write_and_execute
 
 CELLS = [
     md(r"""
@@ -249,16 +234,5 @@ moe.check_top_k_routing(route);
 ]
 
 
-def main():
-    nb = nbformat.v4.new_notebook()
-    nb.cells = CELLS
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nbformat.write(nb, NOTEBOOK)
-    jupyter = Path(sys.executable).with_name("jupyter")
-    subprocess.run([str(jupyter), "nbconvert", "--to", "notebook", "--execute", "--inplace",
-                    "--ExecutePreprocessor.timeout=300", str(NOTEBOOK)], check=True)
-
-
 if __name__ == "__main__":
-    main()
+    write_and_execute(CELLS, "05_mixture_of_experts.ipynb")
