@@ -108,17 +108,21 @@ def main(world_sizes=(2, 4)):
         s = summarise(labkit.launch(both, n, cfg, timeout_s=900), cfg)
         print(f"\nworld size {n} ({time.time() - t0:.0f} s)")
         print(f"  {'':22}{'labkit':>12}{'torch DDP':>12}{'ratio':>8}")
-        for label, side in (("step time, clock off", "labkit"), ("step time, clock on", "labkit+clock")):
+        for label, side in (("step time, clock off", "labkit"),
+                            ("step time, clock on", "labkit+clock")):
             r = s[side]["step"] / s["torch"]["step"]
-            print(f"  {label:22}{s[side]['step'] * 1e3:10.1f}ms{s['torch']['step'] * 1e3:10.1f}ms{r:8.2f}")
-            rows.append(["data_parallel", f"dp.train bucketed ({'clock on' if 'clock' in side else 'clock off'})",
+            ms, torch_ms = s[side]["step"] * 1e3, s["torch"]["step"] * 1e3
+            print(f"  {label:22}{ms:10.1f}ms{torch_ms:10.1f}ms{r:8.2f}")
+            clock = "clock on" if "clock" in side else "clock off"
+            rows.append(["data_parallel", f"dp.train bucketed ({clock})",
                          "DistributedDataParallel", n, "step_time_s_median",
                          f"{s[side]['step']:.4e}", f"{s['torch']['step']:.4e}", f"{r:.2f}",
                          f"wall clock; TinyGPT h128 L4 {params / 1e6:.2f}M params; batch 16; "
                          f"1 MiB buckets; Adam; gloo CPU {os.cpu_count()} cores; shared machine",
                          today])
         r = s["labkit"]["peak"] / s["torch"]["peak"]
-        print(f"  {'peak memory':22}{s['labkit']['peak'] / 1e6:10.2f}MB{s['torch']['peak'] / 1e6:10.2f}MB{r:8.2f}")
+        mb, torch_mb = s["labkit"]["peak"] / 1e6, s["torch"]["peak"] / 1e6
+        print(f"  {'peak memory':22}{mb:10.2f}MB{torch_mb:10.2f}MB{r:8.2f}")
         print(f"  {'  of it grad buckets':22}{s['labkit']['buckets'] / 1e6:10.2f}MB"
               f"{s['torch']['buckets'] / 1e6:10.2f}MB")
         print(f"  max |param diff| labkit vs DDP: {s['diff']:.2e} "
@@ -129,7 +133,8 @@ def main(world_sizes=(2, 4)):
                      "grad buckets (labkit buffers; DDP logging-data bucket_sizes)", today])
         rows.append(["data_parallel", "dp.train bucketed", "DistributedDataParallel", n,
                      "max_param_diff", f"{s['diff']:.2e}", "", "",
-                     f"after {cfg.steps} Adam steps, key bias excluded; with it {s['diff_all']:.2e}",
+                     f"after {cfg.steps} Adam steps, key bias excluded; "
+                     f"with it {s['diff_all']:.2e}",
                      today])
     with open(os.path.join(ROOT, "data", "bench.csv"), "a", newline="") as f:
         csv.writer(f).writerows(rows)

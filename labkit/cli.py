@@ -120,14 +120,16 @@ def memory_table(model_name, batch, seq, gpus):
              "", "inference (weights + KV cache at batch %d, context %d):" % (batch, seq)]
     for dtype in ("bf16", "int8", "int4"):
         inf = tm.inference_memory(m, batch=batch, context=seq, weight_dtype=dtype)
-        lines.append(f"  {dtype:>5}: weights {inf['weights'] / 1e9:8.1f} GB   "
-                     f"KV cache {inf['kv_cache'] / 1e9:6.1f} GB   total {inf['total'] / 1e9:8.1f} GB")
+        gb = {k: v / 1e9 for k, v in inf.items()}
+        lines.append(f"  {dtype:>5}: weights {gb['weights']:8.1f} GB   "
+                     f"KV cache {gb['kv_cache']:6.1f} GB   total {gb['total']:8.1f} GB")
     lines += ["", f"training, mixed-precision Adam, batch {batch} x {seq} tokens, "
               f"{gpus} data-parallel GPU(s):"]
     for stage in range(4):
         tr = tm.training_memory(m, batch=batch, seq=seq, zero_stage=stage, dp=gpus)
         label = "no ZeRO" if stage == 0 else f"ZeRO-{stage}"
-        lines.append(f"  {label:>8}: params {tr['params'] / 1e9:7.1f}  grads {tr['grads'] / 1e9:7.1f}"
-                     f"  optimizer {tr['optimizer'] / 1e9:7.1f}  activations "
-                     f"{tr['activations'] / 1e9:7.1f}  total {tr['total'] / 1e9:8.1f} GB")
+        gb = {k: v / 1e9 for k, v in tr.items()}
+        lines.append(f"  {label:>8}: params {gb['params']:7.1f}  grads {gb['grads']:7.1f}"
+                     f"  optimizer {gb['optimizer']:7.1f}  activations "
+                     f"{gb['activations']:7.1f}  total {gb['total']:8.1f} GB")
     return "\n".join(lines)

@@ -5,7 +5,7 @@ gradients and optimizer state, the states are cut into N equal shards (Rajbhanda
 arXiv 1910.02054). Bytes per rank with Ψ parameters and K bytes of optimizer state per parameter
 (K = 12 for mixed-precision Adam: fp32 master + momentum + variance; K = 8 for fp32 Adam):
 
-    baseline DP (2+2+K)Ψ   stage 1  2Ψ + 2Ψ + KΨ/N   stage 2  2Ψ + (2+K)Ψ/N   stage 3 (2+2+K)Ψ/N
+    baseline (2+2+K)Ψ   stage 1 2Ψ + 2Ψ + KΨ/N   stage 2 2Ψ + (2+K)Ψ/N   stage 3 (2+2+K)Ψ/N
 
 (the 2s are 4s in fp32 mode). Communication per step and rank: stages 1 and 2 reduce-scatter the
 gradients (Ψ) and all-gather the updated weights (Ψ): 2Ψ, the same as DP's all-reduce. Stage 3

@@ -15,7 +15,8 @@ __all__ = [
     "catalog", "hardware", "memory", "time",
     "ModelShape", "model", "models", "GPU", "Cluster", "Link", "cluster", "gpu", "gpus", "link",
     "links", "activation_bytes_per_layer", "inference_memory", "largest_trainable_params",
-    "model_state_bytes", "tiny_gpt_activation_bytes", "training_memory", "zero_stage_table", "bubble_fraction",
+    "model_state_bytes", "tiny_gpt_activation_bytes", "training_memory", "zero_stage_table",
+    "bubble_fraction",
     "bubble_over_ideal", "collective_time", "dp_speedup", "dp_step_time", "training_flops",
     "wire_bytes_per_rank",
 ]
