@@ -195,7 +195,8 @@ def test_the_same_script_runs_under_torchrun(tmp_path):
          str(script), str(folder), "2"], capture_output=True, text=True, timeout=120,
         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.count("RESULT [2.0, 2.0]") == 2  # every rank gets all results
+    # every rank gets all results (the two ranks' prints may interleave)
+    assert out.stdout.count("RESULT") == 2 and out.stdout.count("[2.0, 2.0]") == 2
 
 
 def test_a_script_piped_on_stdin_can_launch(tmp_path):

@@ -157,3 +157,19 @@ def test_activations_are_released_after_backward():
         loss.backward()
     assert held > 0 and tracker.saved_bytes == 0
     assert tracker.max_saved_bytes == held
+
+
+def send_with_the_clock_off(ctx):
+    ctx.clock.enabled = False
+    x = torch.full((3,), float(ctx.rank))
+    if ctx.rank == 0:
+        ctx.comm.send(x, 1, async_op=True).wait()
+        ctx.comm.send(x, 1)
+    else:
+        ctx.comm.recv(x, 0)
+        ctx.comm.recv(x, 0, async_op=True).wait()
+    return x.tolist(), ctx.clock.now()
+
+
+def test_point_to_point_works_with_the_clock_off():
+    assert labkit.launch(send_with_the_clock_off, 2) == [([0.0] * 3, 0.0), ([0.0] * 3, 0.0)]

@@ -128,7 +128,8 @@ class Comm:
     def send(self, tensor, dst, async_op=False):
         """Send `tensor` to global rank `dst`; the sender's virtual time travels with it."""
         timing = self.ctx.clock.start_send(dst, tensor.nbytes)
-        stamp = torch.tensor([timing.issued], dtype=torch.float64)
+        issued = timing.issued if timing is not None else 0.0  # None: the clock is off
+        stamp = torch.tensor([issued], dtype=torch.float64, device=self.ctx.device)
         record = self._record("send", tensor, 2, dst)
         t0 = time.perf_counter()
         self.ctx.set_status(f"send to rank {dst} ({tensor.nbytes} bytes) {self.tag}")
@@ -144,7 +145,7 @@ class Comm:
 
     def recv(self, tensor, src, async_op=False):
         """Receive into `tensor` from global rank `src`; waits (virtually) for its arrival."""
-        stamp = torch.zeros(1, dtype=torch.float64)
+        stamp = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
         record = self._record("recv", tensor, 2, src)
         t0 = time.perf_counter()
         self.ctx.set_status(f"recv from rank {src} ({tensor.nbytes} bytes) {self.tag}")

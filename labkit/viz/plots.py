@@ -16,7 +16,7 @@ from matplotlib.ticker import FuncFormatter
 UNITS = {"TB": 1e12, "GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1.0}
 UNIT_NOTES = {"TB": "TB = 10¹² bytes", "GB": "GB = 10⁹ bytes", "MB": "MB = 10⁶ bytes",
               "KB": "KB = 10³ bytes", "B": "bytes"}
-TIME_UNITS = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6}
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
 
 # Memory categories, bottom to top, with one colour each (the same in every lesson).
 MEMORY_ORDER = ("params", "grads", "optimizer", "activations", "kv_cache", "weights", "buffers")
@@ -55,12 +55,14 @@ def pick_byte_unit(max_bytes):
 
 
 def pick_time_unit(max_seconds):
-    """'s', 'ms' or 'µs' for an axis whose largest value is `max_seconds`."""
+    """'s', 'ms', 'µs' or 'ns' for an axis whose largest value is `max_seconds`."""
     if max_seconds >= 1:
         return "s"
     if max_seconds >= 1e-3:
         return "ms"
-    return "µs"
+    if max_seconds >= 1e-6:
+        return "µs"
+    return "ns"
 
 
 def _spread(values, gap):
