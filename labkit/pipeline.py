@@ -583,6 +583,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", stages=None, microba
                          f"one stage per rank, so pass --world-size {stages} (or drop --stages)")
     m = 1 if schedule == "naive" else microbatches
     v = virtual if schedule == "interleaved" else 1
+    stage_layout(reference.build_model(cfg), world_size, v, split)  # bad splits fail here
     results = merge_results(launch(train, world_size, cfg, schedule, m, v, recompute, split,
                                    cluster=cluster, timeout_s=timeout_s))
     timeline = [e for r in results for e in r["timeline"]]
