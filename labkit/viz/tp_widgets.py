@@ -22,6 +22,9 @@ def tp_panels(fig, model="Llama 3 70B", tp=8, sequence_parallel=False, link="NVL
               batch=1, seq=4096):
     """Draw the three modelled panels on `fig`; return a one-line summary (HTML)."""
     m = catalog.model(model)
+    note = ""
+    if tp > 8 and link.startswith("NVLink"):  # an NVLink domain is one 8-GPU node
+        link, note = "InfiniBand NDR", " (TP > 8 spans nodes, so the link is InfiniBand)"
     fig.clf()
     mem_ax, comm_ax, time_ax = fig.subplots(1, 3, gridspec_kw=dict(width_ratios=[1.1, 1, 1.4]))
     bars = {}
@@ -63,7 +66,7 @@ def tp_panels(fig, model="Llama 3 70B", tp=8, sequence_parallel=False, link="NVL
             f"<b>{fmt(total / 1e9)} GB</b> per GPU, step {fmt(timing['total'] * 1e3)} ms "
             f"(modelled), of which exposed communication "
             f"<b>{timing['exposed_share']:.0%}</b>; speedup over one GPU "
-            f"{one['total'] / timing['total']:.1f}x")
+            f"{one['total'] / timing['total']:.1f}x{note}")
 
 
 def tp_explorer():
