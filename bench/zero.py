@@ -110,7 +110,7 @@ def run_torch(ctx, kind, cfg):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         module = DDP(model)
         optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=cfg.lr,
-                                            foreach=False)
+                                            eps=1e-6, foreach=False)  # as build_optimizer
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
