@@ -130,7 +130,7 @@ def draw(fig, model, gpus, tokens, bucket_mb, link):
 def dp_explorer(model="Llama 3 8B", gpus=16, tokens=2 ** 20, bucket_mb=25):
     """The widget: change a control, the three panels redraw (theory only: well under 1 s)."""
     import ipywidgets as widgets
-    from IPython.display import display
+    from .widgets import figure_explorer
 
     names = [m.display_name for m in catalog.models() if m.arch != "unet"]
     style = dict(description_width="initial")
@@ -147,19 +147,4 @@ def dp_explorer(model="Llama 3 8B", gpus=16, tokens=2 ** 20, bucket_mb=25):
         link=widgets.Dropdown(options=list(LINKS), description="links", style=style,
                               layout=widgets.Layout(width="420px")),
     )
-    out, text = widgets.Output(), widgets.HTML()
-    fig = plt.figure(figsize=(12, 3.8))
-    plt.close(fig)
-
-    def redraw(_change=None):
-        fig.clf()
-        text.value = draw(fig, **{k: w.value for k, w in controls.items()})
-        with out:
-            out.clear_output(wait=True)
-            display(fig)
-
-    for w in controls.values():
-        w.observe(redraw, names="value")
-    redraw()
-    rows = list(controls.values())
-    return widgets.VBox([widgets.HBox(rows[:3]), widgets.HBox(rows[3:]), text, out])
+    return figure_explorer(controls, draw, figsize=(12, 3.8))

@@ -87,7 +87,7 @@ def quick_gantt(timeline, ax, title):
 def pipeline_explorer():
     """Sliders: stages, micro-batches, schedule, virtual stages, compute/comm ratio."""
     import ipywidgets as widgets
-    from IPython.display import display
+    from .widgets import figure_explorer
 
     controls = dict(
         stages=widgets.IntSlider(4, 2, 8, description="stages P"),
@@ -98,22 +98,7 @@ def pipeline_explorer():
         ratio=widgets.FloatLogSlider(value=100, base=10, min=-1, max=3,
                                      description="compute/comm"),
     )
-    out, text = widgets.Output(), widgets.HTML()
-    fig = plt.figure(figsize=(10, 6))
-    plt.close(fig)
-
-    def redraw(_change=None):
-        fig.clf()
-        text.value = draw_pipeline(fig, **{k: w.value for k, w in controls.items()})
-        with out:
-            out.clear_output(wait=True)
-            display(fig)
-
-    for w in controls.values():
-        w.observe(redraw, names="value")
-    redraw()
-    rows = list(controls.values())
-    return widgets.VBox([widgets.HBox(rows[:3]), widgets.HBox(rows[3:]), text, out])
+    return figure_explorer(controls, draw_pipeline, figsize=(10, 6))
 
 
 def run_gantts(timeline, title=""):

@@ -22,6 +22,13 @@ def explorer(controls, draw, figsize=(8, 4.6)):
 
     `draw(ax, **{name: widget.value})` draws on `ax` and returns the text line (HTML allowed).
     """
+    return figure_explorer(controls, lambda fig, **values: draw(fig.add_subplot(), **values),
+                           figsize)
+
+
+def figure_explorer(controls, draw, figsize=(8, 4.6)):
+    """Like `explorer`, but `draw(fig, **values)` gets the whole (cleared) figure, for
+    explorers with several panels."""
     import ipywidgets as widgets
     from IPython.display import display
 
@@ -32,8 +39,7 @@ def explorer(controls, draw, figsize=(8, 4.6)):
 
     def redraw(_change=None):
         fig.clf()
-        ax = fig.add_subplot()
-        text.value = draw(ax, **{name: w.value for name, w in controls.items()}) or ""
+        text.value = draw(fig, **{name: w.value for name, w in controls.items()}) or ""
         with out:
             out.clear_output(wait=True)
             display(fig)
