@@ -1,14 +1,17 @@
 """Figures and the explorer of the ZeRO lesson (04): memory per rank by stage, measured beside
 modelled; which stages let a real model fit on N GPUs; memory over one step; the largest
 trainable model per GPU count. Everything modelled comes from `labkit.theory.memory`.
+Also: comm per step beside the formula, the offload timeline, and the exercise's checker.
 """
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
 from ..theory import catalog, hardware
 from ..theory import memory as tm
-from .plots import MEMORY_COLORS, MEMORY_LABELS, UNITS, fmt, memory_stack
+from .plots import (MEMORY_COLORS, MEMORY_LABELS, TIME_UNITS, UNITS, fmt, gantt, memory_stack,
+                    pick_time_unit)
 
 STAGE_LABELS = ["baseline DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
 STATE_CATEGORIES = ("params", "grads", "optimizer")
@@ -102,11 +105,16 @@ def step_memory_figure(step_memory, ax=None, title="", unit="MB"):
                 va="bottom")
     marks = [i for i, (phase, _) in enumerate(step_memory)
              if phase in ("after forward", "after backward") or phase.startswith("after step")]
-    for i in marks:
+    last, width = None, max(1, len(xs) - 1)
+    level = 0
+    for i in marks:   # phase names above the stack; close neighbours on a second line
         ax.axvline(i, color="0.3", linestyle=":", linewidth=1)
-        ax.text(i, max(totals) * 1.02, step_memory[i][0], fontsize=7, ha="center")
-    ax.set_xlim(0, max(1, len(xs) - 1))
-    ax.set_ylim(0, max(totals) * 1.15)
+        level = 1 - level if last is not None and i - last < 0.12 * width else 0
+        ha = "left" if i < 0.05 * width else "right" if i > 0.95 * width else "center"
+        ax.text(i, max(totals) * (1.03 + 0.07 * level), step_memory[i][0], fontsize=7, ha=ha)
+        last = i
+    ax.set_xlim(0, width)
+    ax.set_ylim(0, max(totals) * 1.2)
     ax.set_xlabel("sample point within one step (measured; phase boundaries dotted)")
     ax.set_ylabel(f"bytes on rank 0 ({unit})")
     ax.set_title(title or "memory over one step (measured)")
@@ -136,3 +144,135 @@ def largest_model_figure(gpu="A100 SXM 40GB", gpu_counts=(1, 4, 16, 64, 256, 102
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def step_memory_compare(step_memories, unit="MB", title=""):
+    """One `step_memory_figure` panel per entry of {label: step_memory}, stacked vertically
+    with a shared y range, so that stage 3's transient buffers compare at a glance."""
+    fig, axes = plt.subplots(len(step_memories), 1, figsize=(10, 3.3 * len(step_memories)))
+    axes = [axes] if len(step_memories) == 1 else list(axes)
+    for k, (ax, (label, samples)) in enumerate(zip(axes, step_memories.items())):
+        step_memory_figure(samples, ax=ax, title=label, unit=unit)
+        if k:   # one legend is enough
+            ax.get_legend().remove()
+    top = max(ax.get_ylim()[1] for ax in axes)
+    for ax in axes:
+        ax.set_ylim(0, top)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def comm_per_step_figure(rows, ax=None, title="", unit="MB"):
+    """Wire bytes per rank and step: measured (comm log) beside the formula, per run.
+
+    `rows` is {label: {"measured": bytes, "formula": bytes}}; the ratio to the first row
+    (baseline DP) is written above each measured bar.
+    """
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig = ax.figure
+    scale = UNITS[unit]
+    labels = list(rows)
+    x = range(len(labels))
+    measured = [rows[k]["measured"] / scale for k in labels]
+    formula = [rows[k]["formula"] / scale for k in labels]
+    ax.bar([i - 0.2 for i in x], measured, 0.4, color="#9467bd",
+           label="measured: wire bytes from the comm log")
+    ax.bar([i + 0.2 for i in x], formula, 0.4, color="#c5b0d5", hatch="//", edgecolor="white",
+           label="formula: (N-1)/N x {2, 3} x Ψ x bytes")
+    for i, m in enumerate(measured):
+        ax.text(i - 0.2, m, f"{m / measured[0]:.2f}x", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel(f"bytes sent per rank per step ({unit})")
+    ax.set_ylim(0, max(measured + formula) * 1.2)
+    ax.set_title(title or "communication per step and rank")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+PCIE_COLOR = "#e377c2"
+
+
+def offload_gantt(timeline, ranks=(0, 1), title=""):
+    """`plots.gantt` of some ranks (modelled clock) with ZeRO-Offload's PCIe copies (events named
+    'offload: ...') drawn over in their own colour, so they stand out from the collectives."""
+    events = [e for e in timeline if int(e["rank"]) in ranks]
+    fig = gantt(events, clock="modelled", title=title)
+    ax = fig.axes[0]
+    order = sorted({int(e["rank"]) for e in events})
+    t_max = max(float(e["end"]) for e in events)
+    unit = pick_time_unit(t_max)
+    scale = TIME_UNITS[unit]
+    for e in events:
+        if str(e["name"]).startswith("offload"):
+            ax.barh(-order.index(int(e["rank"])), (e["end"] - e["start"]) / scale,
+                    left=e["start"] / scale, height=0.5, color=PCIE_COLOR, edgecolor="black",
+                    linewidth=0.6)
+    legend = ax.get_legend()
+    handles = list(legend.legend_handles) + [Patch(color=PCIE_COLOR,
+                                                   label="PCIe copy (offload, modelled)")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+              frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+# ------------------------------------------------------------------------------- the exercise
+
+def stage_memory_answer(params, world_size, stage, mixed_precision=True):
+    """The expected model-state bytes per GPU (theory.memory.model_state_bytes, Adam)."""
+    return tm.model_state_bytes(params, mixed_precision=mixed_precision, zero_stage=stage,
+                                world_size=world_size)["total"]
+
+
+def _stage_memory_feedback(answer, params, world_size, stage, mixed_precision):
+    if answer is None:
+        return ("No answer yet. Hint: with mixed-precision Adam every parameter costs 2 bytes "
+                "(bf16 weight) + 2 bytes (bf16 gradient) + 12 bytes (fp32 master, momentum, "
+                f"variance). Which of the three does stage {stage} divide by N = {world_size}?")
+    try:
+        value = float(answer)
+    except (TypeError, ValueError):
+        return f"Give a number of bytes (an int or a float), not {answer!r}."
+    expected = stage_memory_answer(params, world_size, stage, mixed_precision)
+    close = lambda x: abs(value - x) <= 0.01 * abs(x)   # noqa: E731
+    if close(expected):
+        return (f"Correct: {value / 1e9:,.2f} GB per GPU of model states "
+                f"({expected / params:.3g} bytes per parameter).")
+    if close(expected / 1e9):
+        return f"Right number, but in GB: the answer is asked in bytes ({expected:,.0f})."
+    n = world_size
+    w, k = (2, 12) if mixed_precision else (4, 8)
+    known = {
+        "the baseline without ZeRO (nothing divided by N)": (2 * w + k) * params,
+        "stage 1 (only the optimizer state divided by N)": (2 * w + k / n) * params,
+        "stage 2": (w + (w + k) / n) * params,
+        "stage 3 (the weights divided by N as well)": (2 * w + k) * params / n,
+        "stage 2 without the fp32 master copy (K = 8 instead of 12)":
+            (w + (w + k - 4) / n) * params,
+        "stage 2 with the weights in fp32 (4 bytes)": (4 + (w + k) / n) * params,
+    }
+    for name, bytes_ in known.items():
+        if name != f"stage {stage}" and close(bytes_):
+            return (f"Not quite: {value:,.0f} bytes is {name}. Which states does stage {stage} "
+                    "shard, and which does every GPU keep whole?")
+    return (f"Not quite: {value:,.0f} bytes is {value / expected:.3g}x the expected value. Per "
+            f"parameter: weights {w} B, gradients {w} B, optimizer state {k} B; stage {stage} "
+            f"divides {'the last two' if stage == 2 else 'some of them'} by N = {n}.")
+
+
+def check_stage_memory_answer(answer, params, world_size, stage=2, mixed_precision=True):
+    """Print plain-words feedback on `answer` (bytes of model states per GPU); never raises.
+
+    Returns True when the answer is within 1% of theory.memory.model_state_bytes.
+    """
+    try:
+        message = _stage_memory_feedback(answer, params, world_size, stage, mixed_precision)
+    except Exception as error:   # feedback, never a traceback in the learner's notebook
+        message = f"Could not check this answer ({type(error).__name__}: {error})."
+    print(message)
+    return message.startswith("Correct")
