@@ -19,7 +19,7 @@ from common import append_rows, median  # noqa: E402
 
 from labkit import data, models, moe  # noqa: E402
 from labkit.models import MoEConfig, MoELayer, choice_counts  # noqa: E402
-from labkit.reference import RunConfig, batch, build_optimizer  # noqa: E402
+from labkit.runs.reference import RunConfig, batch, build_optimizer  # noqa: E402
 from labkit.runtime.launch import launch  # noqa: E402
 
 WORLD, STEPS, WARMUP = 4, 8, 2

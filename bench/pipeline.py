@@ -18,7 +18,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
 from labkit import pipeline as pp  # noqa: E402
-from labkit import reference  # noqa: E402
+from labkit.runs import reference  # noqa: E402
 from labkit.runtime.memory import MemoryTracker  # noqa: E402
 from common import append_rows, median  # noqa: E402
 

@@ -15,13 +15,14 @@ from .runtime.launch import LaunchError
 
 # technique name on the command line -> the module that implements it
 TECHNIQUES = {
-    "single": "labkit.reference",
-    "dp": "labkit.data_parallel",
-    "pipeline": "labkit.pipeline",
-    "tp": "labkit.tensor_parallel",
-    "zero": "labkit.zero",
-    "moe": "labkit.moe",
+    "single": "labkit.runs.reference",
+    "dp": "labkit.runs.data_parallel",
+    "pipeline": "labkit.runs.pipeline",
+    "tp": "labkit.runs.tensor_parallel",
+    "zero": "labkit.runs.zero",
+    "moe": "labkit.runs.moe",
 }
+SHAPE = ("layers", "hidden", "heads", "ffn", "seq", "vocab")  # GPT shape flags (--layers 4 ...)
 
 
 def main(argv=None):
@@ -77,21 +78,39 @@ def _common_run_arguments(parser, default_world_size):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cluster", default="8xH100-NVLink",
                         help="the modelled cluster for the virtual clock")
+    shape = parser.add_argument_group("model shape (the GPT; defaults: labkit.models.GPTConfig)")
+    for name in SHAPE:
+        shape.add_argument(f"--{name}", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--timeline", action="store_true", help="include the timeline in JSON")
 
 
 def run_technique(args):
-    from .reference import RunConfig
-    from .runtime.report import format_table, to_json
+    from .runs.reference import RunConfig
+    from .runs.report import format_table, to_json
     module = importlib.import_module(TECHNIQUES[args.technique])
+    shape = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
+    if shape and args.model == "mlp":
+        raise ValueError(f"--{next(iter(shape))} sets the GPT's shape; drop it with --model mlp")
+    for name, value in shape.items():
+        if value < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {value}")
     cfg = RunConfig(model=args.model, steps=args.steps, global_batch=args.batch, lr=args.lr,
-                    optimizer=args.optimizer, seed=args.seed)
+                    optimizer=args.optimizer, seed=args.seed, model_kwargs=shape)
+    if args.model == "gpt":
+        _check_gpt_shape(cfg)
     options = {k: v for k, v in vars(args).items()
                if k not in ("command", "technique", "model", "steps", "batch", "lr",
-                            "optimizer", "seed", "json", "timeline", "world_size", "cluster")}
+                            "optimizer", "seed", "json", "timeline", "world_size", "cluster")
+               + SHAPE}
     report = module.report(world_size=args.world_size, cfg=cfg, cluster=args.cluster, **options)
     return to_json(report, timeline=args.timeline) if args.json else format_table(report)
+
+
+def _check_gpt_shape(cfg):
+    """A shape the GPT cannot take ends here, in one line, before any rank starts."""
+    from .models import GPTConfig
+    GPTConfig(**cfg.model_kwargs)   # raises ValueError, e.g. hidden not divisible by heads
 
 
 def doctor():

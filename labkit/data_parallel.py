@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from . import data
-from .reference import RunConfig, batch, build_model, build_optimizer, full_params
-from .runtime.report import build_report, rank_result
+from .runs.reference import RunConfig, batch, build_model, build_optimizer, full_params
+from .runs.report import build_report, rank_result
 
 DEFAULT_BUCKET_MB = 0.25   # the tiny model's gradients are ~0.47 MB: two buckets
 MODES = ("bucketed", "naive")
@@ -429,7 +429,7 @@ def predict_memory(cfg, world_size, mode="bucketed", accumulate=1):
     """Bytes per rank (theory/): a full replica of params, grads and Adam state on every rank,
     activations for global_batch / (N x K) examples, plus one flat copy of the gradients as
     buckets in bucketed mode. `peak` adds them all (an upper bound)."""
-    from .reference import activation_bytes, predict_memory as single
+    from .runs.reference import activation_bytes, predict_memory as single
     model = build_model(cfg)
     out = single(cfg, model)
     out["activations"] = activation_bytes(model, cfg.global_batch // (world_size * accumulate))

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from . import data, models
 from .models import MoEConfig, MoELayer, choice_counts, queue_offsets
-from .reference import RunConfig, batch, build_optimizer, full_params
-from .runtime.report import build_report, rank_result
+from .runs.reference import RunConfig, batch, build_optimizer, full_params
+from .runs.report import build_report, rank_result
 
 BYTES_FP32 = 4
 EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")

@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import models, reference
+from . import models
+from .runs import reference
 from .theory import hardware
 from .theory import memory as theory_memory
 from .theory import time as theory_time
@@ -491,7 +492,7 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
 
     `schedule` is a name or a schedule (list of per-rank op lists, e.g. a learner's own).
     """
-    from .runtime.report import rank_result
+    from .runs.report import rank_result
     p = ctx.world_size
     if isinstance(schedule, str):
         if schedule == "naive":
@@ -576,7 +577,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", stages=None, microba
            schedule="1f1b", virtual=2, recompute=False, split=None, timeout_s=120, **_):
     """Run the pipeline and return the run report (with bubble_fraction, measured)."""
     from .runtime.launch import launch
-    from .runtime.report import build_report
+    from .runs.report import build_report
     cfg = cfg or reference.RunConfig()
     if stages is not None and stages != world_size:
         raise ValueError(f"--stages {stages} but --world-size {world_size}: the pipeline runs "

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import models
-from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
+from .runs.reference import RunConfig, batch as global_batch, build_model, build_optimizer
 from .theory import memory as theory_memory
 from .theory import tensor_parallel as theory_tp
 
@@ -506,7 +506,7 @@ def check_tp_degree(cfg, tp, sequence_parallel=False):
 
 def train(ctx, cfg, sequence_parallel=False, regather=True, details=False):
     """Train the TP tiny GPT on the TP group ctx.world; every rank sees the whole batch."""
-    from .runtime.report import rank_result
+    from .runs.report import rank_result
     check_tp_degree(cfg, ctx.world_size, sequence_parallel)
     model = TensorParallelGPT(ctx, ctx.world, build_model(cfg),
                               sequence_parallel=sequence_parallel, regather=regather)
@@ -576,7 +576,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", sequence_parallel=Fa
            regather=True, details=False, **_):
     """Run TP (world_size = TP degree) on the tiny GPT and return the run report."""
     from .runtime.launch import launch
-    from .runtime.report import build_report
+    from .runs.report import build_report
     cfg = cfg or RunConfig()
     check_tp_degree(cfg, world_size, sequence_parallel)
     results = launch(train, world_size, cfg, sequence_parallel, regather, details,

@@ -30,9 +30,9 @@ import torch
 import torch.nn as nn
 
 from . import data
-from .reference import RunConfig, batch, build_model, build_optimizer
+from .runs.reference import RunConfig, batch, build_model, build_optimizer
 from .runtime.memory import optimizer_state_tensors
-from .runtime.report import build_report, rank_result
+from .runs.report import build_report, rank_result
 from .theory import hardware
 from .theory import memory as theory_memory
 from .theory import time as theory_time
@@ -506,7 +506,7 @@ def predict_memory(cfg, world_size, stage, mixed_precision=False, offload=False)
     """Bytes per rank from theory.memory.model_state_bytes (the ZeRO paper's formulas) plus
     activations for global_batch/N examples; offload moves the optimizer state to the host.
     Stage 3's buffers: one gathered layer plus one prefetched (the two largest layers)."""
-    from .reference import activation_bytes
+    from .runs.reference import activation_bytes
     model = build_model(cfg)
     psi = sum(p.numel() for p in model.parameters())
     states = theory_memory.model_state_bytes(psi, mixed_precision=mixed_precision,

@@ -11,7 +11,7 @@ import torch
 
 import labkit
 from labkit import data_parallel as dp
-from labkit import reference
+from labkit.runs import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = {  # name -> train() keyword arguments

@@ -8,7 +8,7 @@ import torch
 from labkit import cli, moe
 from labkit.models import (MoEConfig, MoELayer, choice_counts, queue_offsets,
                            queue_positions)
-from labkit.reference import RunConfig
+from labkit.runs.reference import RunConfig
 from labkit.runtime.launch import launch
 from labkit.theory import moe as tmoe
 

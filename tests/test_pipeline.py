@@ -13,7 +13,7 @@ import torch
 
 import labkit
 from labkit import pipeline as pp
-from labkit import reference
+from labkit.runs import reference
 from labkit.theory import time as theory_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

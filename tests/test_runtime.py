@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import labkit
-from labkit import reference
+from labkit.runs import reference
 from labkit.runtime.memory import MemoryTracker, storage_bytes
 from labkit.theory import time as theory_time
 

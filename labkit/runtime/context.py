@@ -1,10 +1,13 @@
 """What `fn(ctx)` receives on every rank: who it is, its groups, and its three instruments.
 
 `ctx.comm` (the logged collectives), `ctx.memory` (bytes by category, peak) and `ctx.clock`
-(the virtual timeline on a modelled cluster) are created here, once per rank, and passed
-explicitly to every technique: there is no global process-group manager.
+(the virtual timeline on a modelled cluster) are created here, once per rank. Techniques take
+their process group explicitly (`group=None` means the world); `context()` finds the process's
+context, so a building block works under `launch`, under `torchrun` and in a learner's own
+`mp.spawn` program that called `torch.distributed.init_process_group` itself.
 """
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +18,8 @@ from .comm import Comm
 from .memory import MemoryTracker
 
 STATUS_WIDTH = 160  # bytes per rank in the shared status board the parent reads on a timeout
+
+_current = None     # this process's Context (one per rank process)
 
 
 @dataclass(frozen=True)
@@ -28,21 +33,60 @@ class Group:
     def size(self):
         return len(self.ranks)
 
+    def global_rank(self, group_rank):
+        """The world rank of the group's member number `group_rank`."""
+        return self.ranks[group_rank]
+
+
+def context():
+    """This process's Context: the `ctx` of `launch`, or one made now from the default group.
+
+    A program that initialised torch.distributed itself (mp.spawn, torchrun) gets a context on
+    first use, on a modelled cluster large enough for its world; the RNG state is not touched.
+    """
+    global _current
+    if _current is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("torch.distributed is not initialised: call "
+                               "torch.distributed.init_process_group(...) first, or run the "
+                               "function with labkit.launch(fn, world_size)")
+        world = dist.get_world_size()
+        cluster = "8xH100-NVLink" if world <= 8 else f"{-(-world // 8)}x8xH100-IB"
+        Context(dist.get_rank(), world, dist.get_backend(), cluster=cluster)
+    return _current
+
 
 class Context:
     def __init__(self, rank, world_size, backend, cluster="8xH100-NVLink", status=None,
                  progress=None, seed=0):
+        global _current
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
             else torch.device("cpu")
         self.seed = seed
         self.world = Group(tuple(range(world_size)), None, rank)
         self._status, self._progress = status, progress
+        self._groups = {}      # torch ProcessGroup -> Group, for groups a user made
         self.started = time.perf_counter()
         self.clock = Clock(self, cluster)
         self.comm = Comm(self)
         self.memory = MemoryTracker(self)
-        torch.manual_seed(seed)  # same seed everywhere: every replica starts identical
+        _current = self
+
+    # --- groups ---------------------------------------------------------------------------
+    def group(self, group=None):
+        """A labkit Group for `group`: None (the world), a Group, or a torch ProcessGroup."""
+        if group is None:
+            return self.world
+        if isinstance(group, Group):
+            return group
+        known = self._groups.get(group)
+        if known is None:
+            ranks = tuple(dist.get_process_group_ranks(group))
+            if self.rank not in ranks:
+                raise ValueError(f"rank {self.rank} is not in the process group {list(ranks)}")
+            known = self._groups[group] = Group(ranks, group, ranks.index(self.rank))
+        return known
 
     def new_group(self, ranks):
         """One group from `ranks`. Every rank of the world must call this, in the same order."""
@@ -63,6 +107,31 @@ class Context:
         if mine is None:
             raise ValueError(f"rank {self.rank} is in none of the groups {partition}")
         return mine
+
+    def mesh(self, **sizes):
+        """A Mesh of named sub-groups, e.g. `ctx.mesh(dp=2, tp=2, pp=2)` (TP innermost)."""
+        from .mesh import Mesh
+        return Mesh(ctx=self, **sizes)
+
+    # --- bookkeeping a training loop needs -------------------------------------------------
+    @contextmanager
+    def step(self, index, total=None):
+        """`with ctx.step(i, steps):` one training step: memory sample, clock mark, progress."""
+        yield
+        self.memory.sample(f"after step {index}")
+        self.clock.mark_step()
+        if total is not None:
+            self.progress(index + 1, total)
+
+    @contextmanager
+    def off_the_record(self):
+        """Run something (a warm-up, a check) without logging its comm or advancing the clock."""
+        was = self.comm.recording, self.clock.enabled
+        self.comm.recording, self.clock.enabled = False, False
+        try:
+            yield
+        finally:
+            self.comm.recording, self.clock.enabled = was
 
     def set_status(self, text):
         """Tell the parent what this rank is waiting in (shown if the run times out)."""

@@ -242,6 +242,7 @@ def _worker(rank, world_size, backend, port, payload, conn, boards, cluster, see
                                 timeout=_td(timeout_s + 30))
         ctx = Context(rank, world_size, backend, cluster=cluster, status=boards[0],
                       progress=boards[1], seed=seed)
+        torch.manual_seed(seed)  # same seed everywhere: every replica starts identical
         result = fn(ctx, *args, **kwargs)
         body = cloudpickle.dumps(result)
         conn.send(("ok", body))
@@ -273,6 +274,7 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed):
     if not dist.is_initialized():
         dist.init_process_group(backend)
     ctx = Context(rank, size, backend, cluster=cluster, status=None, seed=seed)
+    torch.manual_seed(seed)
     result = fn(ctx, *args, **kwargs)
     results = [None] * size
     dist.all_gather_object(results, result)

@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import labkit
-from labkit.reference import RunConfig, predict_memory, train
+from labkit.runs.reference import RunConfig, predict_memory, train
 from labkit.theory import catalog, hardware, memory as tm
 from labkit.viz import comm_bars, memory_stack
 from labkit.viz.widgets import capacities, memory_explorer
@@ -46,7 +46,7 @@ GB = 1e9
     md(r"""
 ## 1 · Run it and measure it: the tiny GPT on this machine
 
-`labkit.reference.train` trains the lab's tiny GPT (2 layers, hidden 64, 32 tokens, batch 8) on
+`labkit.runs.reference.train` trains the lab's tiny GPT (2 layers, hidden 64, 32 tokens, batch 8) on
 one CPU with fp32 Adam and *measures* the bytes of every tensor that exists, by category.
 `predict_memory` *models* the same run with `labkit.theory`: fp32 Adam holds 4Ψ weights + 4Ψ
 gradients + 8Ψ moments, and the activation formula counts what this model saves for backward.

@@ -41,7 +41,7 @@ import torch
 
 import labkit
 from labkit import data_parallel as dp
-from labkit.reference import RunConfig, batch, build_model, max_param_diff, train
+from labkit.runs.reference import RunConfig, batch, build_model, max_param_diff, train
 from labkit.theory import catalog, time as tt
 from labkit.viz import comm_bars, gantt, speedup_curve, time_split
 from labkit.viz import dp_widgets

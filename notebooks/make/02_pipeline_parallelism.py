@@ -37,7 +37,8 @@ import pandas as pd
 import matplotlib.pyplot as plt
 
 import labkit
-from labkit import pipeline as pp, reference
+from labkit import pipeline as pp
+from labkit.runs import reference
 from labkit.theory import catalog, hardware, memory as tm, time as tt
 from labkit.viz import memory_stack
 from labkit.viz.pipeline_widgets import pipeline_explorer, run_gantts, stage0_memory_plot

@@ -40,7 +40,7 @@ import torch
 
 import labkit
 from labkit import tensor_parallel as tp
-from labkit.reference import RunConfig, build_model
+from labkit.runs.reference import RunConfig, build_model
 from labkit.theory import tensor_parallel as ttp
 from labkit.viz import comm_bars, memory_stack
 from labkit.viz.tp_widgets import tp_explorer

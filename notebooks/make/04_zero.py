@@ -42,7 +42,7 @@ import pandas as pd
 
 from labkit import data_parallel as dp
 from labkit import zero
-from labkit.reference import RunConfig, build_model
+from labkit.runs.reference import RunConfig, build_model
 from labkit.theory import hardware, memory as tm
 from labkit.viz import memory_stack
 from labkit.viz import zero_widgets as zw
@@ -74,7 +74,7 @@ over 4 ranks. `zero.py` has no stage 0, so the **baseline** is lesson 01's data 
 We train with **fp32 Adam** (K = 8): ZeRO is about the optimizer state, so plain SGD (K = 0)
 would leave stage 1 nothing to shard. Adam's update divides by √v, which can amplify a rounding
 difference in a gradient that is pure noise: the attention *key* bias has a true gradient of 0
-(softmax ignores a constant shift of a row of scores). `labkit.reference.build_optimizer` uses
+(softmax ignores a constant shift of a row of scores). `labkit.runs.reference.build_optimizer` uses
 eps = 1e-6 instead of 1e-8 so that this noise stays ~1e-6 of the learning rate; then every
 parameter, the key bias included, agrees with the single-device reference to float32 rounding.
 Each report runs that reference itself.

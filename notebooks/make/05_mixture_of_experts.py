@@ -34,7 +34,7 @@ import torch
 
 from labkit import moe
 from labkit.models import MoEConfig
-from labkit.reference import RunConfig
+from labkit.runs.reference import RunConfig
 from labkit.theory import moe as tmoe
 from labkit.viz.moe_widgets import load_histogram, moe_explorer
 

@@ -24,7 +24,7 @@ def rank_result(ctx, loss, params=None, **extra):
 def build_report(technique, cfg, results, *, config=None, predicted_memory=None,
                  predicted_comm_bytes_per_rank=None, reference=None, **extra):
     """The JSON-able report of a run, plus `timeline` and `params` for notebooks."""
-    from ..reference import max_param_diff, train
+    from .reference import max_param_diff, train
     first = results[0]
     reference = reference or train(cfg)
     params = first.get("params")

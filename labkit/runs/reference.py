@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, asdict
 
 import torch
 
-from . import data, models
-from .runtime.memory import MemoryTracker
+from .. import data, models
+from ..runtime.memory import MemoryTracker
 
 
 @dataclass
@@ -106,7 +106,7 @@ def predict_memory(cfg, model=None):
     `peak` is params + grads + optimizer + activations: an upper bound, since backward frees
     activations while it fills in gradients.
     """
-    from .theory import memory as tm
+    from ..theory import memory as tm
     model = model or build_model(cfg)
     n = sum(p.numel() for p in model.parameters())
     states = tm.model_state_bytes(n, mixed_precision=False, optimizer=cfg.optimizer)
@@ -118,7 +118,7 @@ def predict_memory(cfg, model=None):
 
 def activation_bytes(model, batch_size):
     """What `model` saves for backward on a batch of `batch_size` (theory/ formulas)."""
-    from .theory import memory as tm
+    from ..theory import memory as tm
     if isinstance(model, models.TinyGPT):
         c = model.cfg
         return tm.tiny_gpt_activation_bytes(layers=c.layers, seq=c.seq, batch=batch_size,
@@ -131,7 +131,7 @@ def activation_bytes(model, batch_size):
 
 def run(ctx, cfg):
     """The `single` technique: the reference training on one rank, with the clock running."""
-    from .runtime.report import rank_result
+    from .report import rank_result
     out = train(cfg, ctx=ctx)
     return rank_result(ctx, out["loss"], params=out["params"])
 
@@ -142,8 +142,8 @@ def add_arguments(parser):
 
 def report(world_size=1, cfg=None, cluster="8xH100-NVLink", **_):
     """Run `single` and return the run report."""
-    from .runtime.launch import launch
-    from .runtime.report import build_report
+    from ..runtime.launch import launch
+    from .report import build_report
     cfg = cfg or RunConfig()
     if world_size != 1:
         raise ValueError("the single-device reference runs on exactly one rank (--world-size 1)")

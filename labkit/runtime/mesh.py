@@ -1,0 +1,90 @@
+"""A named mesh of process groups: the world laid out as pp x dp x cp x tp (TP innermost).
+
+Rank r sits at coordinates (pp, dp, cp, tp) with r = ((pp * DP + dp) * CP + cp) * TP + tp, so
+with 8 GPUs per node a TP group of up to 8 stays inside one node (NVLink), and the groups that
+move the most bytes per step use the fastest link (Megatron-LM's ordering, Narayanan et al.
+2021, arXiv 2104.04473). `order=` lays the dimensions out otherwise, e.g. to show TP across
+nodes being slow. Expert parallelism splits the data-parallel dimension: `ep` ranks with the
+same (pp, cp, tp) and neighbouring dp hold different experts; `ep_dp` are the replicas of the
+same experts (their gradients are averaged).
+
+    mesh = Mesh(dp=2, tp=2, pp=2)       # or ctx.mesh(...); every rank builds it, same order
+    mesh["tp"]          # this rank's TP group (a Group; pass it as group= to a block)
+    mesh.coords         # {"pp": 0, "dp": 1, "cp": 0, "tp": 1}
+    mesh.table()        # one row per world rank: its coordinates
+"""
+import itertools
+import math
+
+DIMS = ("pp", "dp", "cp", "tp")   # outermost to innermost
+
+
+class Mesh:
+    def __init__(self, dp=1, tp=1, pp=1, cp=1, ep=1, order=DIMS, ctx=None):
+        if ctx is None:
+            from .context import context
+            ctx = context()
+        self.ctx = ctx
+        self.sizes = dict(dp=dp, tp=tp, pp=pp, cp=cp)
+        for name, size in dict(self.sizes, ep=ep).items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"mesh: {name} must be a positive integer, got {size!r}")
+        if sorted(order) != sorted(DIMS):
+            raise ValueError(f"mesh: order must name each of {DIMS} once, got {order}")
+        total = math.prod(self.sizes.values())
+        if total != ctx.world_size:
+            shape = " x ".join(f"{k}={v}" for k, v in self.sizes.items() if v > 1) or "1"
+            raise ValueError(f"mesh {shape} needs {total} ranks, the world has {ctx.world_size}")
+        if dp % ep:
+            raise ValueError(f"mesh: ep={ep} must divide dp={dp} (experts are spread over "
+                             "data-parallel ranks)")
+        self.ep = ep
+        self.order = tuple(order)
+        self._coords = [self._coordinates(r) for r in range(ctx.world_size)]
+        self.coords = self._coords[ctx.rank]
+        self.groups = {}
+        for name in DIMS:   # every rank makes every group, in the same order
+            self.groups[name] = ctx.split_groups(self._partition(name))
+        self.groups["ep"] = ctx.split_groups(self._partition("dp", lambda c: c["dp"] // ep))
+        self.groups["ep_dp"] = ctx.split_groups(self._partition("dp", lambda c: c["dp"] % ep))
+
+    def _coordinates(self, rank):
+        coords, rest = {}, rank
+        for name in reversed(self.order):
+            coords[name] = rest % self.sizes[name]
+            rest //= self.sizes[name]
+        return {name: coords[name] for name in DIMS}
+
+    def _partition(self, varying, split=None):
+        """Rank lists that agree on every dimension but `varying` (and on `split`, if given)."""
+        groups = {}
+        for rank, c in enumerate(self._coords):
+            fixed = tuple(c[d] for d in DIMS if d != varying)
+            groups.setdefault((fixed, split(c) if split else 0), []).append(rank)
+        return list(groups.values())
+
+    def __getitem__(self, name):
+        if name not in self.groups:
+            raise KeyError(f"mesh has groups {sorted(self.groups)}, not {name!r}")
+        return self.groups[name]
+
+    def rank_at(self, **coords):
+        """The world rank at the given coordinates (unnamed dimensions: 0)."""
+        want = {d: coords.get(d, 0) for d in DIMS}
+        return self._coords.index(want)
+
+    def table(self):
+        """One dict per world rank: rank, its coordinates, and its ep index."""
+        return [dict(rank=r, **c, ep=c["dp"] % self.ep) for r, c in enumerate(self._coords)]
+
+    def __repr__(self):
+        shape = ", ".join(f"{d}={self.sizes[d]}" for d in self.order)
+        return f"Mesh({shape}, ep={self.ep})"
+
+
+def layouts(world_size, dims=("dp", "tp", "pp")):
+    """Every way to write `world_size` as a product over `dims` (for explorers and planners)."""
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    for combo in itertools.product(divisors, repeat=len(dims)):
+        if math.prod(combo) == world_size:
+            yield dict(zip(dims, combo))
