@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import labkit  # noqa: E402
-from labkit import data, data_parallel as dp, reference  # noqa: E402
+from labkit import data, data_parallel as dp  # noqa: E402
+from labkit.runs import reference  # noqa: E402
 from labkit.runtime.memory import MemoryTracker  # noqa: E402
 
 MODEL = dict(hidden=128, layers=4, ffn=512)

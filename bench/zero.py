@@ -24,7 +24,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
 from common import append_rows, median  # noqa: E402
-from labkit import data, reference, zero  # noqa: E402
+from labkit import data, zero  # noqa: E402
+from labkit.runs import reference  # noqa: E402
 
 WORLD_SIZE = 2
 STEPS, WARMUP = 8, 2

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import labkit
-from labkit.runs import reference, theory
+from labkit import theory
+from labkit.runs import reference
 from labkit import tensor_parallel as tp
 from labkit.theory import tensor_parallel as theory_tp
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import labkit
-from labkit import cli, reference, zero
+from labkit import cli, zero
+from labkit.runs import reference
 from labkit.runtime.clock import Clock
 from labkit.runtime.comm import Comm
 from labkit.runtime.memory import MemoryTracker
