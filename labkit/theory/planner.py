@@ -60,6 +60,7 @@ class ClusterSpec:
     inter: hardware.Link = None
     achievable: float = ACHIEVABLE   # fraction of peak bf16 FLOP/s large matmuls reach
     hbm_passes: float = HBM_PASSES   # HBM reads+writes per activation byte kept, fwd+bwd
+    flash_attention: bool = True     # the software stack: FlashAttention (no s^2 softmax kept)
 
     def link(self, span):
         """The link of a group whose members lie within `span` consecutive ranks."""
@@ -71,14 +72,15 @@ class ClusterSpec:
 
 
 def make_cluster(gpu="H100", gpus=8, gpus_per_node=8, intra_link=None, inter_link=None,
-                 achievable=None, hbm_passes=None):
+                 achievable=None, hbm_passes=None, flash_attention=True):
     g = hardware.gpu(gpu)
     if gpus < 1 or gpus_per_node < 1:
         raise ValueError(f"GPU counts must be positive: gpus={gpus}, per node={gpus_per_node}")
     intra = hardware.link(intra_link or g.link)
     inter = hardware.link(inter_link or "InfiniBand NDR")
     return ClusterSpec(g, gpus, gpus_per_node, intra, inter,
-                       achievable or achievable_fraction(g), hbm_passes or HBM_PASSES)
+                       achievable or achievable_fraction(g),
+                       HBM_PASSES if hbm_passes is None else hbm_passes, flash_attention)
 
 
 def achievable_fraction(gpu):
@@ -174,12 +176,13 @@ def evaluate(m, c, batch, seq, p):
     params = 2 * stage_params / (shard if zero >= 3 else 1)
     grads = 4 * stage_params / (shard if zero >= 2 else 1)
     optimizer = 12 * stage_params / (shard if zero >= 1 else 1)
-    per_layer_act = tf.activation_bytes(m, seq, mbs, tp, sp, rc, cp)
+    flash = c.flash_attention
+    per_layer_act = tf.activation_bytes(m, seq, mbs, tp, sp, rc, cp, flash)
     in_flight = min(micro, pp) * layers if v == 1 else \
         min(micro * v, (v + 1) * pp - 1) * layers / v
     activations = per_layer_act * in_flight
     if rc == "full":
-        activations += tf.full_layer_activation_bytes(m, seq, mbs, tp, sp, cp)
+        activations += tf.full_layer_activation_bytes(m, seq, mbs, tp, sp, cp, flash)
     last_stage_logits = tf.logits_bytes(m, seq, mbs, tp, cp)
     activations = max(activations, per_layer_act * layers + last_stage_logits) if pp > 1 \
         else activations + last_stage_logits
@@ -191,14 +194,16 @@ def evaluate(m, c, batch, seq, p):
     fwd = tokens_mb * layers * tf.layer_forward_flops_per_token(m, seq) / tp
     head = tokens_mb * tf.head_flops_per_token(m) / tp
     compute_mb = 3 * fwd + head
-    extra = {"none": 0.0, "selective": tokens_mb * layers * tf.attention_core_flops_per_token(
-        m, seq) / tp, "full": fwd}[rc]
+    core = tokens_mb * layers * tf.attention_core_flops_per_token(m, seq) / tp
+    # FlashAttention recomputes the scores in backward: selective recompute comes built in.
+    extra = {"none": core if flash else 0.0, "selective": core, "full": fwd}[rc]
     act_bytes = 2 * tokens_mb * m.hidden
     ar_per_layer = 6 if rc == "full" else 4
     tp_mb = layers * ar_per_layer * collective_time("all_reduce", act_bytes, tp, c.link(tp))
     # Memory-bound element-wise work (norms, activations, softmax, dropout, residuals): HBM
     # passes over the bytes a layer keeps for backward, again for recomputed forwards.
-    elementwise = c.hbm_passes * layers * tf.activation_bytes(m, seq, mbs, tp, sp, "none", cp) \
+    elementwise = c.hbm_passes * layers * tf.activation_bytes(m, seq, mbs, tp, sp, "none", cp,
+                                                              flash) \
         / c.gpu.memory_bw * {"none": 1.0, "selective": 1.0, "full": 4 / 3}[rc]
     mb_time = (compute_mb + extra) / flops_rate + tp_mb + elementwise
     bubble = (pp - 1) / v * mb_time
@@ -226,9 +231,10 @@ def evaluate(m, c, batch, seq, p):
     step = sum(breakdown.values())
     gpus = c.gpus
     model_flops = batch * seq * tf.model_flops_per_token(m, seq)
-    hw_flops = model_flops + batch * seq * m.layers * (
-        {"none": 0, "selective": tf.attention_core_flops_per_token(m, seq),
-         "full": tf.layer_forward_flops_per_token(m, seq)}[rc])
+    per_token = {"none": tf.attention_core_flops_per_token(m, seq) if flash else 0.0,
+                 "selective": tf.attention_core_flops_per_token(m, seq),
+                 "full": tf.layer_forward_flops_per_token(m, seq)}[rc]
+    hw_flops = model_flops + batch * seq * m.layers * per_token
     fits = total <= c.usable_bytes
     return dict(
         p, microbatches=micro, fits=fits,
@@ -299,10 +305,13 @@ def parse_fix(text):
 
 def plan(model, gpus, gpu="H100", gpus_per_node=8, intra_link=None, inter_link=None,
          global_batch=None, global_batch_tokens=None, seq=4096, fix=None, top=None,
-         achievable=None, hbm_passes=None):
-    """Rank every legal plan; returns DESIGN.md's {"model", "cluster", "considered", "plans"}."""
+         achievable=None, hbm_passes=None, flash_attention=True):
+    """Rank every legal plan; returns DESIGN.md's {"model", "cluster", "considered", "plans"}.
+
+    flash_attention=False models a stack that stores the softmax (Megatron-LM in 2021)."""
     m = parse_model(model)
-    c = make_cluster(gpu, gpus, gpus_per_node, intra_link, inter_link, achievable, hbm_passes)
+    c = make_cluster(gpu, gpus, gpus_per_node, intra_link, inter_link, achievable, hbm_passes,
+                     flash_attention)
     if seq < 1:
         raise ValueError(f"sequence length must be positive, got {seq}")
     if global_batch is None:
@@ -344,7 +353,8 @@ def published_check(rows, achievable=None, hbm_passes=None):
         best = plan(r["model"], int(r["gpus"]), r["gpu"], int(r["gpus_per_node"]),
                     r["intra_link"], r["inter_link"], global_batch=int(r["global_batch"]),
                     seq=int(r["seq"]), fix=fix, top=1, achievable=achievable,
-                    hbm_passes=hbm_passes)["plans"][0]
+                    hbm_passes=hbm_passes,
+                    flash_attention=r["attention"] == "flash")["plans"][0]
         peak = hardware.gpu(r["gpu"]).bf16_flops
         predicted = best["hfu" if r["metric"] == "hfu" else "mfu"] * peak / 1e12
         out.append(dict(r, predicted=predicted, plan=best,

@@ -92,15 +92,17 @@ def head_flops_per_token(m: ModelShape) -> float:
 
 def activation_bytes(m: ModelShape, seq: int, micro_batch: int, tp: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none",
-                     cp: int = 1) -> float:
+                     cp: int = 1, flash: bool = False) -> float:
     """Bytes one layer keeps for backward for one micro-batch on one GPU (see module doc).
 
     With context parallelism each rank holds s/cp of the sequence; its queries still meet every
     key, so the softmax term is a*(s/cp)*s*b. recompute: "none", "selective" or "full".
+    flash: FlashAttention (Dao et al. 2022, arXiv 2205.14135) never stores the softmax (it
+    recomputes it in backward), so the a s^2 term is gone, as under selective recompute.
     """
     s_local, b, h, a = seq / cp, micro_batch, m.hidden, m.heads
     sbh = s_local * b * h
-    softmax = 0.0 if recompute == "selective" else a * s_local * seq * b
+    softmax = 0.0 if recompute == "selective" or flash else a * s_local * seq * b
     if recompute == "full":
         return BYTES_16BIT * sbh / (tp if sequence_parallel else 1)
     if is_gpt(m):   # Korthikanti: 10 replicated (dropout masks included) + 24 split, 5as^2 b
@@ -114,7 +116,8 @@ def activation_bytes(m: ModelShape, seq: int, micro_batch: int, tp: int = 1,
 
 
 def full_layer_activation_bytes(m: ModelShape, seq: int, micro_batch: int, tp: int = 1,
-                                sequence_parallel: bool = False, cp: int = 1) -> float:
+                                sequence_parallel: bool = False, cp: int = 1,
+                                flash: bool = False) -> float:
     """The working set a fully recomputed layer rebuilds during its backward."""
     return activation_bytes(m, seq, micro_batch, tp, sequence_parallel, "selective", cp)
 
