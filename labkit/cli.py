@@ -44,6 +44,8 @@ def main(argv=None):
     memory.add_argument("--batch", type=int, default=1)
     memory.add_argument("--seq", type=int, default=4096)
     memory.add_argument("--gpus", type=int, default=8, help="data-parallel size for ZeRO")
+    _plan_arguments(commands.add_parser(
+        "plan", help="which DP x TP x PP layouts of a model fit a cluster, and how fast"))
     args = parser.parse_args(argv)
     try:
         if args.command == "doctor":
@@ -52,6 +54,8 @@ def main(argv=None):
             print(run_technique(args))
         elif args.command == "memory":
             print(memory_table(args.model, args.batch, args.seq, args.gpus))
+        elif args.command == "plan":
+            print(plan_command(args))
     except (ValueError, KeyError, LaunchError) as error:  # say so plainly, no traceback
         message = error.args[0] if error.args else error
         print(f"error: {message}", file=sys.stderr)
@@ -111,6 +115,37 @@ def _check_gpt_shape(cfg):
     """A shape the GPT cannot take ends here, in one line, before any rank starts."""
     from .models import GPTConfig
     GPTConfig(**cfg.model_kwargs)   # raises ValueError, e.g. hidden not divisible by heads
+
+
+def _plan_arguments(parser):
+    parser.add_argument("--model", required=True,
+                        help="a catalog name (llama-3-70b) or a shape: layers=48,hidden=6144,"
+                             "heads=64,ffn=24576,vocab=51200[,kv_heads=8,experts=8,top_k=2]")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
+    parser.add_argument("--gpu", default="H100", help="GPU kind (H100, H200, A100, ...)")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--intra-link", default=None, help="default: the GPU's own (NVLink)")
+    parser.add_argument("--inter-link", default=None, help="default: InfiniBand NDR")
+    batch = parser.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--global-batch", type=int, help="global batch in sequences")
+    batch.add_argument("--global-batch-tokens", type=int, help="global batch in tokens")
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length")
+    parser.add_argument("--fix", default="", help="hold fields: dp=64,tp=8,pp=16,zero_stage=1")
+    parser.add_argument("--top", type=int, default=10, help="plans to show")
+    parser.add_argument("--json", action="store_true")
+
+
+def plan_command(args):
+    """`python -m labkit plan`: the planner's ranking as a table or DESIGN.md's JSON."""
+    import json
+    from .theory import planner
+    out = planner.plan(args.model, args.gpus, args.gpu, args.gpus_per_node, args.intra_link,
+                       args.inter_link, global_batch=args.global_batch,
+                       global_batch_tokens=args.global_batch_tokens, seq=args.seq,
+                       fix=args.fix, top=args.top)
+    if args.json:
+        return json.dumps(out, indent=2)
+    return planner.format_plans(out)
 
 
 def doctor():

@@ -108,3 +108,18 @@ def test_shape_strings_pick_the_family():
                                 "vocab=128256")
     assert tf.is_gpt(gpt) and not tf.is_gpt(llama)
     assert llama.param_count() == catalog.model("llama-3-8b").param_count()
+
+
+def test_cli_plan_prints_a_ranking_and_json(capsys):
+    import json
+    from labkit import cli
+    assert cli.main(["plan", "--model", "llama-3-8b", "--gpus", "16", "--global-batch", "64",
+                     "--seq", "4096", "--top", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"model", "cluster", "considered", "plans"} and len(out["plans"]) == 3
+    plan = out["plans"][0]
+    assert set(plan["breakdown_s"]) == {"compute", "recompute", "tp_comm", "pp_bubble",
+                                        "pp_comm", "dp_comm", "optimizer"}
+    assert cli.main(["plan", "--model", "llama-3-8b", "--gpus", "16", "--global-batch", "64",
+                     "--fix", "tp=3"]) == 2
+    assert "no legal plan" in capsys.readouterr().err

@@ -254,8 +254,10 @@ def _divisors(n, limit=None):
 
 
 def candidates(m, c, batch, seq, fix=None):
-    """Every plan (dict of FIELDS) the search visits, `fix`ed fields held."""
+    """Every plan (dict of FIELDS) the search visits, `fix`ed fields held. Under FlashAttention
+    selective recompute is what the kernel already does: the search visits "none" for it."""
     fix = dict(fix or {})
+    rcs = ("none", "full") if c.flash_attention else RECOMPUTE
     pow2 = [d for d in _divisors(c.gpus) if d & (d - 1) == 0] or [1]
     long_context = seq >= 32768
     for tp in [fix["tp"]] if "tp" in fix else [d for d in pow2 if d <= m.heads]:
@@ -273,7 +275,7 @@ def candidates(m, c, batch, seq, fix=None):
                                 else MICRO_BATCHES:
                             for zero in [fix["zero_stage"]] if "zero_stage" in fix else \
                                     ((0, 1) if pp > 1 else (0, 1, 2, 3)):
-                                for rc in [fix["recompute"]] if "recompute" in fix else RECOMPUTE:
+                                for rc in [fix["recompute"]] if "recompute" in fix else rcs:
                                     for sp in [fix["sequence_parallel"]] if \
                                             "sequence_parallel" in fix else \
                                             ((False, True) if tp > 1 else (False,)):
@@ -384,3 +386,23 @@ def calibrate(rows, achievable=(0.40, 0.90, 0.01), hbm_passes=(0.0, 12.0, 0.5)):
 
 def _grid(lo, hi, step):
     return [round(lo + i * step, 6) for i in range(int(round((hi - lo) / step)) + 1)]
+
+
+def format_plans(out):
+    """The ranking as text (what `python -m labkit plan` prints); all times are modelled."""
+    c, m = out["cluster"], out["model"]
+    lines = [f"{m['display_name']} ({m['params'] / 1e9:.1f}B params) on {c['gpus']} x "
+             f"{c['gpu']} ({c['gpus_per_node']} per node, {c['intra_link']} / "
+             f"{c['inter_link']}), batch {out['workload']['global_batch']} x "
+             f"{out['workload']['seq']} tokens: {out['considered']} legal plans, modelled",
+             f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'v':>2} {'mbs':>3} "
+             f"{'ZeRO':>4} {'recompute':>9} {'sp':>3} {'GB/GPU':>7} {'step s':>8} {'MFU':>6} "
+             f"{'tok/s/GPU':>9}  fits"]
+    for p in out["plans"]:
+        lines.append(
+            f"{p['dp']:>5} {p['tp']:>3} {p['pp']:>3} {p['cp']:>3} {p['ep']:>3} {p['v']:>2} "
+            f"{p['micro_batch_size']:>3} {p['zero_stage']:>4} {p['recompute']:>9} "
+            f"{'yes' if p['sequence_parallel'] else 'no':>3} "
+            f"{p['memory_bytes']['total'] / 1e9:7.1f} {p['step_s']:8.3f} {p['mfu']:6.1%} "
+            f"{p['tokens_per_s_per_gpu']:9.0f}  {'yes' if p['fits'] else p['reason']}")
+    return "\n".join(lines)
