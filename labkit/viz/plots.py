@@ -293,12 +293,13 @@ TIME_COLORS = {"compute": "#2ca02c", "exposed_comm": "#9467bd", "bubble": "#dcdc
 TIME_LABELS = {"exposed_comm": "exposed comm"}
 
 
-def time_split(rows, ax=None, title="", unit="ms"):
+def time_split(rows, ax=None, title="", unit="ms", colors=None):
     """Stacked horizontal bars per label ({label: {compute, exposed_comm, bubble, other}}, s).
 
-    Keys other than those four (except 'total') are stacked after them. Say 'modelled' or
-    'measured' in the labels or title.
+    Keys other than those four (except 'total') are stacked after them; `colors` ({key:
+    colour}) colours them. Say 'modelled' or 'measured' in the labels or title.
     """
+    colors = dict(TIME_COLORS, **(colors or {}))
     scale = TIME_UNITS[unit]
     labels = list(rows)
     fig, ax = _figure(ax, (7.5, 0.6 * len(labels) + 2))
@@ -311,7 +312,7 @@ def time_split(rows, ax=None, title="", unit="ms"):
     for i, cat in enumerate(cats):
         widths = [float(rows[label].get(cat) or 0) / scale for label in labels]
         ax.barh(y, widths, 0.6, left=lefts, label=TIME_LABELS.get(cat, cat),
-                color=TIME_COLORS.get(cat, EXTRA_COLORS[i % len(EXTRA_COLORS)]),
+                color=colors.get(cat, EXTRA_COLORS[i % len(EXTRA_COLORS)]),
                 edgecolor="white", linewidth=0.5)
         lefts = [a + w for a, w in zip(lefts, widths)]
     ax.set_yticks(y, labels)

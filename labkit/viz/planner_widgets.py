@@ -1,0 +1,106 @@
+"""The planner drawn (lesson 06): the best plans' memory per GPU and modelled step time, and an
+explorer over model, GPU count, GPU kind, batch and sequence length. Everything here is
+*modelled* by `labkit.theory.planner`; the labels say so.
+"""
+from __future__ import annotations
+
+import functools
+
+import matplotlib.pyplot as plt
+
+from ..theory import catalog, planner
+from .plots import memory_stack, time_split
+
+BREAKDOWN_LABELS = {"compute": "compute", "recompute": "recompute (incl. FlashAttention's)",
+                    "tp_comm": "TP comm", "pp_bubble": "pipeline bubble", "pp_comm": "PP sends",
+                    "dp_comm": "DP/ZeRO comm (exposed)", "optimizer": "optimizer step"}
+BREAKDOWN_COLORS = {"compute": "#2ca02c", "recompute (incl. FlashAttention's)": "#98df8a",
+                    "TP comm": "#9467bd", "pipeline bubble": "#dcdcdc", "PP sends": "#c5b0d5",
+                    "DP/ZeRO comm (exposed)": "#d62728", "optimizer step": "#8c564b"}
+EXPLORER_GPUS = {"H100 SXM": "H100", "H200 SXM": "H200", "A100 SXM 80GB": "A100", "B200": "B200"}
+
+
+def plan_label(p, sep="\n"):
+    """A short name for a plan: 'dp4 tp4 pp4', then 'v2 ZeRO-1 full' (joined by `sep`)."""
+    parts = [f"dp{p['dp']}", f"tp{p['tp']}", f"pp{p['pp']}"]
+    parts += [f"cp{p['cp']}"] if p["cp"] > 1 else []
+    parts += [f"ep{p['ep']}"] if p["ep"] > 1 else []
+    extra = [f"v{p['v']}"] if p["v"] > 1 else []
+    extra += [f"ZeRO-{p['zero_stage']}"] if p["zero_stage"] else []
+    extra += [f"{p['recompute']} recompute"] if p["recompute"] != "none" else []
+    extra += [f"mbs {p['micro_batch_size']}"] if p["micro_batch_size"] > 1 else []
+    return " ".join(parts) + (sep + " ".join(extra) if extra else "")
+
+
+def plan_table(out, k=8):
+    """The top `k` plans as a DataFrame (modelled numbers)."""
+    import pandas as pd
+    rows = []
+    for p in out["plans"][:k]:
+        rows.append({"plan": plan_label(p, " · "),
+                     "GB per GPU": round(p["memory_bytes"]["total"] / 1e9, 1),
+                     "step (s)": round(p["step_s"], 3), "MFU": f"{p['mfu']:.1%}",
+                     "tokens/s/GPU": round(p["tokens_per_s_per_gpu"]),
+                     "fits": "yes" if p["fits"] else p["reason"]})
+    return pd.DataFrame(rows)
+
+
+def plan_figure(out, k=4, fig=None):
+    """Left: memory per GPU of the top `k` plans against the usable memory; right: their
+    modelled step time split. Returns the figure."""
+    plans = out["plans"][:k]
+    fig = fig or plt.figure(figsize=(12, 4.4))
+    left, right = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[1, 1.3]))
+    bars = {f"#{i + 1}": {c: v for c, v in p["memory_bytes"].items() if c != "total"}
+            for i, p in enumerate(plans)}
+    usable = out["cluster"]["usable_bytes"]
+    memory_stack(bars, capacity={f"{out['cluster']['gpu']} usable": usable}, ax=left,
+                 title="memory per GPU, worst stage (modelled)")
+    rows = {f"#{i + 1} {plan_label(p)}": {BREAKDOWN_LABELS[c]: v
+                                          for c, v in p["breakdown_s"].items()}
+            for i, p in enumerate(plans)}
+    time_split(rows, ax=right, unit="s", title="step time (modelled)", colors=BREAKDOWN_COLORS)
+    right.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    return fig
+
+
+@functools.lru_cache(maxsize=256)
+def cached_plan(model, gpus, gpu, tokens, seq):
+    """The planner's ranking, remembered (the explorer redraws without searching again)."""
+    return planner.plan(model, gpus, gpu, global_batch_tokens=tokens, seq=seq, top=4)
+
+
+def planner_explorer():
+    """Model, GPUs, GPU kind, batch and sequence length -> the best plans, drawn."""
+    import ipywidgets as widgets
+    from .widgets import figure_explorer
+    names = [m.display_name for m in catalog.models() if m.arch != "unet"]
+    controls = dict(
+        model=widgets.Dropdown(options=names, value="Llama 3 70B", description="model"),
+        gpus=widgets.SelectionSlider(options=[2 ** k for k in range(3, 15)], value=64,
+                                     description="GPUs"),
+        gpu=widgets.Dropdown(options=list(EXPLORER_GPUS), value="H100 SXM",
+                             description="GPU"),
+        tokens=widgets.Dropdown(options={"1M tokens": 2 ** 20, "4M tokens": 2 ** 22,
+                                         "16M tokens": 2 ** 24}, value=2 ** 22,
+                                description="batch"),
+        seq=widgets.Dropdown(options=[2048, 4096, 8192, 32768, 131072], value=4096,
+                             description="sequence"))
+
+    def draw(fig, model, gpus, gpu, tokens, seq):
+        try:
+            out = cached_plan(model, gpus, gpu, tokens, seq)
+        except ValueError as error:
+            fig.text(0.5, 0.5, str(error), ha="center", wrap=True)
+            return f"<b>no plan</b>: {error}"
+        plan_figure(out, fig=fig)
+        best = out["plans"][0]
+        if not best["fits"]:
+            return (f"{out['considered']} legal plans, <b>none fits</b>: the smallest "
+                    f"{best['reason']}")
+        return (f"{out['considered']} legal plans; best (modelled): "
+                f"{plan_label(best, ' · ')}, MFU {best['mfu']:.1%}, "
+                f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU")
+
+    return figure_explorer(controls, draw, figsize=(12, 4.4))
