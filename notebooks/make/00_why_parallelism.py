@@ -23,6 +23,24 @@ s·b·h·(34 + 5·a·s/h) bytes for s tokens, b sequences, hidden size h and a h
 are the layer's inputs, Q, K, V, MLP intermediates and dropout masks; the 5·a·s²·b part is the
 attention score matrix, which grows with the square of the sequence length.
 
+**The source article.** This lab started from an overview article by the Genesis Cloud team (a
+GPU cloud provider) on parallelizing LLM training and inference on NVIDIA H100s: data
+parallelism, pipeline and tensor parallelism, ZeRO and Mixture of Experts. Every lesson calls it
+"the source article", quotes its claims briefly, and puts each claim beside what `labkit`
+measures or derives:
+
+| # | the claim, in short | checked in |
+|---|---|---|
+| 1 | twice the GPUs, up to twice as fast through the data | 01 data parallelism |
+| 2 | a second node halves Stable Diffusion's time per batch (2.6 s → 1.3 s) | 01 data parallelism |
+| 3 | model parallelism's runtime grows with the number of GPUs | 02, 03, 06 |
+| 4 | Llama 3 70B needs "about 40GB" | 00 (below) |
+| 5 | two GPUs of pipeline parallelism: "roughly 20GB per GPU" | 02 pipeline |
+| 6 | ZeRO: "tenfold increases in training efficiency" | 04 ZeRO |
+| 7 | "Mixtral 8B" outperforms Llama 2 70B with much less compute | 05 MoE |
+| 8 | 16 experts on 16 GPUs: inference throughput "about eightfold" | 05 MoE |
+| 9 | Stable Diffusion "has over a billion parameters" | 00 (below) |
+
 **Inference.** No gradients, no optimizer: the **weights** (Ψ × bytes per weight: 2 for bf16,
 1 for int8/fp8, ½ for int4) and the **KV cache**, the keys and values of every token seen so
 far, 2 · layers · kv_heads · head_dim · context · batch · bytes. The cache grows with context and
@@ -156,18 +174,33 @@ sd = catalog.model("stable-diffusion-1.5")
 print(f"Stable Diffusion 1.5: {sd.param_count() / 1e9:.2f} B parameters "
       "(UNet ~0.86B + text encoder ~0.12B + VAE ~0.08B, from the catalog)")
 """),
-    md(r"""
-**Verdict.**
-- *"about 40GB"* for Llama 3 70B holds **only for 4-bit weights and a short context**: int4
-  weights are ≈ 35 GB, plus ≈ 2.7 GB of KV cache at 8k tokens, ≈ 38 GB. In bf16, the precision
-  the model is released in, the weights alone are ≈ 141 GB (two H100s at least); int8 is ≈ 71 GB
-  (one 80 GB GPU, little room for the cache). A 32k context adds ≈ 11 GB of cache.
-- For **training**, the claim is off by a factor of about 30: mixed-precision Adam needs
-  16 bytes per parameter, ≈ 1.13 TB of model states before any activation. No single GPU comes
-  close; that is what the rest of this lab is about.
-- *"over a billion parameters"* for Stable Diffusion holds, barely: SD 1.5 is ≈ 1.07 B in all,
-  and its UNet alone (≈ 0.86 B) is under a billion.
+    code(r"""
+from IPython.display import Markdown
 
+def serve_gb(dtype, context):
+    m = tm.inference_memory(llama70, batch=1, context=context, weight_dtype=dtype)
+    return m["weights"] / GB, m["kv_cache"] / GB, m["total"] / GB
+
+w4, kv8k, total4 = serve_gb("int4", 8192)
+w16, w8 = serve_gb("bf16", 8192)[0], serve_gb("int8", 8192)[0]
+kv32k = serve_gb("bf16", 32768)[1]
+UNET = 0.86e9   # the UNet alone, as its model card gives it (the catalog holds the total)
+Markdown(f'''
+**Verdict** (every number computed above by `labkit.theory`).
+- *"about 40GB"* for Llama 3 70B holds **only for 4-bit weights and a short context**: int4
+  weights are {w4:.1f} GB, plus {kv8k:.1f} GB of KV cache at 8k tokens: {total4:.1f} GB. In
+  bf16, the precision the model is released in, the weights alone are {w16:.0f} GB; int8 is
+  {w8:.0f} GB. A 32k context adds {kv32k:.1f} GB of cache.
+- For **training**, the claim is off by a factor of about {states["total"] / 40e9:.0f}:
+  mixed-precision Adam needs 16 bytes per parameter, {states["total"] / 1e12:.2f} TB of model
+  states before any activation. No single GPU comes close; that is what the rest of this lab
+  is about.
+- *"over a billion parameters"* for Stable Diffusion holds, barely: SD 1.5 is
+  {sd.param_count() / 1e9:.2f} B in all, and its UNet alone (~{UNET / 1e9:.2f} B) is under a
+  billion.
+''')
+"""),
+    md(r"""
 ## 4 · Explore
 
 Pick a model, inference or training, a precision, batch and sequence length. The bar is
@@ -275,11 +308,11 @@ check("fewest H100s with ZeRO-3", fewest_h100s_zero3, fewest,
 ## Takeaways
 
 - Training memory is dominated by **model states**: 16 bytes per parameter with mixed-precision
-  Adam, 12 of them optimizer state. Llama 3 70B needs ≈ 1.1 TB before activations.
+  Adam, 12 of them optimizer state. Llama 3 70B needs over a terabyte before activations.
 - Inference needs the **weights** (2, 1 or ½ byte per parameter) plus a **KV cache** that grows
   with context × batch; "70B in 40 GB" is true only with 4-bit weights and a short context.
 - The formulas are not folklore: on the tiny model they match the measured bytes exactly for
-  model states and within 1% for activations.
+  model states and closely for activations (the measured / modelled column above).
 - Plain data parallelism copies everything to every GPU, so it cannot make a model fit; splitting
   the states (ZeRO), the layers (pipeline) or the matrices (tensor parallelism) can, and the next
   lessons measure what each costs in communication.
