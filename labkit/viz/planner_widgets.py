@@ -104,3 +104,38 @@ def planner_explorer():
                 f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU")
 
     return figure_explorer(controls, draw, figsize=(12, 4.4))
+
+
+def mesh_layout(table, gpus_per_node=8, title="", ax=None):
+    """Draw a mesh's ranks (rows of `Mesh.table()`): one box per rank, in rank order, nodes of
+    `gpus_per_node` side by side; colour = pipeline stage, text = dp replica and TP shard."""
+    from matplotlib.patches import Rectangle
+    n = len(table)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(min(14, 1.3 * n + 1), 2.3))
+    else:
+        fig = ax.figure
+    stages = sorted({r["pp"] for r in table})
+    colors = plt.get_cmap("tab10")
+    show_cp = any(r.get("cp") for r in table)
+    for r in table:
+        x = r["rank"] + 0.25 * (r["rank"] // gpus_per_node)   # a gap between nodes
+        ax.add_patch(Rectangle((x, 0), 0.9, 1, color=colors(stages.index(r["pp"]) % 10),
+                               alpha=0.35 + 0.5 * (r["tp"] % 2)))
+        ax.text(x + 0.45, 0.72, f"rank {r['rank']}", ha="center", fontsize=8, weight="bold")
+        ax.text(x + 0.45, 0.45, f"stage {r['pp']}", ha="center", fontsize=8)
+        ax.text(x + 0.45, 0.2, f"dp {r['dp']} · tp {r['tp']}"
+                + (f" · cp {r['cp']}" if show_cp else ""), ha="center", fontsize=7)
+    nodes = (n + gpus_per_node - 1) // gpus_per_node
+    for k in range(nodes):
+        left = k * gpus_per_node * 1.0 + 0.25 * k - 0.05
+        width = min(gpus_per_node, n - k * gpus_per_node) + 0.0
+        ax.add_patch(Rectangle((left, -0.12), width, 1.24, fill=False, linestyle="--",
+                               edgecolor="0.4"))
+        ax.text(left + 0.02, 1.16, f"node {k}", fontsize=8, color="0.3")
+    ax.set_xlim(-0.2, n + 0.25 * nodes)
+    ax.set_ylim(-0.2, 1.35)
+    ax.axis("off")
+    ax.set_title(title or "rank layout: colour = pipeline stage, shade = TP shard")
+    fig.tight_layout()
+    return fig
