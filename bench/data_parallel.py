@@ -1,21 +1,23 @@
-"""labkit's bucketed data parallelism against torch.nn.parallel.DistributedDataParallel.
+"""labkit's DataParallel against torch.nn.parallel.DistributedDataParallel, in one run.
 
-Same model (a TinyGPT, hidden 128, 4 layers), same data shards, same optimizer, gloo on CPU, one
-launch per world size in which every rank runs both, alternating (labkit, torch, labkit, torch)
-so neither profits from a warmer machine. Reported, per world size:
-  step_time_s   median over the timed steps (warm-up excluded) of the slowest rank's wall time,
-                labkit with its virtual clock off (`ctx.clock.enabled = False`) and, as a second
-                row, with it on;
-  peak_bytes    the labkit memory tracker's peak on rank 0 for both sides (params, grads,
-                optimizer state, saved activations, and the gradient buckets: labkit's own
-                buffers, DDP's from its logging data `bucket_sizes`);
-  max_param_diff  between the two after the same steps (Adam; the attention key bias, whose
-                true gradient is 0, is left out: see tests/test_data_parallel.py).
-Both sides run inside the memory tracker's saved-tensor hooks, so that cost is on both.
-Run: python bench/data_parallel.py   (rows are appended to data/bench.csv)
+Same model (a TinyGPT, hidden 128, 4 layers, 0.83M parameters), same data shards, same Adam,
+same 1 MiB buckets, gloo on CPU. One launch per world size; inside it every rank runs the sides
+in interleaved rounds (the order alternates between rounds, so neither side always runs on the
+warmer machine). Sides:
+  labkit view   DataParallel(gradient_as_bucket_view=True): .grad is a view of its bucket
+  labkit copy   DataParallel() (the default): gradients copied into buckets and back
+  torch         DDP(gradient_as_bucket_view=True, bucket_cap_mb=1): the anchor
+Per side and world size:
+  step_time_s   the slowest rank's wall time per step (warm-up steps excluded); the median per
+                round, then the median over rounds and their spread (min-max); instrumentation
+                off (`ctx.off_the_record()`: no comm log, no virtual clock) on both sides;
+  peak_bytes    rank 0's peak during one extra step, measured on both sides by labkit's memory
+                tracker (params, .grad, Adam state, saved activations, registered buffers: with
+                bucket views the buckets are the .grads; in copy mode they are buffers);
+  max_param_diff  labkit vs torch after the same steps (Adam eps 1e-6, see runs/reference.py).
+labkit_over_torch = labkit / torch (below 1: labkit is faster or smaller).
+Run: python bench/data_parallel.py [world sizes...]   (rows are appended to data/bench.csv)
 """
-import csv
-import datetime
 import os
 import statistics
 import sys
@@ -23,123 +25,125 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from labkit import data, data_parallel as dp  # noqa: E402
+from common import append_rows  # noqa: E402
+from labkit import data  # noqa: E402
+from labkit.parallel.data_parallel import DataParallel  # noqa: E402
 from labkit.runs import reference  # noqa: E402
 from labkit.runtime.memory import MemoryTracker  # noqa: E402
 
 MODEL = dict(hidden=128, layers=4, ffn=512)
-BUCKET_MIB = 1  # DDP's bucket_cap_mb is in MiB; labkit's bucket_mb in MB (1e6): 1 MiB both
-WARMUP, TIMED, ROUNDS = 2, 6, 2
+BUCKET_MIB = 1   # DDP's bucket_cap_mb is in MiB, labkit's bucket_mb in MB (1e6 bytes)
+WARMUP, TIMED, ROUNDS = 2, 6, 5
+SIDES = ("labkit view", "labkit copy", "torch")
 
 
-def torch_ddp(ctx, cfg):
-    """PyTorch's own DDP on the default process group (called directly: this is the anchor)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def wrap(side, model):
+    if side == "torch":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model, bucket_cap_mb=BUCKET_MIB, gradient_as_bucket_view=True)
+    return DataParallel(model, bucket_mb=BUCKET_MIB * 1.048576, overlap=True,
+                        gradient_as_bucket_view=side == "labkit view")
+
+
+def one_side(ctx, cfg, side):
+    """Build, train WARMUP + TIMED steps (timed, bare), then one step under the tracker."""
+    ctx.memory = MemoryTracker(ctx)   # a fresh tracker: labkit's copy buckets register here
     model = reference.build_model(cfg)
-    ddp = DDP(model, bucket_cap_mb=BUCKET_MIB)
-    optimizer = reference.build_optimizer(ddp.parameters(), cfg)
-    memory = MemoryTracker(ctx).watch(model=model, optimizer=optimizer)
-    times = []
-    for step in range(cfg.steps):
-        started = time.perf_counter()
-        x, y = reference.batch(model, cfg, step)
+    wrapped = wrap(side, model)
+    optimizer = reference.build_optimizer(wrapped.parameters(), cfg)
+    ctx.memory.watch(model=model, optimizer=optimizer)
+
+    def step(i):
+        x, y = reference.batch(model, cfg, i)
         x, y = data.shard(x, ctx.rank, ctx.world_size), data.shard(y, ctx.rank, ctx.world_size)
         optimizer.zero_grad(set_to_none=True)
-        with memory.track_activations():
-            loss = ddp(x, y)
-            loss.backward()
+        wrapped(x, y).backward()     # both sides: gradients averaged by the end of backward
         optimizer.step()
-        memory.sample(f"after step {step}")
+
+    times = []
+    for i in range(WARMUP + TIMED):
+        started = time.perf_counter()
+        step(i)
         times.append(time.perf_counter() - started)
-    sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
-    bucket_bytes = sum(int(s) for s in str(sizes).split(",") if s.strip())
-    report = memory.report()
-    return dict(step_wall_s=times, peak=report["peak"] + bucket_bytes, bucket_bytes=bucket_bytes,
+    ctx.memory.reset_peak()
+    with ctx.memory.track_activations():
+        step(WARMUP + TIMED)
+    ctx.memory.sample("after the measured step")
+    return dict(step_wall_s=times[WARMUP:], peak=ctx.memory.peak,
                 params={k: p.detach().clone() for k, p in model.named_parameters()})
 
 
-def labkit_dp(ctx, cfg, clock):
-    ctx.memory = MemoryTracker(ctx)  # a fresh tracker and log per round
-    ctx.comm.reset()
-    ctx.clock.enabled = clock
-    out = dp.train(ctx, cfg, mode="bucketed", bucket_mb=BUCKET_MIB * 1.048576, overlap=True)
-    return dict(step_wall_s=out["step_wall_s"], peak=out["memory"]["peak"],
-                bucket_bytes=out["memory"]["buffers"], params=out.get("params"))
+def rounds(ctx, cfg):
+    out = {side: [] for side in SIDES}
+    with ctx.off_the_record():
+        for r in range(ROUNDS):
+            order = SIDES if r % 2 == 0 else SIDES[::-1]
+            for side in order:
+                out[side].append(one_side(ctx, cfg, side))
+    return out
 
 
-def both(ctx, cfg):
-    runs = {"labkit": [], "labkit+clock": [], "torch": []}
-    for _ in range(ROUNDS):
-        runs["labkit"].append(labkit_dp(ctx, cfg, clock=False))
-        runs["torch"].append(torch_ddp(ctx, cfg))
-        runs["labkit+clock"].append(labkit_dp(ctx, cfg, clock=True))
-    return runs
-
-
-def summarise(results, cfg):
+def summarise(results):
+    """Per side: the median over rounds of the per-round median step (slowest rank each step)."""
     out = {}
-    for side in ("labkit", "labkit+clock", "torch"):
-        steps = []
+    for side in SIDES:
+        per_round = []
         for rnd in range(ROUNDS):
-            per_rank = [r[side][rnd]["step_wall_s"][WARMUP:] for r in results]
-            steps += [max(ts) for ts in zip(*per_rank)]   # the slowest rank sets the step
-        out[side] = dict(step=statistics.median(steps), peak=results[0][side][0]["peak"],
-                         buckets=results[0][side][0]["bucket_bytes"])
-    mine, theirs = results[0]["labkit"][0]["params"], results[0]["torch"][0]["params"]
-    h = MODEL["hidden"]
-    keep = lambda k, t: torch.cat([t[:h], t[2 * h:]]) if k.endswith("qkv.bias") else t  # noqa
-    out["diff_all"] = reference.max_param_diff(mine, theirs)
-    out["diff"] = max((keep(k, mine[k]) - keep(k, theirs[k])).abs().max().item() for k in mine)
+            per_rank = [r[side][rnd]["step_wall_s"] for r in results]
+            per_round.append(statistics.median(max(ts) for ts in zip(*per_rank)))
+        out[side] = dict(step=statistics.median(per_round), rounds=per_round,
+                         peak=results[0][side][0]["peak"])
+    torch_rounds = out["torch"]["rounds"]
+    for side in SIDES[:2]:
+        ratios = [a / b for a, b in zip(out[side]["rounds"], torch_rounds)]
+        out[side]["ratio_spread"] = (min(ratios), max(ratios))
+        mine, theirs = results[0][side][-1]["params"], results[0]["torch"][-1]["params"]
+        out[side]["diff"] = max((mine[k] - theirs[k]).abs().max().item() for k in mine)
     return out
 
 
 def main(world_sizes=(2, 4)):
-    cfg = reference.RunConfig(steps=WARMUP + TIMED, global_batch=16, model_kwargs=MODEL)
-    params = sum(p.numel() for p in reference.build_model(cfg).parameters())
-    print(f"TinyGPT {MODEL}: {params / 1e6:.2f}M parameters, global batch {cfg.global_batch} x "
-          f"{reference.build_model(cfg).cfg.seq} tokens, Adam, buckets {BUCKET_MIB} MiB, gloo CPU, "
-          f"{os.cpu_count()} cores; {TIMED} timed steps x {ROUNDS} rounds after {WARMUP} warm-up")
-    rows, today = [], datetime.date.today().isoformat()
+    cfg = reference.RunConfig(steps=WARMUP + TIMED + 1, global_batch=16, model_kwargs=MODEL)
+    model = reference.build_model(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    setting = (f"TinyGPT h128 L4 {params / 1e6:.2f}M params; batch 16 x {model.cfg.seq} tokens; "
+               f"Adam; {BUCKET_MIB} MiB buckets; gloo CPU, {os.cpu_count()} cores; "
+               f"{ROUNDS} interleaved rounds x {TIMED} timed steps")
+    print(setting)
+    rows = []
     for n in world_sizes:
         t0 = time.time()
-        s = summarise(labkit.launch(both, n, cfg, timeout_s=900), cfg)
+        s = summarise(labkit.launch(rounds, n, cfg, timeout_s=1800))
         print(f"\nworld size {n} ({time.time() - t0:.0f} s)")
-        print(f"  {'':22}{'labkit':>12}{'torch DDP':>12}{'ratio':>8}")
-        for label, side in (("step time, clock off", "labkit"),
-                            ("step time, clock on", "labkit+clock")):
-            r = s[side]["step"] / s["torch"]["step"]
-            ms, torch_ms = s[side]["step"] * 1e3, s["torch"]["step"] * 1e3
-            print(f"  {label:22}{ms:10.1f}ms{torch_ms:10.1f}ms{r:8.2f}")
-            clock = "clock on" if "clock" in side else "clock off"
-            rows.append(["data_parallel", f"dp.train bucketed ({clock})",
-                         "DistributedDataParallel", n, "step_time_s_median",
-                         f"{s[side]['step']:.4e}", f"{s['torch']['step']:.4e}", f"{r:.2f}",
-                         f"wall clock; TinyGPT h128 L4 {params / 1e6:.2f}M params; batch 16; "
-                         f"1 MiB buckets; Adam; gloo CPU {os.cpu_count()} cores; shared machine",
-                         today])
-        r = s["labkit"]["peak"] / s["torch"]["peak"]
-        mb, torch_mb = s["labkit"]["peak"] / 1e6, s["torch"]["peak"] / 1e6
-        print(f"  {'peak memory':22}{mb:10.2f}MB{torch_mb:10.2f}MB{r:8.2f}")
-        print(f"  {'  of it grad buckets':22}{s['labkit']['buckets'] / 1e6:10.2f}MB"
-              f"{s['torch']['buckets'] / 1e6:10.2f}MB")
-        print(f"  max |param diff| labkit vs DDP: {s['diff']:.2e} "
-              f"({s['diff_all']:.2e} with the attention key bias, whose true gradient is 0)")
-        rows.append(["data_parallel", "dp.train bucketed", "DistributedDataParallel", n,
-                     "peak_bytes_rank0", s["labkit"]["peak"], s["torch"]["peak"], f"{r:.2f}",
-                     "labkit memory tracker on both (params+grads+Adam+saved activations) + "
-                     "grad buckets (labkit buffers; DDP logging-data bucket_sizes)", today])
-        rows.append(["data_parallel", "dp.train bucketed", "DistributedDataParallel", n,
-                     "max_param_diff", f"{s['diff']:.2e}", "", "",
-                     f"after {cfg.steps} Adam steps, key bias excluded; "
-                     f"with it {s['diff_all']:.2e}",
-                     today])
-    with open(os.path.join(ROOT, "data", "bench.csv"), "a", newline="") as f:
-        csv.writer(f).writerows(rows)
-    print(f"\n{len(rows)} rows appended to data/bench.csv")
+        print(f"  {'':12}{'step ms':>9}{'spread (min-max of rounds)':>30}{'peak MB':>9}"
+              f"{'labkit_over_torch: time':>25}{' (spread)':>14}{'  memory':>8}{'  max diff':>11}")
+        t = s["torch"]
+        for side in SIDES:
+            x = s[side]
+            lo, hi = min(x["rounds"]) * 1e3, max(x["rounds"]) * 1e3
+            line = (f"  {side:12}{x['step'] * 1e3:9.1f}{f'{lo:.1f} - {hi:.1f}':>30}"
+                    f"{x['peak'] / 1e6:9.2f}")
+            if side != "torch":
+                ratio, peak_ratio = x["step"] / t["step"], x["peak"] / t["peak"]
+                a, b = x["ratio_spread"]
+                line += (f"{ratio:25.2f}{f' ({a:.2f}-{b:.2f})':>14}{peak_ratio:8.2f}"
+                         f"{x['diff']:11.1e}")
+                note = (f"{setting}; per-round ratio {a:.2f}-{b:.2f}; instrumentation off; "
+                        "shared, loaded machine")
+                base = dict(benchmark="data_parallel", labkit_impl=f"DataParallel ({side[7:]})",
+                            torch_impl="DDP gradient_as_bucket_view=True", world_size=n)
+                rows += [
+                    dict(base, metric="step_time_s_median", labkit=f"{x['step']:.4e}",
+                         torch=f"{t['step']:.4e}", ratio=f"{ratio:.2f}", notes=note),
+                    dict(base, metric="peak_bytes_rank0", labkit=x["peak"], torch=t["peak"],
+                         ratio=f"{peak_ratio:.2f}", notes="labkit memory tracker on both"),
+                    dict(base, metric="max_param_diff", labkit=f"{x['diff']:.1e}",
+                         notes=f"after {cfg.steps} Adam steps (eps 1e-6)")]
+            print(line)
+    append_rows(rows)
+    print(f"\n{len(rows)} rows appended to data/bench.csv (column ratio = labkit_over_torch)")
 
 
 if __name__ == "__main__":

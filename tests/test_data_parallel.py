@@ -1,127 +1,303 @@
-"""Data parallelism (labkit.data_parallel): same parameters as the single-device reference in
-every mode, wire bytes = 2(N-1)/N x gradient bytes, overlap shortens the modelled step, the ring
-from send/recv equals all_reduce, the exercise checker's verdicts, inference, and the CLI."""
+"""Data parallelism: the `DataParallel` block on models it was not written for (an nn.Sequential
+with a frozen bias, tied weights, a parameter on the root module, labkit's GPT), with SGD and
+AdamW on 2 and 4 ranks, in a plain mp.spawn program and inside the sub-group {1,3} of 4 ranks;
+then the lesson's driver (modes, bytes on the wire, overlap on the modelled clock), the ring
+from send/recv, the exercise checker's verdicts, inference, and the CLI."""
+import copy
 import json
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import labkit
-from labkit import data_parallel as dp
+from labkit import models
+from labkit.exercises.data_parallel import check_ring_all_reduce
+from labkit.runs import data_parallel as dp
 from labkit.runs import reference
+from spawn_helpers import spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, BATCH = 3, 8
+
+
+# ---------------------------------------------------------------- models the block never saw
+
+class TiedLM(nn.Module):
+    """Embedding and output layer share one weight: one Parameter reached twice."""
+
+    def __init__(self, vocab=12, hidden=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.mid = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(F.gelu(self.mid(self.emb(x))))
+
+
+class RootScale(nn.Module):
+    """A parameter that sits on the root module itself, not on a child."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.body(x) * self.scale
+
+
+def mlp_frozen_bias():
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
+                          nn.Linear(16, 4))
+    model[2].bias.requires_grad_(False)
+    model.register_buffer("offset", torch.randn(4))   # a buffer the broadcast must cover
+    return model
+
+
+def gpt():
+    return models.build("gpt", seed=0, layers=1, hidden=16, heads=2, ffn=32, seq=8, vocab=16)
+
+
+def mse(model, x, y):
+    return F.mse_loss(model(x), y)
+
+
+def next_token(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+MODELS = {  # name -> (build, loss, kind of data)
+    "mlp_frozen_bias": (mlp_frozen_bias, mse, "regression"),
+    "tied": (TiedLM, next_token, "tokens12"),
+    "root_param": (RootScale, mse, "regression"),
+    "gpt": (gpt, lambda m, x, y: m(x, y), "tokens16"),
+}
+# AdamW's eps is 1e-5: the GPT's attention key bias has a true gradient of exactly 0 (softmax
+# ignores a constant shift of a row of scores), so backward computes rounding noise (~1e-10) for
+# it, which differs between any two summation orders; the default 1e-8 would turn that noise into
+# lr-sized steps (measured: 2.7e-4 apart after 3 steps), 1e-5 keeps them ~1e-7.
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-5),
+}
+
+
+def global_batch(kind, step):
+    g = torch.Generator().manual_seed(100 + step)
+    if kind == "regression":
+        return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
+    vocab = int(kind[len("tokens"):])
+    tokens = torch.randint(0, vocab, (BATCH, 9), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def cases():
+    """Every model with both optimizers, then the variants on two of them."""
+    out = [(m, o, {}) for m in MODELS for o in OPTIMIZERS]
+    for m in ("mlp_frozen_bias", "gpt"):
+        out += [(m, "adamw", dict(bucket_mb=0)), (m, "adamw", dict(overlap=False)),
+                (m, "sgd", dict(accumulate=2)), (m, "adamw", dict(accumulate=2))]
+    return out
+
+
+def train_cases(ctx, group, todo):
+    """On each case: DataParallel over `group` on this rank's shard against one device on the
+    full batch (computed here too). Returns, per case, the largest parameter difference, the
+    bytes the buckets all-reduced and the bytes of the distinct trainable parameters."""
+    g = ctx.group(group)
+    out = []
+    for name, opt_name, options in todo:
+        build, loss_fn, kind = MODELS[name]
+        torch.manual_seed(0)
+        model = build()
+        single = copy.deepcopy(model)
+        frozen = {n: p.detach().clone() for n, p in model.named_parameters()
+                  if not p.requires_grad}
+        accumulate = options.get("accumulate", 1)
+        wrapped = labkit.DataParallel(model, group=group, bucket_mb=options.get("bucket_mb", 1e-3),
+                                      overlap=options.get("overlap", True))
+        optimizer = OPTIMIZERS[opt_name](wrapped.parameters())
+        single_opt = OPTIMIZERS[opt_name](single.parameters())
+        before = reduced_bytes(ctx)
+        for step in range(STEPS):
+            x, y = global_batch(kind, step)
+            single_opt.zero_grad()
+            loss_fn(single, x, y).backward()
+            single_opt.step()
+            size = BATCH // g.size
+            xs, ys = (t[g.rank * size:(g.rank + 1) * size] for t in (x, y))
+            optimizer.zero_grad(set_to_none=True)
+            for k, (mx, my) in enumerate(zip(xs.chunk(accumulate), ys.chunk(accumulate))):
+                with wrapped.no_sync() if k < accumulate - 1 else nullcontext():
+                    (loss_fn(wrapped, mx, my) / accumulate).backward()
+            wrapped.finish_gradient_synchronization()   # done already: must be harmless
+            optimizer.step()
+        mine, theirs = dict(model.named_parameters()), dict(single.named_parameters())
+        out.append(dict(
+            case=f"{name}/{opt_name}/{options}",
+            diff=max((mine[k] - theirs[k]).abs().max().item() for k in theirs),
+            frozen_kept=all(torch.equal(mine[k], v) and mine[k].grad is None
+                            for k, v in frozen.items()),
+            reduced=reduced_bytes(ctx) - before,
+            expected=STEPS * 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)))
+    return out
+
+
+def reduced_bytes(ctx):
+    return sum(row["bytes"] for row in ctx.comm.summary(by=("op", "tag"))
+               if row["op"] == "all_reduce" and row["tag"].startswith("bucket"))
+
+
+def assert_matches_one_device(results):
+    for r in results:
+        assert r["diff"] < 1e-6, r["case"]
+        assert r["frozen_kept"], r["case"]          # frozen: not touched, no gradient
+        assert r["reduced"] == r["expected"], r["case"]   # tied: reduced once; frozen: never
+
+
+# ------------------------------------------------------------------------ the block itself
+
+def under_launch(ctx, todo):
+    return dict(cases=train_cases(ctx, None, todo), broadcast=broadcast_check(ctx, None))
+
+
+def broadcast_check(ctx, group):
+    """Replicas initialised differently (seed = global rank) end up with member 0's weights,
+    buffers included, and building the wrapper leaves the caller's RNG state alone."""
+    torch.manual_seed(ctx.rank)
+    model = mlp_frozen_bias()
+    state = torch.get_rng_state()
+    labkit.DataParallel(model, group=group)
+    same_rng = torch.equal(state, torch.get_rng_state())
+    return dict(same_rng=same_rng, state={k: v.clone() for k, v in model.state_dict().items()})
+
+
+def expected_state(seed):
+    torch.manual_seed(seed)
+    return mlp_frozen_bias().state_dict()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_block_matches_one_device_on_any_model(n):
+    results = labkit.launch(under_launch, n, cases(), timeout_s=300)
+    for r in results:
+        assert_matches_one_device(r["cases"])
+    want = expected_state(0)   # member 0 of the world is rank 0
+    for r in results:
+        assert r["broadcast"]["same_rng"]
+        for k, v in want.items():
+            assert torch.equal(r["broadcast"]["state"][k], v), k
+    assert not torch.equal(expected_state(1)["0.weight"], want["0.weight"])  # they did differ
+
+
+def _spawned(rank, world_size, todo):
+    return train_cases(labkit.context(), None, todo)   # a learner's own mp.spawn program
+
+
+def test_block_in_a_plain_spawn_program():
+    todo = [("mlp_frozen_bias", "adamw", {}), ("tied", "sgd", dict(accumulate=2)),
+            ("root_param", "adamw", dict(bucket_mb=0))]
+    for results in spawn(_spawned, 2, todo):
+        assert_matches_one_device(results)
+
+
+def in_subgroup(ctx, todo):
+    """DP over ranks {1,3} of 4, while ranks 0 and 2 all-reduce in their own group."""
+    odd, even = ctx.new_group([1, 3]), ctx.new_group([0, 2])
+    if odd is None:
+        t = torch.full((3,), float(ctx.rank))
+        for _ in range(5):
+            ctx.comm.all_reduce(t, group=even, tag="elsewhere")
+        return dict(elsewhere=t)
+    ring = dp.ring_all_reduce(ctx, torch.arange(6.0) * (ctx.rank + 1), group=odd)
+    return dict(cases=train_cases(ctx, odd, todo), broadcast=broadcast_check(ctx, odd),
+                ring=ring)
+
+
+def test_block_inside_a_sub_group():
+    todo = [("mlp_frozen_bias", "sgd", {}), ("gpt", "adamw", {}),
+            ("tied", "adamw", dict(overlap=False))]
+    results = labkit.launch(in_subgroup, 4, todo, timeout_s=300)
+    want = expected_state(1)   # member 0 of {1,3} is rank 1
+    for rank in (1, 3):
+        assert_matches_one_device(results[rank]["cases"])
+        assert torch.equal(results[rank]["broadcast"]["state"]["0.weight"], want["0.weight"])
+        assert torch.equal(results[rank]["ring"], torch.arange(6.0) * (2 + 4))
+    for rank in (0, 2):
+        assert torch.equal(results[rank]["elsewhere"], torch.full((3,), 2.0 ** 5))
+
+
+# ------------------------------------------------------------------------------ the driver
+
 MODES = {  # name -> train() keyword arguments
     "naive": dict(mode="naive"),
     "bucketed": dict(mode="bucketed", bucket_mb=0.1, overlap=True),
     "no-overlap": dict(mode="bucketed", bucket_mb=0.1, overlap=False),
     "accumulate-2": dict(mode="bucketed", bucket_mb=0.1, accumulate=2),
 }
-# SGD: the update is linear in the gradient, so float32 rounding of the gradient sum stays
-# ~1e-9 in the parameters. (Adam divides by sqrt(v): see the key-bias test below.)
 SGD = reference.RunConfig(steps=2, global_batch=8, optimizer="sgd")
-_REFERENCES = {}
 
 
-def ref(cfg):
-    key = repr(cfg)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = reference.train(cfg)
-    return _REFERENCES[key]
+@pytest.fixture(scope="module")
+def sgd_reference():
+    return reference.train(SGD)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("n", [1, 2, 4])
-def test_every_mode_matches_the_single_device_reference(n, mode):
+def test_driver_modes_match_the_reference_and_the_ring_formula(mode, sgd_reference):
+    n = 4 if mode == "bucketed" else 2
     results = labkit.launch(dp.train, n, SGD, **MODES[mode])
-    expected = ref(SGD)
-    assert reference.max_param_diff(results[0]["params"], expected["params"]) < 1e-5
-    assert dp.global_loss(results) == pytest.approx(expected["loss"], abs=1e-5)
-    if n > 1:  # each rank's own loss is its shard's, not the full batch's
-        assert results[0]["local_loss"] != pytest.approx(results[1]["local_loss"], abs=1e-6)
-    # wire bytes per rank: 2(N-1)/N x gradient bytes x steps, from the comm log
-    wire = sum(row["wire_bytes_per_rank"] for row in results[0]["comm"]
-               if row["op"] == "all_reduce")
+    assert reference.max_param_diff(results[0]["params"], sgd_reference["params"]) < 1e-6
+    assert dp.global_loss(results) == pytest.approx(sgd_reference["loss"], abs=1e-6)
+    assert results[0]["local_loss"] != pytest.approx(results[1]["local_loss"], abs=1e-6)
+    rows = [row for row in results[0]["comm"] if row["op"] == "all_reduce"]
     grad_bytes = dp.gradient_bytes(SGD)
+    wire = sum(row["wire_bytes_per_rank"] for row in rows)
     assert wire == pytest.approx(2 * (n - 1) / n * grad_bytes * SGD.steps, rel=1e-12)
-    payload = sum(row["bytes"] for row in results[0]["comm"] if row["op"] == "all_reduce")
-    assert payload == grad_bytes * SGD.steps   # every gradient byte reduced once per step
-    calls = sum(row["calls"] for row in results[0]["comm"] if row["op"] == "all_reduce")
+    assert sum(row["bytes"] for row in rows) == grad_bytes * SGD.steps   # each byte once
+    calls = sum(row["calls"] for row in rows) / SGD.steps
     params = len(list(reference.build_model(SGD).parameters()))
-    if mode == "naive":
-        assert calls == params * SGD.steps      # one call per parameter tensor
-    else:
-        assert 2 <= calls / SGD.steps < params  # a few buckets
-
-
-def test_adam_matches_the_reference_except_the_redundant_key_bias():
-    # The attention key bias adds the same number to every score of a row, which softmax
-    # cancels: its true gradient is 0 and what backward computes is rounding noise (~1e-10).
-    # Adam normalises that noise to steps of ~lr, so it differs between any two summation
-    # orders (even accumulate=2 on one rank). Everything else must match to float32 rounding.
-    cfg = reference.RunConfig(steps=2, global_batch=8)
-    results = labkit.launch(dp.train, 2, cfg, bucket_mb=0.1)
-    expected = ref(cfg)
-    h = reference.build_model(cfg).cfg.hidden
-    worst = 0.0
-    for name, p in results[0]["params"].items():
-        q = expected["params"][name]
-        if name.endswith("attn.qkv.bias"):
-            p, q = torch.cat([p[:h], p[2 * h:]]), torch.cat([q[:h], q[2 * h:]])
-        worst = max(worst, (p - q).abs().max().item())
-    assert worst < 1e-5
-    assert dp.global_loss(results) == pytest.approx(expected["loss"], abs=1e-5)
-
-
-def step_and_compute(cfg, overlap, bucket_mb):
-    return labkit.launch(dp.train, 2, cfg, bucket_mb=bucket_mb, overlap=overlap)[0]
+    assert calls == params if mode == "naive" else 2 <= calls < params   # a few buckets
 
 
 def test_overlap_shortens_the_modelled_step():
-    # hidden 128 and a 32-sequence batch: backward is long enough for buckets to hide under it
+    # hidden 128 and 32 sequences: backward is long enough for buckets to hide under it
     cfg = reference.RunConfig(steps=2, global_batch=32, model_kwargs=dict(hidden=128))
-    with_overlap = step_and_compute(cfg, True, 0.25)
-    without = step_and_compute(cfg, False, 0.25)
-    t_on, t_off = with_overlap["modelled_step_s"][-1], without["modelled_step_s"][-1]
-    backward = [e for e in with_overlap["timeline"]
-                if e["kind"] == "compute" and e["name"] == "backward"]
+    on, off = (labkit.launch(dp.train, 2, cfg, bucket_mb=0.25, overlap=o)[0] for o in (1, 0))
+    t_on, t_off = on["modelled_step_s"][-1], off["modelled_step_s"][-1]
+    backward = [e for e in on["timeline"] if e["kind"] == "compute" and e["name"] == "backward"]
     compute_per_step = sum(e["end"] - e["start"] for e in backward) / cfg.steps
-    assert t_on < t_off
     assert t_off - t_on > 0.3 * compute_per_step   # a real share of backward is hidden
-    # with overlap, buckets' all-reduces run on the comm lane while backward still computes
-    comm = [e for e in with_overlap["timeline"] if e["lane"] == "comm"]
+    comm = [e for e in on["timeline"] if e["lane"] == "comm"]
     assert any(b["start"] <= c["start"] < b["end"] for b in backward for c in comm)
-    # without, no all-reduce starts inside a backward bar
-    comm_off = [e for e in without["timeline"] if e["kind"] == "comm"]
-    backward_off = [e for e in without["timeline"]
+    comm_off = [e for e in off["timeline"] if e["kind"] == "comm" and e["name"] == "all_reduce"]
+    backward_off = [e for e in off["timeline"]
                     if e["kind"] == "compute" and e["name"] == "backward"]
     assert comm_off and not any(b["start"] < c["start"] < b["end"] * (1 - 1e-12)
                                 for b in backward_off for c in comm_off)
-    # the same parameters either way
-    assert reference.max_param_diff(with_overlap["params"], without["params"]) == 0.0
+    assert reference.max_param_diff(on["params"], off["params"]) == 0.0
 
 
 def ring_vs_all_reduce(ctx, numel):
     t = torch.arange(numel, dtype=torch.float32) * (ctx.rank + 1) + 0.25 * ctx.rank
     mine = dp.ring_all_reduce(ctx, t.clone())
     sent = sum(r.wire_bytes_per_rank for r in ctx.comm.records if r.op == "send")
-    theirs = ctx.comm.all_reduce(t.clone())
-    return mine, theirs, sent
+    return mine, ctx.comm.all_reduce(t.clone()), sent
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [3, 4])
 def test_ring_all_reduce_from_send_recv_equals_all_reduce(n):
-    numel = 24
-    for mine, theirs, sent in labkit.launch(ring_vs_all_reduce, n, numel):
+    for mine, theirs, sent in labkit.launch(ring_vs_all_reduce, n, 24):
         assert torch.equal(mine, theirs)
-        assert sent == pytest.approx(2 * (n - 1) / n * numel * 4)
-
-
-def wrong_sum(ctx, tensor):
-    return tensor * ctx.world_size  # "every rank has the same data", which is not true
+        assert sent == pytest.approx(2 * (n - 1) / n * 24 * 4)
 
 
 def recv_first(ctx, tensor):
@@ -132,15 +308,29 @@ def recv_first(ctx, tensor):
     return tensor + incoming
 
 
+def reduce_scatter_only(ctx, tensor):
+    """Half a ring: each rank ends with one finished chunk and partial sums elsewhere."""
+    n, r = ctx.world_size, ctx.rank
+    chunks = list(torch.tensor_split(tensor, n))
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(r - s - 1) % n])
+        handle = ctx.comm.send(chunks[(r - s) % n], (r + 1) % n, async_op=True)
+        ctx.comm.recv(incoming, (r - 1) % n)
+        handle.wait()
+        chunks[(r - s - 1) % n].add_(incoming)
+    return tensor
+
+
 def test_the_checker_accepts_the_ring_and_explains_mistakes(capsys):
-    ok = dp.check_ring_all_reduce(dp.ring_all_reduce)
-    assert ok.ok and "Correct" in ok.message and "96 bytes" in ok.message
-    bad = dp.check_ring_all_reduce(wrong_sum)
-    assert not bad.ok and bad.problem == "wrong sum"
-    assert "expected [1000" in bad.message and "got      [400" in bad.message
-    stuck = dp.check_ring_all_reduce(recv_first, timeout_s=4)
-    assert not stuck.ok and stuck.problem == "deadlock"
-    assert "recv" in stuck.message and "async_op=True" in stuck.message
+    ok = check_ring_all_reduce(dp.ring_all_reduce)
+    assert ok and ok.problem == "" and "96 bytes" in ok.message
+    half = check_ring_all_reduce(reduce_scatter_only)
+    assert not half and half.problem == "wrong chunk"
+    assert "chunks [1] right" in half.message and "all-gather" in half.message
+    stuck = check_ring_all_reduce(recv_first, timeout_s=5)
+    assert not stuck and stuck.problem == "deadlock"
+    assert "async_op=True" in stuck.message   # and, when the ranks got there, where they wait
+    assert "rank 0: recv from rank 3" in stuck.message or "not in a" in stuck.message
     assert "Deadlock" in capsys.readouterr().out   # the verdicts are printed for the learner
 
 
@@ -156,7 +346,6 @@ def test_inference_one_batch_per_replica():
             assert torch.allclose(outputs[i], model(x), atol=1e-6)
     # rank 0 ran two batches one after the other, rank 1 one: the second replica idles half
     assert results[0]["finished_s"] == pytest.approx(2 * results[1]["finished_s"])
-    # the article's Stable Diffusion example: 2.6 s per batch on one node
     one = dp.inference_throughput(2.6, replicas=1, batches=2)
     two = dp.inference_throughput(2.6, replicas=2, batches=2)
     assert two["seconds_per_batch"] == pytest.approx(1.3) and two["latency_s"] == 2.6
@@ -165,11 +354,14 @@ def test_inference_one_batch_per_replica():
     assert lone["makespan_s"] == pytest.approx(2.6) and lone["utilisation"] == 0.5
 
 
-def test_cli_prints_the_json_report():
+def labkit_cli(*args):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-m", "labkit", "run", "dp", "--world-size", "2",
-                          "--steps", "2", "--json"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "labkit", "run", "dp", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_the_json_report():
+    out = labkit_cli("--world-size", "2", "--steps", "2", "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     keys = {"technique", "world_size", "backend", "config", "steps", "loss", "reference_loss",
@@ -181,8 +373,15 @@ def test_cli_prints_the_json_report():
     assert report["loss"] == pytest.approx(report["reference_loss"], abs=1e-5)
     row = next(r for r in report["comm"] if r["op"] == "all_reduce")
     assert row["wire_bytes_per_rank"] == pytest.approx(report["predicted_comm_bytes_per_rank"])
+    memory, predicted = report["memory"]["0"], report["predicted_memory"]
     assert set(report["memory"]) == {"0", "1"}
-    assert report["memory"]["0"]["params"] == report["predicted_memory"]["params"]
+    assert memory["params"] == predicted["params"]
+    assert memory["buffers"] == predicted["buffers"]   # the buckets: one copy of the grads
     # each rank saves activations for its own half of the batch (theory/ within a few percent)
-    assert report["memory"]["0"]["activations"] == pytest.approx(
-        report["predicted_memory"]["activations"], rel=0.05)
+    assert memory["activations"] == pytest.approx(predicted["activations"], rel=0.05)
+
+
+def test_cli_refuses_a_batch_that_does_not_split_in_one_line():
+    out = labkit_cli("--world-size", "3")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: the global batch of 8")

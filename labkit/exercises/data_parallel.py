@@ -1,0 +1,119 @@
+"""Lesson 01's exercise: a ring all-reduce from send and recv, checked on 4 ranks.
+
+`check_ring_all_reduce(fn)` runs the learner's `fn(ctx, tensor)` on every rank with different
+data and says in words what is wrong: a wrong sum, chunks in the wrong place, a deadlock (every
+rank waiting in recv), another collective used, or more bytes sent than the ring's 2(N-1)/N x S.
+"""
+import torch
+
+from ..runtime.launch import LaunchError, launch
+from ..theory.data_parallel import ring_all_reduce_bytes
+from . import Check, say
+
+
+def _ring_input(rank, numel):
+    """Distinct, exactly summable values per rank (small integers: no float rounding)."""
+    return torch.arange(numel, dtype=torch.float32) + 100.0 * (rank + 1)
+
+
+def _run_user_ring(ctx, user_fn, numel):
+    tensor = _ring_input(ctx.rank, numel)
+    original = tensor.clone()
+    out = user_fn(ctx, tensor)
+    got = out if isinstance(out, torch.Tensor) else tensor
+    sent = sum(rec.bytes for rec in ctx.comm.records if rec.op == "send")
+    others = sorted({rec.op for rec in ctx.comm.records if rec.op not in ("send", "recv")})
+    return dict(rank=ctx.rank, got=got.detach().clone().reshape(-1), input=original,
+                sent_bytes=sent, other_ops=others)
+
+
+def check_ring_all_reduce(user_fn, world_size=4, numel=16, timeout_s=20.0, verbose=True):
+    """Run `user_fn(ctx, tensor)` on `world_size` ranks and say, in words, whether it all-reduces.
+
+    Every rank hands in a different float32 tensor of `numel` elements; the sum over ranks is
+    expected back (returned, or written into `tensor`). Returns a `Check` (and prints it).
+    """
+    n = world_size
+    try:
+        results = launch(_run_user_ring, n, user_fn, numel, timeout_s=timeout_s)
+    except LaunchError as error:
+        return say(_failed_run(str(error), timeout_s), verbose)
+    expected = sum(_ring_input(r, numel) for r in range(n))
+    bad = [res for res in results if not torch.equal(res["got"], expected)]
+    if bad:
+        return say(_diagnose(bad[0], expected, n), verbose)
+    limit = ring_all_reduce_bytes(numel * 4, n)
+    worst = max(results, key=lambda res: res["sent_bytes"])
+    cheat = sorted({op for res in results for op in res["other_ops"]})
+    if cheat:
+        check = Check(False, "not a ring", (
+            f"The sums are right, but you called {', '.join(cheat)}: build the ring from "
+            "ctx.comm.send and ctx.comm.recv only."))
+    elif worst["sent_bytes"] > limit + 1e-9:
+        check = Check(False, "too many bytes", (
+            f"The sums are right, but rank {worst['rank']} sent {worst['sent_bytes']} bytes; "
+            f"a ring all-reduce sends 2(N-1)/N x S = 2x{n - 1}/{n} x {numel * 4} = "
+            f"{limit:.0f} bytes per rank. Send one chunk (S/N) per step, N-1 steps per "
+            "phase, not the whole tensor."))
+    else:
+        check = Check(True, "", (
+            f"Correct: all {n} ranks hold the sum, and each rank sent "
+            f"{worst['sent_bytes']} bytes = 2(N-1)/N x S = 2x{n - 1}/{n} x {numel * 4} "
+            "bytes, the least any all-reduce can send."))
+    return say(check, verbose)
+
+
+def _failed_run(text, timeout_s):
+    if "timed out" in text:
+        waits = "\n".join(line for line in text.splitlines() if line.startswith("  rank"))
+        return Check(False, "deadlock", (
+            f"Deadlock: the ranks were still waiting after {timeout_s:g} s.\n{waits}\n"
+            "Every rank is blocked waiting for a message that nobody sends: if each rank "
+            "first waits in recv, no send is ever posted. Post the send first without "
+            "waiting for it (handle = ctx.comm.send(chunk, right, async_op=True)), then "
+            "recv from the left, then handle.wait()."))
+    last = [line for line in text.strip().splitlines() if line.strip()][-1]
+    return Check(False, "error", f"Your function raised an error: {last}\n\n{text}")
+
+
+def _diagnose(res, expected, n):
+    got, rank = res["got"], res["rank"]
+    if got.numel() != expected.numel():
+        return Check(False, "wrong chunk", (
+            f"Rank {rank} handed back {got.numel()} elements, expected {expected.numel()}: "
+            "return (or fill in) the whole tensor, not one chunk."))
+    want_chunks = list(torch.tensor_split(expected, n))
+    got_chunks = list(torch.tensor_split(got, n))
+    right = [i for i in range(n) if torch.equal(got_chunks[i], want_chunks[i])]
+    wrong = [i for i in range(n) if i not in right]
+    show = f"rank {rank}: expected {_short(expected)}\n        got      {_short(got)}"
+    if torch.equal(got, res["input"]):
+        return Check(False, "wrong sum", (
+            f"Nothing was reduced: rank {rank} still holds its own input.\n{show}\n"
+            "Add what you receive into your chunk (chunk += incoming) and write the result back "
+            "into the tensor you were given (or return it)."))
+    if torch.allclose(got * n, expected):
+        return Check(False, "wrong sum", (
+            f"You averaged instead of summing (got = sum / {n}).\n{show}"))
+    placed = all(any(torch.equal(g, w) for w in want_chunks) for g in got_chunks)
+    if placed and wrong:
+        return Check(False, "wrong chunk", (
+            f"Every chunk on rank {rank} is a correct sum, but in the wrong place: chunks "
+            f"{wrong} hold another chunk's values.\n{show}\n"
+            "Check the indices: in reduce-scatter step s rank r sends chunk (r - s) mod N and "
+            "receives chunk (r - s - 1) mod N; in all-gather step s it sends (r + 1 - s) mod N "
+            "and receives (r - s) mod N."))
+    if right:
+        return Check(False, "wrong chunk", (
+            f"Rank {rank} has chunks {right} right and chunks {wrong} wrong.\n{show}\n"
+            "Each chunk must travel the whole ring: N-1 reduce-scatter steps (adding) and then "
+            "N-1 all-gather steps (copying the finished chunk). A chunk that stops early holds "
+            "a partial sum or stale values."))
+    return Check(False, "wrong sum", (
+        f"Wrong sum on rank {rank}.\n{show}\n"
+        "In reduce-scatter add the received chunk into yours; in all-gather copy it over yours."))
+
+
+def _short(t, k=8):
+    values = ", ".join(f"{v:g}" for v in t[:k].tolist())
+    return f"[{values}{', ...' if t.numel() > k else ''}]"

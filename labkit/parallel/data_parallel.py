@@ -1,0 +1,210 @@
+"""DataParallel: a replica of any nn.Module per rank, gradients averaged in buckets during backward.
+
+The idea. N replicas start from the same weights (the group's first member broadcasts its
+parameters and buffers when the wrapper is built). Each rank runs forward and backward on its
+own 1/N of the global batch; because the loss is a mean over examples, the average of the N
+shard gradients is the full-batch gradient, so every replica takes the step one device would
+take on the whole batch.
+
+Memory per rank: the whole model, Ψ parameters with their gradients and optimizer state
+(fp32 Adam: 4Ψ + 4Ψ + 8Ψ bytes), plus one flat copy of the gradients as buckets (4Ψ), unless
+`gradient_as_bucket_view=True` makes `.grad` a view of the buckets (no copy). Activations: those
+of global_batch / N examples.
+
+Communication per rank and step: an all-reduce of the S = 4Ψ gradient bytes; a ring sends
+2(N-1)/N x S bytes per rank, under 2S whatever N (Patarasuk & Yuan 2009). That traffic does not
+shrink as N grows while the compute does, so it is hidden under backward: parameters are grouped
+into buckets of ~`bucket_mb` MB in reverse order (backward produces the last layer's gradients
+first); a post-accumulate-grad hook copies each gradient into its bucket, and a full bucket's
+async all-reduce starts at once while backward computes the earlier layers. What PyTorch's
+DistributedDataParallel does (Li et al. 2020, "PyTorch Distributed", arXiv 2006.15704).
+
+    model = DataParallel(model, group=None, bucket_mb=25.0, overlap=True)
+    loss = loss_fn(model(x_shard), y_shard)
+    loss.backward()             # buckets all-reduce during backward; averaged .grad at its end
+    optimizer.step()
+
+Every rank issues the bucket all-reduces in the same order (bucket 0, 1, 2, ...), whatever order
+its hooks fire in: a collective matches the others' by its place in that sequence.
+"""
+import itertools
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from ..runtime.context import context
+
+_instances = itertools.count()   # tells the memory tracker's buffers of two wrappers apart
+
+
+class DataParallel(nn.Module):
+    """Data parallelism on any nn.Module inside any process group (`group=None`: the world).
+
+    bucket_mb: bucket size in MB (1e6 bytes); 0 gives one bucket per parameter, each launched as
+        soon as its gradient is ready. overlap=False launches every bucket after backward.
+    gradient_as_bucket_view: as in DDP, make each `.grad` a view into its bucket (saves the copy
+        and 4Ψ bytes); then the buckets are counted as gradients, not as buffers.
+    Frozen parameters (requires_grad=False) get no hook and no all-reduce; a parameter reached
+    twice (tied weights) is reduced once. Buffers are broadcast once, when the wrapper is built.
+    """
+
+    def __init__(self, module, group=None, bucket_mb=25.0, overlap=True,
+                 gradient_as_bucket_view=False):
+        super().__init__()
+        if bucket_mb < 0:
+            raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
+        self.module = module
+        self._ctx = context()
+        self.group = self._ctx.group(group)
+        self.bucket_mb, self.overlap = bucket_mb, overlap
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.require_backward_grad_sync = True   # False inside no_sync()
+        self._sync_this_backward = True          # what the last forward saw (as in DDP)
+        self._name = f"DataParallel {next(_instances)}"
+        self._broadcast_from_first_member()
+        self._build_buckets()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient)
+                       for p in self._params]
+        self._reset_round()
+
+    # --- construction ------------------------------------------------------------------------
+    @torch.no_grad()
+    def _broadcast_from_first_member(self):
+        """Every replica starts from member 0's parameters and buffers (frozen ones included)."""
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        for t in tensors:   # parameters() and buffers() already skip a tensor seen twice
+            self._ctx.comm.broadcast(t.detach(), src=0, group=self.group,
+                                     tag="DataParallel broadcast")
+
+    def _build_buckets(self):
+        """Trainable parameters in reverse order, cut into buckets of about bucket_mb MB."""
+        self._params = [p for p in self.module.parameters() if p.requires_grad][::-1]
+        cap = self.bucket_mb * 1e6
+        groups, current, size = [], [], 0
+        for p in self._params:
+            if current and (size >= cap or p.dtype != current[-1].dtype
+                            or p.device != current[-1].device):
+                groups.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        if current:
+            groups.append(current)
+        self._buckets, self._slot = [], {}
+        for i, members in enumerate(groups):
+            flat = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype,
+                               device=members[0].device)
+            offset = 0
+            for p in members:
+                self._slot[p] = (i, flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            self._buckets.append(_Bucket(i, members, flat))
+            if not self.gradient_as_bucket_view:   # a separate copy: count it as a buffer
+                self._ctx.memory.add_buffer(self._buffer_name(i), flat)
+
+    def _buffer_name(self, i):
+        first = self._name == "DataParallel 0"
+        return f"grad bucket {i}" if first else f"grad bucket {i} ({self._name})"
+
+    @property
+    def bucket_sizes(self):
+        """Bytes per bucket, in launch order."""
+        return [b.flat.nbytes for b in self._buckets]
+
+    # --- forward and no_sync -------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        # As in DDP, the forward decides whether the backward that follows synchronises.
+        self._sync_this_backward = self.require_backward_grad_sync
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Forward and backward inside accumulate gradients locally, with no communication."""
+        before = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    # --- backward: fill buckets, launch full ones in order ---------------------------------------
+    def _reset_round(self):
+        self._ready = set()     # parameters whose gradient arrived in this backward
+        self._next = 0          # the next bucket to launch (every rank launches in this order)
+        self._collecting = False
+        self._finished = False  # set by the end-of-backward callback
+
+    def _on_gradient(self, p):
+        if not self._sync_this_backward:
+            return              # no_sync: the gradient stays in p.grad and accumulates there
+        if not self._collecting:
+            if self._finished:  # a new backward after one that finished on its own
+                self._reset_round()
+            self._collecting = True
+            # Like DDP: wait for the buckets when the autograd engine finishes this backward.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        bucket_index, view = self._slot[p]
+        if self.gradient_as_bucket_view:
+            if p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view   # the bucket is the gradient from now on
+        else:
+            view.copy_(p.grad)
+        self._ready.add(p)
+        self._buckets[bucket_index].ready += 1
+        if self.overlap:
+            self._launch(only_full=True)
+
+    def _launch(self, only_full):
+        while self._next < len(self._buckets):
+            bucket = self._buckets[self._next]
+            if only_full and bucket.ready < len(bucket.params):
+                return
+            for p in bucket.params:   # no gradient on this rank: it contributes zeros
+                if p not in self._ready:
+                    self._slot[p][1].zero_()
+            bucket.handle = self._ctx.comm.all_reduce(bucket.flat, op="avg", group=self.group,
+                                                      async_op=True, tag=f"bucket {bucket.index}")
+            self._next += 1
+
+    def _end_of_backward(self):
+        self.finish_gradient_synchronization()
+        self._finished = True
+
+    def finish_gradient_synchronization(self):
+        """Launch the buckets not launched yet, wait for all, leave averaged `.grad`s.
+
+        Runs by itself at the end of each synchronising backward (calling it again is free).
+        Call it yourself on a rank whose backward reached none of the parameters, so that it
+        still joins the all-reduces the other ranks issue. Inside no_sync() it does nothing.
+        """
+        if self._finished:
+            self._finished = False   # the explicit call after the automatic one: nothing left
+            return
+        if not self._sync_this_backward:
+            return
+        self._launch(only_full=False)
+        for bucket in self._buckets:
+            bucket.handle.wait()     # the average (sum / group size) is in bucket.flat now
+            for p in bucket.params:
+                view = self._slot[p][1]
+                if self.gradient_as_bucket_view or p.grad is None:
+                    p.grad = view if self.gradient_as_bucket_view else view.clone()
+                else:
+                    p.grad.copy_(view)
+            bucket.ready, bucket.handle = 0, None
+        self._reset_round()
+
+    def extra_repr(self):
+        return (f"group={list(self.group.ranks)}, bucket_mb={self.bucket_mb}, "
+                f"overlap={self.overlap}, buckets={len(self._buckets)}")
+
+
+class _Bucket:
+    """One flat gradient buffer, the parameters it holds, and its all-reduce in flight."""
+    __slots__ = ("index", "params", "flat", "ready", "handle")
+
+    def __init__(self, index, params, flat):
+        self.index, self.params, self.flat = index, params, flat
+        self.ready, self.handle = 0, None
