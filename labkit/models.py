@@ -104,6 +104,34 @@ class TinyGPT(nn.Module):
             return logits
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
+    def as_sequential(self):
+        """The same modules (shared, not copied) as an nn.Sequential from token ids to logits:
+        embeddings, each block, final norm + head. Pipeline splitting cuts this list."""
+        return nn.Sequential(_Embeddings(self.tok, self.pos), *self.blocks,
+                             _NormHead(self.ln_f, self.head))
+
+
+class _Embeddings(nn.Module):
+    """TinyGPT's first step: token + position embedding (for `TinyGPT.as_sequential`)."""
+
+    def __init__(self, tok, pos):
+        super().__init__()
+        self.tok, self.pos = tok, pos
+
+    def forward(self, idx):
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class _NormHead(nn.Module):
+    """TinyGPT's last step: final LayerNorm and LM head (for `TinyGPT.as_sequential`)."""
+
+    def __init__(self, ln_f, head):
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x):
+        return self.head(self.ln_f(x))
+
 
 class MLP(nn.Module):
     """A stack of Linear + GELU layers with an MSE loss: the smallest thing worth parallelising."""
