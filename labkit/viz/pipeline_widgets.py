@@ -1,7 +1,7 @@
 """Lesson 02's figures and explorer: pipeline schedules as Gantt charts, bubble, memory per stage.
 
-The explorer simulates a schedule in pure Python (`labkit.pipeline.simulate_schedule`, the
-executor's timing rules; checked against real runs in tests/test_pipeline.py), so it redraws in
+The explorer simulates a schedule in pure Python (`labkit.theory.pipeline.simulate_schedule`,
+the executor's timing rules; checked against real runs in tests/test_pipeline.py), so it redraws in
 milliseconds. Assumed times: one stage's forward of one micro-batch takes 1 ms (modelled),
 backward 2 ms (twice the FLOPs), a message 1 ms / (compute/comm ratio).
 """
@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from .. import pipeline as pp
-from ..theory import time as theory_time
+from ..theory import pipeline as pp
 from .plots import GANTT_COLORS, fmt, gantt
 
 T_FORWARD = 1e-3  # modelled seconds for one stage's forward of one micro-batch (an assumption)
@@ -50,6 +49,7 @@ def draw_pipeline(fig, stages, microbatches, schedule, virtual, ratio):
         gantt(timeline, ax=ax_gantt, title=title)
     else:
         quick_gantt(timeline, ax_gantt, title)
+    _pad(ax_gantt)
     held = memory_per_stage(ops, v)
     ax_mem.bar(range(stages), held, color="#c44e52")
     ax_mem.set_xticks(range(stages), [f"rank {r}" for r in range(stages)])
@@ -59,11 +59,11 @@ def draw_pipeline(fig, stages, microbatches, schedule, virtual, ratio):
         ax_mem.text(r, h, fmt(h), ha="center", va="bottom", fontsize=8)
     ax_mem.set_ylim(0, max(held) * 1.3)
     fig.tight_layout()
-    measured = pp.bubble_fraction(timeline)
-    formula = theory_time.bubble_fraction(stages, microbatches, v)
-    return (f"bubble (simulated): <b>{measured:.3f}</b> &nbsp; formula (P-1)/(V·M+P-1) = "
-            f"{formula:.3f} (no comm time); step {timeline[-1]['end'] * 1e3:.1f} ms modelled"
-            f"{note}")
+    simulated = pp.timeline_bubble_fraction(timeline)
+    formula = pp.bubble_formula(stages, microbatches, v)
+    return (f"bubble (simulated): <b>{simulated:.3f}</b> &nbsp; formula "
+            f"{pp.bubble_formula_text(schedule, v)} = {formula:.3f} (no comm time); step "
+            f"{max(e['end'] for e in timeline) * 1e3:.1f} ms modelled{note}")
 
 
 def quick_gantt(timeline, ax, title):
@@ -85,30 +85,63 @@ def quick_gantt(timeline, ax, title):
 
 
 def pipeline_explorer():
-    """Sliders: stages, micro-batches, schedule, virtual stages, compute/comm ratio."""
+    """Sliders: stages, micro-batches, schedule, chunks per rank V (interleaved only),
+    compute/comm ratio. V is greyed out unless the schedule is interleaved, M under naive."""
     import ipywidgets as widgets
     from .widgets import figure_explorer
 
+    wide = dict(style={"description_width": "initial"})
     controls = dict(
-        stages=widgets.IntSlider(4, 2, 8, description="stages P"),
-        microbatches=widgets.IntSlider(8, 1, 24, description="micro-b. M"),
+        stages=widgets.IntSlider(4, 2, 8, description="stages P", **wide),
+        microbatches=widgets.IntSlider(8, 1, 24, description="micro-batches M", **wide),
         schedule=widgets.Dropdown(options=list(pp.SCHEDULES), value="1f1b",
-                                  description="schedule"),
-        virtual=widgets.IntSlider(2, 1, 4, description="virtual V"),
+                                  description="schedule", **wide),
+        virtual=widgets.IntSlider(2, 1, 4, description="chunks per rank V", **wide),
         ratio=widgets.FloatLogSlider(value=100, base=10, min=-1, max=3,
-                                     description="compute/comm"),
+                                     description="compute/comm ratio", **wide),
     )
+
+    def grey_out(_change=None):
+        name = controls["schedule"].value
+        controls["virtual"].disabled = name != "interleaved"
+        controls["microbatches"].disabled = name == "naive"
+
+    controls["schedule"].observe(grey_out, names="value")
+    grey_out()
     return figure_explorer(controls, draw_pipeline, figsize=(10, 6))
 
 
 def run_gantts(timeline, title=""):
-    """A real run's timeline twice: modelled clock (top) and measured wall clock (bottom)."""
+    """A real run's timeline twice: modelled clock (top) and measured wall clock (bottom).
+
+    The wall panel starts at the first op (times shifted to 0), shows the forward and backward
+    bars (a wait on the virtual clock has no wall length) and numbers every bar wide enough."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5))
-    ops = [e for e in timeline if e["lane"] == "compute"]
-    gantt(ops, ax=top, clock="modelled", title=f"{title} - modelled")
-    gantt(ops, ax=bottom, clock="wall", title=f"{title} - measured")
+    compute = [e for e in timeline if e["lane"] == "compute"]
+    gantt(compute, ax=top, clock="modelled", title=f"{title} - modelled")
+    _pad(top)
+    busy = pp.pipeline_ops(compute)
+    t0 = min(e["wall_start"] for e in busy)
+    wall = [dict(e, wall_start=e["wall_start"] - t0, wall_end=e["wall_end"] - t0) for e in busy]
+    gantt(wall, ax=bottom, clock="wall", title=f"{title} - measured")
+    span = max(e["wall_end"] for e in wall)
+    _pad(bottom)
+    ranks = sorted({e["rank"] for e in wall})
+    for e in wall:   # gantt numbers bars over 2.5% of the span; smaller ones get a small number
+        width = e["wall_end"] - e["wall_start"]
+        if 0.008 * span < width <= 0.025 * span:
+            bottom.text(e["wall_start"] + width / 2, -ranks.index(e["rank"]),
+                        str(e["meta"]["microbatch"]), ha="center", va="center", fontsize=5.5,
+                        color="white" if e["name"] == "forward" else "black")
+    bottom.set_xlabel("measured wall-clock time (s) since the first op, on this machine")
     fig.tight_layout()
     return fig
+
+
+def _pad(ax):
+    """Room on both sides, so that the first and last bars are not cut by the frame."""
+    left, right = ax.get_xlim()
+    ax.set_xlim(left - 0.02 * (right - left), right + 0.02 * (right - left))
 
 
 def stage0_memory_plot(rows, ax=None):

@@ -26,21 +26,24 @@ left idle at the start (filling the pipe) and at the end (draining it) is the **
   **(P-1)/(M+P-1)** of the step (Huang et al. 2019, GPipe);
 - interleaved 1F1B with V chunks of layers per GPU: **(P-1)/(V·M+P-1)** (Narayanan et al. 2021).
 
-These assume equal stages and free communication; `labkit` measures the idle share on its
-virtual timeline and says when the assumptions hold. **Memory:** GPipe keeps the activations of
+These assume equal stages and free communication. `labkit` reads the idle share off its
+virtual timeline, the *modelled* clock (`bubble_fraction`: FLOPs on a modelled H100 and modelled
+links, not this machine's wall time), and shows when the assumptions hold. **Memory:** GPipe keeps the activations of
 all M micro-batches until their backward; 1F1B starts backwards early, so stage r holds at most
 P-r micro-batches.
 """),
     code(r"""
-import dataclasses
 import pandas as pd
 import matplotlib.pyplot as plt
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import labkit
-from labkit import pipeline as pp
-from labkit.runs import reference
-from labkit.theory import catalog, hardware, memory as tm, time as tt
-from labkit.viz import memory_stack
+from labkit import PipelineSchedule, PipelineStage, split_into_stages
+from labkit.exercises.pipeline import check_stage_order
+from labkit.runs import pipeline as run_pp, reference
+from labkit.theory import catalog, hardware, memory as tm, pipeline as sched, time as tt
 from labkit.viz.pipeline_widgets import pipeline_explorer, run_gantts, stage0_memory_plot
 
 pd.set_option("display.precision", 4)
@@ -50,27 +53,71 @@ pd.set_option("display.width", 120)
 ## 1 · Schedules are plain data
 
 A schedule is, for every rank, the ordered list of ops `("F", micro-batch, chunk)` and
-`("B", micro-batch, chunk)`. One executor, `pp.run_schedule`, runs any such list: on F it
-receives the activation, runs forward and sends the output on; on B it receives the output's
-gradient, runs backward and sends the input's gradient back. Sends are asynchronous, so a sender
-never waits for its receiver.
+`("B", micro-batch, chunk)` (`labkit.theory.pipeline`: plain Python, no torch). One executor,
+`labkit.PipelineSchedule`, runs any such list: on F it receives the activation, runs forward and
+sends the output on; on B it receives the output's gradient, runs backward and sends the input's
+gradient back. Sends are asynchronous, so a sender never waits for its receiver.
 """),
     code(r"""
 # NBVAL_CHECK_OUTPUT
-print("GPipe, P=4, M=4"); pp.print_schedule(pp.gpipe_schedule(4, 4))
-print("\n1F1B, P=4, M=8 (warm-up P-r-1 forwards, then alternate, then drain)")
-pp.print_schedule(pp.one_f_one_b_schedule(4, 8))
+print("GPipe, P=4, M=4"); sched.print_schedule(sched.gpipe_schedule(4, 4))
+print("\n1F1B, P=3, M=6 (warm-up P-r-1 forwards, then alternate, then drain)")
+sched.print_schedule(sched.one_f_one_b_schedule(3, 6))
 print("\ninterleaved 1F1B, P=2, M=4, V=2 chunks per rank")
-pp.print_schedule(pp.interleaved_schedule(2, 4, 2))
+sched.print_schedule(sched.interleaved_schedule(2, 4, 2))
 """),
     md(r"""
-## 2 · Run it: every schedule on 4 ranks, checked against one device
+## 2 · The building block on your own model
 
-A TinyGPT with 8 equal blocks (2 per stage; 1 per chunk when interleaved) and a tiny vocabulary,
-so stages are equal: stage 0 also holds the embeddings, the last stage ln_f, the head and the
-loss. Every rank builds the full model from the same seed and keeps only its stage, so parameter
-names match the reference. The loss is the mean over micro-batches, so the gradients equal the
-full batch's. One launch runs all the configurations below (starting ranks is the slow part).
+`labkit`'s pipeline has PyTorch's shape (`torch.distributed.pipelining`): cut an
+`nn.Sequential` into stages with `split_into_stages` (balanced by parameter count), wrap this
+rank's stage in `PipelineStage(module, stage_index, num_stages, group=None)`, and let
+`PipelineSchedule(stage, schedule, loss_fn, n_microbatches)` run a step. `x` is read on the first
+stage, `target` on the last; every rank keeps only its stage's parameters and optimizer state.
+Below, a learner's own loop on 2 ranks, checked against the same model trained on one device.
+"""),
+    code(r"""
+def my_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)],
+                         nn.Linear(32, 8))
+
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+
+def my_training(ctx):
+    model = my_model()
+    stages = split_into_stages(model, ctx.world_size)            # one per rank
+    stage = PipelineStage(stages[ctx.rank], ctx.rank, ctx.world_size)
+    pipe = PipelineSchedule(stage, "1f1b", F.mse_loss, n_microbatches=4)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    for step in range(3):
+        optimizer.zero_grad()
+        pipe.step(x, target=y)                                   # the mean loss on the last rank
+        optimizer.step()
+    mine = {id(p) for p in stage.parameters()}
+    return {name: p.detach() for name, p in model.named_parameters() if id(p) in mine}
+
+pipelined = {}
+for params in labkit.launch(my_training, 2):
+    pipelined.update(params)
+one = my_model()
+optimizer = torch.optim.AdamW(one.parameters(), lr=1e-2)
+for step in range(3):
+    optimizer.zero_grad()
+    F.mse_loss(one(x), y).backward()
+    optimizer.step()
+diff = max((pipelined[n] - p).abs().max().item() for n, p in one.named_parameters())
+print(f"{len(pipelined)} parameter tensors from 2 stages; largest difference from one device "
+      f"after 3 AdamW steps: {diff:.1e}")
+"""),
+    md(r"""
+## 3 · Every schedule on 4 ranks, checked against one device
+
+The lab's driver (`labkit.runs.pipeline`, also `python -m labkit run pipeline`) does the same
+for labkit's TinyGPT: 8 equal blocks (2 per stage; 1 per chunk when interleaved) and a tiny
+vocabulary. Stage 0 also holds the embeddings, the last stage ln_f, the head and the loss. One
+launch runs all the configurations below (starting ranks is the slow part).
 
 The **modelled clock** counts each op's FLOPs (backward ≈ 2× forward) on an H100. For the bubble
 we first use *free links* (no latency): the formula counts compute only. The last run uses the
@@ -79,15 +126,15 @@ H100's NVLink (2 µs per message) to show what latency does.
     code(r"""
 GPT = dict(layers=8, hidden=16, heads=2, seq=8, vocab=8, ffn=64)
 cfg = reference.RunConfig(steps=1, global_batch=8, optimizer="sgd", lr=0.1, model_kwargs=GPT)
-free = pp.comm_free_cluster()
+free = sched.comm_free_cluster()
 runs = [dict(schedule=s, microbatches=m, cluster=free) for s in ("gpipe", "1f1b")
         for m in (1, 2, 4, 8)]
 runs += [dict(schedule="interleaved", microbatches=8, virtual=2, cluster=free),
          dict(schedule="naive", cluster=free),
          dict(schedule="1f1b", microbatches=8, recompute=True, cluster=free),
          dict(schedule="1f1b", microbatches=8)]              # H100 NVLink: 2 us per message
-per_rank = labkit.launch(pp.sweep, 4, cfg, runs, timeout_s=300)
-results = [pp.merge_results([r[i] for r in per_rank]) for i in range(len(runs))]
+per_rank = labkit.launch(run_pp.sweep, 4, cfg, runs, timeout_s=300)
+results = [run_pp.merge_results([r[i] for r in per_rank]) for i in range(len(runs))]
 ref = reference.train(cfg, track_memory=False)
 
 def name(run):
@@ -102,34 +149,48 @@ for run, res in zip(runs, results):
     rows.append(dict(schedule=name(run), M=m, V=v,
                      max_param_diff=reference.max_param_diff(res[0]["params"], ref["params"]),
                      loss=res[0]["loss"][0], reference_loss=ref["loss"][0],
-                     bubble_measured=pp.bubble_fraction(timeline),
-                     bubble_formula=tt.bubble_fraction(4, m, v)))
+                     bubble_fraction=sched.timeline_bubble_fraction(timeline),
+                     bubble_formula=sched.bubble_formula(4, m, v)))
 table = pd.DataFrame(rows)
 table
 """),
+    code(r"""
+free_runs = table[~table.schedule.str.contains("H100")]
+one_f = results[runs.index(dict(schedule="1f1b", microbatches=8, cluster=free))]
+times = sched.op_times([e for r in one_f for e in r["timeline"]])
+last, middle = times[("forward", 3, 0)], times[("forward", 1, 0)]
+c = reference.build_model(cfg).cfg
+head_flops = 2 * c.hidden * c.vocab                                # per token, forward
+block_flops = 2 * (12 * c.hidden ** 2 + 2 * c.seq * c.hidden)     # per token: matmuls + scores
+print(f"largest parameter difference from one device, any schedule: "
+      f"{table.max_param_diff.max():.1e} (float32 rounding, SGD)")
+print(f"the last stage's forward takes {last / middle - 1:.1%} longer than a middle stage's "
+      f"(modelled); its head adds {head_flops / (2 * block_flops):.1%} to two blocks' matmul "
+      f"FLOPs (the clock counts matmul FLOPs: ln_f and the loss add none)")
+excess = (free_runs.bubble_fraction / free_runs.bubble_formula - 1).max()
+print(f"bubble read off the clock on free links: at most {excess:.1%} above the formula")
+"""),
     md(r"""
-Every schedule ends with the reference's parameters (differences of float32 rounding, ~1e-9
-with SGD) and the same loss. The measured idle share on free links matches (P-1)/(V·M+P-1)
-within a few percent: the last stage's head makes it ~4% longer than the others, which is the
-small excess. On the H100's links the tiny model is hopeless: each op takes under a nanosecond
-of modelled compute, each message 2 µs, so the pipeline waits almost all the time. Pipelining
-pays only when a stage's compute is long against the message latency (real models: ms against µs).
+Every schedule ends with the reference's parameters (the differences printed above are float32
+rounding) and the same loss. On free links the bubble read off the modelled clock matches
+(P-1)/(V·M+P-1) within the few percent printed above: the formula assumes equal stages, and the
+last stage does a little more work than the others. On the H100's links the tiny model is
+hopeless: each op takes about a nanosecond of modelled compute, each message 2 µs, so the
+pipeline waits almost all the time (the last row). Pipelining pays only when a stage's compute
+is long against the message latency (real models: ms against µs).
 
-## 3 · The timeline of a real run
+## 4 · The timeline of a real run
 
 1F1B with M = 8 on free links: per-rank rows, forward / backward / idle, micro-batch numbers on
-the bars. Above: the modelled clock. Below: the wall clock measured on this machine, where the
-ranks share two CPU cores, so the shape is noisier.
+the bars. Above: the modelled clock. Below: the wall clock measured on this machine from the
+first op, where the ranks share two CPU cores, so the shape is noisier.
 """),
     code(r"""
-one_f = results[runs.index(next(r for r in runs if r["schedule"] == "1f1b"
-                                and r["microbatches"] == 8 and "cluster" in r
-                                and not r.get("recompute")))]
 fig = run_gantts([e for r in one_f for e in r["timeline"]], title="1F1B, P=4, M=8, real run")
 plt.show()
 """),
     md(r"""
-## 4 · Memory on the first stage: GPipe vs 1F1B
+## 5 · Memory on the first stage: GPipe vs 1F1B
 
 The global batch is fixed (8 sequences), so a micro-batch is 8/M sequences. GPipe keeps every
 micro-batch's activations until the backward phase: the whole batch, whatever M. 1F1B keeps at
@@ -157,7 +218,7 @@ costs a forward more (modelled: forward + backward FLOPs instead of backward).
 """),
     code(r"""
 rec = results[runs.index(next(r for r in runs if r.get("recompute")))]
-times = {k: pp.op_times([e for r in res for e in r["timeline"]])[("backward", 1, 0)]
+times = {k: sched.op_times([e for r in res for e in r["timeline"]])[("backward", 1, 0)]
          for k, res in (("1f1b", one_f), ("1f1b + recompute", rec))}
 pd.DataFrame({"stage-0 activations (bytes, measured)":
               {"1f1b": one_f[0]["memory"]["activations"],
@@ -165,19 +226,21 @@ pd.DataFrame({"stage-0 activations (bytes, measured)":
               "backward op on rank 1 (modelled ns)": {k: v * 1e9 for k, v in times.items()}})
 """),
     md(r"""
-## 5 · Against PyTorch's own pipeline
+## 6 · Against PyTorch's own pipeline
 
-`bench/pipeline.py` runs labkit's GPipe and 1F1B beside `torch.distributed.pipelining`'s
-`ScheduleGPipe` and `Schedule1F1B` (same TinyGPT split, 8 micro-batches, 4 ranks, gloo on CPU)
-in one run. Its latest rows in `data/bench.csv`:
+`bench/pipeline.py` runs labkit's executor beside `torch.distributed.pipelining`'s
+`ScheduleGPipe` and `Schedule1F1B` (the same TinyGPT split, 8 micro-batches, 4 ranks, gloo on
+CPU) in one run, alternating the two in rounds. Its latest rows in `data/bench.csv`
+(`labkit_over_torch`: labkit's number over PyTorch's; the notes give the spread):
 """),
     code(r"""
 bench = pd.read_csv(labkit.theory.hardware.DATA_DIR / "bench.csv")
+ratio = "labkit_over_torch" if "labkit_over_torch" in bench else "ratio"
 bench[bench.benchmark == "pipeline"].drop_duplicates(["labkit_impl", "metric"], keep="last")[
-    ["labkit_impl", "torch_impl", "metric", "labkit", "torch", "ratio", "date"]]
+    ["labkit_impl", "torch_impl", "metric", "labkit", "torch", ratio, "date"]]
 """),
     md(r"""
-## 6 · The source article's example: Llama 3 70B on 2 (4, 8) GPUs
+## 7 · The source article's example: Llama 3 70B on 2 (4, 8) GPUs
 
 The source article says that Llama 3 70B needs "about 40GB" and that "using two GPUs pipeline
 parallelism will reduce that amount to roughly 20GB per GPU at the cost of some execution
@@ -230,42 +293,50 @@ print(pd.DataFrame(rows).round(3).to_string(index=False))
 """),
     md(r"""
 So "at the cost of some execution speed" is, for one batch at a time, mostly idle GPUs rather
-than a slower answer: the hops cost 0.2 ms against a 1.2 s pass. Micro-batches (a stream of
+than a slower answer: the hops (printed above) are a sliver of the pass. Micro-batches (a stream of
 requests, or a training batch) fill the pipe and win the time back, up to the bubble.
 
-## 7 · Explore: schedules, bubble and memory per stage
+## 8 · Explore: schedules, bubble and memory per stage
 
 The explorer *simulates* the schedule (the executor's timing rules in pure Python, checked
 against real runs in `tests/test_pipeline.py`). Modelled times: a stage's forward of one
 micro-batch takes 1 ms, backward 2 ms, a message 1 ms / (compute/comm ratio). Try: M from 1 to
 24 with GPipe; 1F1B at the same M (same bubble, less memory on stage 0); interleaved with V = 4
-(smaller bubble, more memory and V× the messages); a compute/comm ratio of 1.
+(smaller bubble, more memory and V× the messages); a compute/comm ratio of 1. V (chunks per
+rank) applies to the interleaved schedule only, and M to every schedule but naive: the other
+sliders are greyed out, and the caption names the formula that holds for the schedule shown.
 """),
     code(r"""
 pipeline_explorer()
 """),
     md(r"""
-## 8 · Exercise: write the 1F1B order for one stage
+## 9 · Exercise: write the 1F1B order for one stage
 
 Below, `my_stage0` is the order of ops on **stage 0** of a 4-stage pipeline with 8
-micro-batches; the other stages run labkit's 1F1B. `pp.check_stage_order` runs it for real on 4
-ranks (short timeout) and says whether it deadlocks, gives a wrong result, or is right, and how
-many micro-batches' activations the stage then holds. The starter is GPipe's order: correct, but
-stage 0 holds all 8. Write 1F1B: P-1 = 3 warm-up forwards, then alternate one forward and one
-backward, then the remaining backwards. (Try also putting `B0` right after `F0`.)
+micro-batches; the other stages run labkit's 1F1B. `check_stage_order` first checks the
+schedule the way the executor does (every op once, each F before its B, no deadlock: replayed by
+the simulator), then runs it for real on 4 ranks and compares the parameters with one device,
+and says how many micro-batches' activations the stage holds. The starter is GPipe's order:
+right result, but stage 0 holds all 8. Write 1F1B for P = 4 and M = 8 (section 1 shows the rule
+on 3 stages). Try also putting `B0` right after `F0`: the executor refuses it, naming the ops
+that would wait forever.
 """),
     code(r"""
 my_stage0 = ["F0", "F1", "F2", "F3", "F4", "F5", "F6", "F7",
              "B0", "B1", "B2", "B3", "B4", "B5", "B6", "B7"]
-print(pp.check_stage_order(my_stage0, stage=0, stages=4, microbatches=8))
+check = check_stage_order(my_stage0, stage=0, stages=4, microbatches=8)
+print(check.message)
 """),
     md(r"""
 ## Takeaways
 
+- `split_into_stages`, `PipelineStage` and `PipelineSchedule` pipeline any `nn.Sequential`
+  (or labkit's GPT) in your own loop, in any process group, like `torch.distributed.pipelining`.
 - A pipeline splits the *layers*: Ψ/P of the model states per GPU, activations of the
   micro-batches in flight, and only the boundary activations on the wire (point to point).
-- The bubble (P-1)/(V·M+P-1) is measured here from the virtual timeline: it matches when stages
-  are equal and messages cost nothing; latency and unequal stages make it larger.
+- The bubble (P-1)/(V·M+P-1) is read off the modelled clock here (`bubble_fraction`): it
+  matches when stages are equal and messages cost nothing; latency and unequal stages make it
+  larger.
 - GPipe and 1F1B have the same bubble; 1F1B bounds the first stage's activations by P
   micro-batches instead of M. Interleaving shrinks the bubble at the price of V× the messages
   and more in-flight activations. Recomputation trades a forward per backward for memory.

@@ -1,0 +1,112 @@
+"""Lesson 02's exercise: write the 1F1B order of ops for one stage of a 4-stage pipeline.
+
+`check_stage_order(my_ops)` puts the learner's order on one stage, labkit's 1F1B on the others,
+checks the schedule the way the executor does (every op once, F before B, no deadlock: replayed
+by the simulator), then runs it for real with `PipelineSchedule` on a small nn.Sequential and
+compares the parameters with one device. It answers with a `Check`; it never raises.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
+from ..theory import pipeline as schedules
+from . import Check
+
+WIDTH, BATCH, LR = 16, 8, 0.1
+
+
+def exercise_model(stages):
+    """The same small MLP on every rank: `stages` layers of Linear (+ GELU but the last)."""
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(stages - 1)]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, WIDTH))
+
+
+def exercise_batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+
+
+def parse_ops(ops):
+    """'F0' / ('F', 0) / ('F', 0, 0) -> ('F', 0, 0)."""
+    out = []
+    for op in ops:
+        if isinstance(op, str):
+            op = (op[0].upper(), int(op[1:]))
+        kind, m, *chunk = op
+        kind = str(kind).upper()
+        if kind not in ("F", "B"):
+            raise ValueError(f"{kind!r} is neither F nor B")
+        out.append((kind, int(m), int(chunk[0]) if chunk else 0))
+    return out
+
+
+def _train_one_step(ctx, schedule, microbatches):
+    """One SGD step of the exercise model through the pipeline; this rank's parameters."""
+    model = exercise_model(ctx.world_size)
+    stage = PipelineStage(split_into_stages(model, ctx.world_size)[ctx.rank], ctx.rank,
+                          ctx.world_size)
+    pipe = PipelineSchedule(stage, schedule, F.mse_loss, microbatches)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
+    x, y = exercise_batch()
+    pipe.step(x, target=y)
+    optimizer.step()
+    return dict(params={k: q.detach().clone() for k, q in stage.module.named_parameters()},
+                timeline=ctx.clock.timeline())
+
+
+def _reference(stages):
+    model = exercise_model(stages)
+    x, y = exercise_batch()
+    F.mse_loss(model(x), y).backward()
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return {k: q.detach() for k, q in model.named_parameters()}
+
+
+def check_stage_order(my_ops, stage=0, stages=4, microbatches=8, timeout_s=60):
+    """The learner's order of ops for `stage`, the other stages running 1F1B: malformed,
+    deadlock, wrong result, right but holding more than 1F1B, or right (and 1F1B?)."""
+    from ..runtime.launch import LaunchError, launch
+    p, m = stages, microbatches
+    try:
+        ops = parse_ops(my_ops)
+    except (ValueError, TypeError, IndexError) as error:
+        return Check(False, "unreadable", f"Could not read the ops ({error}): write them like "
+                     "['F0', 'F1', 'B0', ...].")
+    schedule = schedules.one_f_one_b_schedule(p, m)
+    schedule[stage] = ops
+    try:
+        schedules.check_schedule(schedule, m, 1)
+    except ValueError as error:
+        if "deadlock" in str(error):
+            stuck = str(error).removeprefix("deadlock: ")
+            return Check(False, "deadlock", f"DEADLOCK: {stuck}. Each of these ranks waits for "
+                         "a message that its neighbour sends only after it gets one back. The "
+                         "executor refuses such a schedule before any rank waits.")
+        return Check(False, "malformed", f"WRONG SCHEDULE: {error}.")
+    try:
+        results = launch(_train_one_step, p, schedule, m, timeout_s=timeout_s,
+                         cluster=schedules.comm_free_cluster())
+    except LaunchError as error:
+        last = [line for line in str(error).splitlines() if line.strip()][-1].strip()
+        return Check(False, "run failed", f"The run failed on a rank: {last}")
+    params = {k: v for r in results for k, v in r["params"].items()}
+    expected = _reference(p)
+    diff = max((params[k] - expected[k]).abs().max().item() for k in expected)
+    if diff > 1e-5:
+        return Check(False, "wrong result", f"WRONG RESULT: the parameters differ from one "
+                     f"device by {diff:.2e}.")
+    timeline = [e for r in results for e in r["timeline"]]
+    held, bound = schedules.microbatches_in_flight(ops), min(m, p - stage)
+    text = (f"same parameters as one device (max diff {diff:.1e}); bubble "
+            f"{schedules.timeline_bubble_fraction(timeline):.3f} (modelled on free links; "
+            f"formula {schedules.bubble_formula(p, m):.3f}, a little less than this MLP's, whose "
+            f"first stage has a shorter backward: its input needs no gradient); stage {stage} "
+            f"holds at most {held} micro-batches' activations")
+    if held > bound:
+        return Check(False, "memory", f"RIGHT RESULT, TOO MUCH MEMORY: {text}, more than "
+                     f"1F1B's {bound} (P - stage). Start the backwards earlier: after "
+                     f"{p - stage - 1} warm-up forwards, alternate F and B.")
+    exact = ops == schedules.one_f_one_b_schedule(p, m)[stage]
+    return Check(True, "", f"CORRECT: {text}." + (" That is exactly 1F1B." if exact else ""))

@@ -1,0 +1,336 @@
+"""Pipeline parallelism as a building block: `PipelineStage` and one executor that runs any
+schedule, `PipelineSchedule` (like torch.distributed.pipelining's PipelineStage and
+ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B).
+
+Idea (GPipe, Huang et al. 2019, arXiv 1811.06965): cut the layers into S contiguous stages over
+the P ranks of a group (stage s on group rank s % P, so V = S/P stages per rank when
+interleaved, Narayanan et al. 2021, arXiv 2104.04473), cut the batch into M micro-batches and let
+the stages work on different micro-batches at once. F (forward) of micro-batch m on stage s:
+receive the activation from stage s-1, run the stage, send its output to stage s+1. B: receive
+the gradient of that output from stage s+1, run backward, send the input's gradient to s-1.
+The loss is the mean over micro-batches, so the gradients equal the full batch's.
+
+Memory per rank: 1/P of the weights, gradients and optimizer state, plus the activations of
+the micro-batches in flight (GPipe: M, 1F1B: at most P - r on rank r).
+Communication per step, point to point only: each stage boundary carries every micro-batch's
+activation forward and its gradient back (2 x batch x boundary-activation bytes per boundary).
+Idle share (bubble) with equal stages and free links: (P-1)/(V*M + P-1).
+
+    stages = split_into_stages(model, 4)                   # nn.Sequential, or labkit's GPT
+    stage = PipelineStage(stages[rank], rank, 4, group=pp_group)
+    pipe = PipelineSchedule(stage, "1f1b", loss_fn, n_microbatches=8)
+    loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    optimizer.step()
+"""
+from collections import deque
+
+import torch
+import torch.nn as nn
+
+from ..runtime.context import context
+from ..theory import pipeline as schedules
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+HEADER_SLOTS = 8  # a shape header: dtype code, number of dims, up to 6 dims (int64)
+
+
+def split_into_stages(model, num_stages, balance="params"):
+    """Cut `model` into `num_stages` contiguous nn.Sequential stages (modules shared, not copied).
+
+    model: an nn.Sequential (its children are the layers), or a model with `as_sequential()`
+    (labkit's TinyGPT: embeddings, each block, norm + head). balance: "params" (the heaviest
+    stage as light as possible by parameter count), "layers" (equal numbers of layers), or a
+    list of layers per stage. Stage s runs on group rank s % P; a parameter shared by two stages
+    (tied weights) is refused, since its two gradients would need an extra all-reduce.
+    """
+    layers = model.as_sequential() if hasattr(model, "as_sequential") else model
+    if not isinstance(layers, nn.Sequential):
+        raise TypeError(f"split_into_stages cuts an nn.Sequential (or a model with "
+                        f"as_sequential()), not a {type(model).__name__}: put its layers in "
+                        "an nn.Sequential")
+    units = list(layers)
+    if isinstance(balance, str):
+        if balance not in ("params", "layers"):
+            raise ValueError(f"balance must be 'params', 'layers' or a list, not {balance!r}")
+        weights = [sum(p.numel() for p in u.parameters()) if balance == "params" else 1
+                   for u in units]
+        sizes = schedules.balanced_split(weights, num_stages)
+    else:
+        sizes = [int(s) for s in balance]
+        if len(sizes) != num_stages or sum(sizes) != len(units) or min(sizes) < 1:
+            raise ValueError(f"balance {sizes} must give {num_stages} stages of >= 1 layer "
+                             f"each, {len(units)} layers in all")
+    stages, start = [], 0
+    for size in sizes:
+        stages.append(layers[start:start + size])
+        start += size
+    owner = {}
+    for index, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            if owner.setdefault(id(p), index) != index:
+                raise ValueError(f"parameter {name} is shared by stages {owner[id(p)]} and "
+                                 f"{index} (tied weights): untie it or keep both on one stage")
+    return stages
+
+
+class PipelineStage:
+    """One stage of a pipeline: `module` is stage `stage_index` of `num_stages`, run on rank
+    stage_index % P of `group` (None: the world). input_shape / input_dtype: what one
+    micro-batch's input to this stage looks like; when every stage but the first is given one,
+    no shapes are exchanged, otherwise each boundary sends a small header once."""
+
+    def __init__(self, module, stage_index, num_stages, group=None, input_shape=None,
+                 input_dtype=torch.float32):
+        self.group = context().group(group)
+        p = self.group.size
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"stage_index {stage_index} is not in 0..{num_stages - 1}")
+        if num_stages % p:
+            raise ValueError(f"{num_stages} stages do not spread evenly over the {p} ranks of "
+                             "the group (stage s runs on group rank s % P)")
+        if stage_index % p != self.group.rank:
+            raise ValueError(f"stage {stage_index} runs on group rank {stage_index % p} "
+                             f"(s % P), not on this rank ({self.group.rank})")
+        self.module, self.stage_index, self.num_stages = module, stage_index, num_stages
+        self.chunk = stage_index // p          # which of this rank's stages it is
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.input_shape = None if input_shape is None else tuple(input_shape)
+        self.input_dtype = input_dtype
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def __repr__(self):
+        return (f"PipelineStage({self.stage_index}/{self.num_stages} on group rank "
+                f"{self.group.rank} of {list(self.group.ranks)})")
+
+
+class PipelineSchedule:
+    """Runs a schedule over this rank's stages: the one executor behind every schedule.
+
+    stages: this rank's PipelineStage, or its list (interleaved: stages r, r+P, ...).
+    schedule: "naive", "gpipe", "1f1b", "interleaved", or the data itself (for every group
+    rank, its ops ("F"|"B", micro-batch, chunk), see labkit.theory.pipeline); checked before
+    anything runs (each op once, F before B, no deadlock). loss_fn(output, target) -> scalar
+    on the last stage. recompute: keep only each stage's input and run its forward again in
+    backward (activation checkpointing; the forward must be deterministic).
+    """
+
+    def __init__(self, stages, schedule, loss_fn, n_microbatches, recompute=False):
+        self.stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not self.stages:
+            raise ValueError("PipelineSchedule needs this rank's stage(s)")
+        if n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+        first = self.stages[0]
+        self.ctx, self.group = context(), first.group
+        p, total = self.group.size, first.num_stages
+        if any(s.group != self.group or s.num_stages != total for s in self.stages):
+            raise ValueError("this rank's stages must share one group and one num_stages")
+        self.by_chunk = {s.chunk: s for s in self.stages}
+        virtual = total // p
+        if sorted(self.by_chunk) != list(range(virtual)) or len(self.stages) != virtual:
+            raise ValueError(f"with {total} stages over {p} ranks, group rank {self.group.rank} "
+                             f"holds stages {list(range(self.group.rank, total, p))}, not "
+                             f"{sorted(s.stage_index for s in self.stages)}")
+        if isinstance(schedule, str):
+            if schedule == "naive" and n_microbatches != 1:
+                raise ValueError("the naive schedule runs the whole batch at once: "
+                                 "n_microbatches=1")
+            table = schedules.make_schedule(schedule, p, n_microbatches, virtual)
+        else:
+            table = [[(str(k).upper(), int(m), int(c)) for k, m, c in ops] for ops in schedule]
+            if len(table) != p:
+                raise ValueError(f"the schedule has {len(table)} ranks, the group {p}")
+        schedules.check_schedule(table, n_microbatches, virtual)
+        self.schedule, self.ops = table, table[self.group.rank]
+        self.loss_fn, self.n_microbatches, self.recompute = loss_fn, n_microbatches, recompute
+        self._expected = schedules.messages_to(table, self.group.rank)
+        self._inputs = {s.chunk: (s.input_shape, s.input_dtype) for s in self.stages
+                        if s.input_shape is not None}
+        self._announced = {}              # chunk -> (shape, dtype) of its output, once sent
+        self._heard = set()               # chunks whose input header has arrived
+        self._exchange = self._vote_on_shapes()
+
+    # --- one step ------------------------------------------------------------------------
+    def step(self, x=None, target=None, losses=None):
+        """Forward and backward of one batch as n_microbatches micro-batches; the gradients
+        accumulate in .grad (zero them before, step the optimizer after).
+
+        x: the batch, on the rank holding stage 0; target: on the rank holding the last stage
+        (both cut along dim 0 into equal micro-batches). Returns the mean loss over the
+        micro-batches (detached) on the last stage's rank, None elsewhere; `losses`, a list,
+        gets each micro-batch's loss there.
+        """
+        has_first = any(s.is_first for s in self.stages)
+        has_last = any(s.is_last for s in self.stages)
+        inputs = self._split(x, "x") if has_first else None
+        targets = self._split(target, "target") if has_last and target is not None else None
+        if has_last and self.loss_fn is None:
+            raise ValueError("the last stage needs a loss_fn to start the backward")
+        run = _Step(self, inputs, targets)
+        for kind, m, c in self.ops:
+            (run.forward if kind == "F" else run.backward)(m, self.by_chunk[c])
+        run.finish()
+        if not has_last:
+            return None
+        step_losses = [run.losses[m] for m in range(self.n_microbatches)]
+        if losses is not None:
+            losses.extend(step_losses)
+        return torch.stack(step_losses).mean()
+
+    def _split(self, tensor, name):
+        if tensor is None:
+            raise ValueError(f"this rank holds the {'first' if name == 'x' else 'last'} stage: "
+                             f"pass {name}=")
+        if tensor.shape[0] % self.n_microbatches:
+            raise ValueError(f"{name} has {tensor.shape[0]} rows, which do not split into "
+                             f"{self.n_microbatches} equal micro-batches")
+        return tensor.chunk(self.n_microbatches)
+
+    # --- shapes: given, or sent once per boundary --------------------------------------------
+    def _vote_on_shapes(self):
+        """True when some stage in the group lacks its input shape: then each boundary sends a
+        shape header before its first activation. A one-off handshake, not the schedule's
+        traffic, so it runs off the record (no comm log, no clock)."""
+        known = all(s.is_first or s.input_shape is not None for s in self.stages)
+        flag = torch.tensor([int(known)], device=self.ctx.device)
+        if self.group.size > 1:
+            with self.ctx.off_the_record():
+                self.ctx.comm.all_reduce(flag, op="min", group=self.group,
+                                         tag="pipeline: shapes given?")
+        return not bool(flag.item())
+
+    def _announce(self, stage, y, dst, handles):
+        """Before stage's first activation: send its shape (when exchanging); then check that
+        later micro-batches keep it (the receiver allocates what was announced)."""
+        meta = (tuple(y.shape), y.dtype)
+        if stage.chunk in self._announced:
+            if self._announced[stage.chunk] != meta:
+                raise ValueError(f"stage {stage.stage_index} output changed from "
+                                 f"{self._announced[stage.chunk]} to {meta}: every micro-batch "
+                                 "must have the same shape")
+            return
+        self._announced[stage.chunk] = meta
+        if self._exchange:
+            header = torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=self.ctx.device)
+            header[0], header[1] = DTYPES.index(y.dtype), y.dim()
+            header[2:2 + y.dim()] = torch.tensor(y.shape)
+            with self.ctx.off_the_record():
+                handles.append(self.ctx.comm.send(header, dst, group=self.group, async_op=True,
+                                                  tag="pipeline: shape header"))
+
+    def _input_meta(self, stage, src):
+        """(shape, dtype) of one micro-batch's input to `stage`: given, or read from the
+        header the previous stage sends before its first activation."""
+        given = self._inputs.get(stage.chunk)
+        if self._exchange and stage.chunk not in self._heard:
+            header = torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=self.ctx.device)
+            with self.ctx.off_the_record():
+                self.ctx.comm.recv(header, src, group=self.group, tag="pipeline: shape header")
+            dims = int(header[1])
+            sent = (tuple(int(d) for d in header[2:2 + dims]), DTYPES[int(header[0])])
+            if given is not None and given != sent:
+                raise ValueError(f"stage {stage.stage_index} was given input {given}, but "
+                                 f"stage {stage.stage_index - 1} sends {sent}")
+            self._inputs[stage.chunk] = sent
+            self._heard.add(stage.chunk)
+        return self._inputs[stage.chunk]
+
+
+class _Step:
+    """The state of one `PipelineSchedule.step`: saved activations, messages, losses."""
+
+    def __init__(self, pipe, inputs, targets):
+        self.pipe, self.ctx, self.group = pipe, pipe.ctx, pipe.group
+        self.inputs, self.targets = inputs, targets
+        self.saved, self.local, self.losses = {}, {}, {}
+        self.sends, self.headers = [], []
+        self.queues = {peer: deque(msgs) for peer, msgs in pipe._expected.items()}
+        self.arrived = {}
+
+    def forward(self, m, stage):
+        ctx, pipe = self.ctx, self.pipe
+        x = self.inputs[m] if stage.is_first else self._receive("act", m, stage)
+        if not stage.is_first and x.is_floating_point():
+            x.requires_grad_()
+        meta = dict(microbatch=m, stage=stage.stage_index, chunk=stage.chunk)
+        with ctx.clock.compute("forward", **meta), torch.set_grad_enabled(not pipe.recompute):
+            y = self._run(stage, x, m)
+        if not stage.is_last:
+            self._send("act", m, stage, y.detach())
+        self.saved[(m, stage.chunk)] = (x, None if pipe.recompute else y,
+                                        (tuple(y.shape), y.dtype))
+        if pipe.recompute:
+            ctx.memory.add_buffer(f"stage input {m}.{stage.chunk}", x)
+
+    def backward(self, m, stage):
+        ctx, pipe = self.ctx, self.pipe
+        x, y, _ = self.saved[(m, stage.chunk)]
+        grad = None if stage.is_last else self._receive("grad", m, stage)
+        meta = dict(microbatch=m, stage=stage.stage_index, chunk=stage.chunk)
+        with ctx.clock.compute("backward", recompute=pipe.recompute, **meta):
+            if pipe.recompute:
+                ctx.memory.remove_buffer(f"stage input {m}.{stage.chunk}")
+                y = self._run(stage, x, m)
+            torch.autograd.backward(y, grad)
+        del self.saved[(m, stage.chunk)]
+        if not stage.is_first:
+            self._send("grad", m, stage, x.grad if x.grad is not None else torch.zeros_like(x))
+
+    def _run(self, stage, x, m):
+        """The stage's forward; on the last stage the loss, divided by M so that the summed
+        micro-batch gradients are the full batch's mean-loss gradient."""
+        y = stage.module(x)
+        if not stage.is_last:
+            return y
+        target = None if self.targets is None else self.targets[m]
+        loss = self.pipe.loss_fn(y, target) if target is not None else self.pipe.loss_fn(y)
+        self.losses[m] = loss.detach()
+        return loss / self.pipe.n_microbatches
+
+    def _send(self, kind, m, stage, tensor):
+        p = self.group.size
+        target = stage.stage_index + (1 if kind == "act" else -1)
+        if p == 1:                               # every stage on this rank: hand it over
+            self.local[(kind, m, target)] = tensor
+            return
+        if kind == "act":
+            self.pipe._announce(stage, tensor, target % p, self.headers)
+        word = "activation" if kind == "act" else "gradient"
+        self.sends.append(self.ctx.comm.send(
+            tensor, target % p, group=self.group, async_op=True,
+            tag=f"pipeline {word} {stage.stage_index}->{target}"))
+
+    def _receive(self, kind, m, stage):
+        """This op's message. Messages from a peer come in the order its schedule sends them;
+        any that come before they are needed wait in `arrived`."""
+        if self.group.size == 1:
+            return self.local.pop((kind, m, stage.stage_index)).detach()
+        p, key = self.group.size, (kind, m, stage.chunk)
+        peer = (stage.stage_index + (-1 if kind == "act" else 1)) % p
+        while key not in self.arrived:
+            queue = self.queues.get(peer)
+            if not queue:
+                raise RuntimeError(f"group rank {self.group.rank} needs {kind} of micro-batch "
+                                   f"{m} from group rank {peer}, whose schedule never sends it")
+            got = queue.popleft()
+            chunk = self.pipe.by_chunk[got[2]]
+            if got[0] == "act":
+                shape, dtype = self.pipe._input_meta(chunk, peer)
+            else:
+                shape, dtype = self.saved[(got[1], got[2])][2]
+            buffer = torch.empty(shape, dtype=dtype, device=self.ctx.device)
+            word = "activation" if got[0] == "act" else "gradient"
+            source = chunk.stage_index + (-1 if got[0] == "act" else 1)
+            self.arrived[got] = self.ctx.comm.recv(
+                buffer, peer, group=self.group,
+                tag=f"pipeline {word} {source}->{chunk.stage_index}")
+        return self.arrived.pop(key)
+
+    def finish(self):
+        for handle in self.sends:
+            handle.wait()
+        with self.ctx.off_the_record():
+            for handle in self.headers:
+                handle.wait()
