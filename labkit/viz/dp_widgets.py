@@ -4,6 +4,8 @@ Controls: GPUs, a catalog model, the global batch (tokens), the gradient bucket 
 links. Three panels, all *modelled* (theory.time.dp_step_time, alpha-beta ring all-reduce):
 the step split into compute and exposed communication (with and without overlap), the
 strong-scaling speedup curve, and the bytes each GPU sends per step, 2(N-1)/N x gradient bytes.
+Every replica holds the whole model's states (mixed-precision Adam: 16 bytes per parameter), so
+a point where they exceed the GPU's memory is drawn hollow: plain data parallelism cannot run it.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import matplotlib.pyplot as plt
 
 from ..theory import catalog, hardware
 from ..theory import time as tt
-from ..theory.memory import dtype_bytes
+from ..theory.memory import dtype_bytes, model_state_bytes
 from .plots import TIME_COLORS, fmt, pick_time_unit, TIME_UNITS
 
 # label -> (cluster name pattern for n nodes of 8, note)
@@ -52,6 +54,47 @@ def speedups(model, gpus_list, tokens, bucket_mb=25, link=next(iter(LINKS)), ove
                          bucket_bytes=bucket_mb * 1e6)
 
 
+def state_bytes_per_gpu(model):
+    """Model states every data-parallel replica holds (mixed-precision Adam, 16 B/param)."""
+    return model_state_bytes(catalog.model(model).param_count())["total"]
+
+
+def fits(model, link=next(iter(LINKS))):
+    """Whether one replica's model states fit one GPU of the cluster (activations not counted:
+    the lower bound of what a replica needs)."""
+    return state_bytes_per_gpu(model) <= cluster_for(1, link).gpu.memory_bytes
+
+
+def scaling_plot(ax, curves, gpus, link=next(iter(LINKS)), bucket_mb=25, title=""):
+    """Modelled strong scaling, one line per (model, tokens) in `curves`; hollow markers where
+    a replica's model states do not fit one GPU, with the bytes in the legend."""
+    memory = cluster_for(1, link).gpu.memory_bytes
+    for i, (model, tokens) in enumerate(curves):
+        m = catalog.model(model)
+        ys = speedups(m, gpus, tokens, bucket_mb, link)
+        ok = fits(m, link)
+        words = f"{tokens // 2 ** 20}M" if tokens >= 2 ** 20 else f"{tokens // 1024}K"
+        label = f"modelled {m.display_name}, {words} tokens per step"
+        if not ok:
+            label += (f"\n(hollow: {state_bytes_per_gpu(m) / 1e9:.0f} GB of model states per "
+                      f"GPU > {memory / 1e9:.0f} GB: does not fit)")
+        # drawn on top, larger: a hollow marker rings a curve that shares its points
+        style = dict(ms=5) if ok else dict(ms=9, mfc="none", ls=":", zorder=3)
+        ax.plot(gpus, ys, marker="os"[i % 2], label=label, **style)
+    ax.plot(gpus, gpus, "k--", lw=1, label="ideal (y = x)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(gpus, [str(g) for g in gpus])
+    ax.minorticks_off()
+    ax.axvline(8, color="grey", lw=0.8, ls=":")
+    ax.text(8.4, 0.5 * max(gpus), "node boundary:\nNVLink -> InfiniBand", fontsize=8,
+            color="grey")
+    ax.set_xlabel("GPUs (log2 scale)")
+    ax.set_ylabel("speedup over 1 GPU")
+    ax.set_title(title or "modelled strong scaling on H100 nodes")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+
+
 def draw(fig, model, gpus, tokens, bucket_mb, link):
     """Fill `fig` with the three panels; return the summary line (HTML)."""
     m = catalog.model(model)
@@ -82,8 +125,10 @@ def draw(fig, model, gpus, tokens, bucket_mb, link):
     s_on = speedups(m, ns, tokens, bucket_mb, link, True)
     s_off = speedups(m, ns, tokens, bucket_mb, link, False)
     ax_speed.plot(ns, ns, "k--", lw=1, label="ideal")
-    ax_speed.plot(ns, s_on, "o-", ms=3, label="modelled, overlap")
-    ax_speed.plot(ns, s_off, "s-", ms=3, label="modelled, no overlap")
+    ok = fits(m, link)
+    hollow = dict(mfc=None if ok else "white")
+    ax_speed.plot(ns, s_on, "o-", ms=3, label="modelled, overlap", **hollow)
+    ax_speed.plot(ns, s_off, "s-", ms=3, label="modelled, no overlap", **hollow)
     here = s_on[ns.index(gpus)]
     ax_speed.plot([gpus], [here], "o", ms=9, mfc="none", mec="red")
     ax_speed.set_xscale("log", base=2)
@@ -95,7 +140,8 @@ def draw(fig, model, gpus, tokens, bucket_mb, link):
     ax_speed.text(9, 1.05, "> 1 node", fontsize=7, color="grey")
     ax_speed.set_xlabel("GPUs")
     ax_speed.set_ylabel("speedup over 1 GPU")
-    ax_speed.set_title("strong scaling, fixed global batch", fontsize=10)
+    ax_speed.set_title("strong scaling, fixed global batch" + ("" if ok else
+                       "\n(hollow: its model states do not fit one GPU)"), fontsize=10)
     ax_speed.legend(fontsize=7)
     ax_speed.grid(alpha=0.3)
     # 3. bytes each GPU sends per step
@@ -119,7 +165,12 @@ def draw(fig, model, gpus, tokens, bucket_mb, link):
                  f"{cluster_for(gpus, link).name}", fontsize=10)
     fig.tight_layout()
     eff = here / gpus
-    return (f"<b>{gpus} GPUs</b>: step {fmt(on['total'] / scale)} {unit} (compute "
+    states = state_bytes_per_gpu(m) / 1e9
+    memory = cluster_for(1, link).gpu.memory_bytes / 1e9
+    fit = (f"each replica's model states: {states:,.0f} GB "
+           + ("fit" if ok else f"<b>do not fit</b> a {memory:.0f} GB GPU: plain data "
+              "parallelism cannot train it (ZeRO, lesson 04, shards them)"))
+    return (f"{fit}<br><b>{gpus} GPUs</b>: step {fmt(on['total'] / scale)} {unit} (compute "
             f"{fmt(on['compute'] / scale)}, exposed comm {fmt(on['exposed_comm'] / scale)}; "
             f"without overlap {fmt(off['total'] / scale)}) &middot; speedup {here:.1f}x "
             f"({eff:.0%} efficiency) &middot; each GPU sends "

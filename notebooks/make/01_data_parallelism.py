@@ -2,6 +2,8 @@
 
 Run from anywhere: `.venv/bin/python notebooks/make/01_data_parallelism.py`. Edit the lesson
 here, not in the .ipynb: the notebook is regenerated (with its outputs) from this list.
+Numbers a run produces are printed by code (f-strings, Markdown built from variables), never
+typed into the prose.
 """
 from nbmake import code, md, write_and_execute
 
@@ -27,23 +29,31 @@ GPU does: with enough GPUs the step is all communication. PyTorch's `Distributed
 fights this by **overlapping**: gradients are grouped into buckets and each bucket's all-reduce
 starts while backward is still computing the earlier layers (Li et al. 2020).
 
-This lesson runs it on CPU ranks (gloo), checks it against one device, measures the traffic,
-builds the ring from `send`/`recv`, shows the overlap on a modelled H100 timeline, and checks
-two claims of the source article.
+This lesson runs labkit's `DataParallel` on CPU ranks (gloo), checks it against one device,
+puts it on a model and a training loop of your own, measures the traffic, builds the ring from
+`send`/`recv`, shows the overlap on a modelled H100 timeline, and checks two claims of the
+source article.
 """),
     code(r"""
+import inspect
 import os
 import statistics
+from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from IPython.display import Markdown, display
 
 import labkit
-from labkit import data_parallel as dp
+from labkit.exercises.data_parallel import check_ring_all_reduce
+from labkit.parallel.data_parallel import DataParallel
+from labkit.runs import data_parallel as dp
 from labkit.runs.reference import RunConfig, batch, build_model, max_param_diff, train
-from labkit.theory import catalog, time as tt
-from labkit.viz import comm_bars, gantt, speedup_curve, time_split
+from labkit.theory import catalog, memory as tm, time as tt
+from labkit.viz import comm_bars, gantt, speedup_curve
 from labkit.viz import dp_widgets
 
 pd.set_option("display.precision", 3)
@@ -52,16 +62,18 @@ pd.set_option("display.width", 120)
     md(r"""
 ## 1 · Run it: four replicas against one device
 
-`dp.train` is the whole technique (a few dozen lines in `labkit/data_parallel.py`): build the
-same model on every rank (same seed), take `data.shard(batch, rank, N)`, forward, backward,
-average the gradients with `ctx.comm.all_reduce(..., op="avg")`, step. Here in *bucketed* mode:
-a hook on each parameter drops its gradient into a flat bucket, and a full bucket's all-reduce
-starts at once, asynchronously.
+`dp.train` (`labkit/runs/data_parallel.py`) builds the tiny GPT on every rank, wraps it in
+`labkit.DataParallel` (the building block, `labkit/parallel/data_parallel.py`), takes its shard
+of each batch with `data.shard(batch, rank, N)`, runs forward and backward, and steps. The
+wrapper is the technique: when it is built, rank 0 broadcasts its weights so that every replica
+starts equal; during backward a hook on each parameter copies its gradient into a flat
+**bucket**, and a full bucket's all-reduce (average) starts at once, asynchronously; when
+backward ends it waits for them and leaves the averaged gradients in `.grad`.
 
 We use plain SGD for this check, so the comparison is about the parallelism only. (With Adam,
 one tensor, the attention *key* bias, has a true gradient of exactly 0 that softmax cancels; its
 computed gradient is float noise, which Adam rescales to full-size steps, so it differs between
-*any* two summation orders. The tests check Adam on everything else.)
+*any* two summation orders. The tests check Adam with a larger eps.)
 """),
     code(r"""
 cfg = RunConfig(steps=3, global_batch=8, optimizer="sgd")   # the tiny GPT, 8 sequences of 32
@@ -86,15 +98,96 @@ print(f"largest |parameter difference| after {cfg.steps} steps below 1e-6: {diff
 print("losses agree to 1e-6:", all(abs(a - b) < 1e-6 for a, b in zip(loss, reference["loss"])))
 """),
     md(r"""
-## 2 · Measure it: the comm log against 2(N−1)/N
+The two methods that do the work: the hook that backward calls once a parameter's gradient is
+complete, and the launch, which starts full buckets *in bucket order* on every rank (a
+collective is matched with the other ranks' by its place in that order, whatever order the
+hooks fired in):
+"""),
+    code(r"""
+print(inspect.getsource(DataParallel._on_gradient))
+print(inspect.getsource(DataParallel._launch))
+"""),
+    md(r"""
+## 2 · Your own model, your own loop
+
+`labkit.DataParallel` works on any `nn.Module` in any training loop, like PyTorch's
+`DistributedDataParallel`: wrap the model, give each rank its slice of the batch, and keep the
+loop as it is. Below, a plain `nn.Sequential` regression trained with AdamW. The function runs
+on 2 ranks under `labkit.launch`; in a script of your own you would start it with `torchrun` or
+`mp.spawn` after `init_process_group`, and the wrapper finds the process group by itself. The
+reference is *the same function* on one device (rank 0 of 1: the whole batch, no wrapper).
+"""),
+    code(r"""
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                         nn.Linear(64, 1))
+
+
+def make_batch(step, size=32):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(size, 16, generator=g)
+    return x, x[:, :4].sum(dim=1, keepdim=True).sin()
+
+
+def full_weights(model):
+    if hasattr(model, "full_state_dict"):      # a sharded model gathers its pieces
+        return model.full_state_dict()
+    inner = getattr(model, "module", model)    # a wrapper keeps the original in .module
+    return {name: p.detach().clone() for name, p in inner.named_parameters()}
+
+
+def my_training(ctx, wrap, steps=5):
+    model = wrap(make_model())                  # the one line data parallelism adds
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = make_batch(step)                 # the global batch; keep my slice
+        per_rank = len(x) // ctx.world_size
+        mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
+        loss = F.mse_loss(model(x[mine]), y[mine])
+        optimizer.zero_grad()
+        loss.backward()                         # gradients averaged by the end of backward
+        optimizer.step()
+    return full_weights(model)
+
+
+one_device = my_training(SimpleNamespace(rank=0, world_size=1), wrap=lambda model: model)
+with_dp = labkit.launch(my_training, 2, labkit.DataParallel)[0]
+dp_diff = max_param_diff(with_dp, one_device)
+print(f"DataParallel on 2 ranks vs one device, after 5 AdamW steps: "
+      f"max |parameter difference| = {dp_diff:.1e}")
+"""),
+    code(r"""
+# NBVAL_CHECK_OUTPUT
+print(f"DataParallel equals one device (within 1e-6): {dp_diff < 1e-6}")
+"""),
+    md(r"""
+`labkit.FullyShard` (lesson 04's ZeRO stage 3) goes in the same place: each rank then keeps only
+its 1/N shard of every weight, gradient and optimizer state, and the weights are gathered layer
+by layer when they are needed. The loop does not change; only the wrapper does.
+"""),
+    code(r"""
+with_fsdp = labkit.launch(my_training, 2, labkit.FullyShard)[0]
+fsdp_diff = max_param_diff(with_fsdp, one_device)
+print(f"FullyShard on 2 ranks vs one device, after 5 AdamW steps: "
+      f"max |parameter difference| = {fsdp_diff:.1e}")
+"""),
+    code(r"""
+# NBVAL_CHECK_OUTPUT
+print(f"FullyShard equals one device (within 1e-6): {fsdp_diff < 1e-6}")
+"""),
+    md(r"""
+## 3 · Measure it: the comm log against 2(N−1)/N
 
 Every collective goes through `ctx.comm`, which logs it. With 0.25 MB buckets the tiny model's
-0.47 MB of fp32 gradients become two buckets, so each step is two all-reduces (plus the clock's
-8-byte time stamps, which are not logged).
+fp32 gradients become two buckets, so each step is two all-reduces. The log also holds the
+broadcasts of the weights when the wrapper was built (one per tensor, once per run); the clock's
+8-byte time stamps are not logged.
 """),
     code(r"""
 log = results[0]["log"]
-log[["op", "tag", "group_size", "bytes", "wire_bytes_per_rank", "async_op"]].head(4)
+log.loc[log.op == "all_reduce", ["op", "tag", "group_size", "bytes", "wire_bytes_per_rank",
+                                 "async_op"]].head(4)
 """),
     code(r"""
 # NBVAL_CHECK_OUTPUT
@@ -110,15 +203,15 @@ print(f"2(N-1)/N x S x {cfg.steps} steps        = {formula:,.0f}")
 fig = comm_bars(results[0]["comm"], title="rank 0, 3 steps on 4 ranks (logged)")
 """),
     md(r"""
-## 3 · The ring all-reduce, from `send` and `recv`
+## 4 · The ring all-reduce, from `send` and `recv`
 
-`dp.ring_all_reduce(ctx, tensor)` is written with nothing but point-to-point messages. Cut the
-tensor into N chunks. **Reduce-scatter:** in step s (of N−1), rank r sends chunk (r−s) mod N to
-its right neighbour and adds the chunk arriving from its left into chunk (r−s−1) mod N. After
-N−1 steps, rank r holds the complete sum of chunk (r+1) mod N. **All-gather:** N−1 more steps
-pass the finished chunks around the ring. Each step moves one chunk of S/N bytes per rank, so
-each rank sends 2(N−1)·S/N: at most 2S whatever N is, while a naive "everyone sends everything
-to everyone" would send (N−1)·S.
+`dp.ring_all_reduce(ctx, tensor, group=None)` is written with nothing but point-to-point
+messages. Cut the tensor into N chunks. **Reduce-scatter:** in step s (of N−1), rank r sends
+chunk (r−s) mod N to its right neighbour and adds the chunk arriving from its left into chunk
+(r−s−1) mod N. After N−1 steps, rank r holds the complete sum of chunk (r+1) mod N.
+**All-gather:** N−1 more steps pass the finished chunks around the ring. Each step moves one
+chunk of S/N bytes per rank, so each rank sends 2(N−1)·S/N: at most 2S whatever N is, while a
+naive "everyone sends everything to everyone" would send (N−1)·S.
 
 To avoid a deadlock, each step *posts* its send (`async_op=True`), then receives, then waits.
 """),
@@ -141,7 +234,7 @@ for n in (2, 3, 4, 8):
 print(pd.DataFrame(rows).to_string(index=False))
 """),
     md(r"""
-## 4 · Overlap on the virtual timeline
+## 5 · Overlap on the virtual timeline
 
 The CPU ranks also run a **modelled clock**: each compute region advances by its counted FLOPs
 at 50% of an H100's bf16 peak, each collective by its alpha-beta time on NVLink. Async
@@ -149,12 +242,14 @@ all-reduces run on a separate *comm lane* (the thin bar under each rank), so ove
 
 On a tiny model communication dominates: the overlap can hide at most the backward pass. What
 matters is the ratio of compute to gradient bytes, which is the number of **tokens per GPU**.
-So this run uses a wider GPT (0.83M parameters, 3.3 MB of gradients) and a global batch of 128
-sequences (2,048 tokens per rank), 1 MB buckets, on 2 ranks.
+So this run uses a wider GPT (hidden 128, 4 layers) and a global batch of 128 sequences of 32
+tokens (2,048 tokens per rank), 1 MB buckets, on 2 ranks.
 """),
     code(r"""
 big = RunConfig(steps=2, global_batch=128, optimizer="sgd",
                 model_kwargs=dict(hidden=128, layers=4, ffn=512))
+print(f"{sum(p.numel() for p in build_model(big).parameters()):,} parameters, "
+      f"{dp.gradient_bytes(big) / 1e6:.1f} MB of fp32 gradients")
 runs = {}
 for overlap in (True, False):
     runs[overlap] = labkit.launch(dp.train, 2, big, bucket_mb=1.0, overlap=overlap)
@@ -182,40 +277,96 @@ on, off = (runs[o][0]["modelled_step_s"][-1] for o in (True, False))
 print(f"modelled step with overlap shorter than without: {on < off}")
 """),
     code(r"""
-on, off = (runs[o][0]["modelled_step_s"][-1] for o in (True, False))
 print(f"modelled step time: overlap {on * 1e6:.1f} us, no overlap {off * 1e6:.1f} us "
       f"({(off - on) / off:.0%} shorter)")
-wall = []
-for r in runs[True]:   # each rank's wall clock starts when its process does: align the first bar
-    t0 = min(e["wall_start"] for e in r["timeline"])
-    wall += [dict(e, wall_start=e["wall_start"] - t0, wall_end=e["wall_end"] - t0)
-             for e in r["timeline"]]
+
+
+def aligned_wall(results):
+    # each rank's wall clock starts when its process does: align its first bar at 0
+    out = []
+    for r in results:
+        t0 = min(e["wall_start"] for e in r["timeline"])
+        out += [dict(e, wall_start=e["wall_start"] - t0, wall_end=e["wall_end"] - t0)
+                for e in r["timeline"]]
+    return out
+
+
+wall = aligned_wall(runs[True])
 fig = gantt(wall, clock="wall",
             title="the same run (overlap=True), both steps, measured on this machine's CPUs")
+_ = fig.axes[0].set_xlim(0, 1.04 * max(e["wall_end"] for e in wall))   # room for the last bar
+"""),
+    code(r"""
+def per_step(results, clock, keep, span=False):
+    # seconds per step of rank 0's events matching `keep`: their sum (bars one after another)
+    # or, with span=True, first start to last end (bars that overlap, like waits in a row)
+    lo, hi = ("start", "end") if clock == "modelled" else ("wall_start", "wall_end")
+    marks = [0.0]
+    for t in results[0]["modelled_step_s"]:
+        marks.append(marks[-1] + t)
+    out = []
+    for begin, end in zip(marks, marks[1:]):
+        events = [e for e in results[0]["timeline"] if keep(e) and begin <= e["start"] < end]
+        out.append(max(e[hi] for e in events) - min(e[lo] for e in events) if span
+                   else sum(e[hi] - e[lo] for e in events))
+    return statistics.mean(out)
+
+
+def is_compute(e):
+    return e["kind"] == "compute" and e["name"] in ("forward", "backward")
+
+
+def is_bucket(e):
+    return e["kind"] == "comm" and e["name"] == "all_reduce"
+
+
+model_compute = per_step(runs[True], "modelled", is_compute)
+model_comm = per_step(runs[False], "modelled", is_bucket, span=True)
+wall_compute = per_step(runs[True], "wall", is_compute)
+wall_comm = per_step(runs[False], "wall", is_bucket, span=True)   # nothing runs beside them
+display(Markdown(f'''
+The **modelled** chart is the story for H100s: one step computes for {model_compute * 1e6:.1f} µs
+and its bucket all-reduces take {model_comm * 1e6:.1f} µs on NVLink
+({model_comm / model_compute:.2f}× the compute). The purple bucket bars on the comm lane start
+while backward (orange) is still running: {(off - on) / model_comm:.0%} of the communication
+hides under it, the rest is exposed after backward.
+
+The **measured** chart is what two CPU processes on this machine did: forward and backward took
+{wall_compute * 1e3:.0f} ms per step, and the all-reduces, timed in the overlap=False run where
+nothing else runs beside them (from the first launch to the last wait returning, the other rank
+catching up included), {wall_comm * 1e3:.0f} ms per step over loopback
+({wall_comm / wall_compute:.2f}× the compute). In the overlap=True chart a comm bar runs from
+the bucket's launch to the moment its wait returned, so it also covers the rest of backward and
+the other rank catching up. Those proportions are this machine's, not an H100's: the chart is
+there to show that the modelled picture comes from a real run.
+'''))
 """),
     md(r"""
-The **modelled** chart is the story for H100s: the purple bucket bars on the comm lane start
-while backward (orange) is still running, so only the tail of the communication is exposed. The
-**measured** chart is what two CPU processes on this laptop did: the gloo all-reduce over
-loopback costs milliseconds and compute hundreds of milliseconds, so the proportions have nothing
-to do with an H100's; it is there to show that the modelled picture comes from a real run.
-
-## 5 · How far does it scale? Modelled on H100s, measured here
+## 6 · How far does it scale? Modelled on H100s, measured here
 
 `theory.time.dp_step_time` is the closed form: compute 6·Ψ·tokens/N at 50% of peak, plus the
 all-reduce of 2Ψ bytes of bf16 gradients in 25 MB buckets, of which everything but the last
-bucket hides under backward. Within a node the ring runs on NVLink (450 GB/s); beyond 8 GPUs it
-crosses InfiniBand NDR (50 GB/s per GPU), and the curve bends.
+bucket hides under backward. Within a node the ring runs on NVLink; beyond 8 GPUs it crosses
+InfiniBand, and the curve bends.
+
+Memory comes first, though: every replica holds the whole model's states, 16 bytes per
+parameter with mixed-precision Adam (bf16 weights and gradients, fp32 master weights and two
+moments), whatever N is.
 """),
     code(r"""
 gpus = [1, 2, 4, 8, 16, 32, 64]
 cluster = lambda n: dp_widgets.cluster_for(n)   # 8 x H100 per node, NVLink in, IB NDR between
-series = {}
-for name, tokens, words in (("Llama 3 8B", 2**20, "1M"), ("GPT-2 small", 2**17, "128K")):
-    series[f"modelled {name}, {words} tokens per step"] = tt.dp_speedup(
-        name, gpus, cluster, global_batch_tokens=tokens)
-
-
+hbm = cluster(1).gpu.memory_bytes
+for name in ("GPT-2 small", "Llama 3 8B"):
+    psi = catalog.model(name).param_count()
+    states = tm.model_state_bytes(psi)["total"]
+    zero2 = next(n for n in gpus if tm.model_state_bytes(psi, zero_stage=2,
+                                                         world_size=n)["total"] <= hbm)
+    print(f"{name:12} {psi / 1e9:5.2f}B parameters: {states / 1e9:6.1f} GB of model states per "
+          f"replica, {'fits' if states <= hbm else 'does NOT fit'} one {hbm / 1e9:.0f} GB H100 "
+          f"(ZeRO-2, which sends the same bytes per step, fits from {zero2} GPU(s))")
+"""),
+    code(r"""
 def wall_step(n, cfg):
     out = labkit.launch(dp.train, n, cfg, threads=1)   # one core's worth per rank, as 1 GPU each
     per_step = [max(ts) for ts in zip(*(r["step_wall_s"] for r in out))][1:]
@@ -225,48 +376,72 @@ def wall_step(n, cfg):
 small = RunConfig(steps=4, global_batch=32, model_kwargs=dict(hidden=128, layers=4, ffn=512))
 wall = {n: wall_step(n, small) for n in (1, 2, 4)}
 
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-speedup_curve(gpus, series, ax=ax1, title="modelled strong scaling on H100 nodes")
-ax1.axvline(8, color="grey", lw=0.8, ls=":")
-ax1.text(8.4, 1.3, "node boundary:\nNVLink -> InfiniBand", fontsize=8, color="grey")
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
+dp_widgets.scaling_plot(ax1, [("Llama 3 8B", 2**20), ("GPT-2 small", 2**17)], gpus,
+                        title="modelled strong scaling on H100 nodes")
 speedup_curve([1, 2, 4], {"measured wall clock, CPU ranks (gloo)":
                           [wall[1] / wall[n] for n in (1, 2, 4)]},
               ax=ax2, title=f"measured on this machine ({os.cpu_count()} CPU cores)")
 fig.tight_layout()
 """),
     md(r"""
+The hollow Llama 3 8B curve is time modelled *as if* its states fitted (sharded ZeRO-2 style,
+lesson 04, which moves the same bytes per step as the all-reduce); plain data parallelism cannot
+run it on H100s at any GPU count.
+
 The measured curve is not the H100 story, and is not meant to be: every rank is a process on
 the same few CPU cores (one thread each), so past as many ranks as there are cores the ranks only
 split the same cores' time, and pay for gloo messages over loopback and process switching on top;
 on a shared or busy machine even the first step up is noisy. Speedup needs a processor per
 replica, which is what each GPU is.
 
-## 6 · The article's two claims, with numbers
+## 7 · The article's two claims, with numbers
 
 **Claim 1** (source article): *"Iterating through the same training data can be up to twice as
 fast with double the number of GPUs in use, depending on the batch size."*
 """),
     code(r"""
-rows = []
-for tokens in (2**14, 2**17, 2**20, 2**22):
-    row = {"global batch (tokens)": f"{tokens:,}"}
-    for a, b in ((1, 2), (4, 8), (8, 16), (32, 64)):
+doublings = ((1, 2), (4, 8), (8, 16), (32, 64))
+token_sizes = (2**14, 2**17, 2**20, 2**22)
+speedup = {}   # (tokens, a, b) -> time(a GPUs) / time(b GPUs)
+for tokens in token_sizes:
+    for a, b in doublings:
         ta = tt.dp_step_time("Llama 3 8B", gpus=a, cluster=cluster(a), global_batch_tokens=tokens)
         tb = tt.dp_step_time("Llama 3 8B", gpus=b, cluster=cluster(b), global_batch_tokens=tokens)
-        row[f"{a}->{b} GPUs"] = round(ta["total"] / tb["total"], 2)
-    rows.append(row)
-print("speedup from doubling the GPUs, Llama 3 8B, modelled (overlap on, 25 MB buckets)")
-print(pd.DataFrame(rows).to_string(index=False))
+        speedup[tokens, a, b] = ta["total"] / tb["total"]
+table = pd.DataFrame([{"global batch (tokens)": f"{t:,}",
+                       **{f"{a}->{b} GPUs": round(speedup[t, a, b], 2) for a, b in doublings}}
+                      for t in token_sizes])
+print("speedup from doubling the GPUs, Llama 3 8B, modelled (overlap on, 25 MB buckets;\n"
+      "its states sharded ZeRO-2 style so that it fits: the same bytes on the wire)")
+print(table.to_string(index=False))
+"""),
+    code(r"""
+def how_fast(s):
+    if s < 1:
+        return f"makes the step **slower** ({s:.2f}×)"
+    if s < 1.8:
+        return f"is faster, but well short of 2× ({s:.2f}×)"
+    return f"is close to 2× ({s:.2f}×)"
+
+
+few, some, many = 2**14, 2**17, 2**20
+at_many = [speedup[many, a, b] for a, b in doublings]
+nvlink, ib = cluster(16).intra, cluster(16).inter
+display(Markdown(f'''
+It holds where compute dominates: at {many:,} tokens per step every doubling gives between
+{min(at_many):.2f}× and {max(at_many):.2f}×, inside a node and across nodes. It stops holding
+when the tokens per GPU get few, because the all-reduce does not shrink with N. The first step
+across nodes, 8→16 GPUs ({nvlink.name} at {nvlink.bandwidth / 1e9:.0f} GB/s to {ib.name} at
+{ib.bandwidth / 1e9:.0f} GB/s per GPU), {how_fast(speedup[few, 8, 16])} at {few:,} tokens and
+{how_fast(speedup[some, 8, 16])} at {some:,}; at 32→64 GPUs doubling
+{how_fast(speedup[few, 32, 64])} at {few:,} tokens and {how_fast(speedup[some, 32, 64])} at
+{some:,}. "Up to" and "depending on the batch size" are both doing real work in that sentence.
+(At a fixed batch size per GPU instead, "weak scaling", the step time stays nearly flat and the
+throughput doubles, but each step then sees twice the data.)
+'''))
 """),
     md(r"""
-It holds where compute dominates: large batches (a million tokens per step and more) get close
-to 2×, inside a node and across nodes. It stops holding when the tokens per GPU get few: the
-all-reduce does not shrink with N, so at 16K–128K tokens the first step across nodes (8→16,
-NVLink at 450 GB/s to InfiniBand at 50 GB/s per GPU) makes the step *slower* (0.23× and 1.4×),
-and at 64 GPUs doubling no longer pays (0.83×, 0.88×). "Up to" and "depending on the batch size" are both doing
-real work in that sentence. (At a fixed batch size per GPU instead, "weak scaling", the step
-time stays nearly flat and the throughput doubles, but each step then sees twice the data.)
-
 **Claim 2** (source article): running Stable Diffusion at 2.6 s per batch on one H100 node, a
 second node "allows you to process 2 batches in 2.6 seconds, effectively reducing the inference
 time to 1.3 seconds per batch". Inference data parallelism needs no communication at all: each
@@ -274,25 +449,31 @@ replica serves its own batches.
 """),
     code(r"""
 # NBVAL_CHECK_OUTPUT
+latency = 2.6   # seconds per batch on one node (the article's number)
 rows = []
 for batches in (1, 2, 3, 10, 100):
     for nodes in (1, 2):
-        r = dp.inference_throughput(2.6, replicas=nodes, batches=batches)
+        r = dp.inference_throughput(latency, replicas=nodes, batches=batches)
         rows.append(dict(batches=batches, nodes=nodes, makespan_s=r["makespan_s"],
                          s_per_batch=round(r["seconds_per_batch"], 2),
                          latency_per_batch_s=r["latency_s"], utilisation=r["utilisation"]))
-print(pd.DataFrame(rows).to_string(index=False))
+inference = pd.DataFrame(rows)
+print(inference.to_string(index=False))
 """),
-    md(r"""
-With a steady stream of batches the second node doubles throughput: 2 batches per 2.6 s, 1.3 s
-per batch *on average*. But no batch finishes sooner: each still takes **2.6 s**, so a user
-waiting for one image waits just as long. It stops holding when there are fewer batches than
-replicas (1 batch: the second node idles, 50% utilisation) or an odd count (3 batches take
-5.2 s, 1.73 s per batch). Cutting the latency of one batch needs its work split (a smaller
-batch per node, or model parallelism), and a batch that is already small does not get twice as
-fast at half the size.
+    code(r"""
+row = lambda b, n: inference[(inference.batches == b) & (inference.nodes == n)].iloc[0]
+display(Markdown(f'''
+With a steady stream of batches the second node doubles throughput: 2 batches per
+{row(2, 2).makespan_s:g} s, {row(100, 2).s_per_batch:g} s per batch *on average*. But no batch
+finishes sooner: each still takes **{latency:g} s**, so a user waiting for one image waits just
+as long. It stops holding when there are fewer batches than replicas (1 batch: the second node
+idles, {row(1, 2).utilisation:.0%} utilisation) or an odd count (3 batches take
+{row(3, 2).makespan_s:g} s, {row(3, 2).s_per_batch:g} s per batch). Cutting the latency of one
+batch needs its work split (a smaller batch per node, or model parallelism), and a batch that is
+already small does not get twice as fast at half the size.
 
 The same thing on CPU ranks with the tiny GPT, on the modelled clock:
+'''))
 """),
     code(r"""
 # NBVAL_CHECK_OUTPUT
@@ -306,22 +487,23 @@ for n in (1, 2):
           f"one batch; each batch still takes 1 x")
 """),
     md(r"""
-## 7 · Explore: when does the all-reduce stop hiding?
+## 8 · Explore: when does the all-reduce stop hiding?
 
-All modelled (theory only, so it redraws at once). Things to try: Llama 3 8B at 16K tokens on
-64 GPUs (communication-bound); the same at 4M tokens; 1 MB buckets (latency-bound: many small
-messages) against 1000 MB buckets (nothing left to overlap: one bucket arrives at the end of
-backward); PCIe instead of NVLink.
+All modelled (theory only, so it redraws at once); the line above the panels says whether a
+replica's model states fit one GPU at all. Things to try: GPT-2 small at 16K tokens on 64 GPUs
+(communication-bound); the same at 4M tokens; 1 MB buckets (latency-bound: many small messages)
+against 1000 MB buckets (nothing left to overlap: one bucket arrives at the end of backward);
+PCIe instead of NVLink.
 """),
     code(r"""
 dp_widgets.dp_explorer()
 """),
     md(r"""
-## 8 · Exercise: write the ring all-reduce
+## 9 · Exercise: write the ring all-reduce
 
 Fill in `my_ring_all_reduce` using only `ctx.comm.send(t, dst, async_op=True)` (returns a handle
 with `.wait()`) and `ctx.comm.recv(t, src)`. Then set `MY_RING_IS_READY = True` and run the
-cell: `dp.check_ring_all_reduce` runs it on 4 ranks with different data, and tells you in words
+cell: `check_ring_all_reduce` runs it on 4 ranks with different data, and tells you in words
 what is wrong: a wrong sum, chunks in the wrong place, a deadlock (every rank waiting in recv),
 or more bytes sent than the ring's 2(N−1)/N·S. Until then the cell checks labkit's own ring so
 that you can see what success looks like.
@@ -344,8 +526,7 @@ def my_ring_all_reduce(ctx, tensor):
 
 
 MY_RING_IS_READY = False
-verdict = dp.check_ring_all_reduce(my_ring_all_reduce if MY_RING_IS_READY else
-                                   dp.ring_all_reduce)
+verdict = check_ring_all_reduce(my_ring_all_reduce if MY_RING_IS_READY else dp.ring_all_reduce)
 """),
     md(r"""
 What the feedback looks like for two classic mistakes: forgetting that the other ranks' data
@@ -363,16 +544,16 @@ def receives_first(ctx, tensor):
     return tensor + incoming
 
 
-_ = dp.check_ring_all_reduce(assumes_same_data)
+_ = check_ring_all_reduce(assumes_same_data)
 print()
-_ = dp.check_ring_all_reduce(receives_first, timeout_s=3)
+_ = check_ring_all_reduce(receives_first, timeout_s=3)
 """),
     md(r"""
 ## Takeaways
 
 - Data parallelism copies the whole model to every GPU and averages gradients with one
   all-reduce per step; the result equals one device on the full batch (checked above to float
-  rounding).
+  rounding), on labkit's GPT and on a model and loop of your own, with one wrapper line.
 - A ring all-reduce sends 2(N−1)/N × the gradient bytes per GPU: under 2× whatever N, measured
   byte-for-byte in the comm log. It does not shrink with N while compute does, so scaling is set
   by **tokens per GPU** against gradient bytes and link bandwidth.
@@ -382,7 +563,8 @@ _ = dp.check_ring_all_reduce(receives_first, timeout_s=3)
   or across the NVLink → InfiniBand boundary; a second inference node doubles throughput, not
   the speed of one batch.
 - Every copy still holds all parameters, gradients and optimizer state: data parallelism does
-  not help a model fit. ZeRO (lesson 04) shards those states across the same replicas.
+  not help a model fit (Llama 3 8B does not fit one H100 this way). ZeRO (lesson 04) shards
+  those states across the same replicas.
 """),
 ]
 
