@@ -273,7 +273,8 @@ class _Step:
             if pipe.recompute:
                 ctx.memory.remove_buffer(f"stage input {m}.{stage.chunk}")
                 y = self._run(stage, x, m)
-            torch.autograd.backward(y, grad)
+            if y.requires_grad:   # a stage with nothing to train and no input grad skips
+                torch.autograd.backward(y, grad)
         del self.saved[(m, stage.chunk)]
         if not stage.is_first:
             self._send("grad", m, stage, x.grad if x.grad is not None else torch.zeros_like(x))

@@ -60,8 +60,10 @@ def check_config(cfg, world_size, schedule, microbatches, virtual, split=None):
     n_stages, layers = world_size * virtual, layer_count(cfg)
     if n_stages > layers:
         what = "GPT layers (blocks)" if cfg.model == "gpt" else "MLP layers"
+        fix = (f"pass --layers {n_stages} (or more)" if cfg.model == "gpt" else
+               f"use at most {layers} stages (world size x virtual)")
         raise ValueError(f"{n_stages} pipeline stages need at least {n_stages} {what}, the "
-                         f"model has {layers}: pass --layers {n_stages} (or more)")
+                         f"model has {layers}: {fix}")
     schedules.make_schedule(schedule, world_size, microbatches, virtual)
     split_into_stages(model_layers(reference.build_model(cfg)), n_stages,
                       balance=split or "params")

@@ -28,9 +28,9 @@ left idle at the start (filling the pipe) and at the end (draining it) is the **
 
 These assume equal stages and free communication. `labkit` reads the idle share off its
 virtual timeline, the *modelled* clock (`bubble_fraction`: FLOPs on a modelled H100 and modelled
-links, not this machine's wall time), and shows when the assumptions hold. **Memory:** GPipe keeps the activations of
-all M micro-batches until their backward; 1F1B starts backwards early, so stage r holds at most
-P-r micro-batches.
+links, not this machine's wall time), and shows when the assumptions hold. **Memory:** GPipe
+keeps the activations of all M micro-batches until their backward; 1F1B starts backwards early,
+so stage r holds at most P-r micro-batches.
 """),
     code(r"""
 import pandas as pd
