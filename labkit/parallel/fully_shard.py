@@ -1,0 +1,412 @@
+"""FullyShard: ZeRO stage 3 as a wrapper of any nn.Module, like PyTorch's `fully_shard` (FSDP2).
+
+The idea (Rajbhandari et al. 2020, ZeRO, arXiv 1910.02054, stage 3; Zhao et al. 2023, PyTorch
+FSDP, arXiv 2304.11277): no rank keeps a full copy of anything. The model is cut into *units*
+(by default every module holding parameters of its own); each unit's parameters are laid out in
+one flat buffer padded to a multiple of N, and rank r keeps elements [r*S, (r+1)*S) of it. The
+wrapped module's parameters *are* these shards, so the user's own optimizer steps 1/N of the
+model. A unit's full weights exist only while it computes: a forward pre-hook all-gathers them
+(the next unit is prefetched, async), they are freed after its forward, gathered again just
+before its backward, and its gradients are reduce-scattered (averaged) into the shards' `.grad`.
+
+Bytes per rank, Ψ parameters, K bytes of optimizer state per parameter (the ZeRO paper's K: 12
+for mixed-precision Adam, the fp32 master included; 8 for fp32 Adam, whose 2s are 4s):
+
+    (2 + 2 + K) Ψ / N  +  the largest gathered unit (two at once with the prefetch)
+
+Here the fp32 master *is* the shard and the 2-byte copy exists only while gathered, so the split
+measured is 4 + 4 + 8 per parameter over N: the same 16Ψ/N. Communication per rank and step:
+all-gathers before forward (Ψ) and before backward (Ψ), a reduce-scatter of the gradients (Ψ):
+3Ψ, 1.5x data parallelism's all-reduce (2Ψ); `reshard_after_forward=False`: 2Ψ, holding the
+full weights from forward to backward.
+
+Parameters outside the units (a custom `units`) stay whole and their gradients are all-reduced.
+Frozen parameters are gathered, never reduced; a parameter two modules share (tied weights) is
+sharded once and gathered wherever it is used. `offload=True` keeps the shards, their gradients
+and so the optimizer's state in host memory (ZeRO-Offload, Ren et al. 2021): on a GPU they live
+on the CPU and cross PCIe; on a CPU-only run host and device are the same memory, so the split
+(and the PCIe time on the clock) is modelled.
+
+    model = FullyShard(model, compute_dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)   # this rank's shards
+    loss_fn(model(x_shard), y_shard).backward()   # gradients reduce-scattered during backward
+    optimizer.step()
+"""
+import torch
+import torch.nn as nn
+
+from ..runtime.context import context
+from ..theory import hardware   # PCIe numbers for the modelled host <-> device copies
+
+OFFLOAD_LINK = "PCIe 5"        # what ZeRO-Offload's copies cross (modelled)
+IN_FLIGHT = 2                  # gradient reduce-scatters outstanding at once (bounds memory)
+
+
+def holds_parameters(module):
+    """The default `units` predicate: a module that holds parameters of its own."""
+    return any(True for _ in module.parameters(recurse=False))
+
+
+class FullyShard(nn.Module):
+    """ZeRO-3 on any nn.Module inside any process group (`group=None`: the world).
+
+    compute_dtype: run forward and backward in it (bf16/fp16); the shards stay in the
+        parameters' dtype (fp32 masters), cast before each all-gather; floating inputs are cast.
+    reshard_after_forward: free each unit's full weights after its forward (gather again for
+        backward); False keeps them until its gradients are reduced.
+    offload: the shards (and so the optimizer state the user makes for them) in host memory.
+    units: predicate on modules choosing what is sharded (default `holds_parameters`); a unit
+        owns the parameters of its subtree that no unit below it owns.
+    prefetch: gather the next unit (in forward order; previous in backward) asynchronously.
+    """
+
+    def __init__(self, module, group=None, compute_dtype=None, reshard_after_forward=True,
+                 offload=False, units=None, *, prefetch=True):
+        super().__init__()
+        self.module = module
+        self._ctx = context()
+        self.group = self._ctx.group(group)
+        self.compute_dtype, self.offload = compute_dtype, offload
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self._units = _make_units(module, units or holds_parameters, self)
+        self._flats = [f for u in self._units for f in u.flats]
+        self._order = [u for u in self._units if u.sharded and u.flats]  # forward order
+        self._seen, self._inflight, self._pending = [], {}, []
+        self._backward_started = False
+        self._ctx.memory.watch(params=self._device_params, grads=self._device_grads)
+        for unit in self._units:
+            unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+            unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
+
+    def forward(self, *args, **kwargs):
+        if self.compute_dtype is not None:
+            args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(self.compute_dtype)
+                                        if t.is_floating_point() else t)
+        return self.module(*args, **kwargs)
+
+    # --- forward: gather, compute, free ------------------------------------------------------
+    def _pre_forward(self, unit):
+        if unit in self._order and unit not in self._seen:
+            self._seen.append(unit)
+        for u in unit.needs:   # itself, and the owners of tied weights it uses
+            self._gather(u)
+            u.active += 1
+            u.swap_in()
+        if self.prefetch and unit in self._order:
+            self._prefetch(self._order.index(unit) + 1)
+
+    def _post_forward(self, unit, out):
+        for u in unit.needs:
+            u.active -= 1
+            if u.active == 0 and self.reshard_after_forward:
+                self._free(u)
+        if torch.is_grad_enabled():   # backward reaches `_pre_backward` before this unit's
+            out = _map_tensors(out, lambda t: _BeforeBackward.apply(self, unit, t)
+                               if t.requires_grad else t)
+        return out
+
+    def _pre_backward(self, unit):
+        if not self._backward_started:   # like DDP: finish by itself when backward ends
+            self._backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                self.finish_gradient_synchronization)
+        for u in unit.needs:
+            self._gather(u)
+        if self.prefetch and unit in self._order:
+            self._prefetch(self._order.index(unit) - 1)
+
+    # --- all-gather and free -----------------------------------------------------------------
+    def _issue_gather(self, flat):
+        """Start the all-gather of `flat`'s shard (cast to the compute dtype first)."""
+        source = flat.shard.detach().to(flat.full.dtype)
+        if self.offload:
+            source = source.to(flat.full.device, non_blocking=True)
+            self._pcie(source.nbytes, "offload: shard to device")
+        if not flat.sharded:
+            return source
+        return self._ctx.comm.all_gather(source, group=self.group, async_op=True,
+                                         tag=f"params {flat.name}")
+
+    def _prefetch(self, index):
+        unit = self._order[index] if 0 <= index < len(self._order) else None
+        if unit is not None and not unit.gathered and unit not in self._inflight:
+            self._inflight[unit] = [self._issue_gather(f) for f in unit.flats]
+            for flat, handle in zip(unit.flats, self._inflight[unit]):
+                self._ctx.memory.add_buffer(f"prefetch {flat.name}", handle.result)
+
+    def _gather(self, unit):
+        """Make `unit`'s full weights present (wait for its prefetch, or gather now)."""
+        if unit.gathered:
+            return
+        prefetched = self._inflight.pop(unit, None)
+        for flat, source in zip(unit.flats, prefetched or map(self._issue_gather, unit.flats)):
+            data = source.wait() if flat.sharded else source
+            if prefetched:
+                self._ctx.memory.remove_buffer(f"prefetch {flat.name}")
+            if flat.full is not flat.shard:
+                flat.full.untyped_storage().resize_(flat.full.numel() * flat.full.element_size())
+                flat.full.copy_(data)
+                self._ctx.memory.exclude(flat.full)   # saved for backward: not activations
+                self._ctx.memory.add_buffer(f"gathered {flat.name}", flat.full)
+        unit.gathered = True
+
+    def _free(self, unit):
+        unit.swap_out()
+        if unit.gathered and (unit.sharded or unit.casts):   # else: `full` is the shard
+            for flat in unit.flats:
+                self._ctx.memory.include(flat.full)
+                flat.full.untyped_storage().resize_(0)   # the parameter views stay valid
+                self._ctx.memory.remove_buffer(f"gathered {flat.name}")
+            unit.gathered = False
+
+    # --- backward: reduce-scatter each flat as soon as all its gradients are in ---------------
+    def _on_gradient(self, leaf):
+        flat, e = leaf._labkit_slot
+        if flat.bucket is None:   # zeros: padding and gradients that never come reduce 0
+            self._new_bucket(flat)
+        flat.bucket[e.offset:e.offset + e.numel].copy_(leaf.grad.view(-1))
+        leaf.grad = None          # the full gradient lives only until its bucket is reduced
+        flat.arrived += 1
+        if flat.arrived == len(flat.entries):
+            self._reduce(flat)
+
+    def _new_bucket(self, flat):
+        flat.bucket = torch.zeros_like(flat.full)
+        self._ctx.memory.add_buffer(f"grad bucket {flat.name}", flat.bucket)
+
+    def _reduce(self, flat):
+        if flat.bucket is None:
+            self._new_bucket(flat)
+        reduce = self._ctx.comm.reduce_scatter if flat.sharded else self._ctx.comm.all_reduce
+        self._pending.append((flat, reduce(flat.bucket, op="avg", group=self.group,
+                                           async_op=True, tag=f"grads {flat.name}")))
+        flat.issued = True
+        unit = flat.unit
+        # Free once every gradient is in; a unit with frozen weights waits for the end of
+        # backward (a later backward op may still read them, e.g. y = (x * frozen) @ w).
+        if unit.active == 0 and all(f.requires_grad and f.issued for f in unit.flats):
+            self._free(unit)
+        while len(self._pending) > IN_FLIGHT:
+            self._land(*self._pending.pop(0))
+
+    def _land(self, flat, handle):
+        flat.reduced, flat.bucket = handle.wait(), None
+        self._ctx.memory.remove_buffer(f"grad bucket {flat.name}")
+
+    def finish_gradient_synchronization(self):
+        """Reduce what backward did not complete, wait for every reduction, and leave each
+        shard's averaged gradient in its `.grad` (same shape and dtype as the shard; added to
+        a `.grad` already there). Runs by itself at the end of backward; calling again is free.
+        """
+        self._backward_started = False
+        trainable = [f for f in reversed(self._flats) if f.requires_grad]
+        if any(f.arrived or f.issued for f in trainable):
+            for flat in trainable:   # the same order on every rank; zeros for what never came
+                if not flat.issued:
+                    self._reduce(flat)
+            while self._pending:
+                self._land(*self._pending.pop(0))
+            for flat in trainable:
+                grad = flat.reduced.to(flat.shard.dtype)
+                if self.offload:
+                    self._pcie(flat.reduced.nbytes, "offload: gradient shard to host")
+                    grad = grad.to(flat.shard.device)
+                for piece, view in zip(flat.pieces, flat.views(grad)):
+                    piece.grad = view if piece.grad is None else piece.grad.add_(view)
+                flat.reduced, flat.arrived, flat.issued = None, 0, False
+        for unit, sources in self._inflight.items():   # a prefetch nobody used still lands
+            for flat, handle in zip(unit.flats, sources):
+                handle.wait()
+                self._ctx.memory.remove_buffer(f"prefetch {flat.name}")
+        self._inflight = {}
+        for unit in self._units:
+            unit.active = 0
+            self._free(unit)
+        if self._seen:
+            self._order, self._seen = self._seen, []
+
+    def _pcie(self, nbytes, name):
+        if self._ctx.clock.enabled:
+            link = hardware.link(OFFLOAD_LINK)
+            self._ctx.clock.advance(link.latency + nbytes / link.effective_bandwidth,
+                                    kind="comm", name=f"{name} (PCIe, modelled)")
+
+    # --- what the memory tracker counts, and the full weights ----------------------------------
+    def _device_params(self):   # none under offload: the shards are in host memory
+        return [] if self.offload else [f.shard for f in self._flats]
+
+    def _device_grads(self):
+        held = [leaf.grad for f in self._flats for leaf in f.leaves]
+        held += [f.reduced for f in self._flats]
+        return held + ([] if self.offload else [p.grad for f in self._flats for p in f.pieces])
+
+    def host_bytes(self):
+        """Bytes of the shards and their gradients in host memory (offload), measured."""
+        grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                 for f in self._flats for p in f.pieces if p.grad is not None}
+        return sum(f.shard.nbytes for f in self._flats) + sum(grads.values()) \
+            if self.offload else 0
+
+    @property
+    def unit_numels(self):
+        """Parameters per sharded flat buffer (a unit's trainable or frozen ones), unpadded."""
+        return [f.numel for f in self._flats if f.sharded]
+
+    @property
+    def padded_numel(self):
+        return sum(f.padded for f in self._flats if f.sharded)
+
+    @torch.no_grad()
+    def full_state_dict(self):
+        """{original name: the full parameter} gathered from every rank (off the record)."""
+        full = {}
+        with self._ctx.off_the_record():
+            for flat in self._flats:
+                data = flat.shard.to(flat.full.device)
+                if flat.sharded:
+                    data = self._ctx.comm.all_gather(data, group=self.group)
+                for e in flat.entries:
+                    full[e.piece] = data[e.offset:e.offset + e.numel].view(e.shape).clone()
+        return {name: full[p] for name, p in self.module.named_parameters()}
+
+    def extra_repr(self):
+        return (f"group={list(self.group.ranks)}, units={len(self._units)}, "
+                f"compute_dtype={self.compute_dtype}, offload={self.offload}")
+
+
+# ------------------------------------------------------------------------------- the layout
+
+class _Entry:
+    """One original parameter: its place in its flat buffer, and where modules hold it."""
+
+    def __init__(self, param, unit):
+        self.param, self.unit, self.offset = param, unit, 0
+        self.numel, self.shape = param.numel(), param.shape
+        self.uses = []   # (module, attribute name)
+
+
+class _Flat:
+    """A unit's parameters of one dtype and requires_grad, in one flat buffer padded to a
+    multiple of N. `shard`: this rank's slice (what the optimizer steps; `pieces` are its
+    views, one nn.Parameter per original parameter). `full`: the gathered buffer in the compute
+    dtype, its storage freed between uses; `leaves` (views of it) are what modules compute with.
+    """
+
+    def __init__(self, unit, entries, owner):
+        group, first = owner.group, entries[0].param
+        self.unit, self.entries, self.sharded = unit, entries, unit.sharded
+        self.requires_grad = first.requires_grad
+        self.name = unit.name + ("" if self.requires_grad else " (frozen)")
+        n = group.size if self.sharded else 1
+        self.numel = sum(e.numel for e in entries)
+        self.padded = -(-self.numel // n) * n
+        self.lo = group.rank * self.padded // n if self.sharded else 0  # mine: [lo, hi)
+        self.hi = self.lo + self.padded // n
+        whole = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
+        for e in entries:
+            whole[e.offset:e.offset + e.numel] = e.param.detach().reshape(-1)
+        host = torch.device("cpu") if owner.offload else first.device
+        self.shard = whole[self.lo:self.hi].clone().to(host)   # unrounded: the fp32 masters
+        if host != first.device:
+            self.shard = self.shard.pin_memory()
+        dtype = owner.compute_dtype or first.dtype
+        unit.casts = unit.casts or dtype != first.dtype or owner.offload
+        # replicated in the same dtype and place, `full` is the shard: nothing to gather
+        self.full = whole.to(dtype) if self.sharded or unit.casts else self.shard
+        self.pieces = [nn.Parameter(v, requires_grad=self.requires_grad)
+                       for v in self.views(self.shard)]
+        self.leaves = []
+        for e, piece in zip(entries, self.pieces):
+            leaf = nn.Parameter(torch.empty(0, dtype=dtype, device=self.full.device),
+                                requires_grad=self.requires_grad)
+            # `.data =` keeps the leaf's own version counter: refilling `full` in place
+            # later does not look, to autograd, like a change of a tensor saved for backward
+            leaf.data = self.full[e.offset:e.offset + e.numel].view(e.shape)
+            leaf._labkit_slot = (self, e)
+            if self.requires_grad:
+                leaf.register_post_accumulate_grad_hook(owner._on_gradient)
+            e.piece, e.leaf, e.param = piece, leaf, None   # the full original tensor goes
+            self.leaves.append(leaf)
+        if self.full is not self.shard:
+            self.full.untyped_storage().resize_(0)
+        self.bucket = self.reduced = None
+        self.arrived, self.issued = 0, False
+
+    def views(self, shard):
+        """Each original parameter's part of `shard` (1-D; whole-shaped when replicated)."""
+        if not self.sharded:
+            return [shard[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries]
+        ranges = [(max(e.offset, self.lo), min(e.offset + e.numel, self.hi))
+                  for e in self.entries]
+        return [shard[a - self.lo:max(a, b) - self.lo] for a, b in ranges]
+
+
+class _Unit:
+    def __init__(self, name, module, sharded):
+        self.name, self.module, self.sharded = name, module, sharded
+        self.entries, self.flats, self.needs = [], [], [self]
+        self.active, self.gathered, self.casts = 0, False, False
+
+    def swap_in(self):    # modules compute with the full weights...
+        for e in self.entries:
+            for module, attr in e.uses:
+                module._parameters[attr] = e.leaf
+
+    def swap_out(self):   # ...and show the shards otherwise
+        for e in self.entries:
+            for module, attr in e.uses:
+                module._parameters[attr] = e.piece
+
+
+def _make_units(root, pick, owner):
+    """Units in pre-order; a parameter belongs to the nearest unit above its first holder,
+    or to the replicated pseudo-unit (hooked on the root) when no unit is above it."""
+    replicated = _Unit("replicated", root, sharded=False)
+    units, entry_of, region = [replicated], {}, {}
+    for name, module in root.named_modules():
+        unit = region.get(module, replicated)
+        if pick(module):
+            unit = _Unit(name or "root", module, sharded=True)
+            units.append(unit)
+        for child in module.children():
+            region.setdefault(child, unit)
+        for attr, p in module.named_parameters(recurse=False):
+            if p not in entry_of:
+                entry_of[p] = _Entry(p, unit)
+                unit.entries.append(entry_of[p])
+            entry_of[p].uses.append((module, attr))
+            if entry_of[p].unit not in unit.needs:   # a tied weight another unit owns
+                unit.needs.append(entry_of[p].unit)
+    for unit in units:
+        kinds = {}
+        for e in unit.entries:
+            kinds.setdefault((e.param.requires_grad, e.param.dtype), []).append(e)
+        for entries in kinds.values():
+            for before, e in zip([None] + entries, entries):
+                e.offset = before.offset + before.numel if before else 0
+            unit.flats.append(_Flat(unit, entries, owner))
+        unit.swap_out()
+    return [u for u in units if u.flats or len(u.needs) > 1]
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity in forward; in backward it first has the unit's weights gathered again."""
+
+    @staticmethod
+    def forward(ctx, owner, unit, x):
+        ctx.owner, ctx.unit = owner, unit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.owner._pre_backward(ctx.unit)
+        return None, None, grad
+
+
+def _map_tensors(value, fn):
+    """`fn` on every tensor in nested tuples, lists and dicts (a module's inputs or outputs)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return fn(value) if isinstance(value, torch.Tensor) else value
