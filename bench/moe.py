@@ -1,156 +1,200 @@
-"""Expert parallelism: all-to-all dispatch against all-gather dispatch, and MoE against dense.
+"""labkit's ExpertParallel against expert parallelism written directly on torch.distributed.
 
-PyTorch has no MoE layer, so the anchors are built from the same pieces, in one run, on the same
-tokens and world size: (1) all-gather dispatch, where every rank gathers every token of the
-group, runs its own experts on the ones routed to them and reduce-scatters the outputs back
-(wire bytes independent of k and of the routing, (N-1) T h each way); (2) a dense MLP model of
-the same active parameters per token (TinyGPT with ffn = k x expert ffn), data-parallel. Both
-MoE variants must give the same loss and parameters. Step time: median wall, warm-up excluded,
-labkit clock disabled. Rows go to data/bench.csv.
+PyTorch has no MoE layer or expert-parallel wrapper of its own, so the anchor is the obvious
+plain-torch version on the same layer (labkit's MoELayer: 8 experts, top-2, capacity factor
+1.25, hidden 128, expert ffn 256), the same routing conventions, the same data: the routing
+counts with `dist.all_gather_into_tensor`, dispatch and combine with PyTorch's differentiable
+`all_to_all_single_autograd` (torch.distributed._functional_collectives, what PyTorch now
+recommends over torch.distributed.nn.functional), expert gradients divided by N with hooks.
+One launch per world size; inside it every rank runs the two sides in interleaved rounds (the
+order alternates, so neither side always runs on the warmer machine). Per side:
+  step_time_s   the slowest rank's wall time per training step (forward, backward, router
+                all_reduce, SGD step; warm-up excluded): the median per round, then the median
+                over rounds and the spread (min-max); instrumentation off on the labkit side
+                (`ctx.off_the_record()`: no comm log, no virtual clock), none on the torch side;
+  peak_bytes    rank 0's peak during one extra step, measured on both sides by labkit's memory
+                tracker (parameters, .grad, optimizer state, activations saved for backward);
+  max_param_diff  labkit vs torch after the same steps from the same initial layer.
+labkit_over_torch = labkit / torch (below 1: labkit is faster or smaller).
+Run: python bench/moe.py [world sizes...]   (rows are appended to data/bench.csv)
 """
+import math
 import os
+import statistics
 import sys
 import time
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_rows, median  # noqa: E402
+import labkit  # noqa: E402
+from common import append_rows  # noqa: E402
+from labkit.models import MoEConfig, MoELayer  # noqa: E402
+from labkit.parallel.moe import ExpertParallel  # noqa: E402
+from labkit.runtime.memory import MemoryTracker  # noqa: E402
 
-from labkit import data, models, moe  # noqa: E402
-from labkit.models import MoEConfig, MoELayer, choice_counts  # noqa: E402
-from labkit.runs.reference import RunConfig, batch, build_optimizer  # noqa: E402
-from labkit.runtime.launch import launch  # noqa: E402
-
-WORLD, STEPS, WARMUP = 4, 8, 2
-MODEL = dict(layers=2, hidden=64, ffn=256, seq=32, heads=4)
-# router losses off: all-gather dispatch computes the aux loss on every rank for all tokens
-MOE = MoEConfig(experts=4, top_k=2, capacity_factor=1.25, aux_loss_coef=0.0, z_loss_coef=0.0)
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, x, ctx, group):
-        fctx.saved = (ctx, group)
-        return ctx.comm.all_gather(x, group=group)
-
-    @staticmethod
-    def backward(fctx, grad):
-        ctx, group = fctx.saved
-        return ctx.comm.reduce_scatter(grad.contiguous(), group=group), None, None
+HIDDEN, FFN, TOKENS_PER_RANK = 128, 256, 256
+MOE = MoEConfig(experts=8, top_k=2, capacity_factor=1.25)
+WARMUP, TIMED, ROUNDS = 2, 6, 6
+SIDES = ("labkit", "torch")
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, x, ctx, group):
-        fctx.saved = (ctx, group)
-        return ctx.comm.reduce_scatter(x, group=group)
+class TorchExpertParallel(nn.Module):
+    """The same layer's experts over the world, written the obvious way on torch.distributed."""
 
-    @staticmethod
-    def backward(fctx, grad):
-        ctx, group = fctx.saved
-        return ctx.comm.all_gather(grad.contiguous(), group=group), None, None
-
-
-class AllGatherDispatchMoE(moe.ExpertParallelMoE):
-    """Every rank sees every token: gather, route all, run my experts, reduce-scatter back."""
+    def __init__(self, layer):
+        super().__init__()
+        self.rank, self.n = dist.get_rank(), dist.get_world_size()
+        self.E, self.k, self.cf = layer.moe.experts, layer.moe.top_k, layer.moe.capacity_factor
+        self.per = self.E // self.n
+        self.router = layer.router
+        self.experts = nn.ModuleDict({str(e): layer.experts[str(e)]
+                                      for e in range(self.rank * self.per,
+                                                     (self.rank + 1) * self.per)})
+        for p in self.experts.parameters():     # an expert's grad sums every rank's tokens
+            p.register_hook(lambda g: g / self.n)
 
     def forward(self, x):
-        shape, lay = x.shape, self.layout
-        everyone = _AllGather.apply(x.reshape(-1, shape[-1]).contiguous(), self.ctx,
-                                    lay.ep_group)
-        logits, probs, expert, weight = self.gate(everyone)
-        counts = choice_counts(expert, self.moe.experts)[None]
-        routing = self.assign(logits, probs, expert, weight, counts, 0, everyone.shape[0])
-        partial = MoELayer.apply_experts(self, everyone, routing)   # only my experts
-        self.last = [routing] if lay.ep_group.rank == 0 else []
-        return _ReduceScatter.apply(partial, self.ctx, lay.ep_group).view(shape)
+        probs = self.router(x).softmax(-1)
+        top_p, expert = probs.topk(self.k, dim=-1)
+        weight = top_p / top_p.sum(-1, keepdim=True)
+        onehot = F.one_hot(expert, self.E)                        # (T, k, E)
+        counts = torch.empty(self.n, self.k, self.E, dtype=torch.long)
+        dist.all_gather_into_tensor(counts, onehot.sum(0)[None].contiguous())
+        slots = math.ceil(self.cf * self.k * x.shape[0] * self.n / self.E)
+        total = counts.sum(0)
+        ahead = total.cumsum(0) - total + counts[:self.rank].sum(0)
+        position = ((onehot.cumsum(0) - onehot + ahead) * onehot).sum(-1)
+        tok, choice = (position < slots).nonzero(as_tuple=True)
+        dest = expert[tok, choice]
+        order = (dest * slots + position[tok, choice]).argsort()
+        tok, choice, dest = tok[order], choice[order], dest[order]
+        send = torch.bincount(dest // self.per, minlength=self.n)
+        start = (total.cumsum(0) - total) + (counts.cumsum(0) - counts)     # (N, k, E)
+        fits = (slots - start).clamp(min=0).minimum(counts).sum(1)           # (N, E)
+        mine = fits[:, self.rank * self.per:(self.rank + 1) * self.per]      # (N, E/N)
+        recv = mine.sum(1)
+        rows = funcol.all_to_all_single_autograd(x[tok], recv.tolist(), send.tolist(),
+                                                 dist.group.WORLD).wait()
+        row_expert = torch.arange(self.rank * self.per, (self.rank + 1) * self.per)
+        row_expert = row_expert.repeat(self.n).repeat_interleave(mine.flatten())
+        out = rows * 0
+        for name, e in self.experts.items():
+            idx = (row_expert == int(name)).nonzero().squeeze(1)
+            if idx.numel():
+                out = out.index_copy(0, idx, e(rows[idx]))
+        done = funcol.all_to_all_single_autograd(out, send.tolist(), recv.tolist(),
+                                                 dist.group.WORLD).wait()
+        return torch.zeros_like(x).index_add(0, tok, done * weight[tok, choice, None])
 
 
-def run(ctx, cfg, variant):
-    """Train `variant` ('all_to_all', 'all_gather' or 'dense') and time its steps."""
-    ctx.clock.enabled = False
-    if variant == "dense":
-        kw = dict(cfg.model_kwargs, ffn=MOE.top_k * MODEL["ffn"])
-        model = models.build("gpt", seed=cfg.seed, **kw)
-        layout = moe.Layout(ctx.world_size, 1, ctx.world, None, 1)
-    else:
-        model, layout = moe.expert_parallel_model(ctx, cfg, MOE)
-        if variant == "all_gather":
-            for block in model.blocks:
-                block.mlp = AllGatherDispatchMoE(block.mlp, ctx, layout)
-    optimizer = build_optimizer(model.parameters(), cfg)
-    times, losses = [], []
-    for step in range(cfg.steps):
-        x, y = (data.shard(t, ctx.rank, ctx.world_size) for t in batch(model, cfg, step))
-        ctx.comm.barrier()
-        start = time.perf_counter()
+def make(side):
+    torch.manual_seed(0)
+    layer = MoELayer(HIDDEN, FFN, MOE)
+    return ExpertParallel(layer) if side == "labkit" else TorchExpertParallel(layer)
+
+
+def batch(ctx, step):
+    g = torch.Generator().manual_seed(1000 * step + ctx.rank)
+    x = torch.randn(TOKENS_PER_RANK, HIDDEN, generator=g, requires_grad=True)
+    return x, torch.randn(TOKENS_PER_RANK, HIDDEN, generator=g)
+
+
+def one_side(ctx, side):
+    """Build, train WARMUP + TIMED steps (timed, bare), then one step under the tracker."""
+    ctx.memory = MemoryTracker(ctx)
+    layer = make(side)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, foreach=False)
+    ctx.memory.watch(model=layer, optimizer=optimizer)
+    router = [p for n, p in layer.named_parameters() if "experts." not in n]
+
+    def step(i):
+        x, y = batch(ctx, i)
         optimizer.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
-        moe.sync_gradients(ctx, model, layout)
+        F.mse_loss(layer(x), y).backward()
+        for p in router:   # the same plain all_reduce on both sides: the router is replicated
+            dist.all_reduce(p.grad)
+            p.grad /= ctx.world_size
         optimizer.step()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-        if step == WARMUP - 1:
-            ctx.comm.reset()   # count bytes over the timed steps only
-    params = moe.gather_params(ctx, model, layout) if variant != "dense" else None
-    wire = sum(r.wire_bytes_per_rank for r in ctx.comm.records
-               if r.op in ("all_to_all", "all_gather", "reduce_scatter") and
-               r.tag not in ("gather params", "moe counts"))
-    counts = sum(r.wire_bytes_per_rank for r in ctx.comm.records if r.tag == "moe counts")
-    return dict(step_s=median(times[WARMUP:]), losses=losses, params=params,
-                dispatch_wire=wire, counts_wire=counts,
-                active=sum(p.numel() for n, p in model.named_parameters()
-                           if not moe.is_expert(n)))
+
+    times = []
+    for i in range(WARMUP + TIMED):
+        dist.barrier()
+        started = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - started)
+    ctx.memory.reset_peak()
+    with ctx.memory.track_activations():
+        step(WARMUP + TIMED)
+    ctx.memory.sample("after the measured step")
+    full = layer.full_state_dict() if side == "labkit" else None
+    local = {n.replace("module.", ""): p.detach().clone() for n, p in layer.named_parameters()}
+    return dict(step_wall_s=times[WARMUP:], peak=ctx.memory.peak, params=local, full=full)
 
 
-def main():
-    # SGD: Adam would turn the ~1e-11 rounding noise of the exactly-zero key-bias gradient
-    # into lr-sized steps, hiding whether the two dispatches agree
-    cfg = RunConfig(steps=STEPS, global_batch=8, optimizer="sgd", lr=0.1, model_kwargs=MODEL)
-    out = {v: launch(run, WORLD, cfg, v) for v in ("all_to_all", "all_gather", "dense")}
-    a2a, ag, dense = (out[v] for v in ("all_to_all", "all_gather", "dense"))
-    step = {v: max(r["step_s"] for r in out[v]) for v in out}
-    loss_diff = max(abs(a - b) for a, b in zip(a2a[0]["losses"], ag[0]["losses"]))
-    param_diff = max((a2a[0]["params"][k] - ag[0]["params"][k]).abs().max().item()
-                     for k in a2a[0]["params"])
-    wire_a2a = sum(r["dispatch_wire"] for r in a2a) / WORLD
-    wire_ag = sum(r["dispatch_wire"] for r in ag) / WORLD
-    timed = STEPS - WARMUP
-    print(f"{WORLD} ranks, {MOE.experts} experts top-{MOE.top_k}, capacity factor "
-          f"{MOE.capacity_factor}, tiny GPT {MODEL}")
-    print(f"  dispatch wire bytes per rank per step: all-to-all {wire_a2a / timed:,.0f}  "
-          f"all-gather {wire_ag / timed:,.0f}  ratio {wire_a2a / wire_ag:.3f} "
-          f"(theory, no drops: k/N = {MOE.top_k / WORLD:.3f})")
-    counts = sum(r["counts_wire"] for r in a2a) / WORLD / timed
-    print(f"  (+ routing counts all-gather {counts:,.0f} B per rank per step, all-to-all only)")
-    print(f"  step time (median wall, measured here): all-to-all {step['all_to_all'] * 1e3:.1f} "
-          f"ms  all-gather {step['all_gather'] * 1e3:.1f} ms  dense MLP "
-          f"{step['dense'] * 1e3:.1f} ms")
-    print(f"  equality all-to-all vs all-gather: max loss diff {loss_diff:.1e}, "
-          f"max param diff {param_diff:.1e}")
-    note = (f"{MOE.experts} experts top-{MOE.top_k} cf {MOE.capacity_factor}; tiny GPT hidden "
-            f"{MODEL['hidden']}; CPU gloo, 2 busy cores")
-    rows = [
-        dict(benchmark="moe", labkit_impl="all-to-all dispatch", torch_impl="all-gather dispatch",
-             world_size=WORLD, metric="dispatch_wire_bytes_per_rank_step",
-             labkit=f"{wire_a2a / timed:.0f}", torch=f"{wire_ag / timed:.0f}",
-             ratio=f"{wire_a2a / wire_ag:.3f}", notes=note),
-        dict(benchmark="moe", labkit_impl="all-to-all dispatch", torch_impl="all-gather dispatch",
-             world_size=WORLD, metric="step_time_s", labkit=f"{step['all_to_all']:.4f}",
-             torch=f"{step['all_gather']:.4f}",
-             ratio=f"{step['all_to_all'] / step['all_gather']:.3f}",
-             notes=f"{note}; max param diff {param_diff:.1e}"),
-        dict(benchmark="moe", labkit_impl="MoE block (EP all-to-all)",
-             torch_impl="dense MLP, same active params", world_size=WORLD,
-             metric="step_time_s", labkit=f"{step['all_to_all']:.4f}",
-             torch=f"{step['dense']:.4f}", ratio=f"{step['all_to_all'] / step['dense']:.3f}",
-             notes=f"{note}; dense ffn = k x expert ffn, data-parallel"),
-    ]
-    assert loss_diff < 1e-5 and param_diff < 1e-5, "the two dispatches disagree"
+def rounds(ctx):
+    torch.set_num_threads(1)
+    out = {side: [] for side in SIDES}
+    with ctx.off_the_record():
+        for r in range(ROUNDS):
+            for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+                out[side].append(one_side(ctx, side))
+    return out
+
+
+def summarise(results):
+    out = {}
+    for side in SIDES:
+        per_round = []
+        for rnd in range(ROUNDS):
+            per_rank = [r[side][rnd]["step_wall_s"] for r in results]
+            per_round.append(statistics.median(max(ts) for ts in zip(*per_rank)))
+        out[side] = dict(step=statistics.median(per_round), rounds=per_round,
+                         peak=results[0][side][0]["peak"])
+    ratios = [a / b for a, b in zip(out["labkit"]["rounds"], out["torch"]["rounds"])]
+    out["spread"] = (min(ratios), max(ratios))
+    out["diff"] = max((r["labkit"][-1]["params"][k] - r["torch"][-1]["params"][k]).abs().max()
+                      .item() for r in results for k in r["torch"][-1]["params"])
+    return out
+
+
+def main(world_sizes=(2, 4)):
+    setting = (f"MoELayer h{HIDDEN} expert ffn {FFN}, {MOE.experts} experts top-{MOE.top_k} cf "
+               f"{MOE.capacity_factor}; {TOKENS_PER_RANK} tokens per rank; SGD; gloo CPU, "
+               f"{os.cpu_count()} cores; {ROUNDS} interleaved rounds x {TIMED} timed steps")
+    print(setting)
+    rows = []
+    for n in world_sizes:
+        t0 = time.time()
+        s = summarise(labkit.launch(rounds, n, timeout_s=1800))
+        lab, tor = s["labkit"], s["torch"]
+        ratio, peak_ratio = lab["step"] / tor["step"], lab["peak"] / tor["peak"]
+        a, b = s["spread"]
+        print(f"\nworld size {n} ({time.time() - t0:.0f} s)")
+        for side in SIDES:
+            x = s[side]
+            print(f"  {side:7} step {x['step'] * 1e3:7.2f} ms (rounds {min(x['rounds']) * 1e3:.2f}"
+                  f" - {max(x['rounds']) * 1e3:.2f})  peak {x['peak'] / 1e6:.3f} MB")
+        print(f"  labkit_over_torch: time {ratio:.2f} (per-round {a:.2f}-{b:.2f}), peak memory "
+              f"{peak_ratio:.2f}; max param diff {s['diff']:.1e}")
+        assert s["diff"] < 1e-6, "the two implementations disagree"
+        note = (f"{setting}; per-round ratio {a:.2f}-{b:.2f}; instrumentation off; shared, "
+                "loaded machine")
+        base = dict(benchmark="moe", labkit_impl="ExpertParallel",
+                    torch_impl="funcol all_to_all_single_autograd, written out", world_size=n)
+        rows += [dict(base, metric="step_time_s_median", labkit=f"{lab['step']:.4e}",
+                      torch=f"{tor['step']:.4e}", ratio=f"{ratio:.2f}", notes=note),
+                 dict(base, metric="peak_bytes_rank0", labkit=lab["peak"], torch=tor["peak"],
+                      ratio=f"{peak_ratio:.2f}", notes="labkit memory tracker on both"),
+                 dict(base, metric="max_param_diff", labkit=f"{s['diff']:.1e}",
+                      notes=f"after {WARMUP + TIMED + 1} SGD steps")]
     append_rows(rows)
+    print(f"\n{len(rows)} rows appended to data/bench.csv (column ratio = labkit_over_torch)")
 
 
 if __name__ == "__main__":
-    main()
+    main(tuple(int(a) for a in sys.argv[1:]) or (2, 4))

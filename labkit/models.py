@@ -163,7 +163,8 @@ def build(name="gpt", seed=0, **overrides):
 
 # ================================================================ Mixture of Experts (lesson 05)
 # A single-process reference MoE: Router -> top-k -> capacity -> experts -> weighted combine.
-# labkit/moe.py runs the same routing with the experts spread over ranks (expert parallelism).
+# labkit.parallel.moe.ExpertParallel spreads its experts over ranks and must give the same
+# answers (written separately there: the block does not import the models).
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -177,7 +178,8 @@ class MoEConfig:
     one choice by token index. Assignments past the capacity are dropped; a token whose every
     choice is dropped passes through the residual unchanged.
     Gate weights: top-1 keeps the raw softmax probability (Switch, so the router gets a
-    gradient from the main loss); top-2 renormalises the two probabilities to sum to 1 (Mixtral).
+    gradient from the main loss); top-k > 1 renormalises the k probabilities to sum to 1 (top-2:
+    Mixtral).
     """
     experts: int = 4
     top_k: int = 1
@@ -189,8 +191,11 @@ class MoEConfig:
     dense: bool = False             # dense dispatch: every expert on every token, no capacity
 
     def __post_init__(self):
-        if self.top_k not in (1, 2) or self.top_k > self.experts:
-            raise ValueError(f"top_k must be 1 or 2 (and <= experts), got {self.top_k}")
+        if self.experts < 1:
+            raise ValueError(f"an MoE layer needs at least 1 expert, got {self.experts}")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k must be between 1 and the number of experts "
+                             f"({self.experts}), got {self.top_k}")
         if self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}")
 

@@ -143,16 +143,31 @@ def experts_touched(local_experts, experts, top_k, tokens) -> float:
     return local_experts * (1 - (1 - top_k / experts) ** tokens)
 
 
+def padded_rows(tokens, experts, top_k, capacity_factor=None) -> int:
+    """Expert rows one GPU computes and dispatches for `tokens` tokens (modelled).
+
+    capacity_factor None: the T k assignments themselves (dropless, or a capacity nothing
+    reaches: labkit's layer computes only the kept rows). A number: fixed-shape dispatch
+    (GShard, Switch) fills every expert's C = ceil(cf k T / E) slots, used or not, so E C rows
+    are computed and sent: about cf T k, padding included above cf = 1, drops below it.
+    """
+    if capacity_factor is None:
+        return tokens * top_k
+    return experts * capacity(tokens, experts, top_k, capacity_factor)
+
+
 def moe_step(model, *, gpus=1, ep=None, tokens_per_gpu=4096, phase="prefill", gpu="H100 SXM",
-             link="NVLink 4", bytes_per_param=2, mfu=0.5, overlap=False) -> dict:
+             link="NVLink 4", bytes_per_param=2, mfu=0.5, overlap=False,
+             capacity_factor=None) -> dict:
     """Modelled seconds for one forward step of `tokens_per_gpu` tokens on each of `gpus` GPUs.
 
     Dense part data-parallel (a replica per GPU), experts spread E/ep per GPU, balanced routing.
-    compute = 2 * tokens * active params / (peak * mfu): each GPU's experts see tokens * k
-    assignments on average, wherever they come from. memory = bytes of weights read once per
-    step: the dense part + the local experts that any token touches (decode reads weights for a
-    few tokens: memory-bound). all-to-all = 2 per layer of tokens * k * h values, alpha-beta on
-    `link`. step = max(compute, memory) + all-to-all (or max of all three with overlap=True).
+    compute = 2 * (tokens * dense params + expert rows * one expert's params) / (peak * mfu),
+    expert rows = tokens * k without a capacity, padded_rows(...) with one (the padding a
+    capacity factor above 1 costs). memory = bytes of weights read once per step: the dense
+    part + the local experts that any token touches (decode reads weights for a few tokens:
+    memory-bound). all-to-all = 2 per layer of (expert rows * h) values, alpha-beta on `link`.
+    step = max(compute, memory) + all-to-all (or max of all three with overlap=True).
     phase only labels the row ('prefill': many tokens per GPU, 'decode': one per sequence).
     KV-cache reads and attention-score FLOPs are left out.
     """
@@ -162,17 +177,19 @@ def moe_step(model, *, gpus=1, ep=None, tokens_per_gpu=4096, phase="prefill", gp
     s = param_split(m)
     per_expert = m.layers * expert_params_per_layer(m)
     local = m.experts / ep
-    flops = 2 * tokens_per_gpu * s["active"]
+    rows = padded_rows(tokens_per_gpu, m.experts, m.top_k, capacity_factor)
+    flops = 2 * (tokens_per_gpu * (s["active"] - m.top_k * per_expert) + rows * per_expert)
     compute = flops / (g.flops("bf16") * mfu)
     touched = experts_touched(local, m.experts, m.top_k, tokens_per_gpu * ep)
     weights_read = (s["dense"] + touched * per_expert) * bytes_per_param
     memory = weights_read / g.memory_bw
-    payload = tokens_per_gpu * m.top_k * m.hidden * bytes_per_param
+    payload = rows * m.hidden * bytes_per_param
     a2a = 2 * m.layers * collective_time("all_to_all", payload, ep, link) if ep > 1 else 0.0
     step = max(compute, memory, a2a) if overlap else max(compute, memory) + a2a
     held = (s["dense"] + local * per_expert) * bytes_per_param
     return dict(phase=phase, gpus=gpus, ep=ep, tokens_per_gpu=tokens_per_gpu, compute_s=compute,
-                memory_s=memory, all_to_all_s=a2a, step_s=step,
+                memory_s=memory, all_to_all_s=a2a, step_s=step, expert_rows=rows,
+                padding=rows / (tokens_per_gpu * m.top_k) - 1,
                 bound="compute" if compute >= memory else "memory",
                 tokens_per_s=gpus * tokens_per_gpu / step, weights_per_gpu=held,
                 fits=held <= g.memory_bytes, link=hardware.link(link).name if ep > 1 else "-")

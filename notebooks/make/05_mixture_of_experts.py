@@ -2,6 +2,8 @@
 
 Run from anywhere: `.venv/bin/python notebooks/make/05_mixture_of_experts.py`. Edit the lesson
 here, not in the .ipynb: the notebook is regenerated (with its outputs) from this list.
+Numbers a run produces are printed by code (f-strings, Markdown built from variables), never
+typed into the prose.
 """
 from nbmake import code, md, write_and_execute
 
@@ -24,31 +26,67 @@ the router to spread tokens, and a router z-loss keeps its logits small.
 **Expert parallelism** puts E/N experts on each of N GPUs. Every rank routes its own tokens,
 an **all-to-all** sends each token to the rank that holds its expert, the experts run, and a
 second all-to-all brings the outputs home; backward mirrors both. Each all-to-all moves
-(N−1)/N of the T·k·h dispatched values per rank.
+(N−1)/N of the T·k·h dispatched values per rank. In labkit this is one building block,
+`labkit.ExpertParallel(moe_layer, group)`: it takes an existing MoE layer (its router and its
+experts), keeps E/N experts on each rank of the group and replicates the router.
 """),
     code(r"""
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
+from IPython.display import Markdown, display
 
-from labkit import moe
-from labkit.models import MoEConfig
+import labkit
+from labkit.exercises.moe import check_top_k_routing, reference_top_k_routing
+from labkit.models import MoEConfig, MoELayer
+from labkit.runs import moe
 from labkit.runs.reference import RunConfig
-from labkit.theory import moe as tmoe
+from labkit.theory import catalog, moe as tmoe
 from labkit.viz.moe_widgets import load_histogram, moe_explorer
 
 pd.set_option("display.precision", 3)
+torch.set_num_threads(1)   # this kernel runs only tiny models: one thread beats two here
+"""),
+    md(r"""
+## 0 · The block on one layer, in your own function
+
+`ExpertParallel` wraps a layer that has a `router`, an `experts` list and the top-k and capacity
+settings (labkit's `MoELayer` here; any module of that shape works). Each rank below feeds its
+own 32 of the 64 tokens; the block exchanges the routing counts, sends every kept (token,
+choice) to the rank of its expert and brings the outputs back. Concatenated, the ranks' outputs
+are the single-device layer's, including which assignments the capacity drops.
+"""),
+    code(r"""
+def one_layer(ctx):
+    torch.manual_seed(0)                                  # the same layer on every rank
+    layer = MoELayer(16, 32, MoEConfig(experts=4, top_k=2, capacity_factor=1.0))
+    ep = labkit.ExpertParallel(layer)                     # group=None: all ranks
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    out = ep(x.chunk(ctx.world_size)[ctx.rank])           # my share of the tokens
+    return dict(out=out.detach(), experts=list(ep.local_experts),
+                dropped=ep.routing["dropped"], capacity=ep.routing["capacity"])
+
+ranks = labkit.launch(one_layer, 2)
+torch.manual_seed(0)
+single = MoELayer(16, 32, MoEConfig(experts=4, top_k=2, capacity_factor=1.0))
+reference_out = single(torch.randn(64, 16, generator=torch.Generator().manual_seed(1)))
+diff = (torch.cat([r["out"] for r in ranks]) - reference_out).abs().max().item()
+for r in ranks:
+    print(f"a rank holds experts {r['experts']}, dropped {r['dropped']} of its assignments")
+print(f"capacity {ranks[0]['capacity']} slots per expert; dropped on one device: "
+      f"{single.last[0].dropped}; max |2 ranks - one device| = {diff:.1e}")
 """),
     md(r"""
 ## 1 · Run it: 4 experts over 4 ranks, checked against one process
 
 `moe.report` trains the tiny GPT with every MLP replaced by 4 experts (top-2, capacity factor
-1.0, so some tokens are dropped) on 4 ranks, one expert each, and trains the single-process MoE
-on the same batches. Capacity and queue order are decided over all the group's tokens (each
-rank all-gathers every rank's routing counts), so the same assignments are dropped on 4 ranks
-as in one process. SGD here: with Adam the attention key bias, whose true gradient is exactly
-zero, turns float rounding noise into lr-sized steps.
+1.0, so some tokens are dropped) on 4 ranks, each MoE layer wrapped in `ExpertParallel` (one
+expert per rank), the rest data-parallel (its gradients averaged by one all-reduce), and trains
+the single-process MoE on the same batches. Capacity and queue order are decided over all the
+group's tokens (each rank all-gathers every rank's routing counts), so the same assignments are
+dropped on 4 ranks as in one process. SGD here: with Adam the attention key bias, whose true
+gradient is exactly zero, turns float rounding noise into lr-sized steps.
 """),
     code(r"""
 cfg = RunConfig(steps=3, global_batch=8, optimizer="sgd", lr=0.1)
@@ -59,8 +97,9 @@ pd.DataFrame({"loss, 4 ranks": rep["loss"], "loss, one process": rep["reference_
 """),
     code(r"""
 print(f"max |param - reference| after {cfg.steps} steps: {rep['max_param_diff_vs_reference']:.1e}")
+layers = len(rep["expert_load"])
 print(f"capacity per expert: {rep['config']['capacity']} slots for "
-      f"{rep['assignments_per_step'] // 2} assignments per layer")
+      f"{rep['assignments_per_step'] // layers} assignments per layer")
 print("per-expert load at the last step (assignments, layer 0):", rep["expert_load"][0])
 """),
     md(r"""
@@ -68,14 +107,16 @@ print("per-expert load at the last step (assignments, layer 0):", rep["expert_lo
 
 Per rank and per step: 2 layers × (2 forward + 2 backward) all-to-alls, each logging (N−1)/N of
 the rows it is handed; the gradient all-reduce (dense part over all 4 ranks, experts have no
-replica here); and small all-gathers of the (k, E) routing counts plus the final gather of the
-experts for the report. The prediction is computed from the routing counts with the per-op
-formulas of `labkit.theory`.
+replica here); and small all-gathers of the k·E + 1 routing counts per layer, plus one gather
+of each layer's experts for the report. The prediction is computed from the routing counts
+with the per-op formulas of `labkit.theory`. Calls and payloads are measured; the wire bytes
+are the ring model's (modelled: gloo does not report its own).
 """),
     code(r"""
-comm = pd.DataFrame(rep["comm"])[["op", "calls", "wire_bytes_per_rank"]]
-comm["predicted"] = comm["op"].map(rep["predicted_comm_by_op"])
-comm["measured / predicted"] = comm["wire_bytes_per_rank"] / comm["predicted"]
+comm = pd.DataFrame(rep["comm"]).groupby("op")[["calls", "wire_bytes_per_rank"]].sum()
+comm = comm.rename(columns={"wire_bytes_per_rank": "ring-model bytes per rank"})
+comm["predicted"] = comm.index.map(rep["predicted_comm_by_op"])
+comm["logged / predicted"] = comm["ring-model bytes per rank"] / comm["predicted"]
 comm
 """),
     md(r"""
@@ -96,7 +137,7 @@ for skew in (0.0, 0.5, 1.0):
         drops = []
         for _ in range(trials):
             gumbel = -torch.log(-torch.log(torch.rand(tokens, experts, generator=gen)))
-            drops.append(int((~moe.reference_top_k_routing(share.log() + gumbel, 1, cap)[2]).sum()))
+            drops.append(int((~reference_top_k_routing(share.log() + gumbel, 1, cap)[2]).sum()))
         theory = tmoe.expected_tokens_dropped(tokens, experts, 1, cf, skew)["dropped"]
         rows.append(dict(skew=skew, capacity_factor=cf, measured=np.mean(drops), theory=theory))
 drops = pd.DataFrame(rows)
@@ -115,8 +156,9 @@ drops.pivot(index="capacity_factor", columns="skew", values=["measured", "theory
 
 The same tiny MoE (8 experts, top-1) trained for 60 steps with and without the Switch loss
 (coefficient 1.0; capacity factor 4 so that drops do not hide the imbalance). Without it the
-router piles tokens on a few experts; with it the load stays near even. Loads summed over the
-first 5 steps ("before") and the last 10 steps ("after"); `tests/test_moe.py` asserts this run.
+router drifts away from an even load; with it the load stays nearer even. "Before" is step 0
+(the same model and batch for both runs), "after" the loads summed over the last 10 steps;
+`tests/test_moe.py` asserts this run.
 """),
     code(r"""
 small = dict(layers=1, hidden=32, ffn=64, seq=16, heads=2)
@@ -124,11 +166,13 @@ train_cfg = RunConfig(steps=60, lr=3e-2, global_batch=16, seed=0, model_kwargs=s
 runs = {coef: moe.reference_train(train_cfg, MoEConfig(experts=8, top_k=1, capacity_factor=4.0,
                                                        aux_loss_coef=coef))
         for coef in (0.0, 1.0)}
-before = moe.load_over_steps(runs[1.0]["routing"], range(0, 5))
+before = runs[0.0]["routing"][0]["load"][0]
 after = {c: moe.load_over_steps(r["routing"], range(50, 60)) for c, r in runs.items()}
 load_histogram([before, after[0.0], after[1.0]],
-               ["before (steps 0-4)", "after, no aux loss", "after, aux loss 1.0"])
+               ["before (step 0)", "after, no aux loss", "after, aux loss 1.0"])
 plt.show()
+print(f"max/mean load: step 0 {moe.load_imbalance(before):.2f}; steps 50-59 without the aux "
+      f"loss {moe.load_imbalance(after[0.0]):.2f}, with it {moe.load_imbalance(after[1.0]):.2f}")
 """),
     md(r"""
 ## 5 · Total against active parameters, FLOPs and memory: Mixtral 8x7B
@@ -146,6 +190,9 @@ print(f"total {split['total'] / 1e9:.1f}B, active {split['active'] / 1e9:.1f}B p
       f"dense {split['dense'] / 1e9:.2f}B")
 print(f"forward FLOPs per token: {flops['active'] / 1e9:.1f} GFLOP active "
       f"(a dense 46.7B model: {flops['total'] / 1e9:.1f}), ratio {flops['ratio']:.2f}")
+dense_70b = 2 * catalog.model("llama-3-70b").param_count()   # Llama 2 70B has the same size
+print(f"a dense 70B model (Llama 3 70B's shapes): {dense_70b / 1e9:.0f} GFLOP per token, "
+      f"{dense_70b / flops['active']:.1f}x Mixtral's active FLOPs")
 for ep in (1, 2, 4, 8):
     m = tmoe.memory_per_gpu("mixtral-8x7b", ep)
     print(f"  EP {ep}: bf16 weights per GPU {m['total'] / 1e9:5.1f} GB "
@@ -154,10 +201,10 @@ for ep in (1, 2, 4, 8):
     md(r"""
 **Claim 7.** The source article calls the model "Mixtral 8B" and says it outperforms Llama 2
 70B "with significantly lower compute requirements". The model is **Mixtral 8x7B**: 46.7B
-parameters in all, 12.9B active per token. The compute claim holds per token: 2 × 12.9B ≈ 26
-GFLOP forward against ≈ 140 GFLOP for a dense 70B model, about 5.4× less. Memory does not
-shrink: all 46.7B weights (93 GB in bf16) must be held somewhere, more than one 80 GB H100;
-with EP 2 each GPU holds about 48 GB.
+parameters in all, 12.9B active per token (Mistral AI's figures; the cell above recomputes them
+from the shapes). The compute claim holds per token: the active FLOPs are a fraction of a dense
+70B model's (the ratio above). Memory does not shrink: every weight (EP 1 above) must be held
+somewhere, more than one 80 GB H100 holds; expert parallelism divides the experts' share.
 
 ## 6 · Claim 8: "16 experts on 16 GPUs ... about eightfold inference throughput"
 
@@ -175,23 +222,49 @@ claim8 = pd.DataFrame(tmoe.claim_8_table())
 claim8[["top_k", "phase", "link", "bound", "tokens_per_gpu", "all_to_all_share", "vs_one_gpu",
         "vs_dense_same_total"]].round(2)
 """),
-    md(r"""
-What the model says. (1) 16 GPUs give at most about 16× one GPU's *compute*; in compute-bound
-prefill the spread model reaches ~15× over NVLink and ~11× over InfiniBand, where the
-all-to-all takes a third of the step. No "eight" comes out of the GPU count. (2) The factor 8
-is E/k = 16/2: against a dense model of the same total size, top-2 of 16 experts does about
-1/8 of the MLP work, but the dense part (attention, embeddings) is shared, so the modelled
-gain is ~6.7× for top-2 in prefill (~12× for top-1), and less over InfiniBand. (3) Memory-bound
-decode depends on the batch: with 8 sequences per GPU one GPU would read all 16 experts for
-every step, while each of the 16 GPUs reads one, so the ratio against one GPU is far above 16;
-against the dense model it is ~8.7× over NVLink and ~6× over InfiniBand. A "16-expert model on
-16 GPUs" also spans two 8-GPU nodes, so its all-to-all really runs over InfiniBand. And a daily
-token count (10,000 → 80,000) is a throughput figure; latency per token does not fall 8×.
+    code(r"""
+def row(k, phase, link):
+    return claim8[(claim8.top_k == k) & (claim8.phase == phase)
+                  & claim8.link.str.startswith(link)].iloc[0]
 
+batch = int(row(1, "decode", "NVLink").tokens_per_gpu)
+touched = {k: tmoe.experts_touched(16, 16, k, batch) for k in (1, 2)}
+display(Markdown(f'''
+What the model says (every number modelled). (1) 16 GPUs give at most about 16× one GPU's
+*compute*; in compute-bound prefill (top-2) the spread model reaches
+{row(2, "prefill", "NVLink").vs_one_gpu:.1f}× over NVLink and
+{row(2, "prefill", "InfiniBand").vs_one_gpu:.1f}× over InfiniBand, where the all-to-all takes
+{row(2, "prefill", "InfiniBand").all_to_all_share:.0%} of the step. No "eight" comes out of the
+GPU count. (2) The factor 8 is E/k = 16/2: against a dense model of the same total size, top-2
+of 16 experts does about 1/8 of the MLP work, but the dense part (attention, embeddings) is
+shared, so the modelled gain in prefill is
+{row(2, "prefill", "NVLink").vs_dense_same_total:.1f}× for top-2
+({row(1, "prefill", "NVLink").vs_dense_same_total:.1f}× for top-1) over NVLink and
+{row(2, "prefill", "InfiniBand").vs_dense_same_total:.1f}× over InfiniBand. (3) Memory-bound
+decode depends on the batch: with {batch} sequences per GPU, one GPU reads the weights of the
+experts its tokens touch, on average {touched[1]:.2f} of the 16 for top-1 and
+{touched[2]:.1f} for top-2 (`experts_touched`: 16 (1 − (1 − k/16)^{batch})), while each of the
+16 GPUs reads at most its one expert; so the ratio against one GPU exceeds 16:
+{row(1, "decode", "NVLink").vs_one_gpu:.0f}× for top-1 and
+{row(2, "decode", "NVLink").vs_one_gpu:.0f}× for top-2 over NVLink. Against the dense model it
+is {row(2, "decode", "NVLink").vs_dense_same_total:.1f}× over NVLink and
+{row(2, "decode", "InfiniBand").vs_dense_same_total:.1f}× over InfiniBand (top-2). A
+"16-expert model on 16 GPUs" also spans two 8-GPU nodes, so its all-to-all really runs over
+InfiniBand. And a daily token count (10,000 → 80,000) is a throughput figure; latency per
+token does not fall 8×.
+'''))
+"""),
+    md(r"""
 ## 7 · Explore: experts, top-k, capacity, EP degree, skew and link
 
-Expected per-expert load against capacity (red: over capacity), the drops, the all-to-all time
-and the throughput, all from `labkit.theory.moe` (modelled, Mixtral-like shapes, H100).
+Expected per-expert load against capacity: kept (blue), dropped (red, over capacity) and
+**padding** (grey). Implementations with fixed shapes (GShard, Switch Transformer) give every
+expert exactly C slots, used or not, so a capacity factor above 1 buys fewer drops with empty
+slots that are computed and communicated: the expert FLOPs and the all-to-all bytes grow about
+with the capacity factor. The line below the sliders prices it against the same step without a
+capacity. labkit's own layer sends and computes only the kept rows (no padding); the explorer
+models the fixed-shape kind. Everything here comes from `labkit.theory.moe` (modelled,
+Mixtral-like shapes, H100).
 """),
     code(r"""
 moe_explorer()
@@ -215,7 +288,7 @@ def route(logits, k, capacity):
     kept = torch.ones_like(expert, dtype=torch.bool)   # TODO: drop what does not fit
     return expert, weight, kept
 
-moe.check_top_k_routing(route);
+check_top_k_routing(route);
 """),
     md(r"""
 ## Takeaway
@@ -225,11 +298,20 @@ moe.check_top_k_routing(route);
 - Capacity turns routing imbalance into dropped tokens; the load-balancing loss keeps the load
   even, and the capacity factor buys headroom at the cost of padding.
 - Expert parallelism moves (N−1)/N of the dispatched tokens in each of 4 all-to-alls per layer
-  and step; `labkit` reproduces the single-process MoE exactly when capacity is decided over the
-  whole routing group.
-- Bench (`bench/moe.py`, 4 CPU ranks, top-2): all-to-all dispatch sends k/N = 0.5 of the bytes
-  of an all-gather dispatch; the MoE block's step is slower than a dense MLP with the same
-  active parameters (the price of routing and all-to-all). See `data/bench.csv`.
+  and step; `labkit.ExpertParallel` reproduces the single-device MoE layer exactly because
+  capacity is decided over the whole routing group.
+
+`bench/moe.py` runs `ExpertParallel` beside the same expert parallelism written directly on
+`torch.distributed` (PyTorch has no MoE layer of its own), on the same layer, alternating the
+two in rounds. Its latest rows in `data/bench.csv` (`labkit_over_torch`: labkit's number over
+PyTorch's; the notes give the spread over rounds; measured on a shared CPU machine):
+"""),
+    code(r"""
+bench = pd.read_csv(labkit.theory.hardware.DATA_DIR / "bench.csv")
+ratio = "labkit_over_torch" if "labkit_over_torch" in bench else "ratio"
+bench[(bench.benchmark == "moe") & (bench.labkit_impl == "ExpertParallel")].drop_duplicates(
+    ["world_size", "metric"], keep="last")[["world_size", "metric", "labkit", "torch", ratio,
+                                            "date"]]
 """),
 ]
 

@@ -1,0 +1,80 @@
+"""Lesson 05's exercise: top-k routing with capacity and drops, checked against labkit's.
+
+The answer key is the routing of `labkit.parallel.moe` on one rank (the same conventions as
+`labkit.models.MoEConfig`): softmax over experts; top-1 weight = the probability, top-k > 1
+weights renormalised to sum to 1; each expert takes at most `capacity` assignments, first
+choices before second choices, earlier tokens first; the rest are dropped (kept = False).
+"""
+import torch
+
+from ..parallel.moe import choice_counts, queue_positions, top_k_gates
+from . import Check, say
+
+
+def reference_top_k_routing(logits, k, capacity):
+    """The answer key: (expert (T, k), weight (T, k), kept (T, k)) as labkit routes."""
+    _, expert, weight = top_k_gates(logits, k)
+    counts = choice_counts(expert, logits.shape[-1])[None]   # one rank holds every token
+    return expert, weight, queue_positions(expert, logits.shape[-1], counts, 0) < capacity
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 4, generator=g), 1, 3), (torch.randn(16, 4, generator=g), 2, 6),
+            (torch.randn(24, 4, generator=g) + torch.tensor([2.0, 0, 0, 0]), 1, 4),
+            (torch.randn(24, 8, generator=g), 2, 5)]
+
+
+def check_top_k_routing(fn, verbose=True):
+    """Check a learner's `fn(logits, k, capacity) -> (expert, weight, kept)`; say what is wrong."""
+    for logits, k, capacity in _cases():
+        where = (f"(T={logits.shape[0]} tokens, E={logits.shape[1]} experts, k={k}, "
+                 f"capacity={capacity})")
+        try:
+            got_e, got_w, got_k = (torch.as_tensor(t) for t in fn(logits.clone(), k, capacity))
+        except Exception as error:   # the learner's code raised: say so, do not raise
+            return say(Check(False, "error", f"Your function raised {error!r} {where}."),
+                       verbose)
+        problem = _first_problem(logits, k, capacity, got_e, got_w, got_k.bool(), where)
+        if problem is not None:
+            return say(problem, verbose)
+    return say(Check(True, "", "Correct: top-k routing with capacity and drops matches labkit "
+                               "on all cases."), verbose)
+
+
+def _first_problem(logits, k, capacity, got_e, got_w, got_k, where):
+    want_e, want_w, want_k = reference_top_k_routing(logits, k, capacity)
+    if tuple(got_e.shape) != tuple(want_e.shape):
+        return Check(False, "shape", f"expert has shape {tuple(got_e.shape)}, expected "
+                                     f"{tuple(want_e.shape)} (tokens, k) {where}.")
+    if not torch.equal(got_e.sort(-1).values, want_e.sort(-1).values):
+        return Check(False, "experts", f"Wrong experts chosen {where}: each token must go to "
+                                       "its k experts with the largest router probability "
+                                       "(softmax of the logits, then topk).")
+    if not torch.equal(got_e, want_e):
+        return Check(False, "choice order", f"Right experts, wrong order {where}: column 0 "
+                                            "must hold each token's first choice (highest "
+                                            "probability), column 1 its second.")
+    if not torch.allclose(got_w.float(), want_w, atol=1e-5):
+        sums = got_w.float().sum(-1)
+        hint = ("for k=2 divide the two probabilities by their sum" if k == 2 and
+                not torch.allclose(sums, torch.ones_like(sums), atol=1e-4) else
+                "for k=1 use the softmax probability itself" if k == 1 else
+                "use the softmax probabilities of the chosen experts")
+        return Check(False, "weights", f"Wrong gate weights {where}: {hint}.")
+    load = torch.bincount(got_e[got_k], minlength=logits.shape[1])
+    if (load > capacity).any():
+        over = (load > capacity).nonzero().flatten().tolist()
+        return Check(False, "capacity", f"Expert(s) {over} keep {load.max().item()} assignments "
+                                        f"but the capacity is {capacity} {where}: drop the "
+                                        "assignments past the capacity.")
+    if got_k.sum() < want_k.sum():
+        return Check(False, "over-dropping", f"You keep {int(got_k.sum())} assignments, "
+                                             f"{int(want_k.sum())} fit {where}: an expert should "
+                                             "fill all its capacity slots before dropping.")
+    if not torch.equal(got_k, want_k):
+        return Check(False, "drop order", f"The right number of assignments is kept, but not the "
+                                          f"right ones {where}: fill each expert's slots with all "
+                                          "first choices (in token order) before any second "
+                                          "choice, and drop the latest tokens.")
+    return None

@@ -1,0 +1,293 @@
+"""Expert parallelism: the E experts of a Mixture-of-Experts layer spread over N ranks, tokens
+sent to them and back by all-to-all.
+
+The idea. An MoE layer replaces an MLP by E expert MLPs and a router that sends each token to
+its top-k experts: a token costs k experts' FLOPs while the layer holds E experts' weights.
+`ExpertParallel(layer, group)` keeps E/N of the layer's experts on each of the group's N ranks
+(taken from the full layer, so the result equals the single-device layer) and replicates the
+router. On every forward each rank routes its own tokens, then
+  1. all_gather of every rank's (k, E) routing counts (and token count): the whole group's
+     queue is then known everywhere, so capacity and drops are decided as on one device;
+  2. all_to_all "dispatch": each kept (token, choice) row goes to the rank holding its expert;
+  3. the local experts run on the rows that arrived;
+  4. all_to_all "combine": the outputs go home, where the gate weights scale and sum them.
+Backward mirrors it: the gradient of an all-to-all is the reverse all-to-all.
+
+Memory per rank: the replicated part (router) + E/N experts, their gradients and optimizer
+state; activations: the ~T k rows received (balanced routing, T tokens per rank).
+Communication per layer and step, per rank: 4 all-to-alls (2 forward, 2 backward) of the
+T k h dispatched values, of which (N-1)/N leave the rank: 4 (N-1)/N T k h bytes per value,
+plus one all_gather of k E + 1 counts. GShard (Lepikhin et al. 2020, arXiv 2006.16668);
+capacity and the load-balancing loss from Switch Transformer (Fedus et al. 2021,
+arXiv 2101.03961); the router z-loss from ST-MoE (Zoph et al. 2022, arXiv 2202.08906).
+
+The layer it takes (duck-typed, any nn.Module):
+  - `layer.router` (or `layer.gate`): a module, tokens (T, h) -> logits (T, E);
+  - `layer.experts`: an nn.ModuleList of E experts (or a ModuleDict keyed "0".."E-1"), each
+    (n, h) -> (n, h); after wrapping it holds this rank's experts only, keyed by their global
+    index, so parameter names stay those of the full layer (`experts.5.fc1.weight`);
+  - `top_k` and `capacity_factor` on the layer or its config (`layer.moe`, `layer.config`);
+    capacity_factor None means no capacity (nothing is dropped).
+Routing conventions (labkit.models.MoELayer's): softmax over experts, the top-k experts; top-1
+keeps the probability (Switch), top-k > 1 renormalises the k probabilities to sum to 1
+(Mixtral). Capacity C = ceil(capacity_factor * k * T_group / E) slots per expert, T_group the
+tokens of the whole group. Queue order (GShard): every first choice of the group (rank by rank,
+tokens in order) before any second choice; assignments past C are dropped and add nothing.
+
+Gradients. Replicated parameters (the router) get this rank's gradient: average them over
+the data-parallel ranks as for any replicated parameter (DataParallel, or an all_reduce).
+An expert's gradient sums the contributions of every rank's tokens (the backward all-to-all
+brings them), and the block divides it by N: with each rank's loss the mean over its own
+tokens (what data parallelism assumes), every gradient is then the one of the group's mean
+loss. `aux_loss` (Switch) and `z_loss` are this rank's terms, scaled so that their mean over
+the group equals the single-device layer's over the group's tokens.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..runtime.context import context
+
+
+# ----------------------------------------------------------------------------------- routing
+
+def top_k_gates(logits, top_k):
+    """softmax over experts, each token's top-k experts (best first) and their gate weights."""
+    probs = logits.softmax(dim=-1)
+    top_p, expert = probs.topk(top_k, dim=-1)
+    weight = top_p / top_p.sum(dim=-1, keepdim=True) if top_k > 1 else top_p
+    return probs, expert, weight
+
+
+def capacity(tokens, experts, top_k, capacity_factor):
+    """Slots per expert for `tokens` tokens: ceil(capacity_factor * top_k * tokens / experts);
+    capacity_factor None: room for every assignment."""
+    if capacity_factor is None:
+        return int(tokens) * top_k
+    return math.ceil(capacity_factor * top_k * int(tokens) / experts)
+
+
+def choice_counts(expert, experts):
+    """(k, E): how many tokens chose expert e as their j-th choice."""
+    return F.one_hot(expert, experts).sum(dim=0)
+
+
+def queue_positions(expert, experts, counts_by_rank, index):
+    """(T, k) slot of each of rank `index`'s (token, choice) in its expert's queue.
+
+    counts_by_rank (N, k, E) holds every rank's choice_counts. Ahead of rank `index`'s j-th
+    choices for expert e: all choices < j of the group, then the j-th choices of earlier ranks,
+    then this rank's earlier tokens.
+    """
+    total = counts_by_rank.sum(dim=0)
+    ahead = total.cumsum(dim=0) - total + counts_by_rank[:index].sum(dim=0)   # (k, E)
+    onehot = F.one_hot(expert, experts)                                      # (T, k, E)
+    earlier = onehot.cumsum(dim=0) - onehot
+    return ((earlier + ahead) * onehot).sum(dim=-1)
+
+
+def kept_per_rank(counts_by_rank, slots):
+    """(N, E): how many of each rank's assignments to expert e fit in its `slots`."""
+    total = counts_by_rank.sum(dim=0)
+    start = (total.cumsum(dim=0) - total) + (counts_by_rank.cumsum(dim=0) - counts_by_rank)
+    return (slots - start).clamp(min=0).minimum(counts_by_rank).sum(dim=1)
+
+
+def check_expert_parallel(experts, top_k, capacity_factor, ranks):
+    """One plain line for a layout that cannot work (called before anything runs)."""
+    if experts < 1:
+        raise ValueError(f"an MoE layer needs at least 1 expert, got {experts}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must be between 1 and the number of experts ({experts}), "
+                         f"got {top_k}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0 (or None: no capacity), "
+                         f"got {capacity_factor}")
+    if experts % ranks:
+        raise ValueError(f"{experts} experts do not split evenly over {ranks} expert-parallel "
+                         f"ranks: the number of experts must divide by the EP group size")
+
+
+# ------------------------------------------------------------------------------ all-to-all
+
+class _AllToAll(torch.autograd.Function):
+    """Rows [sum(send[:i]), sum(send[:i+1])) go to group member i; recv[i] rows come from it.
+    Backward sends the gradients back the way the rows came: the same op, splits swapped."""
+
+    @staticmethod
+    def forward(fctx, rows, group, send, recv, tag):
+        fctx.route = (group, send, recv, tag)
+        return context().comm.all_to_all(rows, input_splits=send, output_splits=recv,
+                                         group=group, tag=tag)
+
+    @staticmethod
+    def backward(fctx, grad):
+        group, send, recv, tag = fctx.route
+        back = context().comm.all_to_all(grad.contiguous(), input_splits=recv,
+                                         output_splits=send, group=group,
+                                         tag=f"{tag} (backward)")
+        return back, None, None, None, None
+
+
+# --------------------------------------------------------------------------------- the block
+
+class ExpertParallel(nn.Module):
+    """`layer`'s experts spread over `group` (None: the world); see the module docstring."""
+
+    def __init__(self, moe_layer, group=None, tag="moe"):
+        super().__init__()
+        self.group = context().group(group)
+        self.tag = tag
+        experts = _expert_list(getattr(moe_layer, "experts", None))
+        self.num_experts, n = len(experts), self.group.size
+        self.top_k = int(_setting(moe_layer, "top_k"))
+        self.capacity_factor = _setting(moe_layer, "capacity_factor")
+        check_expert_parallel(self.num_experts, self.top_k, self.capacity_factor, n)
+        if _setting(moe_layer, "dense", False):
+            raise ValueError("ExpertParallel: a dense-dispatch layer runs every expert on "
+                             "every token; there is nothing to dispatch")
+        self._router_name = _router_name(moe_layer)
+        per_rank = self.num_experts // n
+        self.per_rank = per_rank
+        self.local_experts = range(self.group.rank * per_rank, (self.group.rank + 1) * per_rank)
+        # what every expert's state looks like, to gather them later (full_state_dict)
+        self._expert_state = [[(k, t.shape, t.numel()) for k, t in e.state_dict().items()]
+                              for e in experts]
+        moe_layer.experts = nn.ModuleDict({str(e): experts[e] for e in self.local_experts})
+        self.module = moe_layer
+        if n > 1:   # an expert's gradient sums all ranks' tokens: make it the group's mean
+            for p in moe_layer.experts.parameters():
+                if p.requires_grad:
+                    p.register_hook(lambda grad: grad / n)
+        self.aux_loss = self.z_loss = torch.zeros(())
+        self.routing = {}
+
+    def forward(self, x):
+        comm, group, tag = context().comm, self.group, self.tag
+        E, k, n = self.num_experts, self.top_k, self.group.size
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        logits = getattr(self.module, self._router_name)(tokens)
+        probs, expert, weight = top_k_gates(logits, k)
+        # 1. every rank's routing counts: the group's queue, the same on every rank
+        mine = torch.cat([choice_counts(expert, E).flatten(),
+                          torch.tensor([tokens.shape[0]], device=tokens.device)])
+        everyone = comm.all_gather(mine[None], group=group, tag=f"{tag} counts")
+        counts, group_tokens = everyone[:, :-1].reshape(n, k, E), int(everyone[:, -1].sum())
+        slots = capacity(group_tokens, E, k, self.capacity_factor)
+        position = queue_positions(expert, E, counts, group.rank)
+        kept = position < slots
+        # 2. my kept (token, choice) rows ordered by (expert, slot): grouped by destination
+        tok, choice = kept.nonzero(as_tuple=True)
+        dest = expert[tok, choice]
+        order = (dest * slots + position[tok, choice]).argsort()
+        tok, choice, dest = tok[order], choice[order], dest[order]
+        send = torch.bincount(dest // self.per_rank, minlength=n).tolist()
+        arriving = kept_per_rank(counts, slots)[:, self.local_experts.start:
+                                                self.local_experts.stop]      # (N, E/N)
+        recv = arriving.sum(dim=1).tolist()
+        rows = tokens[tok]
+        if torch.is_grad_enabled() and not rows.requires_grad:
+            # every rank must take part in both backward all-to-alls, whatever it holds
+            rows = rows.detach().requires_grad_()
+        rows = _AllToAll.apply(rows, group, send, recv, f"{tag} dispatch")
+        # 3. my experts on the rows that arrived (by source rank, then expert, then slot)
+        row_expert = torch.arange(self.local_experts.start, self.local_experts.stop,
+                                  device=rows.device).repeat(n)
+        row_expert = row_expert.repeat_interleave(arriving.flatten())
+        done = _AllToAll.apply(self._run_experts(rows, row_expert), group, recv, send,
+                               f"{tag} combine")
+        # 4. home again: weight by the gates and sum a token's choices
+        out = torch.zeros_like(tokens).index_add(0, tok, done * weight[tok, choice, None])
+        self._router_losses(logits, probs, counts, group_tokens)
+        self.routing = dict(load=counts[group.rank].sum(dim=0), dropped=int((~kept).sum()),
+                            capacity=slots, sent=sum(send), received=sum(recv))
+        return out.view(shape)
+
+    def _run_experts(self, rows, row_expert):
+        # rows * 0 keeps the arrived rows in the graph even when none is for a local expert
+        out = rows * 0
+        for e in self.local_experts:
+            idx = (row_expert == e).nonzero().squeeze(1)
+            if idx.numel():   # an expert no token reached keeps grad None, as on one device
+                out = out.index_copy(0, idx, self.module.experts[str(e)](rows[idx]))
+        return out
+
+    def _router_losses(self, logits, probs, counts, group_tokens):
+        """Switch: E sum_e f_e P_e over the group (f_e: fraction of the group's assignments
+        routed to e; P_e: the group's mean probability); this rank's share times N. z-loss:
+        mean over my tokens of logsumexp(logits)^2."""
+        load = counts.sum(dim=(0, 1))
+        fraction = load.to(probs.dtype) / load.sum()
+        share = self.num_experts * (fraction * probs.sum(dim=0)).sum() / group_tokens
+        self.aux_loss = share * self.group.size
+        self.z_loss = logits.logsumexp(dim=-1).pow(2).mean()
+
+    def full_state_dict(self):
+        """The wrapped layer's state with every expert gathered, by the single-device names
+        (`router.weight`, `experts.5.fc1.weight`, ...). A collective: every rank of the group
+        calls it."""
+        out = {k: t.detach().clone() for k, t in self.module.state_dict().items()
+               if not k.startswith("experts.")}
+        mine = [t.detach().reshape(-1) for e in self.local_experts
+                for t in self.module.experts[str(e)].state_dict().values()]
+        sizes = [sum(numel for e in self._rank_experts(r) for *_, numel in self._expert_state[e])
+                 for r in range(self.group.size)]
+        flat = torch.cat(mine) if mine else torch.zeros(0)
+        flat = torch.cat([flat, flat.new_zeros(max(sizes) - flat.numel())])
+        everyone = context().comm.all_gather(flat[None], group=self.group,
+                                             tag=f"{self.tag} gather experts")
+        for r in range(self.group.size):
+            offset = 0
+            for e in self._rank_experts(r):
+                for name, shape, numel in self._expert_state[e]:
+                    out[f"experts.{e}.{name}"] = everyone[r, offset:offset + numel] \
+                        .view(shape).clone()
+                    offset += numel
+        return out
+
+    def _rank_experts(self, member):
+        return range(member * self.per_rank, (member + 1) * self.per_rank)
+
+    def extra_repr(self):
+        return (f"experts={self.num_experts}, top_k={self.top_k}, "
+                f"capacity_factor={self.capacity_factor}, group={list(self.group.ranks)}, "
+                f"local_experts={list(self.local_experts)}")
+
+
+# ------------------------------------------------------------------------ the duck type
+
+def _setting(layer, name, default=...):
+    for holder in (layer, getattr(layer, "moe", None), getattr(layer, "config", None)):
+        if holder is not None and hasattr(holder, name):
+            return getattr(holder, name)
+    if default is not ...:
+        return default
+    raise ValueError(f"ExpertParallel: the layer has no {name} (set layer.{name}, or "
+                     f"layer.moe.{name} on a config)")
+
+
+def _expert_list(experts):
+    if isinstance(experts, nn.ModuleDict):
+        if sorted(experts.keys(), key=_as_int) != [str(i) for i in range(len(experts))]:
+            raise ValueError("ExpertParallel: a ModuleDict of experts must be keyed "
+                             f"'0'..'{len(experts) - 1}', got {list(experts.keys())}")
+        return [experts[str(i)] for i in range(len(experts))]
+    if isinstance(experts, nn.ModuleList):
+        return list(experts)
+    raise ValueError("ExpertParallel: layer.experts must be an nn.ModuleList of the experts "
+                     f"(or a ModuleDict keyed by expert index), got {type(experts).__name__}")
+
+
+def _as_int(key):
+    return int(key) if key.isdigit() else -1
+
+
+def _router_name(layer):
+    for name in ("router", "gate"):
+        if isinstance(getattr(layer, name, None), nn.Module):
+            return name
+    raise ValueError("ExpertParallel: the layer needs a router module (layer.router or "
+                     "layer.gate) that maps tokens to one logit per expert")
