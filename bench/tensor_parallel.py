@@ -1,15 +1,25 @@
-"""labkit's tensor-parallel MLP and block against PyTorch's DTensor tensor parallelism.
+"""labkit's `parallelize` against PyTorch's `parallelize_module` (DTensor tensor parallelism).
 
-Same weights (one seeded reference module), same input, same world size, one run:
-`labkit.tensor_parallel.ParallelMLP` / `ParallelBlock` vs
-`torch.distributed.tensor.parallel.parallelize_module` with ColwiseParallel / RowwiseParallel
-(gloo, CPU, `init_device_mesh("cpu", (N,))`). Reported: median forward+backward wall time
-(warm-up excluded, labkit's clock off, the two implementations alternating), peak memory
-(parameters + gradients + the most saved for backward, counted by unique storage), and whether
-outputs and gradients equal the single-device module's.
+Same weights (one seeded reference module, copied), same input, same world size, one launch:
+labkit.parallelize(module, {"fc1": "colwise", "fc2": "rowwise", ...}) against
+torch.distributed.tensor.parallel.parallelize_module(module, init_device_mesh("cpu", (N,)),
+{"fc1": ColwiseParallel(), "fc2": RowwiseParallel(), ...}) over gloo, on labkit's MLP block
+(h -> ffn -> h) and on a whole transformer block (attention split by heads: labkit splits the
+fused qkv part by part; torch gets q, k and v as three Linears, since its ColwiseParallel would
+cut a fused weight in contiguous thirds). Per side:
+  step_s      the slowest rank's wall time of one forward + backward (warm-up excluded): the
+              median per round, then the median over interleaved rounds (the order alternates)
+              and the spread (min-max) of the per-round ratio; instrumentation off on both
+              sides (labkit: `ctx.off_the_record()`, no comm log, no virtual clock);
+  peak_bytes  parameters + gradients + the most saved for backward at once, counted the same
+              way on both sides (unique storages, DTensors unwrapped to their local shards);
+  equal       outputs and gradient shards equal the single-device module's (atol 1e-5).
+labkit_over_torch = labkit / torch (below 1: labkit is faster or smaller).
+Run: python bench/tensor_parallel.py   (rows are appended to data/bench.csv)
 """
 import copy
 import os
+import statistics
 import sys
 import time
 import weakref
@@ -20,23 +30,26 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from common import append_rows, median  # noqa: E402
+from common import append_rows  # noqa: E402
 from labkit import models  # noqa: E402
-from labkit import tensor_parallel as tp  # noqa: E402
+from labkit.parallel import tensor_parallel as tp  # noqa: E402
 
 WORLD, BATCH, SEQ, HIDDEN, HEADS, FFN = 2, 4, 128, 256, 8, 1024
-WARMUP, ITERS = 3, 12
+WARMUP, TIMED, ROUNDS = 2, 5, 7
+SIDES = ("labkit", "torch")
+PLANS = {"mlp": {"fc1": "colwise", "fc2": "rowwise"},
+         "block": {"attn.qkv": "colwise", "attn.proj": "rowwise",
+                   "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}}
 
 
 class SplitQKVAttention(nn.Module):
-    """The reference attention with q, k, v as three Linears (DTensor's ColwiseParallel shards
-    a Linear's rows contiguously, which would mix q|k|v of a fused weight); heads per rank are
-    read from the local width."""
+    """labkit's attention with q, k, v as three Linears (the same weights); heads per rank
+    from the local width, as labkit's Attention reads them."""
 
-    def __init__(self, attn, heads):
+    def __init__(self, attn):
         super().__init__()
         h = attn.proj.in_features
-        self.head_dim = h // heads
+        self.head_dim = attn.head_dim
         self.q, self.k, self.v = (nn.Linear(h, h) for _ in range(3))
         for i, lin in enumerate((self.q, self.k, self.v)):
             lin.weight.data.copy_(attn.qkv.weight.data[i * h:(i + 1) * h])
@@ -44,15 +57,15 @@ class SplitQKVAttention(nn.Module):
         self.proj = copy.deepcopy(attn.proj)
 
     def forward(self, x):
-        q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = (_local(t) for t in (self.q(x), self.k(x), self.v(x)))
         return self.proj(models.causal_attention(q, k, v, q.shape[-1] // self.head_dim))
 
 
 class TorchBlock(nn.Module):
-    def __init__(self, block, heads):
+    def __init__(self, block):
         super().__init__()
         self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
-        self.attn = SplitQKVAttention(block.attn, heads)
+        self.attn = SplitQKVAttention(block.attn)
         self.mlp = copy.deepcopy(block.mlp)
 
     def forward(self, x):
@@ -61,8 +74,7 @@ class TorchBlock(nn.Module):
 
 
 def _local(t):
-    """A DTensor's local tensor (an output may be an AsyncCollectiveTensor: it waits on first
-    use and stays in the autograd graph, so it is used as it is)."""
+    """A DTensor's local tensor (an AsyncCollectiveTensor waits on first use, in the graph)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -80,8 +92,8 @@ class _Box:
 
 
 class SavedBytes:
-    """The most bytes saved for backward at once (unique storages; DTensors unwrapped), the
-    way labkit's MemoryTracker counts them (which cannot look inside a DTensor)."""
+    """The most bytes saved for backward at once (unique storages, DTensors unwrapped): the
+    same count for both sides (labkit's MemoryTracker cannot look inside a DTensor)."""
 
     def __init__(self, exclude):
         self.exclude, self.live, self.most = set(exclude), {}, 0
@@ -115,79 +127,19 @@ class SavedBytes:
 
 
 def _step(module, x):
+    for p in module.parameters():
+        p.grad = None
     out = _local(module(x))
     out.pow(2).mean().backward()
     return out
 
 
-def _state_bytes(module):
-    ps = [_local(p) for p in module.parameters()]
-    return sum(p.nbytes for p in ps) + sum(p.nbytes for p in ps), ps
-
-
 def _peak(module, x):
     """params + grads + the most saved activations in one forward+backward."""
-    states, ps = _state_bytes(module)
-    with SavedBytes(_plain(p).untyped_storage().data_ptr() for p in ps) as saved:
+    params = [_plain(p) for p in module.parameters()]
+    with SavedBytes(p.untyped_storage().data_ptr() for p in params) as saved:
         _step(module, x)
-    return states + saved.most
-
-
-def compare(ctx, kind):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-    ctx.clock.enabled = False  # timing: no modelled clock (the comm log stays on)
-    torch.manual_seed(0)
-    cfg = models.GPTConfig(vocab=128, seq=SEQ, hidden=HIDDEN, heads=HEADS, ffn=FFN, layers=1)
-    full = models.MLPBlock(HIDDEN, FFN) if kind == "mlp" else models.Block(cfg)
-    x = torch.randn(BATCH, SEQ, HIDDEN)
-    expected = full(x)
-    expected.pow(2).mean().backward()
-
-    if kind == "mlp":
-        ours = tp.ParallelMLP(ctx, ctx.world, full)
-        theirs = copy.deepcopy(full)
-        plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
-    else:
-        ours = tp.ParallelBlock(ctx, ctx.world, full, HEADS)
-        theirs = TorchBlock(full, HEADS)
-        plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-                "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
-    mesh = init_device_mesh("cpu", (ctx.world_size,))
-    theirs = parallelize_module(theirs, mesh, plan)
-
-    # equal results: outputs and this rank's gradient shards vs the full module's
-    out_ours, out_theirs = _step(ours, x), _step(theirs, x)
-    ok = torch.allclose(out_ours, expected, atol=1e-5) and \
-        torch.allclose(out_theirs, expected, atol=1e-5)
-    full_grads = tp.gather_grads(ctx, ours)
-    for name, p in full.named_parameters():
-        ok &= torch.allclose(full_grads[name], p.grad, atol=1e-5)
-    ours_shards, theirs_shards = _grad_shards(ours), _grad_shards(theirs)
-    ok &= set(ours_shards) == set(theirs_shards)
-    for name, g in ours_shards.items():
-        ok &= torch.allclose(g, theirs_shards[name], atol=1e-5)
-
-    peaks = dict(labkit=_peak(_zeroed(ours), x), torch=_peak(_zeroed(theirs), x))
-    times = {"labkit": [], "torch": []}
-    for i in range(WARMUP + ITERS):
-        for name, module in (("labkit", ours), ("torch", theirs)):
-            _zeroed(module)
-            dist.barrier()
-            start = time.perf_counter()
-            _step(module, x)
-            if i >= WARMUP:
-                times[name].append(time.perf_counter() - start)
-    calls = len(ctx.comm.records)
-    return dict(times=times, peaks=peaks, equal=bool(ok), calls=calls)
-
-
-def _zeroed(module):
-    for p in module.parameters():
-        p.grad = None
-    return module
+    return 2 * sum(p.nbytes for p in params) + saved.most
 
 
 def _grad_shards(module):
@@ -203,31 +155,89 @@ def _grad_shards(module):
     return out
 
 
+def compare(ctx, kind):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    torch.manual_seed(0)
+    cfg = models.GPTConfig(vocab=128, seq=SEQ, hidden=HIDDEN, heads=HEADS, ffn=FFN, layers=1)
+    full = models.MLPBlock(HIDDEN, FFN) if kind == "mlp" else models.Block(cfg)
+    x = torch.randn(BATCH, SEQ, HIDDEN)
+    expected = _step(full, x)
+    theirs = copy.deepcopy(full) if kind == "mlp" else TorchBlock(full)
+    torch_plan = {}
+    for name, style in PLANS[kind].items():   # torch gets q, k, v where labkit has qkv
+        for one in ([name.replace("qkv", p) for p in "qkv"] if "qkv" in name else [name]):
+            torch_plan[one] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+    sides = dict(labkit=tp.parallelize(copy.deepcopy(full), PLANS[kind]),
+                 torch=parallelize_module(theirs, init_device_mesh("cpu", (ctx.world_size,)),
+                                          torch_plan))
+    with ctx.off_the_record():
+        outs = {side: _step(m, x) for side, m in sides.items()}
+        ok = all(torch.allclose(o, expected, atol=1e-5) for o in outs.values())
+        grads = tp.gather_grads(sides["labkit"])
+        ok &= all(torch.allclose(grads[n], p.grad, atol=1e-5) for n, p in full.named_parameters())
+        ours, other = _grad_shards(sides["labkit"]), _grad_shards(sides["torch"])
+        ok &= set(ours) == set(other) and all(torch.allclose(g, other[n], atol=1e-5)
+                                              for n, g in ours.items())
+        peaks = {side: _peak(m, x) for side, m in sides.items()}
+        times = {side: [] for side in SIDES}
+        for r in range(ROUNDS):
+            for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+                per_step = []
+                for i in range(WARMUP + TIMED):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    _step(sides[side], x)
+                    if i >= WARMUP:
+                        per_step.append(time.perf_counter() - start)
+                times[side].append(per_step)
+    return dict(times=times, peaks=peaks, equal=bool(ok), logged=len(ctx.comm.totals))
+
+
+def summarise(per_rank):
+    out = {}
+    for side in SIDES:   # per round: the median over steps of the slowest rank
+        out[side] = [statistics.median(max(ts) for ts in zip(*(r["times"][side][k]
+                                                                 for r in per_rank)))
+                     for k in range(ROUNDS)]
+    ratios = [a / b for a, b in zip(out["labkit"], out["torch"])]
+    return dict(step={s: statistics.median(out[s]) for s in SIDES},
+                ratio=statistics.median(ratios), spread=(min(ratios), max(ratios)),
+                peak={s: max(r["peaks"][s] for r in per_rank) for s in SIDES},
+                equal=all(r["equal"] for r in per_rank),
+                logged=max(r["logged"] for r in per_rank))
+
+
 def main():
     rows = []
+    setting = (f"b={BATCH} s={SEQ} h={HIDDEN} ffn={FFN} heads={HEADS}; gloo CPU, "
+               f"{os.cpu_count()} cores, world {WORLD}; {ROUNDS} interleaved rounds x {TIMED} "
+               "timed fwd+bwd")
+    print(setting)
     for kind in ("mlp", "block"):
-        per_rank = labkit.launch(compare, WORLD, kind, timeout_s=600)
-        r = per_rank[0]
-        t = {k: max(median(rr["times"][k]) for rr in per_rank) for k in ("labkit", "torch")}
-        peak = {k: max(rr["peaks"][k] for rr in per_rank) for k in ("labkit", "torch")}
-        equal = all(rr["equal"] for rr in per_rank)
-        shape = f"b={BATCH} s={SEQ} h={HIDDEN} ffn={FFN}" + (f" heads={HEADS}" if kind == "block"
-                                                             else "")
-        print(f"{kind}: step {t['labkit'] * 1e3:.1f} ms (labkit) vs {t['torch'] * 1e3:.1f} ms "
-              f"(torch), ratio {t['labkit'] / t['torch']:.2f}; peak {peak['labkit'] / 1e6:.2f} "
-              f"MB vs {peak['torch'] / 1e6:.2f} MB, ratio {peak['labkit'] / peak['torch']:.2f}; "
-              f"outputs and gradients equal: {equal}")
-        common = dict(benchmark="tensor_parallel", world_size=WORLD,
-                      labkit_impl=f"tensor_parallel.Parallel{'MLP' if kind == 'mlp' else 'Block'}",
-                      torch_impl="parallelize_module Colwise/RowwiseParallel (DTensor)")
-        note = f"{shape}; gloo CPU; fwd+bwd median of {ITERS}; equal outputs+grads: {equal}"
-        rows.append(dict(common, metric=f"{kind}_step_s", labkit=f"{t['labkit']:.4f}",
-                         torch=f"{t['torch']:.4f}", ratio=f"{t['labkit'] / t['torch']:.2f}",
-                         notes=note))
-        rows.append(dict(common, metric=f"{kind}_peak_bytes", labkit=peak["labkit"],
-                         torch=peak["torch"], ratio=f"{peak['labkit'] / peak['torch']:.2f}",
-                         notes="params + grads + max saved activations, unique storages"))
+        t0 = time.time()
+        s = summarise(labkit.launch(compare, WORLD, kind, timeout_s=1200))
+        a, b = s["spread"]
+        peak_ratio = s["peak"]["labkit"] / s["peak"]["torch"]
+        print(f"\n{kind} ({time.time() - t0:.0f} s): step {s['step']['labkit'] * 1e3:.1f} ms "
+              f"(labkit) vs {s['step']['torch'] * 1e3:.1f} ms (torch); labkit_over_torch: time "
+              f"{s['ratio']:.2f} (per-round {a:.2f}-{b:.2f}), peak memory {peak_ratio:.2f} "
+              f"({s['peak']['labkit'] / 1e6:.2f} vs {s['peak']['torch'] / 1e6:.2f} MB); outputs "
+              f"and gradients equal: {s['equal']}; labkit comm-log rows while off: {s['logged']}")
+        assert s["equal"], "the two implementations disagree"
+        base = dict(benchmark="tensor_parallel", world_size=WORLD,
+                    labkit_impl=f"parallelize ({kind}: {', '.join(PLANS[kind])})",
+                    torch_impl="parallelize_module Colwise/RowwiseParallel (DTensor)")
+        note = (f"{setting}; per-round ratio {a:.2f}-{b:.2f}; instrumentation off; shared, "
+                "loaded machine")
+        rows += [dict(base, metric=f"{kind}_step_s_median", labkit=f"{s['step']['labkit']:.4e}",
+                      torch=f"{s['step']['torch']:.4e}", ratio=f"{s['ratio']:.2f}", notes=note),
+                 dict(base, metric=f"{kind}_peak_bytes", labkit=s["peak"]["labkit"],
+                      torch=s["peak"]["torch"], ratio=f"{peak_ratio:.2f}",
+                      notes="params + grads + max saved for backward, unique storages")]
     append_rows(rows)
+    print(f"\n{len(rows)} rows appended to data/bench.csv (column ratio = labkit_over_torch)")
 
 
 if __name__ == "__main__":

@@ -38,14 +38,14 @@ class GPTConfig:
 class Attention(nn.Module):
     def __init__(self, hidden, heads):
         super().__init__()
-        self.heads = heads
+        self.heads, self.head_dim = heads, hidden // heads
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
 
     def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=-1)
-        return self.proj(causal_attention(q, k, v, self.heads))
+        # q|k|v by thirds, heads from the width: a tensor-parallel rank holds some whole heads
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.proj(causal_attention(q, k, v, q.shape[-1] // self.head_dim))
 
 
 def causal_attention(q, k, v, heads):

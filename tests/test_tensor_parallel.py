@@ -1,163 +1,299 @@
-"""Tensor parallelism against the single-device tiny GPT: loss, logits, every gradient and the
-gathered parameters; comm per block from the log against theory/; memory per rank against
-the formulas; inference with a KV cache; the TP-degree check; the exercise's checker."""
+"""labkit.parallelize (tensor parallelism) on models it was not written for: an nn.Sequential MLP
+with a frozen bias, a language model with tied embedding/output weights and a parameter on its
+root, labkit's GPT with and without sequence parallelism; SGD and AdamW; 2 and 4 ranks; under
+launch, in a plain mp.spawn program, and inside the sub-group {1,3} of 4. Each rank trains the
+single-device model beside the split one and compares the gathered parameters after 3 steps.
+Then the driver (run tp: comm and memory against theory/), generation with a KV cache, the
+one-line errors and the exercise's checker."""
+import json
+
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import labkit
-from labkit import theory
+from labkit.exercises import tensor_parallel as exercise
+from labkit import models
+from labkit.parallel import tensor_parallel as tp
 from labkit.runs import reference
-from labkit import tensor_parallel as tp
+from labkit.runs import tensor_parallel as run_tp
 from labkit.theory import tensor_parallel as theory_tp
+from spawn_helpers import spawn
 
-# SGD: the update is linear in the gradient, so float32 rounding stays ~1e-7 in the parameters
-# (Adam turns the rounding noise of zero-gradient elements into ~lr steps: see the Adam test).
-SGD = reference.RunConfig(steps=2, global_batch=8, optimizer="sgd")
-CASES = [(1, False), (2, False), (4, False), (2, True), (4, True)]
-_REFERENCES = {}
+STEPS = 3
 
 
-def reference_details(cfg):
-    """The reference run, plus the logits and gradients of its last step (before the update)."""
-    key = repr(cfg)
-    if key not in _REFERENCES:
-        model = reference.build_model(cfg)
-        optimizer = reference.build_optimizer(model.parameters(), cfg)
+class TiedLM(nn.Module):
+    """Embedding and output layer share one weight; a scale parameter sits on the root."""
+
+    def __init__(self, vocab=32, hidden=16):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.emb = nn.Embedding(vocab, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids, targets):
+        x = self.emb(ids) * self.scale
+        x = x + self.fc2(F.gelu(self.fc1(x)))
+        logits = self.head(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def mlp():
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    net[0].bias.requires_grad_(False)   # a frozen bias (colwise: its shard stays frozen)
+    return net
+
+
+MODELS = {  # name -> (build, plan(sp), loss(model, step))
+    "mlp": (mlp, lambda sp: {"0": "colwise", "2": "rowwise"},
+            lambda m, step: F.mse_loss(m(_data(step)[0]), _data(step)[1])),
+    "tied": (TiedLM, lambda sp: {"emb": "vocab", "fc1": "colwise", "fc2": "rowwise",
+                                 "head": "vocab"},
+             lambda m, step: m(*_tokens(step, 32, 12))),
+    "gpt": (lambda: models.TinyGPT(), run_tp.gpt_plan,
+            lambda m, step: m(*_tokens(step, 128, 32))),
+}
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(6, 16, generator=g), torch.randn(6, 16, generator=g)
+
+
+def _tokens(step, vocab, seq):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, vocab, (4, seq), generator=g), torch.randint(0, vocab, (4, seq),
+                                                                          generator=g)
+
+
+def _optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, foreach=False)
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-6, weight_decay=0.01, foreach=False)
+
+
+def train_case(model_name, opt, sp, group=None):
+    """The single-device model and the split one, 3 steps each; what differs."""
+    build, plan, loss_fn = MODELS[model_name]
+    ctx = labkit.context()
+    ctx.comm.reset()    # this case's collectives only
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    split = tp.parallelize(build(), plan(sp), group, sequence_parallel=sp)
+    frozen_before = [p.detach().clone() for p in split.parameters() if not p.requires_grad]
+    opts = [_optimizer(opt, m.parameters()) for m in (ref, split)]
+    loss_diff = 0.0
+    for step in range(STEPS):
         losses = []
-        for step in range(cfg.steps):
-            x, y = reference.batch(model, cfg, step)
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(x, y)
+        for m, o in zip((ref, split), opts):
+            o.zero_grad(set_to_none=True)
+            loss = loss_fn(m, step)
             loss.backward()
+            o.step()
             losses.append(loss.item())
-            if step == cfg.steps - 1:
-                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-                with torch.no_grad():
-                    logits = model(x)
-            optimizer.step()
-        _REFERENCES[key] = dict(loss=losses, grads=grads, logits=logits,
-                                params=reference.full_params(model))
-    return _REFERENCES[key]
+        loss_diff = max(loss_diff, abs(losses[0] - losses[1]))
+    with ctx.off_the_record():
+        full = tp.gather_params(split)
+        spread = 0.0   # replicated parameters must stay identical on every rank of the group
+        for p in split.parameters():
+            if p.tp_split is None:
+                every = ctx.comm.all_gather(p.detach().reshape(1, -1), group=p.tp_group)
+                spread = max(spread, (every - every[:1]).abs().max().item())
+    diffs = {name: (full[name] - p.detach()).abs() for name, p in ref.named_parameters()}
+    if set(full) != set(diffs):
+        raise AssertionError(f"names differ: {sorted(set(full) ^ set(diffs))}")
+    frozen_after = [p for p in split.parameters() if not p.requires_grad]
+    return dict(loss_diff=loss_diff, spread=spread, diffs=diffs,
+                frozen_kept=all(torch.equal(a, b) for a, b in zip(frozen_before, frozen_after)),
+                tied=getattr(split, "head", None) is not None and model_name == "tied"
+                and split.head.weight is split.emb.weight,
+                groups={row["group"] for row in ctx.comm.summary()})
 
 
-def block_log(comm_log, block, steps):
-    """{(direction, op): (calls, bytes per call)} per step for one block, from the comm log."""
-    out = {}
-    for rec in comm_log:
-        if not rec["tag"].startswith(f"block {block} "):
-            continue
-        key = ("backward" if " bwd" in rec["tag"] else "forward", rec["op"])
-        calls, sizes = out.get(key, (0, set()))
-        out[key] = (calls + 1, sizes | {rec["bytes"]})
-    return {k: (calls / steps, sizes) for k, (calls, sizes) in out.items()}
+def assert_matches(result, model_name, opt):
+    diffs = dict(result["diffs"])
+    assert result["loss_diff"] < 1e-6
+    assert result["spread"] == 0.0
+    assert result["frozen_kept"]
+    limit = 1e-6
+    if model_name == "gpt" and opt == "adamw":
+        # The key bias's true gradient is exactly 0 (softmax ignores a shift of a row of
+        # scores): what backward computes is rounding noise, which Adam scales to steps of up to
+        # lr. Elsewhere Adam divides each gradient element by its own size, so float32
+        # reduction order shows as ~1e-6 of a step: the single-device run in fp32 against the
+        # same in fp64 differs by 1.6e-5 here (measured); the split run is within 1e-5.
+        h = 64
+        bias = diffs.pop("blocks.0.attn.qkv.bias"), diffs.pop("blocks.1.attn.qkv.bias")
+        assert max(b.max().item() for b in bias) < 3 * STEPS * 1e-2
+        diffs.update({f"{i} q,v bias": torch.cat([b[:h], b[2 * h:]]) for i, b in enumerate(bias)})
+        limit = 1e-5
+    worst = max(diffs, key=lambda n: diffs[n].max().item())
+    assert diffs[worst].max().item() < limit, (worst, diffs[worst].max().item())
 
 
-def several_runs(ctx, jobs):
-    """Several tp.train runs in one launch (a launch costs seconds here), fresh instruments each."""
-    from labkit.runtime.clock import Clock
-    from labkit.runtime.memory import MemoryTracker
-    out = []
-    for args in jobs:
-        ctx.comm.reset()
-        ctx.memory, ctx.clock = MemoryTracker(ctx), Clock(ctx, ctx.clock.cluster)
-        out.append(tp.train(ctx, *args))
+CASES_2 = [("mlp", "sgd", False), ("mlp", "adamw", False), ("tied", "sgd", False),
+           ("tied", "adamw", False), ("gpt", "sgd", False), ("gpt", "adamw", True)]
+CASES_4 = [("mlp", "adamw", False), ("tied", "sgd", False), ("gpt", "sgd", True),
+           ("gpt", "adamw", False)]
+CASES_SUBGROUP = [("gpt", "sgd", True), ("mlp", "adamw", False)]
+
+
+def on_two_ranks(ctx):
+    out = {case: train_case(*case) for case in CASES_2}
+    out["errors"] = bad_plans()
+    cfg = reference.RunConfig()
+    model = run_tp.build_tp_model(cfg)
+    out["generate"] = run_tp.generate(ctx, model, _tokens(0, 128, 6)[0][:2], 8)
     return out
+
+
+def bad_plans():
+    """The one-line errors, raised before any weight is touched."""
+    messages = []
+    for build, plan in [(models.TinyGPT, {"blocks.*.attn.qkv": "colwise", "nope.*": "rowwise"}),
+                        (models.TinyGPT, {"blocks.*.ln1": "colwise"}),
+                        (models.TinyGPT, {"tok": "rowwise"}),
+                        (models.TinyGPT, {"head": "sideways"}),
+                        (lambda: models.TinyGPT(models.GPTConfig(heads=3, hidden=48)),
+                         {"blocks.*.attn.qkv": "colwise"}),
+                        (lambda: models.TinyGPT(models.GPTConfig(vocab=127)), {"tok": "vocab"}),
+                        (lambda: models.TinyGPT(models.GPTConfig(ffn=255)),
+                         {"blocks.*.mlp.fc1": "colwise"})]:
+        model = build()
+        before = {n: type(m) for n, m in model.named_modules()}
+        try:
+            tp.parallelize(model, plan)
+            messages.append(None)
+        except ValueError as error:
+            untouched = before == {n: type(m) for n, m in model.named_modules()}
+            messages.append((str(error), untouched))
+    return messages
+
+
+def on_four_ranks(ctx):
+    out = {case: train_case(*case) for case in CASES_4}
+    pair = ctx.split_groups([[0, 2], [1, 3]])     # TP inside {0,2} and {1,3}, side by side
+    out["subgroup"] = {case: train_case(*case, group=pair) for case in CASES_SUBGROUP}
+    return out
+
+
+def in_spawned_program(rank, world_size):
+    return {case: train_case(*case) for case in [("gpt", "sgd", True), ("tied", "adamw", False)]}
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """(n, sp) -> rank 0's result, for TP = 1, 2, 4 without and with SP; plus Adam on 2."""
-    adam = reference.RunConfig(steps=2, global_batch=8)
-    out = {}
-    for n in (1, 2, 4):
-        jobs = [(SGD, sp, True, True) for _, sp in [c for c in CASES if c[0] == n]]
-        jobs += [(adam, True)] if n == 2 else []
-        results = labkit.launch(several_runs, n, jobs)
-        for job, result in zip(jobs, results[0]):
-            out[(n, job[1]) if job[0] is SGD else "adam"] = result
-        out[(n, "all ranks")] = results
-    return out
+def two():
+    return labkit.launch(on_two_ranks, 2, timeout_s=300)
 
 
-@pytest.mark.parametrize("n,sp", CASES)
-def test_matches_the_single_device_tiny_gpt(runs, n, sp):
-    first, expected = runs[(n, sp)], reference_details(SGD)
-    assert first["loss"] == pytest.approx(expected["loss"], abs=1e-5)
-    assert all(r[0]["loss"] == runs[(n, "all ranks")][0][0]["loss"]
-               for r in runs[(n, "all ranks")])  # the same loss on every rank
-    assert set(first["params"]) == set(expected["params"])   # the reference's names
-    assert reference.max_param_diff(first["params"], expected["params"]) < 1e-5
-    assert torch.allclose(first["logits"], expected["logits"], atol=1e-5)
-    for name, grad in expected["grads"].items():
-        assert torch.allclose(first["grads"][name], grad, atol=1e-6), name
-
-    # communication: each block's collectives, then the whole run, equal theory/
-    c = tp.gpt_config(SGD)
-    measured = block_log(first["comm_log"], 0, SGD.steps)
-    predicted = theory_tp.block_comm(SGD.global_batch, c.seq, c.hidden, n,
-                                     sequence_parallel=sp, bytes_per_element=4)
-    assert measured == {(r["direction"], r["op"]): (r["calls"], {r["bytes"]})
-                        for r in predicted}
-    for row in first["comm"]:
-        want = tp.predict_comm(SGD, n, sp)[row["op"]]
-        assert (row["calls"], row["bytes"]) == (want["calls"], want["bytes"])
-        assert row["wire_bytes_per_rank"] == pytest.approx(want["wire_bytes_per_rank"])
-
-    # memory per rank: model states exactly, activations within 15% of the TP formula
-    mem, pred = first["memory"], tp.predict_memory(SGD, n, sp)
-    assert mem["params"] == mem["grads"] == pred["params"]
-    single = 4 * sum(p.numel() for p in expected["params"].values())
-    assert mem["params"] <= 1.1 * single / n   # ~1/t (replicated LayerNorms, biases aside)
-    assert mem["activations"] == pytest.approx(pred["activations"], rel=0.15)
+@pytest.mark.parametrize("case", CASES_2, ids=lambda c: "-".join(map(str, c)))
+def test_two_ranks_equal_one_device(two, case):
+    for rank in two:
+        assert_matches(rank[case], *case[:2])
+    if case[0] == "tied":
+        assert two[0][case]["tied"]          # one shard serves both the embedding and the head
 
 
-def test_adam_state_shrinks_and_matches_except_the_redundant_key_bias(runs):
-    # Adam divides by sqrt(v): an element whose gradient is near rounding noise (the key bias,
-    # which softmax cancels, most of all) gets a ~lr step whose sign is noise. Any two
-    # summation orders differ there; a wrong gradient would show as ~lr = 1e-2 differences.
-    cfg = reference.RunConfig(steps=2, global_batch=8)
-    expected = reference.train(cfg)
-    h = tp.gpt_config(cfg).hidden
-    worst = 0.0
-    for name, p in runs["adam"]["params"].items():
-        q = expected["params"][name]
-        if name.endswith("attn.qkv.bias"):
-            p, q = torch.cat([p[:h], p[2 * h:]]), torch.cat([q[:h], q[2 * h:]])
-        worst = max(worst, (p - q).abs().max().item())
-    assert worst < 5e-4
-    pred = tp.predict_memory(cfg, 2, True)
-    assert runs["adam"]["memory"]["optimizer"] == pred["optimizer"]  # 2 moments, local
-    assert pred["optimizer"] < 0.55 * expected["memory"]["optimizer"]
+def test_four_ranks_and_the_subgroup_1_3_of_4():
+    results = labkit.launch(on_four_ranks, 4, timeout_s=300)
+    for rank in results:
+        for case in CASES_4:
+            assert_matches(rank[case], *case[:2])
+        for case in CASES_SUBGROUP:
+            assert_matches(rank["subgroup"][case], *case[:2])
+    assert results[1]["subgroup"][CASES_SUBGROUP[0]]["groups"] == {"1,3"}
+    assert results[0]["subgroup"][CASES_SUBGROUP[0]]["groups"] == {"0,2"}
 
 
-def test_sequence_parallel_cuts_activations_as_korthikanti_says():
-    cfg, c = SGD, tp.gpt_config(SGD)
-    args = dict(layers=c.layers, seq=c.seq, batch=cfg.global_batch, hidden=c.hidden,
-                heads=c.heads, vocab=c.vocab, ffn=c.ffn)
-    single = theory.tiny_gpt_activation_bytes(
-        layers=c.layers, seq=c.seq, batch=cfg.global_batch, hidden=c.hidden, heads=c.heads,
-        vocab=c.vocab)
-    assert theory_tp.tiny_gpt_activation_bytes(tp=1, **args) == single
-    sp4 = theory_tp.tiny_gpt_activation_bytes(tp=4, sequence_parallel=True, **args)
-    assert sp4 == pytest.approx(single / 4)  # everything sharded: exactly 1/t
-    # Korthikanti's 16-bit formula has the same shape: 10 + 24/t without SP, 34/t with SP
-    k1 = theory_tp.korthikanti_bytes_per_layer(c.seq, 8, c.hidden, c.heads, 1)
-    assert theory_tp.korthikanti_bytes_per_layer(c.seq, 8, c.hidden, c.heads, 4, True) == \
-        pytest.approx(k1 / 4)
+def test_a_plain_spawn_program_without_launch():
+    for rank in spawn(in_spawned_program, 2):
+        for case, result in rank.items():
+            assert_matches(result, *case[:2])
 
 
-def test_greedy_generation_with_a_kv_cache_equals_the_reference():
-    cfg = reference.RunConfig()
-    prompt = reference.batch(reference.build_model(cfg), cfg, 0)[0][:2, :6]
+def test_bad_plans_fail_in_one_line_before_anything_changes(two):
+    messages = two[0]["errors"]
+    assert all(m is not None and m[1] and "\n" not in m[0] for m in messages)
+    text = [m[0] for m in messages]
+    assert "'nope.*' matches no module" in text[0]
+    assert "'colwise' applies to nn.Linear; blocks.0.ln1 is of type LayerNorm" in text[1]
+    assert "tok is of type Embedding" in text[2] and "style must be one of" in text[3]
+    assert "TP degree 2 does not divide heads=3 of blocks.0.attn" in text[4]
+    assert "does not divide the 127 rows (vocabulary) of tok" in text[5]
+    assert "does not divide the 255 output features of blocks.0.mlp.fc1" in text[6]
 
-    def run(ctx):
-        model = tp.TensorParallelGPT(ctx, ctx.world, reference.build_model(cfg))
-        return tp.generate(ctx, model, prompt, 8)
 
-    (tokens, cache_bytes), _ = labkit.launch(run, 2)
-    assert torch.equal(tokens, tp.reference_generate(reference.build_model(cfg), prompt, 8))
-    c = tp.gpt_config(cfg)  # k and v of this rank's heads for 6 + 7 positions, fp32
+def test_greedy_generation_with_a_kv_cache_equals_the_reference(two):
+    tokens, cache_bytes = two[0]["generate"]
+    prompt = _tokens(0, 128, 6)[0][:2]
+    expected = run_tp.reference_generate(reference.build_model(reference.RunConfig()), prompt, 8)
+    assert torch.equal(tokens, expected) and torch.equal(two[1]["generate"][0], expected)
+    c = models.GPTConfig()  # k and v of this rank's heads for 6 + 7 positions, fp32
     assert cache_bytes == 2 * c.layers * 2 * (6 + 7) * c.hidden // 2 * 4
+
+
+# ------------------------------------------------------------------------------- the driver
+
+SGD = reference.RunConfig(steps=2, optimizer="sgd")
+
+
+def test_the_driver_matches_one_device_and_theory():
+    report = run_tp.report(2, SGD, details=True)
+    expected = reference.train(SGD)
+    assert report["max_param_diff_vs_reference"] < 1e-6
+    assert report["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+    ref_model = reference.build_model(SGD)
+    opt = reference.build_optimizer(ref_model.parameters(), SGD)
+    for step in range(SGD.steps):   # the last step's logits and gradients, before the update
+        x, y = reference.batch(ref_model, SGD, step)
+        opt.zero_grad()
+        ref_model(x, y).backward()
+        if step < SGD.steps - 1:
+            opt.step()
+    assert torch.allclose(report["logits"], ref_model(x).detach(), atol=1e-5)
+    for name, p in ref_model.named_parameters():
+        assert torch.allclose(report["grads"][name], p.grad, atol=1e-6), name
+    _check_comm_and_memory(report, SGD, 2, sequence_parallel=False)
+
+
+def test_cli_with_sequence_parallel_and_shape_flags(capsys):
+    from labkit import cli
+    cli.main(["run", "tp", "--world-size", "2", "--sequence-parallel", "--heads", "8",
+              "--hidden", "64", "--steps", "2", "--optimizer", "sgd", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["technique"] == "tp" and report["config"]["sequence_parallel"] is True
+    assert report["config"]["model_kwargs"] == dict(heads=8, hidden=64)
+    assert report["max_param_diff_vs_reference"] < 1e-6
+    cfg = reference.RunConfig(steps=2, optimizer="sgd", model_kwargs=dict(heads=8, hidden=64))
+    report["memory"] = {int(k): v for k, v in report["memory"].items()}
+    _check_comm_and_memory(report, cfg, 2, sequence_parallel=True)
+
+
+def _check_comm_and_memory(report, cfg, n, sequence_parallel):
+    c = run_tp.gpt_config(cfg)
+    block = {}   # one block's collectives per step, from the log's per-tag totals
+    for row in report["comm_by_tag"]:
+        if row["tag"].startswith("blocks.0."):
+            key = ("backward" if " bwd" in row["tag"] else "forward", row["op"])
+            calls, size = block.get(key, (0, set()))
+            block[key] = (calls + row["calls"], size | {row["bytes"] // row["calls"]})
+    predicted = theory_tp.block_comm(cfg.global_batch, c.seq, c.hidden, n,
+                                     sequence_parallel=sequence_parallel, bytes_per_element=4)
+    assert block == {(r["direction"], r["op"]): (r["calls"] * cfg.steps, {r["bytes"]})
+                     for r in predicted}
+    want = run_tp.predict_comm(cfg, n, sequence_parallel)
+    assert {r["op"]: (r["calls"], r["bytes"]) for r in report["comm"]} == \
+        {op: (w["calls"], w["bytes"]) for op, w in want.items()}
+    assert sum(r["wire_bytes_per_rank"] for r in report["comm"]) == \
+        pytest.approx(report["predicted_comm_bytes_per_rank"])
+    mem, pred = report["memory"][0], run_tp.predict_memory(cfg, n, sequence_parallel)
+    assert mem["params"] == mem["grads"] == pred["params"]
+    assert mem["activations"] == pytest.approx(pred["activations"], rel=0.15)
 
 
 @pytest.mark.parametrize("overrides,sp,word", [
@@ -170,42 +306,29 @@ def test_a_tp_degree_that_does_not_divide_fails_before_any_rank_starts(overrides
     cfg = reference.RunConfig(model_kwargs=overrides)
     n = 3 if "heads" in overrides else 4
     with pytest.raises(ValueError, match=word):
-        tp.report(n, cfg, sequence_parallel=sp)
+        run_tp.report(n, cfg, sequence_parallel=sp)
     with pytest.raises(ValueError, match="--model gpt"):
-        tp.check_tp_degree(reference.RunConfig(model="mlp"), 2)
+        run_tp.check_tp_degree(reference.RunConfig(model="mlp"), 2)
 
 
 def test_the_exercise_checker_says_what_is_wrong():
-    import torch.nn.functional as F
-
     def no_all_reduce(ctx, x, w, bias, group):
         return F.linear(x, w, bias)
 
     def bias_before(ctx, x, w, bias, group):
         return ctx.comm.all_reduce(F.linear(x, w, bias), group=group)
 
-    def concatenated(ctx, x, w, bias, group):
-        return ctx.comm.all_gather(F.linear(x, w).detach().t(), group=group).t()
-
-    assert "never added" in tp.check_row_parallel(no_all_reduce)
-    assert "counted 2 times" in tp.check_row_parallel(bias_before)
-    assert "concatenate" in tp.check_row_parallel(concatenated)
-    assert tp.check_row_parallel(tp.row_parallel_forward).startswith("Correct")
+    checks = [exercise.check_row_parallel(f, verbose=False)
+              for f in (no_all_reduce, bias_before, exercise.row_parallel_forward)]
+    assert [c.problem for c in checks] == ["no sum", "bias", ""]
+    assert "counted 2 times" in checks[1].message and checks[2].ok
+    assert "all_reduce" in checks[2].message
 
 
-def test_cli_report(capsys):
-    import json
-    from labkit import cli
-    cli.main(["run", "tp", "--world-size", "2", "--sequence-parallel", "--steps", "2",
-              "--optimizer", "sgd", "--json"])
-    report = json.loads(capsys.readouterr().out)
-    assert report["technique"] == "tp" and report["config"]["sequence_parallel"] is True
-    assert report["max_param_diff_vs_reference"] < 1e-5
-    wire = sum(row["wire_bytes_per_rank"] for row in report["comm"])
-    assert wire == pytest.approx(report["predicted_comm_bytes_per_rank"])
-
+# ------------------------------------------------------------------------- theory and widget
 
 def test_modelled_step_time_and_inference_memory_for_llama_3_70b():
+    from labkit import theory
     table = theory_tp.step_time_table("llama-3-70b", (1, 2, 4, 8, 16), batch=1, seq=4096)
     assert list(table["link"]) == ["NVLink 4"] * 4 + ["InfiniBand NDR"]
     assert table.loc[8, "total"] < table.loc[1, "total"] / 4          # NVLink: faster
@@ -220,7 +343,7 @@ def test_modelled_step_time_and_inference_memory_for_llama_3_70b():
     assert bf16_tp2.kv_cache_gb == pytest.approx(2 * 80 * 8 * 128 * 8192 * 8 * 2 / 2 / 1e9)
 
 
-def test_the_widget_panels_redraw_in_well_under_a_second():
+def test_the_widget_panels_redraw_fast_and_say_which_link():
     import time
     import matplotlib
     matplotlib.use("Agg")
@@ -228,10 +351,16 @@ def test_the_widget_panels_redraw_in_well_under_a_second():
     from labkit.viz import tp_widgets
     fig = plt.figure(figsize=(14, 4.4))
     tp_widgets.tp_panels(fig, tp=2)  # warm-up: first draw imports fonts
-    start = time.perf_counter()
-    summary = tp_widgets.tp_panels(fig, model="Llama 3 70B", tp=16, sequence_parallel=True,
-                                   link="InfiniBand NDR", batch=2, seq=8192)
-    fig.canvas.draw()
-    assert time.perf_counter() - start < 1.0
+    seconds = []
+    for _ in range(3):   # the quickest of 3: other processes share this machine's cores
+        start = time.perf_counter()
+        summary = tp_widgets.tp_panels(fig, model="Llama 3 70B", tp=16, sequence_parallel=True,
+                                       link="NVLink 4", batch=2, seq=8192)
+        fig.canvas.draw()
+        seconds.append(time.perf_counter() - start)
+    assert min(seconds) < 1.0
     assert "TP=16 + SP over InfiniBand NDR" in summary and len(fig.axes) == 3
+    labels = [t for t in fig.axes[0].get_xticklabels() if t.get_text()]
+    boxes = [t.get_window_extent() for t in labels]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
     plt.close(fig)

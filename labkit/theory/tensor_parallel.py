@@ -50,21 +50,27 @@ def block_wire_bytes(batch, seq, hidden, tp, **kwargs) -> float:
 
 # ----------------------------------------------------------------- labkit's tiny GPT, exactly
 
-def tiny_gpt_replicated_params(*, layers, hidden, seq):
-    """Parameters every TP rank holds in full: position embedding, LayerNorms, and the biases
-    added after a row-parallel all-reduce (attention proj and fc2)."""
-    return seq * hidden + layers * (2 * 2 * hidden + 2 * hidden) + 2 * hidden
+def tiny_gpt_replicated_params(*, layers, hidden, seq, sharded_positions=False):
+    """Parameters every TP rank holds in full: position embedding (unless the plan splits its
+    rows, as sequence parallelism needs), LayerNorms, and the biases added after a
+    row-parallel all-reduce (attention proj and fc2)."""
+    positions = 0 if sharded_positions else seq * hidden
+    return positions + layers * (2 * 2 * hidden + 2 * hidden) + 2 * hidden
 
 
-def tiny_gpt_params_per_rank(*, layers, hidden, ffn, vocab, seq, tp) -> float:
+def tiny_gpt_params_per_rank(*, layers, hidden, ffn, vocab, seq, tp,
+                             sharded_positions=False) -> float:
     """Parameters on one TP rank: sharded ones / t plus the replicated ones (not 1/t exactly)."""
     h, f = hidden, ffn
     sharded = vocab * h + layers * (h * 3 * h + 3 * h + h * h + h * f + f + f * h) + h * vocab
-    return sharded / tp + tiny_gpt_replicated_params(layers=layers, hidden=hidden, seq=seq)
+    sharded += seq * h if sharded_positions else 0
+    return sharded / tp + tiny_gpt_replicated_params(layers=layers, hidden=hidden, seq=seq,
+                                                     sharded_positions=sharded_positions)
 
 
 def tiny_gpt_comm(*, layers, seq, batch, hidden, vocab, tp, sequence_parallel=False,
-                  regather=True, bytes_per_element=4) -> dict:
+                  regather=True, bytes_per_element=4, sharded_positions=False,
+                  per_parameter_grad_sync=False) -> dict:
     """{op: {calls, bytes, wire_bytes_per_rank}} for one training step of labkit's TP tiny GPT.
 
     Blocks: `block_comm` each. Outside them: the vocab-parallel embedding (all-reduce, or
@@ -72,6 +78,11 @@ def tiny_gpt_comm(*, layers, seq, batch, hidden, vocab, tp, sequence_parallel=Fa
     backward; with SP all-gather + reduce-scatter + regather), the vocab-parallel
     cross-entropy (3 all-reduces of b*s: max, target logit, sum of exp) and, with SP, one
     all-reduce of the replicated parameters' gradients (each rank saw only its sequence shard).
+    `sharded_positions`: the position table split by rows too (labkit.parallelize's plan with
+    SP): a reduce-scatter of s*h forward, an all-gather of its s/t*h shard backward, and no
+    gradient sync for it. `per_parameter_grad_sync`: one all-reduce per replicated tensor (h
+    elements each: 6 per layer + the final LayerNorm's 2), as parallelize's hooks do, instead
+    of one flat all-reduce.
     """
     B, t = bytes_per_element, tp
     full, tokens = batch * seq * hidden * B, batch * seq * B
@@ -82,9 +93,16 @@ def tiny_gpt_comm(*, layers, seq, batch, hidden, vocab, tp, sequence_parallel=Fa
     if sequence_parallel:
         calls += [("reduce_scatter", 1, full), ("all_gather", 1, full / t),   # embedding
                   ("all_gather", 2 if regather else 1, full / t),             # head input
-                  ("reduce_scatter", 1, full),
-                  ("all_reduce", 1, tiny_gpt_replicated_params(
-                      layers=layers, hidden=hidden, seq=seq) * B)]            # SP grads
+                  ("reduce_scatter", 1, full)]
+        if sharded_positions:
+            table = seq * hidden * B                                          # positions
+            calls += [("reduce_scatter", 1, table), ("all_gather", 1, table / t)]
+        if per_parameter_grad_sync:                                           # SP grads
+            calls += [("all_reduce", 6 * layers + 2, hidden * B)]
+        else:
+            calls += [("all_reduce", 1, tiny_gpt_replicated_params(
+                layers=layers, hidden=hidden, seq=seq,
+                sharded_positions=sharded_positions) * B)]
     else:
         calls += [("all_reduce", 1, full), ("all_reduce", 1, full)]           # embedding, head
     calls += [("all_reduce", 3, tokens)]                                      # cross-entropy

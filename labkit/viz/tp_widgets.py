@@ -15,6 +15,7 @@ from .widgets import explorer, explorer_models
 
 LINKS = {"NVLink 4 (inside a node)": "NVLink 4", "InfiniBand NDR (across nodes)": "InfiniBand NDR",
          "PCIe 5 x16 (no NVLink)": "PCIe 5 x16"}
+ACROSS_NODES = ("InfiniBand NDR (across nodes)",)   # the links a TP group beyond 8 GPUs has
 TP_CHOICES = (1, 2, 4, 8, 16)
 
 
@@ -28,8 +29,9 @@ def tp_panels(fig, model="Llama 3 70B", tp=8, sequence_parallel=False, link="NVL
     fig.clf()
     mem_ax, comm_ax, time_ax = fig.subplots(1, 3, gridspec_kw=dict(width_ratios=[1.1, 1, 1.4]))
     bars = {}
+    # two-line labels: three bars share a narrow panel, "TP=16 + SP" would run into "TP=16"
     for label, t, sp in (("TP=1", 1, False), (f"TP={tp}", tp, False),
-                         (f"TP={tp} + SP", tp, True)):
+                         (f"TP={tp}\n+ SP", tp, True)):
         parts = ttp.training_memory_per_gpu(m, t, batch=batch, seq=seq, sequence_parallel=sp)
         bars[label] = {k: parts[k] for k in ("params", "grads", "optimizer", "activations")}
     capacity = {"H100 80 GB": hardware.gpu("H100").memory_bytes}
@@ -61,7 +63,7 @@ def tp_panels(fig, model="Llama 3 70B", tp=8, sequence_parallel=False, link="NVL
                ax=time_ax, unit=unit,
                title=f"step time, modelled (H100 at mfu 0.5)\nbatch {batch} x {seq} tokens")
     fig.tight_layout()
-    total = sum(bars[f"TP={tp}" + (" + SP" if sequence_parallel else "")].values())
+    total = sum(bars[f"TP={tp}" + ("\n+ SP" if sequence_parallel else "")].values())
     return (f"{m.display_name}, TP={tp}{' + SP' if sequence_parallel else ''} over {link}: "
             f"<b>{fmt(total / 1e9)} GB</b> per GPU, step {fmt(timing['total'] * 1e3)} ms "
             f"(modelled), of which exposed communication "
@@ -83,6 +85,13 @@ def tp_explorer():
         seq=widgets.SelectionSlider(options=[1024, 2048, 4096, 8192, 16384], value=4096,
                                     description="seq"),
     )
+
+    def on_tp(change):  # an NVLink domain is one 8-GPU node: beyond it only InfiniBand
+        link, chosen = controls["link"], controls["link"].value
+        link.options = [k for k in LINKS if change["new"] <= 8 or k in ACROSS_NODES]
+        link.value = chosen if chosen in link.options else link.options[0]
+
+    controls["tp"].observe(on_tp, names="value")  # registered first: runs before the redraw
 
     def draw(ax, link, **values):
         return tp_panels(ax.figure, link=LINKS[link], **values)

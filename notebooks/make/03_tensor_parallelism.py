@@ -2,6 +2,7 @@
 
 Run from anywhere: `.venv/bin/python notebooks/make/03_tensor_parallelism.py`. Edit the lesson
 here, not in the .ipynb: the notebook is regenerated (with its outputs) from this list.
+Numbers a run produces are printed by code (f-strings), never typed into the prose.
 """
 from nbmake import code, md, write_and_execute
 
@@ -30,17 +31,27 @@ micro-batch: **2 all-reduces of b·s·h elements forward and 2 backward**.
 between the blocks are replicated on every rank, and shards them along the sequence instead: g
 becomes a *reduce-scatter*, f an *all-gather*, the same bytes on the wire, while activation
 memory per layer drops from sbh(10 + 24/t + 5as/(ht)) to sbh/t·(34 + 5as/h) bytes.
+
+labkit's building block is `labkit.parallelize(module, plan, group=None,
+sequence_parallel=False)`, shaped like PyTorch's `parallelize_module`: the plan names layers
+(globs) and says how to split each one, `"colwise"`, `"rowwise"` or `"vocab"`.
 """),
     code(r"""
+import copy
 import inspect
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import labkit
-from labkit import tensor_parallel as tp
+from labkit.exercises.tensor_parallel import check_row_parallel, row_parallel_forward
+from labkit.parallel import tensor_parallel as tp
+from labkit.runs import tensor_parallel as run_tp
 from labkit.runs.reference import RunConfig, build_model
+from labkit.theory import hardware
 from labkit.theory import tensor_parallel as ttp
 from labkit.viz import comm_bars, memory_stack
 from labkit.viz.tp_widgets import tp_explorer
@@ -52,26 +63,91 @@ pd.set_option("display.width", 120)
 ## Where the communication sits
 
 The two operators are ordinary `torch.autograd.Function`s: the all-reduce is in `backward` for
-f and in `forward` for g. Each calls `ctx.comm`, so every call lands in the comm log and on the
-modelled clock. The layers are a few lines on top:
+f and in `forward` for g. Each calls `ctx.comm` with the process group and a tag (the layer's
+name), so every call lands in the comm log and on the modelled clock. The layers are a few lines
+on top:
 """),
     code(r"""
-print(inspect.getsource(tp.CopyToTP))
+print(inspect.getsource(tp._CopyToTP))
 print(inspect.getsource(tp.ColumnParallelLinear.forward))
 print(inspect.getsource(tp.RowParallelLinear.forward))
 """),
     md(r"""
+## Your own model, your own loop
+
+`parallelize` works on any module. Here a plain `nn.Sequential` MLP is split over 2 ranks
+(first Linear column-parallel, last row-parallel) inside an ordinary training loop, beside an
+unsplit copy of the same module. Each rank now holds half of each weight; the gathered
+parameters must equal the unsplit run's after the same steps:
+"""),
+    code(r"""
+def my_mlp(ctx):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    single = copy.deepcopy(net)
+    labkit.parallelize(net, {"0": "colwise", "2": "rowwise"})
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, single)]
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+        for model, optimizer in zip((net, single), optimizers):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+    with ctx.off_the_record():      # gathering the shards is a check, not part of training
+        full = tp.gather_params(net)
+    diff = max((full[n] - p).abs().max().item() for n, p in single.named_parameters())
+    shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
+    return dict(diff=diff, shapes=shapes, net=repr(net), comm=ctx.comm.summary(by=("op", "tag")))
+
+
+mine = labkit.launch(my_mlp, 2)[0]
+print(mine["net"])
+print("rank 0's parameters:", mine["shapes"])
+print(f"max |gathered - single device| after 3 SGD steps: {mine['diff']:.1e}")
+pd.DataFrame(mine["comm"])[["op", "tag", "calls", "bytes"]]
+"""),
+    md(r"""
+One all-reduce per step: g after the row-parallel layer in forward (tag `2 fwd`, one row per
+layer and direction in the log). Its partner f, in front of the column-parallel layer, would
+all-reduce the gradient of the layer's input in backward, but this input is the data, which
+needs no gradient: autograd never calls that backward. Inside a transformer the input of a
+column-parallel layer comes from earlier layers, and there f does communicate (below).
+
+## labkit's GPT: the Megatron plan
+
+For the tiny GPT the plan splits attention by heads (the fused `qkv` projection column-parallel
+*part by part*, so each rank gets q, k and v of whole heads, not the fused matrix cut in thirds;
+the output projection row-parallel), the MLP column-then-row, and the token embedding and the
+output layer by vocabulary. With sequence parallelism the position table joins the plan: split
+by rows, its reduce-scatter hands each rank the rows of its own slice of the sequence.
+"""),
+    code(r"""
+for sp in (False, True):
+    print(f"sequence_parallel={sp}: {run_tp.gpt_plan(sp)}")
+
+
+def one_block(ctx):
+    return repr(run_tp.build_tp_model(RunConfig(), sequence_parallel=True).blocks[0])
+
+
+print(labkit.launch(one_block, 2)[0])
+"""),
+    md(r"""
 ## Run it: the tiny GPT on 2 ranks, against one device
 
-`tp.report` builds the single-device TinyGPT (same seed), shards every matrix over the ranks,
-trains a few steps and gathers the shards back under the reference's parameter names. We use
-SGD here: its update is linear in the gradient, so the two runs agree to float32 rounding.
-(With Adam they agree too, except where a gradient is pure rounding noise, e.g. the attention
-key bias that softmax cancels: Adam scales that noise up to ~lr; see the tests.)
+`run_tp.report` builds the single-device TinyGPT (same seed), applies the plan, trains a few
+steps and gathers the shards back under the reference's parameter names. The loss is computed
+on the vocabulary shards of the logits (`vocab_parallel_cross_entropy`: the max, the target's
+logit and the sum of exponentials are all-reduced, one number per token each, instead of
+gathering every logit). We use SGD here: its update is linear in the gradient, so the two runs
+agree to float32 rounding. (With Adam they agree too, except where a gradient is pure rounding
+noise, e.g. the attention key bias that softmax cancels: Adam scales that noise up; see the
+tests.)
 """),
     code(r"""
 cfg = RunConfig(steps=3, optimizer="sgd")
-runs = {sp: tp.report(2, cfg, sequence_parallel=sp) for sp in (False, True)}
+runs = {sp: run_tp.report(2, cfg, sequence_parallel=sp) for sp in (False, True)}
 for sp, r in runs.items():
     print(f"TP=2{' + SP' if sp else '     '}: loss {[round(x, 4) for x in r['loss']]} "
           f"reference {[round(x, 4) for x in r['reference_loss']]}  "
@@ -82,7 +158,7 @@ for sp, r in runs.items():
 for sp, r in runs.items():
     same = all(abs(a - b) < 1e-5 for a, b in zip(r["loss"], r["reference_loss"]))
     print(f"sequence parallel {sp!s:>5}: losses equal the reference: {same}; gathered "
-          f"parameters equal the reference's (< 1e-5): {r['max_param_diff_vs_reference'] < 1e-5}")
+          f"parameters equal the reference's (< 1e-6): {r['max_param_diff_vs_reference'] < 1e-6}")
 """),
     md(r"""
 ## Measure the communication: per block, against the formula
@@ -96,21 +172,21 @@ weight gradient and gathers it again (Korthikanti's choice: memory for comm, ove
 """),
     code(r"""
 # NBVAL_CHECK_OUTPUT
-c = tp.gpt_config(cfg)
+c = run_tp.gpt_config(cfg)
 rows = []
 for sp, r in runs.items():
-    log = pd.DataFrame(r["comm_log"])
-    block = log[log.tag.str.startswith("block 0 ")]
+    log = pd.DataFrame(r["comm_by_tag"])
+    block = log[log.tag.str.startswith("blocks.0.")]
     block = block.assign(direction=block.tag.map(lambda t: "backward" if " bwd" in t
                                                  else "forward"))
-    measured = block.groupby(["direction", "op"]).agg(calls=("op", "size"),
-                                                      bytes=("bytes", "first"))
+    measured = block.groupby(["direction", "op"]).agg(calls=("calls", "sum"),
+                                                      bytes=("bytes", "sum"))
     for th in ttp.block_comm(cfg.global_batch, c.seq, c.hidden, 2, sequence_parallel=sp,
                              bytes_per_element=4):
         m = measured.loc[(th["direction"], th["op"])]
         rows.append(dict(SP=sp, direction=th["direction"], op=th["op"],
                          calls_per_step=m.calls / cfg.steps, formula_calls=th["calls"],
-                         bytes_per_call=m.bytes, formula_bytes=int(th["bytes"])))
+                         bytes_per_call=m.bytes // m.calls, formula_bytes=int(th["bytes"])))
 pd.DataFrame(rows)
 """),
     code(r"""
@@ -119,13 +195,16 @@ for ax, (sp, r) in zip(axes, runs.items()):
     comm_bars(r["comm"], ax=ax, title=f"TP=2{' + SP' if sp else ''}: the whole run "
               f"({cfg.steps} steps), measured log")
     wire = sum(x["wire_bytes_per_rank"] for x in r["comm"])
-    print(f"SP={sp}: wire bytes per rank, log {wire:,.0f}  "
+    print(f"SP={sp}: ring-model bytes per rank from the log {wire:,.0f}, "
           f"formula {r['predicted_comm_bytes_per_rank']:,.0f}")
 plt.show()
 """),
     md(r"""
-The same volume: a ring all-reduce *is* a reduce-scatter followed by an all-gather, so SP moves
-the same bytes for the conjugate pair. The extra all-gathers are the backward regathers.
+Nearly the same volume: a ring all-reduce *is* a reduce-scatter followed by an all-gather, so
+SP moves the same bytes for the conjugate pair. What SP adds: the backward regathers, the
+position table's reduce-scatter, and one small all-reduce per replicated parameter (LayerNorm
+weights, row-parallel biases): each rank saw only its own tokens, so their gradients are summed
+over the group.
 
 ## Measure the memory: 1/t, and Korthikanti's activation formula
 
@@ -136,13 +215,13 @@ accounting* to it (documented term by term in its docstring): per layer
 4sbh + (4sbh + 2sfb + as²b)/t elements without SP, everything divided by t with SP.
 """),
     code(r"""
-runs4 = labkit.launch(tp.train, 4, cfg, True)
+runs4 = labkit.launch(run_tp.train, 4, cfg, True)
 measured = {(2, False): runs[False]["memory"][0], (2, True): runs[True]["memory"][0],
             (4, True): runs4[0]["memory"]}
-one = tp.predict_memory(cfg, 1)
+one = run_tp.predict_memory(cfg, 1)
 rows = []
 for (t, sp), mem in measured.items():
-    pred = tp.predict_memory(cfg, t, sp)
+    pred = run_tp.predict_memory(cfg, t, sp)
     korth = ttp.korthikanti_bytes_per_layer(c.seq, cfg.global_batch, c.hidden, c.heads, t, sp)
     korth1 = ttp.korthikanti_bytes_per_layer(c.seq, cfg.global_batch, c.hidden, c.heads, 1)
     rows.append(dict(tp=t, SP=sp, params_measured=mem["params"], params_vs_1_over_t=(
@@ -158,12 +237,16 @@ table
 print("activations within 15% of the formula:", bool((abs(table.measured_over_formula - 1)
                                                        < 0.15).all()))
 print("params per rank / (single-device params / t):", list(table.params_vs_1_over_t.round(3)))
+replicated = ttp.tiny_gpt_replicated_params(layers=c.layers, hidden=c.hidden, seq=c.seq)
+print(f"replicated on every rank without SP: {replicated:,} of {c.param_count():,} parameters "
+      f"({replicated / c.param_count():.1%})")
 """),
     md(r"""
-The parameters shrink to a little more than 1/t: the position embedding, the LayerNorms and
-the biases added after a row-parallel all-reduce are replicated on every rank (2.5% of the tiny
-GPT; far less for a real model). The activations shrink as the formula says: without SP the
-replicated LayerNorm regions keep a floor that does not divide by t; with SP everything does.
+The parameters shrink to a little more than 1/t: the LayerNorms, the biases added after a
+row-parallel all-reduce and (without SP) the position table are replicated on every rank (the
+share printed above; far less for a real model). The activations shrink as the formula says:
+without SP the replicated LayerNorm regions keep a floor that does not divide by t; with SP
+everything does.
 """),
     code(r"""
 bars = {"TP=1 (formula)": {k: one[k] for k in ("params", "grads", "optimizer",
@@ -187,56 +270,69 @@ steps = ttp.step_time_table("llama-3-70b", (1, 2, 4, 8, 16), batch=1, seq=4096)
 show = steps[["link", "compute", "exposed_comm", "total", "exposed_share", "speedup_vs_tp1",
               "gpu_seconds_vs_tp1"]]
 print(show.to_string(float_format=lambda v: f"{v:.3f}"))
+nv, ib = hardware.link("NVLink 4"), hardware.link("InfiniBand NDR")
+s = steps
+print(f"\nInside a node (NVLink, {nv.bandwidth * nv.efficiency / 1e9:.0f} GB/s effective per "
+      f"direction) exposed communication grows from {s.exposed_share[2]:.0%} of the step at "
+      f"TP=2 to {s.exposed_share[8]:.0%} at TP=8; the step is {s.speedup_vs_tp1[8]:.1f}x "
+      f"faster on 8 GPUs.")
+print(f"At TP=16 the group spans two nodes (InfiniBand, {ib.bandwidth * ib.efficiency / 1e9:.0f}"
+      f" GB/s effective per GPU): {s.exposed_share[16]:.0%} of the step is waiting; 16 GPUs are "
+      f"{'slower' if s.total[16] > s.total[8] else 'faster'} than 8 "
+      f"({s.speedup_vs_tp1[16]:.1f}x against {s.speedup_vs_tp1[8]:.1f}x).")
+print(f"GPU-seconds per step against one GPU: {s.gpu_seconds_vs_tp1[8]:.2f}x at TP=8, "
+      f"{s.gpu_seconds_vs_tp1[16]:.1f}x at TP=16.")
 """),
     md(r"""
-Within a node (NVLink, 360 GB/s effective per direction) the exposed communication grows from
-3% of the step at TP=2 to 19% at TP=8, and the step still gets 6.4× faster on 8 GPUs. At TP=16
-the group spans two nodes, and every all-reduce crawls through InfiniBand (40 GB/s effective per
-GPU): 82% of the step is waiting, and 16 GPUs are *slower* than 8 (2.9× against 6.4×).
-
 **The source article's claim 3**: for model parallelism, "the runtime compared to single GPU
-training tends to increase by a similar magnitude to the number of GPUs used". Against these
-numbers: *wrong* for tensor parallelism inside a node: the step time falls (6.4× faster at
-TP=8), and even the cost in GPU-seconds grows only 1.24×, not 8×. *Roughly right* only where TP
-crosses the node boundary: at TP=16 over InfiniBand the GPU-seconds are 5.5× a single GPU's.
-(It is closest to the truth for a naive pipeline without micro-batches, where one stage works
-while the others wait: lesson 02.) What the model leaves out makes large t worse still: smaller
-per-GPU matmuls run below the assumed 50% of peak.
+training tends to increase by a similar magnitude to the number of GPUs used". Against the
+numbers above: *wrong* for tensor parallelism inside a node: the step time falls, and the cost
+in GPU-seconds grows far less than the number of GPUs. *Roughly right* only where TP crosses
+the node boundary, where the GPU-seconds at TP=16 over InfiniBand are several times a single
+GPU's. (It is closest to the truth for a naive pipeline without micro-batches, where one stage
+works while the others wait: lesson 02.) What the model leaves out makes large t worse still:
+smaller per-GPU matmuls run below the assumed 50% of peak.
 
 ## Serving Llama 3 70B with TP: weights and KV cache per GPU
 
 For inference, TP divides the weights by t and the KV cache by min(t, kv_heads) (Llama 3 70B has
-8 KV heads). At batch 8 and a context of 8,192 tokens (bf16 KV cache):
+8 KV heads). At batch 8 and a context of 8,192 tokens (bf16 KV cache), against the H100's
+memory as the hardware table gives it:
 """),
     code(r"""
 # NBVAL_CHECK_OUTPUT
+capacity = hardware.gpu("H100").memory_bytes
 inference = ttp.inference_table("llama-3-70b", (2, 4, 8), ("bf16", "int8", "int4"),
                                 batch=8, context=8192)
-inference["fits_80GB_H100"] = inference.total_gb < 80
+inference["fits_H100"] = inference.total_gb * 1e9 < capacity
 print(inference.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+row = inference.set_index(["tp", "weights"]).total_gb
+fits = "fits" if row[2, "bf16"] * 1e9 < capacity else "does not fit"
+print(f"\nH100 memory in the table: {capacity / 1e9:.1f} GB. bf16 at TP=2 needs "
+      f"{row[2, 'bf16']:.1f} GB per GPU ({fits}, before any runtime overhead); TP=4 needs "
+      f"{row[4, 'bf16']:.1f} GB; int8 weights at TP=2 {row[2, 'int8']:.1f} GB, int4 "
+      f"{row[2, 'int4']:.1f} GB.")
 """),
     md(r"""
-In bf16, TP=2 needs 81 GB per GPU: just over an 80 GB H100 before any runtime overhead; TP=4
-(41 GB) fits with room for a larger batch; int8 weights fit on TP=2 and int4 leaves most of the
-GPU to the cache. (The source article's "about 40GB" for Llama 3 70B is the int4 weights,
-~35 GB, plus a cache; bf16 weights alone are 141 GB: lesson 00.)
+Quantised weights leave most of the GPU to the KV cache. (The source article's "about 40GB" for
+Llama 3 70B is the int4 weights, ~35 GB, plus a cache; bf16 weights alone are 141 GB: lesson
+00.)
 
 ### Inference with a KV cache, on 2 ranks
 
-The same sharded model can generate: each rank caches the keys and values of *its own heads*
+The same split model can generate: each rank caches the keys and values of *its own heads*
 (1/t of the cache), and the greedy choice is the argmax over the vocabulary shards. It must pick
 exactly the tokens the single-device model picks:
 """),
     code(r"""
 # NBVAL_CHECK_OUTPUT
 def serve(ctx, cfg, prompt, new_tokens):
-    model = tp.TensorParallelGPT(ctx, ctx.world, build_model(cfg))
-    return tp.generate(ctx, model, prompt, new_tokens)
+    return run_tp.generate(ctx, run_tp.build_tp_model(cfg), prompt, new_tokens)
 
 
 prompt = torch.tensor([[5, 12, 19, 26], [40, 41, 42, 43]])
 (tokens, cache_bytes), _ = labkit.launch(serve, 2, RunConfig(), prompt, 10)
-expected = tp.reference_generate(build_model(RunConfig()), prompt, 10)
+expected = run_tp.reference_generate(build_model(RunConfig()), prompt, 10)
 print("TP=2 generation equals the single-device greedy generation:", torch.equal(tokens,
                                                                                expected))
 print(f"KV cache on each rank: {cache_bytes:,} bytes (half of the heads)")
@@ -246,8 +342,10 @@ print(f"KV cache on each rank: {cache_bytes:,} bytes (half of the heads)")
 
 Pick a model, TP degree, sequence parallelism, the link and the batch shape. All three panels
 are modelled by `labkit.theory` (mixed-precision Adam training memory; ring collectives; compute
-at 50% of peak); a redraw takes milliseconds. Try TP=16 on NVLink (a hypothetical 16-GPU NVLink
-domain) against InfiniBand, and watch SP take the activations down.
+at 50% of peak); a redraw takes milliseconds. An NVLink domain is one 8-GPU node, so at TP=16
+the group spans two nodes and the link list offers InfiniBand only. Compare TP=8 over NVLink
+with TP=8 over PCIe (no NVLink) and with TP=16 over InfiniBand, and watch SP take the
+activations down.
 """),
     code(r"""
 tp_explorer()
@@ -258,32 +356,32 @@ tp_explorer()
 Write the forward of a row-parallel linear. You get this rank's slice of the input features
 `x_shard` (4 × 8/t), the matching columns of the weight `weight_shard` (6 × 8/t), the full
 `bias` (6), the `group`, and `ctx`. Return the full output (4 × 6), the same on every rank.
-Where does the all-reduce go, and where the bias? (`tp.reduce_from_tp(ctx, y, group)` is g;
-`ctx.comm.all_reduce(y, group=group)` sums in place.) `tp.check_row_parallel` runs your function
-on 2 ranks and says what is wrong, if anything.
+Where does the all-reduce go, and where the bias? (`tp.reduce_from_tp(y, group)` is g;
+`ctx.comm.all_reduce(y, group=group)` sums in place.) `check_row_parallel` runs your function
+on 2 ranks and says what is wrong, if anything (it returns a `Check`: `.ok`, `.problem`).
 """),
     code(r"""
-import torch.nn.functional as F
-
-
 def my_row_parallel_forward(ctx, x_shard, weight_shard, bias, group):
     # TODO: this is only this rank's part of the answer
     return F.linear(x_shard, weight_shard, bias)
 
 
-print(tp.check_row_parallel(my_row_parallel_forward))
+check = check_row_parallel(my_row_parallel_forward)
 """),
     md(r"""
 ## Against PyTorch
 
-`bench/tensor_parallel.py` runs labkit's `ParallelMLP` and `ParallelBlock` beside PyTorch's
-`parallelize_module` with `ColwiseParallel` / `RowwiseParallel` (DTensor) on the same weights,
-input and 2 gloo ranks, and appends the ratios to `data/bench.csv`:
+`bench/tensor_parallel.py` runs `labkit.parallelize` beside PyTorch's `parallelize_module` with
+`ColwiseParallel` / `RowwiseParallel` (DTensor) on the same weights, input and 2 gloo ranks (an
+MLP block and a whole transformer block), in interleaved rounds with instrumentation off on both
+sides, and appends the ratios to `data/bench.csv` (`ratio` = labkit_over_torch; the notes give
+the per-round spread):
 """),
     code(r"""
 bench = pd.read_csv("../data/bench.csv")
-bench[bench.benchmark == "tensor_parallel"].tail(4)[["labkit_impl", "metric", "labkit",
-                                                     "torch", "ratio", "notes"]]
+latest = bench[bench.benchmark == "tensor_parallel"].drop_duplicates("metric", keep="last")
+latest[["metric", "labkit", "torch", "ratio", "notes"]].rename(
+    columns={"ratio": "labkit_over_torch"}).tail(4)
 """),
     md(r"""
 ## Takeaways
@@ -291,14 +389,16 @@ bench[bench.benchmark == "tensor_parallel"].tail(4)[["labkit_impl", "metric", "l
 - Column-parallel then row-parallel needs **one all-reduce per MLP and one per attention** in
   forward (g) and the same in backward (f): 4 all-reduces of b·s·h per block, measured in the
   log exactly as the formula says, and the result equals one device to float32 rounding.
+- `labkit.parallelize(model, plan)` applies this to any module: a plan of globs and styles,
+  the module changed in place, the layers holding this rank's shard of the original weights.
 - Weights, gradients and optimizer state shrink to ~1/t; activations shrink only partly, since
   the LayerNorm regions stay replicated, until **sequence parallelism** shards them along the
   sequence with the same communication volume (all-gather + reduce-scatter).
-- TP communicates inside every layer, on the critical path: fine over NVLink (19% exposed at
-  TP=8 for Llama 3 70B), ruinous over InfiniBand (TP=16 is slower than TP=8). So TP stays
-  inside a node; data and pipeline parallelism span the nodes (lesson 06).
-- For serving, TP divides the weights and the KV cache across the GPUs of a node: Llama 3 70B
-  in bf16 fits an 80 GB GPU per rank from TP=4 at batch 8 and 8k context.
+- TP communicates inside every layer, on the critical path: affordable over NVLink, ruinous
+  over InfiniBand (for Llama 3 70B, TP=16 across two nodes is slower than TP=8 in one, in the
+  table above). So TP stays inside a node; data and pipeline parallelism span the nodes
+  (combining them: lesson 06, coming).
+- For serving, TP divides the weights and the KV cache across the GPUs of a node.
 """),
 ]
 

@@ -1,0 +1,91 @@
+"""Lesson 03's exercise: write the forward of a row-parallel linear; the checker runs it on 2
+ranks against the full layer and says what is wrong, in plain words."""
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import Check, say
+from ..parallel.tensor_parallel import reduce_from_tp
+
+
+def row_parallel_forward(ctx, x_shard, weight_shard, bias, group):
+    """One answer: partial sums, one all-reduce (g, inside autograd), then the bias, once."""
+    return reduce_from_tp(F.linear(x_shard, weight_shard), group, "exercise") + bias
+
+
+def _exercise_rank(ctx, fn):
+    torch.manual_seed(0)
+    full = nn.Linear(8, 6)
+    x = torch.randn(4, 8, requires_grad=True)
+    t, r = ctx.world_size, ctx.rank
+    cols = slice(r * 8 // t, (r + 1) * 8 // t)
+    x_shard = x.detach()[:, cols].clone().requires_grad_()
+    w_shard = full.weight.detach()[:, cols].clone().requires_grad_()
+    bias = full.bias.detach().clone().requires_grad_()
+    expected = full(x)
+    out = {"rank": r}
+    warnings.simplefilter("ignore")  # an all-reduce outside autograd warns in backward
+    try:
+        y = fn(ctx, x_shard, w_shard, bias, ctx.world)
+    except Exception as error:  # noqa: BLE001 - the learner's code: report, never crash
+        out["error"] = f"{type(error).__name__}: {error}"
+        return out
+    out["calls"] = [rec.op for rec in ctx.comm.records]
+    if not isinstance(y, torch.Tensor) or y.shape != expected.shape:
+        out["shape"] = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+        return out
+    out["partial"] = F.linear(x_shard, w_shard).detach()
+    out["y"], out["expected"], out["bias"] = y.detach(), expected.detach(), bias.detach()
+    if y.requires_grad:
+        y.sum().backward()
+        expected.sum().backward()
+        out["grad_ok"] = torch.allclose(w_shard.grad, full.weight.grad[:, cols], atol=1e-5)
+    return out
+
+
+def check_row_parallel(fn, world_size=2, verbose=True):
+    """Run the learner's `fn(ctx, x_shard, weight_shard, bias, group)` on `world_size` ranks;
+    print the feedback and return a Check."""
+    from ..runtime.launch import LaunchError, launch
+    try:
+        results = launch(_exercise_rank, world_size, fn, timeout_s=60)
+    except LaunchError as error:
+        return say(Check(False, "hang", "Your function did not finish on every rank: "
+                         + str(error).splitlines()[0] + ". Every rank must call the same "
+                         "collectives in the same order."), verbose)
+    return say(_judge(results[0], world_size), verbose)
+
+
+def _judge(r0, world_size):
+    width = 8 // world_size
+    if "error" in r0:
+        return Check(False, "error", f"Your function raised {r0['error']}. x_shard is (4, "
+                     f"{width}), weight_shard (6, {width}): F.linear(x_shard, weight_shard) "
+                     "fits.")
+    if "shape" in r0:
+        return Check(False, "shape", f"The output has shape {r0['shape']}, the full layer's is "
+                     "(4, 6). A row-parallel linear gives every rank the whole output: sum the "
+                     "partial results, do not concatenate them (that would be all_gather, for "
+                     "column-parallel outputs).")
+    y, expected, bias, partial = r0["y"], r0["expected"], r0["bias"], r0["partial"]
+    if torch.allclose(y, expected, atol=1e-5):
+        if r0.get("grad_ok") is False:
+            return Check(False, "gradient", "The output is right but the weight gradient is "
+                         "not: keep the all-reduce inside the autograd graph (reduce_from_tp: "
+                         "all-reduce forward, identity backward).")
+        return Check(True, "", "Correct: each rank multiplies its slice of the input features "
+                     "by its slice of the weight, one all-reduce sums the partial results, and "
+                     f"the bias is added once, after it. Communication: {', '.join(r0['calls'])}.")
+    if torch.allclose(y, partial + bias, atol=1e-5) or torch.allclose(y, partial, atol=1e-5):
+        return Check(False, "no sum", "Each rank returns only its own partial sum X_i A_i^T: "
+                     "the results of the ranks are never added. Sum them with one all-reduce "
+                     "over the group (e.g. reduce_from_tp(y, group)) before adding the bias.")
+    if torch.allclose(y, expected + (world_size - 1) * bias, atol=1e-5):
+        return Check(False, "bias", f"The bias is counted {world_size} times: every rank added "
+                     "it before the all-reduce summed the ranks. Add the bias after the "
+                     "all-reduce, once.")
+    return Check(False, "wrong", "The output differs from the full layer's (max difference "
+                 f"{(y - expected).abs().max():.3g}). Compute F.linear(x_shard, weight_shard) "
+                 "without bias, all-reduce (sum) it over the group, then add the bias.")

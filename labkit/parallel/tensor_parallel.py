@@ -1,0 +1,428 @@
+"""Tensor parallelism: split the weight matrices of any nn.Module across a process group.
+
+`parallelize(module, plan, group=None, sequence_parallel=False)` (like PyTorch's
+`parallelize_module`) replaces each layer the plan names with a parallel layer that holds this
+rank's shard of the layer's own weights, so the result computes what the unsplit module did.
+Megatron-LM (Shoeybi et al. 2019, arXiv 1909.08053):
+- "colwise" (nn.Linear): split the output features; rank i computes Y_i = X A_i^T from the
+  whole input. Its input's gradient is a sum over ranks: f (identity forward, all-reduce
+  backward) in front. A fused q|k|v projection (a Linear named `qkv`) is split part by part,
+  so each rank gets q, k and v of whole heads.
+- "rowwise" (nn.Linear): split the input features; the input arrives split (from a colwise
+  layer), rank i computes the partial sum X_i A_i^T and g (all-reduce forward, identity
+  backward) adds them; the bias is added once, after g.
+- "vocab": nn.Embedding split by rows (token ids): a rank looks up the ids in its range, zeros
+  elsewhere, g sums; nn.Linear (the output layer) split by vocabulary, logits all-gathered
+  (`gather_output=False` keeps them split for `vocab_parallel_cross_entropy`).
+Memory per rank: weights, grads and optimizer state of the split layers / t. Communication per
+transformer block (attention and MLP, each colwise -> rowwise) and micro-batch: 2 all-reduces of
+b*s*h forward (g) and 2 backward (f), on the critical path.
+
+Sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198): the regions between the
+split layers (LayerNorm, dropout, residual adds) run on s/t of the sequence (dim -2): a colwise
+layer all-gathers its input's sequence shards, a rowwise layer or a vocab embedding
+reduce-scatters its sums along the sequence. Same ring bytes (all-reduce = reduce-scatter +
+all-gather); activations per layer sbh(10 + 24/t + 5as/(ht)) -> sbh/t (34 + 5as/h) bytes
+(16-bit). A replicated parameter then sees only this rank's tokens: its gradient is summed over
+the group by a hook (so the whole module must run on sequence shards: a position embedding
+joins the plan as "vocab", which hands each rank the rows of its own positions).
+"""
+import fnmatch
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..runtime.context import context
+
+STYLES = ("colwise", "rowwise", "vocab")
+FUSED_QKV = ("qkv",)        # leaf names of a fused q|k|v projection: split part by part
+HEAD_COUNTS = ("heads", "num_heads", "n_head", "num_attention_heads")
+SEQUENCE_DIM = -2           # (..., s, h): sequence parallelism splits the tokens
+
+
+# --------------------------------------------------------------- collectives along one dim
+# ctx.comm gathers and scatters along dim 0: move the wanted dim there and back.
+
+def _all_gather(x, dim, group, tag):
+    return context().comm.all_gather(x.movedim(dim, 0), group=group, tag=tag).movedim(0, dim)
+
+
+def _reduce_scatter(x, dim, group, tag):
+    out = context().comm.reduce_scatter(x.movedim(dim, 0), group=group, tag=tag)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_reduce(x, group, tag):
+    # a contiguous copy: the input of an autograd Function must not change in place
+    return context().comm.all_reduce(x.clone(memory_format=torch.contiguous_format),
+                                     group=group, tag=tag)
+
+
+# --------------------------------------------------------------- the conjugate operators
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward; all-reduce backward (each rank's gradient is one part of the sum)."""
+
+    @staticmethod
+    def forward(fctx, x, group, tag):
+        fctx.group, fctx.tag = group, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(fctx, grad):
+        return _all_reduce(grad, fctx.group, f"{fctx.tag} bwd"), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward (sum the partial outputs); identity backward."""
+
+    @staticmethod
+    def forward(fctx, x, group, tag):
+        return _all_reduce(x, group, f"{tag} fwd")
+
+    @staticmethod
+    def backward(fctx, grad):
+        return grad, None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """Sequence-parallel f: all-gather the sequence shards forward; reduce-scatter backward."""
+
+    @staticmethod
+    def forward(fctx, x, group, tag):
+        fctx.group, fctx.tag = group, tag
+        return _all_gather(x, SEQUENCE_DIM, group, f"{tag} fwd")
+
+    @staticmethod
+    def backward(fctx, grad):
+        return _reduce_scatter(grad, SEQUENCE_DIM, fctx.group, f"{fctx.tag} bwd"), None, None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    """Sequence-parallel g: reduce-scatter the partial sums forward; all-gather backward."""
+
+    @staticmethod
+    def forward(fctx, x, group, tag):
+        fctx.group, fctx.tag = group, tag
+        return _reduce_scatter(x, SEQUENCE_DIM, group, f"{tag} fwd")
+
+    @staticmethod
+    def backward(fctx, grad):
+        return _all_gather(grad, SEQUENCE_DIM, fctx.group, f"{fctx.tag} bwd"), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather the feature shards (last dim) forward; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(fctx, x, group, tag):
+        fctx.group = group
+        return _all_gather(x, -1, group, f"{tag} fwd (gather output)")
+
+    @staticmethod
+    def backward(fctx, grad):
+        return grad.chunk(fctx.group.size, dim=-1)[fctx.group.rank].contiguous(), None, None
+
+
+def _operator(function):
+    def apply(x, group=None, tag=""):   # group: None (the world), a labkit Group or a torch pg
+        return function.apply(x, context().group(group), tag)
+    apply.__doc__ = function.__doc__
+    return apply
+
+
+copy_to_tp = _operator(_CopyToTP)
+reduce_from_tp = _operator(_ReduceFromTP)
+gather_from_sp = _operator(_GatherFromSP)
+scatter_to_sp = _operator(_ScatterToSP)
+gather_from_tp = _operator(_GatherFromTP)
+
+
+class _GatherLinear(torch.autograd.Function):
+    """gather_from_sp + linear that keeps only the sequence shard of its input for backward and
+    all-gathers it again there (Korthikanti et al. sec. 4.2.2): 1/t the activation memory for
+    one more all-gather, issued async so it overlaps the input-gradient matmul."""
+
+    @staticmethod
+    def forward(fctx, x, weight, bias, group, tag):
+        fctx.group, fctx.tag, fctx.has_bias = group, tag, bias is not None
+        fctx.save_for_backward(x, weight)
+        return F.linear(_all_gather(x, SEQUENCE_DIM, group, f"{tag} fwd"), weight, bias)
+
+    @staticmethod
+    def backward(fctx, grad):
+        group, tag = fctx.group, fctx.tag
+        x, weight = fctx.saved_tensors
+        pending = context().comm.all_gather(x.movedim(SEQUENCE_DIM, 0), group=group,
+                                            async_op=True, tag=f"{tag} bwd (regather)")
+        grad_input = _reduce_scatter(grad @ weight, SEQUENCE_DIM, group, f"{tag} bwd")
+        full = pending.wait().movedim(0, SEQUENCE_DIM)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_weight = flat_grad.t() @ full.reshape(-1, full.shape[-1])
+        grad_bias = flat_grad.sum(dim=0) if fctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+# --------------------------------------------------------------------------- the layers
+
+def _shard(param, group, dim, parts=1, shared=None):
+    """This rank's slice of `param` along `dim` as a new Parameter; with parts=3 (fused q|k|v)
+    the slice of each part, concatenated, so the local tensor keeps the q|k|v layout. `shared`
+    ({id(original): shard}) keeps tied weights tied: a weight seen twice gets one shard."""
+    if param is None:
+        return None
+    known = shared.get(id(param)) if shared is not None else None
+    if known is not None:
+        if known.tp_split != (dim, parts):
+            raise ValueError("a tied weight is split two different ways by the plan")
+        return known
+    pieces = param.detach().chunk(parts, dim=dim)
+    mine = [p.chunk(group.size, dim=dim)[group.rank] for p in pieces]
+    shard = nn.Parameter(torch.cat(mine, dim=dim).clone(), requires_grad=param.requires_grad)
+    shard.tp_split, shard.tp_group = (dim, parts), group   # how gather_params rebuilds it
+    if shared is not None:
+        shared[id(param)] = shard
+    return shard
+
+
+class ColumnParallelLinear(nn.Module):
+    """nn.Linear split by output features over `group`: f in front, output split (or gathered
+    with `gather_output`). With sequence parallelism the input arrives as a sequence shard and
+    is all-gathered first (`regather`: only the shard is kept for backward)."""
+
+    def __init__(self, linear, group=None, *, parts=1, sequence_parallel=False,
+                 gather_output=False, regather=True, tag="", shared=None):
+        super().__init__()
+        self.group = context().group(group)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.parts, self.tag = parts, tag
+        self.sequence_parallel, self.gather_output, self.regather = (
+            sequence_parallel, gather_output, regather)
+        self.weight = _shard(linear.weight, self.group, 0, parts, shared)
+        self.bias = _shard(linear.bias, self.group, 0, parts, shared)
+
+    def forward(self, x):
+        group, tag = self.group, self.tag
+        if not self.sequence_parallel:
+            y = F.linear(copy_to_tp(x, group, tag), self.weight, self.bias)
+        elif self.regather:
+            y = _GatherLinear.apply(x, self.weight, self.bias, group, tag)
+        else:
+            y = F.linear(gather_from_sp(x, group, tag), self.weight, self.bias)
+        return gather_from_tp(y, group, tag) if self.gather_output else y
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(this rank: {self.weight.shape[0]}), parts={self.parts}, "
+                f"group={list(self.group.ranks)}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """nn.Linear split by input features over `group`: partial sums, g (all-reduce, or a
+    reduce-scatter along the sequence with SP), then the replicated bias, once."""
+
+    def __init__(self, linear, group=None, *, sequence_parallel=False, tag="", shared=None):
+        super().__init__()
+        self.group = context().group(group)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.sequence_parallel, self.tag = sequence_parallel, tag
+        self.weight = _shard(linear.weight, self.group, 1, 1, shared)
+        self.bias = linear.bias   # replicated (the original object): added once, after g
+
+    def forward(self, x):
+        combine = scatter_to_sp if self.sequence_parallel else reduce_from_tp
+        y = combine(F.linear(x, self.weight), self.group, self.tag)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
+                f"out_features={self.out_features}, group={list(self.group.ranks)}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """nn.Embedding split by rows: a rank looks up the ids in its range [start, start + V/t),
+    writes zeros for the others, and g sums the ranks' rows (SP: reduce-scatter)."""
+
+    def __init__(self, embedding, group=None, *, sequence_parallel=False, tag="", shared=None):
+        super().__init__()
+        self.group = context().group(group)
+        self.sequence_parallel, self.tag = sequence_parallel, tag
+        self.num_embeddings, self.embedding_dim = embedding.weight.shape
+        self.weight = _shard(embedding.weight, self.group, 0, 1, shared)
+        rows = self.weight.shape[0]
+        self.vocab_start = self.group.rank * rows
+        pad = embedding.padding_idx
+        self.padding_idx = pad - self.vocab_start if pad is not None and \
+            0 <= pad - self.vocab_start < rows else None
+
+    def forward(self, ids):
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        combine = scatter_to_sp if self.sequence_parallel else reduce_from_tp
+        return combine(rows, self.group, self.tag)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split by vocabulary, without gathering them: the max, the
+    target's logit and the sum of exponentials are all-reduced (one number per token each)."""
+
+    @staticmethod
+    def forward(fctx, logits, targets, group, tag):
+        vocab_start = group.rank * logits.shape[-1]
+        comm = context().comm
+        top = comm.all_reduce(logits.max(dim=-1).values, op="max", group=group,
+                              tag=f"{tag} max")
+        shifted = logits - top.unsqueeze(-1)
+        local_target = targets - vocab_start
+        mine = (local_target >= 0) & (local_target < logits.shape[-1])
+        local_target = local_target.clamp(0, logits.shape[-1] - 1)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * mine
+        target_logit = comm.all_reduce(target_logit, group=group, tag=f"{tag} target")
+        exp = shifted.exp()
+        sum_exp = comm.all_reduce(exp.sum(dim=-1), group=group, tag=f"{tag} sum exp")
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        fctx.save_for_backward(softmax, local_target, mine)
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(fctx, grad):
+        softmax, local_target, mine = fctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits[torch.arange(softmax.shape[0]), local_target] -= mine.to(softmax.dtype)
+        return grad_logits * (grad / softmax.shape[0]), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, group=None, tag="loss"):
+    """Mean cross-entropy of (N, V/t) local logits (rank i holds ids i*V/t...) against (N,)
+    global target ids: equals F.cross_entropy of the gathered logits."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, context().group(group), tag)
+
+
+# ---------------------------------------------------------------------------- the plan
+
+def _matches(pattern, name):
+    """fnmatch atom by atom ("blocks.*.mlp.fc1": * stands for one name, as in torch)."""
+    atoms, parts = pattern.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(map(fnmatch.fnmatchcase, parts, atoms))
+
+
+def _fused_parts(name, module):
+    leaf = name.rsplit(".", 1)[-1]
+    return 3 if leaf in FUSED_QKV and module.out_features % 3 == 0 else 1
+
+
+def resolve_plan(module, plan, tp):
+    """[(name, style)] of the modules `plan` names; one ValueError for anything that cannot
+    work with a TP degree of `tp` (checked before any weight is touched)."""
+    if not isinstance(plan, dict) or not plan:
+        raise ValueError("plan must be a non-empty dict {module name glob: style}")
+    named = {name: m for name, m in module.named_modules() if name}
+    chosen = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"plan[{pattern!r}] = {style!r}: the style must be one of "
+                             f"{', '.join(STYLES)}")
+        hits = [name for name in named if _matches(pattern, name)]
+        if not hits:
+            raise ValueError(f"plan key {pattern!r} matches no module of "
+                             f"{type(module).__name__} (it has: {', '.join(list(named)[:12])})")
+        for name in hits:
+            if chosen.setdefault(name, style) != style:
+                raise ValueError(f"{name} is planned both {chosen[name]} and {style}")
+    for name, style in chosen.items():
+        _check_one(name, named[name], style, tp, module)
+    return list(chosen.items())
+
+
+def _check_one(name, layer, style, tp, root):
+    kinds = (nn.Linear, nn.Embedding) if style == "vocab" else (nn.Linear,)
+    if not isinstance(layer, kinds):
+        raise ValueError(f"{style!r} applies to {' or '.join('nn.' + k.__name__ for k in kinds)}"
+                         f"; {name} is of type {type(layer).__name__}")
+    parent_name = name.rpartition(".")[0]
+    for attr in HEAD_COUNTS:   # an attention module: each rank must get whole heads
+        heads = getattr(root.get_submodule(parent_name), attr, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(f"TP degree {tp} does not divide {attr}={heads} of "
+                             f"{parent_name or 'the root'} (each rank computes whole heads)")
+    if isinstance(layer, nn.Embedding):
+        if layer.max_norm is not None or layer.sparse or layer.scale_grad_by_freq:
+            raise ValueError(f"'vocab' cannot split {name}: max_norm, sparse and "
+                             "scale_grad_by_freq need the whole table")
+        size, what = layer.num_embeddings, "rows (vocabulary)"
+    elif style == "rowwise":
+        size, what = layer.in_features, "input features"
+    elif style == "vocab":
+        size, what = layer.out_features, "output features (vocabulary)"
+    else:
+        parts = _fused_parts(name, layer)
+        size = layer.out_features // parts
+        what = "output features" + (" of each of q, k, v" if parts == 3 else "")
+    if size % tp:
+        raise ValueError(f"TP degree {tp} does not divide the {size} {what} of {name} "
+                         f"({style} splits them across ranks)")
+
+
+def _build(style, layer, name, group, sequence_parallel, shared):
+    options = dict(sequence_parallel=sequence_parallel, tag=name, shared=shared)
+    if style == "rowwise":
+        return RowParallelLinear(layer, group, **options)
+    if isinstance(layer, nn.Embedding):
+        return VocabParallelEmbedding(layer, group, **options)
+    parts = _fused_parts(name, layer) if style == "colwise" else 1
+    return ColumnParallelLinear(layer, group, parts=parts, gather_output=style == "vocab",
+                                **options)
+
+
+def parallelize(module, plan, group=None, sequence_parallel=False):
+    """Split the layers `plan` names ({glob: "colwise" | "rowwise" | "vocab"}) over `group`
+    (None: the world), in place; returns `module`. Every rank of the group calls it on the
+    same (identically initialised) module and feeds the same input (with sequence_parallel:
+    the same whole sequence to a vocab embedding, or its own sequence shard)."""
+    group = context().group(group)
+    targets = resolve_plan(module, plan, group.size)
+    shared = {}
+    for name, style in targets:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        parent._modules[leaf] = _build(style, parent._modules[leaf], name, group,
+                                       sequence_parallel, shared)
+    for name, param in module.named_parameters():
+        if getattr(param, "tp_split", None) is not None:
+            continue
+        param.tp_split, param.tp_group = None, group
+        if sequence_parallel and param.requires_grad and not getattr(param, "_tp_sum", False):
+            # it saw only this rank's tokens: the full gradient is the sum over the group
+            param.register_hook(partial(_all_reduce, group=group,
+                                        tag=f"sequence-parallel grad {name}"))
+            param._tp_sum = True
+    return module
+
+
+# ------------------------------------------------------------------- gathering shards back
+
+def _full(tensor, param):
+    split = getattr(param, "tp_split", None)
+    if split is None:
+        return tensor.detach().clone()
+    dim, parts = split
+    pieces = [_all_gather(p.detach(), dim, param.tp_group, "gather params")
+              for p in tensor.chunk(parts, dim=dim)]
+    return torch.cat(pieces, dim=dim)
+
+
+def gather_params(module):
+    """{name: whole tensor} of every parameter under the original names (every rank of the
+    group calls it: all-gathers; wrap it in `ctx.off_the_record()` to keep it out of the log)."""
+    return {name: _full(p, p) for name, p in module.named_parameters()}
+
+
+def gather_grads(module):
+    """{name: whole gradient} like gather_params (parameters without a gradient left out)."""
+    return {name: _full(p.grad, p) for name, p in module.named_parameters()
+            if p.grad is not None}

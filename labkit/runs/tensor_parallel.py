@@ -1,0 +1,231 @@
+"""Tensor parallelism on labkit's tiny GPT: `parallelize` with a Megatron plan, against one device.
+
+`python -m labkit run tp --world-size 2 [--sequence-parallel] [--heads 8 --hidden 64] --json`.
+The world is the TP group; every rank sees the whole batch. The loss is the vocab-parallel
+cross-entropy over the head's vocabulary shards (3 all-reduces of b*s numbers instead of
+gathering b*s*V logits); the report compares the gathered parameters with the single-device
+run and the comm log and memory with labkit.theory.tensor_parallel.
+"""
+import math
+
+import torch
+
+from .. import models
+from ..parallel.tensor_parallel import (ColumnParallelLinear, gather_from_tp, gather_grads,
+                                        gather_params, parallelize, resolve_plan,
+                                        vocab_parallel_cross_entropy)
+from ..theory import memory as theory_memory
+from ..theory import tensor_parallel as theory_tp
+from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
+
+
+def gpt_plan(sequence_parallel=False):
+    """Megatron's plan for labkit's GPT: attention split by heads (the fused qkv colwise, the
+    output projection rowwise), the MLP colwise then rowwise, embedding and head by vocabulary.
+    With sequence parallelism the position table is split by rows too: its reduce-scatter
+    hands each rank the rows of its own slice of the sequence."""
+    plan = {"tok": "vocab",
+            "blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
+            "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise",
+            "head": "vocab"}
+    if sequence_parallel:
+        plan["pos"] = "vocab"
+    return plan
+
+
+def gpt_config(cfg):
+    """The GPTConfig of a RunConfig (or a GPTConfig as is)."""
+    if isinstance(cfg, models.GPTConfig):
+        return cfg
+    if cfg.model != "gpt":
+        raise ValueError("tensor parallelism here splits the tiny GPT's matrices: use "
+                         "--model gpt (the MLP model has no heads to split)")
+    return models.GPTConfig(**cfg.model_kwargs)
+
+
+def check_tp_degree(cfg, tp, sequence_parallel=False):
+    """Raise a ValueError naming what `tp` fails to divide (before any rank starts)."""
+    c = gpt_config(cfg)
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"the TP degree must be a positive integer, got {tp!r}")
+    sizes = dict(heads=(c.heads, "each rank computes whole attention heads"),
+                 hidden=(c.hidden, "the attention output projection is split by it"),
+                 ffn=(c.ffn, "the MLP's inner features are split across ranks"),
+                 vocab=(c.vocab, "the embedding and the logits are split by vocabulary"))
+    if sequence_parallel:
+        sizes["seq"] = (c.seq, "sequence parallelism splits the sequence across ranks")
+    for name, (size, why) in sizes.items():
+        if size % tp:
+            fits = [d for d in range(1, size + 1) if all(v % d == 0 for v, _ in sizes.values())]
+            raise ValueError(f"TP degree {tp} does not divide {name}={size} ({why}); "
+                             f"TP degrees that fit this model: {fits[:8]}")
+    with torch.device("meta"):  # the block's own check, on a model with no storage
+        resolve_plan(models.TinyGPT(c), gpt_plan(sequence_parallel), tp)
+
+
+def build_tp_model(cfg, group=None, sequence_parallel=False, regather=True):
+    """The reference's GPT (same seed), split by `gpt_plan` over `group`; the head keeps its
+    logits split by vocabulary (for `gpt_loss` and generation)."""
+    model = parallelize(build_model(cfg), gpt_plan(sequence_parallel), group, sequence_parallel)
+    for layer in model.modules():
+        if isinstance(layer, ColumnParallelLinear):
+            layer.regather = regather
+    model.head.gather_output = False
+    return model
+
+
+def gpt_loss(model, x, y):
+    """TinyGPT's cross-entropy, computed on the vocabulary shards of the logits."""
+    logits = model(x)
+    return vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                        model.head.group)
+
+
+def train(ctx, cfg, sequence_parallel=False, regather=True, details=False):
+    """Train the TP tiny GPT on the TP group ctx.world; every rank sees the whole batch."""
+    from .report import rank_result
+    check_tp_degree(cfg, ctx.world_size, sequence_parallel)
+    model = build_tp_model(cfg, None, sequence_parallel, regather)
+    optimizer = build_optimizer(model.parameters(), cfg)
+    ctx.memory.watch(model=model, optimizer=optimizer)
+    losses, extra = [], {}
+    for step in range(cfg.steps):
+        with ctx.step(step, cfg.steps):
+            x, y = global_batch(model, cfg, step)
+            optimizer.zero_grad(set_to_none=True)
+            with ctx.memory.track_activations(), ctx.clock.compute("forward+backward"):
+                loss = gpt_loss(model, x, y)
+                loss.backward()
+            if details and step == cfg.steps - 1:
+                with ctx.off_the_record(), torch.no_grad():
+                    extra = dict(grads=gather_grads(model),
+                                 logits=gather_from_tp(model(x), model.head.group))
+            with ctx.clock.compute("optimizer step"):
+                optimizer.step()
+        losses.append(loss.item())
+    comm_by_tag = ctx.comm.summary(by=("op", "tag"))
+    with ctx.off_the_record():
+        params = gather_params(model)
+    if ctx.rank != 0:
+        params, extra = None, {}
+    return rank_result(ctx, losses, params=params, comm_by_tag=comm_by_tag, **extra)
+
+
+def predict_memory(cfg, tp, sequence_parallel=False, regather=True):
+    """theory/'s bytes per rank: fp32 model states of the local parameters, TP activations."""
+    c = gpt_config(cfg)
+    n = theory_tp.tiny_gpt_params_per_rank(layers=c.layers, hidden=c.hidden, ffn=c.ffn,
+                                           vocab=c.vocab, seq=c.seq, tp=tp,
+                                           sharded_positions=sequence_parallel)
+    states = theory_memory.model_state_bytes(n, mixed_precision=False, optimizer=cfg.optimizer)
+    out = dict(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
+               activations=predict_activations(cfg, tp, sequence_parallel, regather))
+    out["peak"] = sum(out.values())
+    return out
+
+
+def predict_activations(cfg, tp, sequence_parallel=False, regather=True):
+    c = gpt_config(cfg)
+    return theory_tp.tiny_gpt_activation_bytes(
+        layers=c.layers, seq=c.seq, batch=cfg.global_batch, hidden=c.hidden, heads=c.heads,
+        vocab=c.vocab, ffn=c.ffn, tp=tp, sequence_parallel=sequence_parallel, regather=regather)
+
+
+def predict_comm(cfg, tp, sequence_parallel=False, regather=True):
+    """{op: {calls, bytes, wire_bytes_per_rank}} for the whole run (theory/, fp32)."""
+    c = gpt_config(cfg)
+    step = theory_tp.tiny_gpt_comm(layers=c.layers, seq=c.seq, batch=cfg.global_batch,
+                                   hidden=c.hidden, vocab=c.vocab, tp=tp,
+                                   sequence_parallel=sequence_parallel, regather=regather,
+                                   sharded_positions=sequence_parallel,
+                                   per_parameter_grad_sync=True)
+    return {op: {k: v * cfg.steps for k, v in row.items()} for op, row in step.items()}
+
+
+def add_arguments(parser):
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="shard LayerNorm regions along the sequence (Korthikanti 2022)")
+
+
+def report(world_size=2, cfg=None, cluster="8xH100-NVLink", sequence_parallel=False,
+           regather=True, details=False, **_):
+    """Run TP (world_size = TP degree) on the tiny GPT and return the run report."""
+    from ..runtime.launch import launch
+    from .report import build_report
+    cfg = cfg or RunConfig()
+    check_tp_degree(cfg, world_size, sequence_parallel)
+    results = launch(train, world_size, cfg, sequence_parallel, regather, details,
+                     cluster=cluster)
+    comm = predict_comm(cfg, world_size, sequence_parallel, regather)
+    first = results[0]
+    return build_report(
+        "tp", cfg, results,
+        config=dict(tp=world_size, sequence_parallel=sequence_parallel, regather=regather,
+                    plan=gpt_plan(sequence_parallel)),
+        predicted_memory=predict_memory(cfg, world_size, sequence_parallel, regather),
+        predicted_comm_bytes_per_rank=sum(r["wire_bytes_per_rank"] for r in comm.values()),
+        predicted_comm=comm, comm_by_tag=first["comm_by_tag"],
+        logits=first.get("logits"), grads=first.get("grads"))
+
+
+# ------------------------------------------------------------------------------- inference
+
+def _attend_cached(attn, x, cache):
+    """This rank's heads over the cached keys/values plus the new tokens' ones."""
+    b, s_new, _ = x.shape
+    d = attn.head_dim
+    q, k, v = (t.reshape(b, s_new, -1, d).transpose(1, 2) for t in attn.qkv(x).chunk(3, -1))
+    if cache:
+        k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+    cache[:] = [k, v]
+    s_all = k.shape[2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+    mask = torch.ones(s_new, s_all, dtype=torch.bool).triu(s_all - s_new + 1)
+    probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    return attn.proj((probs @ v).transpose(1, 2).reshape(b, s_new, -1))
+
+
+def _forward_cached(model, idx, caches, start):
+    x = model.tok(idx) + model.pos(torch.arange(start, start + idx.shape[1]))
+    for block, cache in zip(model.blocks, caches):
+        x = x + _attend_cached(block.attn, block.ln1(x), cache)
+        x = x + block.mlp(block.ln2(x))
+    return model.head(model.ln_f(x))   # (b, s_new, V/t): this rank's vocabulary shard
+
+
+def _greedy_pick(ctx, head, logits):
+    """Global argmax over vocabulary shards: each rank's best (value, id), gathered."""
+    group = head.group
+    value, index = logits.max(dim=-1)
+    values = ctx.comm.all_gather(value, group=group, tag="greedy").view(group.size, -1)
+    ids = ctx.comm.all_gather(index + group.rank * logits.shape[-1], group=group, tag="greedy")
+    best = values.argmax(dim=0)  # the first maximum: the lowest id wins ties, as torch.argmax
+    return ids.view(group.size, -1).gather(0, best.unsqueeze(0)).squeeze(0)
+
+
+@torch.no_grad()
+def generate(ctx, model, prompt, new_tokens):
+    """Greedy decoding with a KV cache of this rank's heads; returns (tokens, cache bytes).
+    `model`: from build_tp_model without sequence parallelism."""
+    if model.head.sequence_parallel:
+        raise ValueError("generate runs without sequence parallelism: build the model with "
+                         "sequence_parallel=False (one new token has no sequence to split)")
+    if prompt.shape[1] + new_tokens > model.cfg.seq:
+        raise ValueError(f"prompt + new tokens must fit the {model.cfg.seq} positions")
+    caches = [[] for _ in model.blocks]
+    tokens, start, step_input = prompt, 0, prompt
+    for _ in range(new_tokens):
+        logits = _forward_cached(model, step_input, caches, start)
+        start += step_input.shape[1]
+        step_input = _greedy_pick(ctx, model.head, logits[:, -1]).unsqueeze(1)
+        tokens = torch.cat([tokens, step_input], dim=1)
+    return tokens, sum(t.nbytes for cache in caches for t in cache)
+
+
+@torch.no_grad()
+def reference_generate(model, prompt, new_tokens):
+    """The single-device TinyGPT, greedy, recomputing the whole prefix each token (no cache)."""
+    tokens = prompt
+    for _ in range(new_tokens):
+        tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens
