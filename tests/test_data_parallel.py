@@ -165,8 +165,33 @@ def assert_matches_one_device(results):
 
 # ------------------------------------------------------------------------ the block itself
 
+class SometimesUsed(nn.Module):
+    """`extra` gets a gradient on one rank only, `never` on none."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.extra = nn.Parameter(torch.ones(3))
+        self.never = nn.Linear(2, 2)
+
+    def forward(self, x, use_extra):
+        out = self.body(x).square().mean()
+        return out + 2 * self.extra.sum() if use_extra else out
+
+
+def unused_check(ctx, bucket_mb):
+    """A rank whose backward never reached a parameter joins its all-reduce with zeros: the
+    gradient averages to (2 + 0 + ...) / N, and to 0 for the one no rank used."""
+    torch.manual_seed(0)
+    model = labkit.DataParallel(SometimesUsed(), bucket_mb=bucket_mb)
+    model(torch.ones(2, 4) * (ctx.rank + 1), use_extra=ctx.rank == 1).backward()
+    return dict(extra=model.module.extra.grad, never=model.module.never.weight.grad,
+                body=model.module.body.weight.grad)
+
+
 def under_launch(ctx, todo):
-    return dict(cases=train_cases(ctx, None, todo), broadcast=broadcast_check(ctx, None))
+    return dict(cases=train_cases(ctx, None, todo), broadcast=broadcast_check(ctx, None),
+                unused=[unused_check(ctx, mb) for mb in (25.0, 0)])
 
 
 def broadcast_check(ctx, group):
@@ -196,6 +221,12 @@ def test_block_matches_one_device_on_any_model(n):
         for k, v in want.items():
             assert torch.equal(r["broadcast"]["state"][k], v), k
     assert not torch.equal(expected_state(1)["0.weight"], want["0.weight"])  # they did differ
+    for k in range(2):
+        got = [r["unused"][k] for r in results]
+        for r in got:
+            assert torch.allclose(r["extra"], torch.full((3,), 2.0 / n))
+            assert torch.equal(r["never"], torch.zeros(2, 2))
+            assert torch.equal(r["body"], got[0]["body"])   # the same average everywhere
 
 
 def _spawned(rank, world_size, todo):

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import math
 
-import matplotlib.pyplot as plt
-
 from ..theory import catalog, hardware
 from ..theory import time as tt
 from ..theory.memory import dtype_bytes, model_state_bytes
