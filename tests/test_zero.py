@@ -1,7 +1,8 @@
-"""ZeRO stages 1-3 (labkit.zero): the same parameters as the single-device reference for every
-stage and N = 1, 2, 4; bytes per rank = the ZeRO paper's formulas (padding explained); comm per
-step 2Ψ (stages 1, 2) and 3Ψ (stage 3) from the log; stage 3's gathered layer and prefetch in
-the measured peak; overlap on the timeline; CPU offload; the CLI.
+"""ZeRO stages 1-3 as lesson 04 runs them (labkit.runs.zero on DataParallel, ShardedOptimizer and
+FullyShard): parameters equal one device for every stage, fp32 and mixed precision, on 2 and 4
+ranks; bytes per rank = the layout the blocks hold (the ZeRO formulas up to padding); comm per
+step = the per-buffer plan (3Ψ, 2Ψ, 3Ψ); stage 3's gathered layer and prefetch in the measured
+peak; overlap on the timeline; offload; the CLI and its one-line errors.
 
 The machine is small and busy, so each world size is launched once and runs all its
 configurations one after the other, with fresh instruments (comm log, memory, clock) each.
@@ -12,37 +13,36 @@ import pytest
 import torch
 
 import labkit
-from labkit import cli, zero
-from labkit.runs import reference
+from labkit import cli
+from labkit.runs import reference, zero
 from labkit.runtime.clock import Clock
 from labkit.runtime.comm import Comm
 from labkit.runtime.memory import MemoryTracker
 from labkit.theory import hardware
-from labkit.theory import memory as tm
-from labkit.theory import time as theory_time
+from labkit.theory import zero as tz
 
-# SGD: the update is linear in the gradient, so float32 rounding stays ~1e-9 in the parameters.
-SGD = reference.RunConfig(steps=2, global_batch=8, optimizer="sgd")
-ADAM = reference.RunConfig(steps=2, global_batch=8)
-# Layers of 33*65+65, 65*31+31 and 31*7+7 parameters: none divides by 2 or 4, so padding shows.
-ODD_MLP = reference.RunConfig(model="mlp", steps=2, global_batch=8,
+STEPS = 3
+# SGD at lr 0.05 moves the tiny GPT's parameters by ~3e-3 in three steps: ten times the
+# mixed-precision tolerance, so a wrong gradient cannot hide inside it.
+SGD = reference.RunConfig(steps=STEPS, global_batch=8, optimizer="sgd", lr=0.05)
+ADAM = reference.RunConfig(steps=STEPS, global_batch=8)
+# Layers of 33*65+65, 65*31+31 and 31*7+7 parameters: none divides by 4, so padding shows.
+ODD_MLP = reference.RunConfig(model="mlp", steps=STEPS, global_batch=8, optimizer="sgd",
                               model_kwargs=dict(dims=(33, 65, 31, 7)))
+STAGES = zero.STAGES
 
 
 def runs_for(n):
     """name -> (cfg, train keyword arguments) for a launch on n ranks."""
-    runs = {f"sgd stage {s}": (SGD, dict(stage=s)) for s in zero.STAGES}
-    runs.update({f"mixed stage {s}": (ADAM, dict(stage=s, mixed_precision=True))
-                 for s in zero.STAGES})
-    if n > 1:
-        runs.update({f"adam stage {s}": (ADAM, dict(stage=s)) for s in zero.STAGES})
-        runs["odd mlp stage 3"] = (ODD_MLP, dict(stage=3))
-        runs["odd mlp stage 1"] = (ODD_MLP, dict(stage=1))
+    runs = {f"mixed sgd {s}": (SGD, dict(stage=s, mixed_precision=True)) for s in STAGES}
     if n == 2:
-        runs["mixed sgd stage 2"] = (SGD, dict(stage=2, mixed_precision=True))
-        runs["offload stage 2"] = (ADAM, dict(stage=2, mixed_precision=True, offload=True))
-        runs["stage 1 all_reduce"] = (SGD, dict(stage=1, grad_sync="all_reduce"))
-        runs["stage 3 no prefetch"] = (SGD, dict(stage=3, prefetch=False))
+        runs.update({f"sgd {s}": (SGD, dict(stage=s)) for s in STAGES})
+        runs["mixed adam 3"] = (ADAM, dict(stage=3, mixed_precision=True))
+        runs["offload"] = (ADAM, dict(stage=3, mixed_precision=True, offload=True))
+        runs["no prefetch"] = (SGD, dict(stage=3, prefetch=False))
+    else:
+        runs.update({f"adam {s}": (ADAM, dict(stage=s)) for s in STAGES})
+        runs["odd mlp 3"] = (ODD_MLP, dict(stage=3))
     return runs
 
 
@@ -61,7 +61,7 @@ _RESULTS, _REFERENCES = {}, {}
 def results(n):
     """{run name: [rank results]} for world size n (launched once per n)."""
     if n not in _RESULTS:
-        per_rank = labkit.launch(_many, n, runs_for(n), timeout_s=300)
+        per_rank = labkit.launch(_many, n, runs_for(n), timeout_s=600)
         _RESULTS[n] = {name: [r[name] for r in per_rank] for name in per_rank[0]}
     return _RESULTS[n]
 
@@ -73,122 +73,115 @@ def ref(cfg, mixed=False):
     return _REFERENCES[key]
 
 
-def diff_without_key_bias(params, expected, hidden):
-    """Max |difference|, skipping the attention key bias: softmax cancels it, so its gradient is
-    rounding noise (~1e-10) that Adam normalises into steps of ~lr in any summation order."""
-    worst = 0.0
-    for name, p in params.items():
-        q = expected[name]
-        if name.endswith("attn.qkv.bias"):
-            p, q = torch.cat([p[:hidden], p[2 * hidden:]]), torch.cat([q[:hidden], q[2 * hidden:]])
-        worst = max(worst, (p - q).abs().max().item())
-    return worst
+def diff(res, expected):
+    return reference.max_param_diff(res[0]["params"], expected["params"])
 
 
 # ----------------------------------------------------------------------------- correctness
 
-@pytest.mark.parametrize("n", [1, 2, 4])
-@pytest.mark.parametrize("stage", zero.STAGES)
-def test_every_stage_matches_the_single_device_reference(n, stage):
-    res = results(n)[f"sgd stage {stage}"]
-    expected = ref(SGD)
-    assert reference.max_param_diff(res[0]["params"], expected["params"]) < 1e-5
-    assert zero.global_loss(res) == pytest.approx(expected["loss"], abs=1e-5)
-    if n > 1:
-        hidden = reference.build_model(ADAM).cfg.hidden
-        adam = results(n)[f"adam stage {stage}"]
-        # At N = 4 one fc1 weight has a gradient near Adam's eps, where the summation order's
-        # rounding is a visible share of the step: 1.8e-5 after two steps (lr 1e-2).
-        tol = 1e-5 if n == 2 else 5e-5
-        assert diff_without_key_bias(adam[0]["params"], ref(ADAM)["params"], hidden) < tol
-        odd = results(n)[f"odd mlp stage {3 if stage == 3 else 1}"]
-        assert reference.max_param_diff(odd[0]["params"], ref(ODD_MLP)["params"]) < 1e-5
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_stage_matches_the_single_device_reference(stage):
+    sgd = results(2)[f"sgd {stage}"]
+    assert diff(sgd, ref(SGD)) < 1e-6
+    assert zero.global_loss(sgd) == pytest.approx(ref(SGD)["loss"], abs=1e-6)
+    # Adam on 4 ranks: one fc1 weight has a gradient near Adam's eps, where the summation
+    # order's rounding is a visible share of the step (2.5e-6 after three steps at lr 1e-2).
+    assert diff(results(4)[f"adam {stage}"], ref(ADAM)) < 1e-5
 
 
-@pytest.mark.parametrize("stage", zero.STAGES)
-def test_mixed_precision_matches_its_own_single_device_algorithm(stage):
-    expected = ref(ADAM, mixed=True)
-    one = results(1)[f"mixed stage {stage}"]
-    # N = 1: the same bf16 operations in the same order - identical to the last bit.
-    assert reference.max_param_diff(one[0]["params"], expected["params"]) == 0.0
-    assert one[0]["loss"] == expected["loss"]
-    # N = 2: the bf16 average of two half-batch gradients is rounded differently from the
-    # full-batch bf16 gradient. With SGD that stays at the bf16 rounding of one update.
-    sgd = results(2)["mixed sgd stage 2"]
-    sgd_expected = ref(SGD, mixed=True)
-    assert reference.max_param_diff(sgd[0]["params"], sgd_expected["params"]) < 1e-3
-    two = results(2)[f"mixed stage {stage}"]
-    assert zero.global_loss(two) == pytest.approx(expected["loss"], abs=0.05)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("stage", STAGES)
+def test_mixed_precision_parameters_match_one_device_mixed_precision(n, stage):
+    """bf16 compute, fp32 masters from the unrounded weights: the parameters, not just the
+    loss (which a missing gradient sync would pass)."""
+    expected = ref(SGD, mixed=True)
+    init = reference.full_params(reference.build_model(SGD))
+    assert reference.max_param_diff(init, expected["params"]) > 1e-3   # training moved them
+    assert diff(results(n)[f"mixed sgd {stage}"], expected) < 1e-4
 
 
-def test_bad_options_are_refused_before_any_work():
-    with pytest.raises(ValueError, match="stage"):
-        zero.train(None, SGD, stage=4)
-    with pytest.raises(ValueError, match="reduce_scatter"):
-        zero.train(None, SGD, stage=2, grad_sync="all_reduce")
+def test_mixed_precision_adam_differs_from_one_device_only_where_adam_amplifies_rounding():
+    """Adam divides by sqrt(v): where a gradient is near its bf16 rounding noise, the two
+    summation orders give steps of different sign, up to ~lr. Most elements still agree."""
+    got, expected = results(2)["mixed adam 3"][0]["params"], ref(ADAM, mixed=True)["params"]
+    gaps = torch.cat([(got[k] - expected[k]).abs().reshape(-1) for k in expected])
+    assert (gaps < 1e-4).float().mean() > 0.8
+    assert gaps.max() < 3 * ADAM.lr * STEPS
+
+
+def test_bad_input_is_one_line_before_any_rank_starts(capsys):
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        zero.report(2, SGD, stage=4)
+    with pytest.raises(ValueError, match="does not split over 3 ranks"):
+        zero.report(3, SGD, stage=1)
+    for argv, words in ((["--stage", "0"], "stage must be"), (["--world-size", "3"], "split"),
+                        (["--offload"], "--stage 3")):
+        assert cli.main(["run", "zero", *argv]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1
 
 
 # ---------------------------------------------------------------------------------- memory
 
-def padded(unit_numels, n):
-    return sum(-(-u // n) * n for u in unit_numels)
+def layout_bytes(res, name, n):
+    """What the blocks hold per rank after a step (padded flat buffers), by category."""
+    padded, psi = res[0]["padded_numel"], res[0]["param_count"]
+    mixed, adam = name.startswith("mixed"), "adam" in name
+    stage = int(name[-1])
+    if stage == 3:   # fp32 shards (the masters) and their fp32 gradients
+        return dict(params=4 * padded // n, grads=4 * padded // n,
+                    optimizer=(8 if adam else 0) * padded // n)
+    w, k = (2, 4 + (8 if adam else 0)) if mixed else (4, 8 if adam else 0)
+    if stage == 2:   # full flat buckets, the gradient shard, the state of the shard
+        return dict(params=w * padded, grads=w * padded // n, optimizer=k * padded // n)
+    return dict(params=w * psi, grads=w * psi, optimizer=None)   # stage 1: whole tensors
 
 
-MEMORY_RUNS = [f"{kind} stage {s}" for kind in ("adam", "mixed") for s in zero.STAGES] + \
-    ["odd mlp stage 1", "odd mlp stage 3"]
-
-
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("name", MEMORY_RUNS)
-def test_bytes_per_rank_follow_the_zero_formulas(n, name):
+@pytest.mark.parametrize("name", [f"adam {s}" for s in STAGES]
+                         + [f"mixed sgd {s}" for s in STAGES] + ["odd mlp 3"])
+def test_bytes_per_rank_follow_the_zero_formulas(name):
+    n = 4
     res = results(n)[name]
-    stage, mixed = int(name[-1]), name.startswith("mixed")
-    units = res[0]["unit_numels"]
-    psi, psi_padded = sum(units), padded(units, n)
-    w = 2 if mixed else 4              # bytes per weight / gradient element
-    k = 12 if mixed else 8             # Adam: (fp32 master +) momentum + variance
-    formula = tm.model_state_bytes(psi, mixed_precision=mixed, zero_stage=stage, world_size=n)
-    # What the padded layout holds exactly: full buffers are padded to a multiple of N,
-    # shards are padded / N (fewer than N extra elements per layer).
-    exact = dict(params=w * (psi_padded // n if stage == 3 else psi_padded),
-                 grads=w * (psi_padded // n if stage >= 2 else psi_padded),
-                 optimizer=k * psi_padded // n)
+    cfg, kwargs = runs_for(n)[name]
+    predicted = zero.predict_memory(cfg, n, kwargs["stage"], kwargs.get("mixed_precision"))
+    exact = layout_bytes(res, name, n)
     for r in res:
         mem = r["memory"]
         for cat in ("params", "grads", "optimizer"):
-            assert mem[cat] == exact[cat], (name, cat)
-            assert mem[cat] == pytest.approx(formula[cat], rel=0.02), (name, cat)
+            if exact[cat] is not None:
+                assert mem[cat] == exact[cat], (name, cat)
+            # stage 1 gives whole tensors to ranks: balanced to within a few per cent
+            assert mem[cat] == pytest.approx(predicted[cat], rel=0.05, abs=1), (name, cat)
         assert mem["buffers"] == 0     # nothing transient is left after the step
 
 
 def test_padding_remainder_is_what_the_layer_sizes_say():
-    res = results(4)["odd mlp stage 3"]
-    units = res[0]["unit_numels"]
+    res = results(4)["odd mlp 3"]
+    units = res[0]["flat_numels"]
     assert units == [33 * 65 + 65, 65 * 31 + 31, 31 * 7 + 7]
     # 2210 and 2046 leave 2 over a multiple of 4, 224 divides: 4 padding elements in all
     assert res[0]["padded_numel"] - sum(units) == sum(-u % 4 for u in units) == 4
+    assert diff(res, ref(ODD_MLP)) < 1e-6
 
 
 def forward_samples(res):
     samples = res["step_memory"]
-    end = [phase for phase, _ in samples].index("after forward")
-    return samples[:end]
+    return samples[:[phase for phase, _ in samples].index("after forward")]
 
 
 def test_stage3_peak_holds_a_gathered_layer_and_the_prefetch():
-    res = results(2)["sgd stage 3"][0]
+    res = results(2)["sgd 3"][0]
     block = sum(p.numel() for p in reference.build_model(SGD).blocks[0].parameters())
     # in forward, block 0 is gathered for its compute while block 1 is already being prefetched
     both = next(s for phase, s in res["step_memory"] if phase == "+prefetch blocks.1")["buffers"]
     assert both >= 2 * 4 * block   # two fp32 copies of a block's weights at once
-    assert max(s["buffers"] for _, s in res["step_memory"]) >= both
+    assert max(s["buffers"] for _, s in forward_samples(res)) == both
     steady = sum(res["memory"][c] for c in ("params", "grads", "optimizer"))
     assert res["memory"]["peak"] > steady + res["memory"]["activations"] * 0.9
-    # without prefetch forward holds one gathered layer at a time
-    no_prefetch = results(2)["stage 3 no prefetch"][0]
-    assert max(s["buffers"] for _, s in forward_samples(no_prefetch)) < both
-    assert max(s["buffers"] for _, s in forward_samples(res)) == both
-    assert reference.max_param_diff(no_prefetch["params"], ref(SGD)["params"]) < 1e-5
+    # without prefetch forward holds one gathered layer at a time, and computes the same
+    no_prefetch = results(2)["no prefetch"]
+    assert max(s["buffers"] for _, s in forward_samples(no_prefetch[0])) < both
+    assert diff(no_prefetch, ref(SGD)) < 1e-6
 
 
 # ----------------------------------------------------------------------------- communication
@@ -198,75 +191,69 @@ def wire(res, op=None):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_comm_per_step_is_2psi_for_stages_1_2_and_3psi_for_stage_3(n):
+def test_comm_per_step_is_3psi_2psi_3psi(n):
     runs = results(n)
-    units = runs["sgd stage 1"][0]["unit_numels"]
-    psi, steps = sum(units), SGD.steps
-    dp_all_reduce = theory_time.wire_bytes_per_rank("all_reduce", 4 * psi, n) * steps
-    for stage in zero.STAGES:
-        res = runs[f"sgd stage {stage}"]
+    prefix = "sgd" if n == 2 else "adam"
+    psi = runs[f"{prefix} 1"][0]["param_count"]
+    for stage, ops in ((1, {"all_reduce", "broadcast"}), (2, {"reduce_scatter", "all_gather"}),
+                       (3, {"reduce_scatter", "all_gather"})):
+        res = runs[f"{prefix} {stage}"]
         measured = wire(res)
-        assert measured == pytest.approx(
-            zero.predicted_wire_bytes(units, n, stage, 4) * steps, rel=1e-12)
-        assert measured == pytest.approx(zero.formula_wire_bytes(psi, n, stage, 4) * steps,
+        plan = zero.predicted_wire_bytes(res[0]["flat_numels"], n, stage, 4) * STEPS
+        assert measured == pytest.approx(plan, rel=1e-12)
+        assert measured == pytest.approx(zero.formula_wire_bytes(psi, n, stage, 4) * STEPS,
                                          rel=0.01)
-        ops = {row["op"]: row for row in res[0]["comm"]}
-        assert set(ops) == {"reduce_scatter", "all_gather"}
-        assert ops["reduce_scatter"]["calls"] == len(units) * steps      # one bucket per layer
-        gathers = 2 if stage == 3 else 1
-        assert ops["all_gather"]["calls"] == gathers * len(units) * steps
-    assert wire(runs["sgd stage 1"]) == pytest.approx(dp_all_reduce, rel=1e-12)  # = DP
-    assert wire(runs["sgd stage 3"]) / wire(runs["sgd stage 2"]) == pytest.approx(1.5)
-    mixed = runs["mixed stage 2"]            # bf16 on the wire: half the bytes
-    assert wire(mixed) == pytest.approx(wire(runs["sgd stage 2"]) / 2, rel=1e-12)
-
-
-def test_stage1_with_all_reduce_moves_1_5x_the_data():
-    runs = results(2)
-    res = runs["stage 1 all_reduce"]
-    assert {row["op"] for row in res[0]["comm"]} == {"all_reduce", "all_gather"}
-    assert wire(res) / wire(runs["sgd stage 1"]) == pytest.approx(1.5)
-    assert reference.max_param_diff(res[0]["params"], ref(SGD)["params"]) < 1e-5
+        assert {row["op"] for row in res[0]["comm"]} == ops
+    calls = {row["op"]: row["calls"] for row in runs[f"{prefix} 3"][0]["comm"]}
+    units = len(runs[f"{prefix} 3"][0]["flat_numels"])
+    assert calls == {"all_gather": 2 * units * STEPS, "reduce_scatter": units * STEPS}
+    assert wire(runs[f"{prefix} 3"]) / wire(runs[f"{prefix} 2"]) == pytest.approx(1.5, rel=1e-3)
+    assert wire(runs[f"{prefix} 1"]) / wire(runs[f"{prefix} 2"]) == pytest.approx(1.5, rel=1e-3)
+    for stage in STAGES:   # bf16 on the wire: half the bytes
+        assert wire(runs[f"mixed sgd {stage}"]) == pytest.approx(
+            wire(runs[f"{prefix} {stage}"]) / 2, rel=1e-3)
 
 
 def test_async_collectives_overlap_compute_on_the_timeline():
-    for name, op, phase in (("sgd stage 2", "reduce_scatter", "backward"),
-                            ("sgd stage 3", "all_gather", "forward")):
+    for name, op, phase in (("sgd 2", "reduce_scatter", "backward"),
+                            ("sgd 3", "all_gather", "forward")):
         events = results(2)[name][0]["timeline"]
         computes = [e for e in events if e["kind"] == "compute" and e["name"] == phase]
         comms = [e for e in events if e["lane"] == "comm" and e["name"] == op]
         assert comms, name
-        overlapped = [c for c in comms if any(b["start"] < c["end"] and c["start"] < b["end"]
-                                              for b in computes)]
-        assert overlapped, f"{name}: no {op} runs during {phase} compute"
+        assert any(b["start"] < c["end"] and c["start"] < b["end"]
+                   for c in comms for b in computes), f"{name}: no {op} during {phase}"
 
 
 # ----------------------------------------------------------------------------------- offload
 
-def test_offload_keeps_optimizer_state_off_the_device_and_pays_pcie():
-    res = results(2)["offload stage 2"]
-    units = res[0]["unit_numels"]
-    psi_padded = padded(units, 2)
-    assert res[0]["memory"]["optimizer"] == 0
-    assert res[0]["offloaded_bytes"] == 12 * psi_padded // 2   # fp32 master + moments
+def test_offload_keeps_shards_gradients_and_optimizer_state_off_the_device():
+    res, same = results(2)["offload"], results(2)["mixed adam 3"]
+    padded = res[0]["padded_numel"]
+    for r in res:
+        assert all(r["memory"][c] == 0 for c in ("params", "grads", "optimizer"))
+        # host: fp32 shards, their fp32 gradients, Adam's two moments
+        assert r["offloaded_bytes"] == (4 + 4 + 8) * padded // 2
     link = hardware.link(zero.OFFLOAD_LINK)
     copies = [e for e in res[0]["timeline"] if e["name"].startswith("offload")]
-    assert len(copies) == 2 * ADAM.steps
+    units = res[0]["flat_numels"]
+    assert len(copies) == 3 * len(units) * STEPS   # 2 gathers down, 1 gradient up, per unit
+    shard_bytes = {2 * tz.padded(u, 2) // 2 for u in units}
     for e in copies:
-        assert e["end"] - e["start"] == pytest.approx(
-            link.latency + 2 * psi_padded / 2 / link.effective_bandwidth)
-    same = results(2)["mixed stage 2"]       # offload changes where, not what
-    assert reference.max_param_diff(res[0]["params"], same[0]["params"]) == 0.0
+        assert any(e["end"] - e["start"] == pytest.approx(link.latency + b /
+                                                          link.effective_bandwidth)
+                   for b in shard_bytes)
+    assert reference.max_param_diff(res[0]["params"], same[0]["params"]) == 0.0   # where, not what
 
 
 # --------------------------------------------------------------------------------------- CLI
 
 def test_cli_json_report(capsys):
-    cli.main(["run", "zero", "--stage", "3", "--world-size", "2", "--steps", "2",
-              "--optimizer", "sgd", "--json"])
+    assert cli.main(["run", "zero", "--stage", "3", "--world-size", "2", "--steps", "2",
+                     "--optimizer", "sgd", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["technique"] == "zero" and rep["config"]["stage"] == 3
-    assert rep["max_param_diff_vs_reference"] < 1e-5
+    assert rep["max_param_diff_vs_reference"] < 1e-6
     for cat in ("params", "grads", "optimizer"):
         assert rep["memory"]["0"][cat] == pytest.approx(rep["predicted_memory"][cat], rel=0.02)
     measured = sum(row["wire_bytes_per_rank"] for row in rep["comm"])

@@ -129,7 +129,8 @@ class FullyShard(nn.Module):
 
     def _prefetch(self, index):
         unit = self._order[index] if 0 <= index < len(self._order) else None
-        if unit is not None and not unit.gathered and unit not in self._inflight:
+        if unit is not None and not unit.gathered and unit not in self._inflight \
+                and not any(f.issued for f in unit.flats):   # its backward is done already
             self._inflight[unit] = [self._issue_gather(f) for f in unit.flats]
             for flat, handle in zip(unit.flats, self._inflight[unit]):
                 self._ctx.memory.add_buffer(f"prefetch {flat.name}", handle.result)
