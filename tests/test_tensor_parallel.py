@@ -122,15 +122,13 @@ def assert_matches(result, model_name, opt):
     assert result["frozen_kept"]
     limit = 1e-6
     if model_name == "gpt" and opt == "adamw":
-        # The key bias's true gradient is exactly 0 (softmax ignores a shift of a row of
-        # scores): what backward computes is rounding noise, which Adam scales to steps of up to
-        # lr. Elsewhere Adam divides each gradient element by its own size, so float32
-        # reduction order shows as ~1e-6 of a step: the single-device run in fp32 against the
-        # same in fp64 differs by 1.6e-5 here (measured); the split run is within 1e-5.
-        h = 64
-        bias = diffs.pop("blocks.0.attn.qkv.bias"), diffs.pop("blocks.1.attn.qkv.bias")
-        assert max(b.max().item() for b in bias) < 3 * STEPS * 1e-2
-        diffs.update({f"{i} q,v bias": torch.cat([b[:h], b[2 * h:]]) for i, b in enumerate(bias)})
+        # AdamW divides each gradient element by its own running size, so float32 reduction
+        # order (which the split changes) shows in elements whose gradient is near zero: the key
+        # bias's true gradient is exactly 0 (softmax ignores a shift of a row of scores), so
+        # backward computes rounding noise there, and eps=1e-6 caps its steps at ~lr*1e-4.
+        # Measured on this case: the single-device run in fp32 differs from the same run in
+        # fp64 by 6.7e-6; the split run differs from the fp32 one by at most 5.3e-6. A wrong
+        # gradient would show at ~lr = 1e-2.
         limit = 1e-5
     worst = max(diffs, key=lambda n: diffs[n].max().item())
     assert diffs[worst].max().item() < limit, (worst, diffs[worst].max().item())
