@@ -100,10 +100,10 @@ def check_stage_order(my_ops, stage=0, stages=4, microbatches=8, timeout_s=60):
     timeline = [e for r in results for e in r["timeline"]]
     held, bound = schedules.microbatches_in_flight(ops), min(m, p - stage)
     text = (f"same parameters as one device (max diff {diff:.1e}); bubble "
-            f"{schedules.timeline_bubble_fraction(timeline):.3f} (modelled on free links; "
-            f"formula {schedules.bubble_formula(p, m):.3f}, a little less than this MLP's, whose "
-            f"first stage has a shorter backward: its input needs no gradient); stage {stage} "
-            f"holds at most {held} micro-batches' activations")
+            f"{schedules.timeline_bubble_fraction(timeline):.3f} (modelled on free links; the "
+            f"formula's {schedules.bubble_formula(p, m):.3f} assumes equal stages, and this "
+            f"MLP's first stage has a shorter backward: its input needs no gradient); stage "
+            f"{stage} holds at most {held} micro-batches' activations")
     if held > bound:
         return Check(False, "memory", f"RIGHT RESULT, TOO MUCH MEMORY: {text}, more than "
                      f"1F1B's {bound} (P - stage). Start the backwards earlier: after "
