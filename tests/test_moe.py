@@ -72,14 +72,17 @@ def test_capacity_dispatch_equals_dense_dispatch_when_nothing_is_dropped(k):
 # ----------------------------------------------- ExpertParallel equals one device: the runs
 
 class HandMoE(nn.Module):
-    """Not labkit's: an nn.Linear router, a ModuleList of ReLU experts, its own loops."""
+    """Not labkit's: an nn.Linear router, a ModuleList of ReLU experts, its own loops;
+    `frozen`: every expert's output bias is frozen."""
 
-    def __init__(self, hidden, experts, top_k, capacity_factor):
+    def __init__(self, hidden, experts, top_k, capacity_factor, frozen=False):
         super().__init__()
         self.router = nn.Linear(hidden, experts, bias=False)
         self.experts = nn.ModuleList(
             nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.ReLU(), nn.Linear(2 * hidden, hidden))
             for _ in range(experts))
+        for expert in self.experts if frozen else ():
+            expert[2].bias.requires_grad_(False)
         self.top_k, self.capacity_factor = top_k, capacity_factor
 
     def forward(self, x):
@@ -104,7 +107,7 @@ def make_layer(kind, k, cf):
     torch.manual_seed(7)
     if kind == "labkit":
         return MoELayer(HIDDEN, 2 * HIDDEN, MoEConfig(experts=EXPERTS, top_k=k, capacity_factor=cf))
-    return HandMoE(HIDDEN, EXPERTS, k, cf)
+    return HandMoE(HIDDEN, EXPERTS, k, cf, frozen=kind == "frozen")
 
 
 def batch(step):
@@ -155,7 +158,7 @@ def expert_parallel(combos, group=None):
             out = layer(x)
             loss_of(kind, layer, out, y).backward()
             for name, p in layer.named_parameters():   # the router is replicated: average it
-                if ".experts." not in name:
+                if ".experts." not in name and p.requires_grad:
                     ctx.comm.all_reduce(p.grad, op="avg", group=group, tag="router grads")
             optimizer.step()
             outs.append(out.detach())
@@ -199,9 +202,10 @@ def assert_equal_to_single_device(runs, combos):
         assert params.keys() == ref_params.keys()
         diff = max((params[n] - p).abs().max().item() for n, p in ref_params.items())
         assert diff < 1e-6, (combo, diff)
-        moved = max((ref_params[n] - p).abs().max().item()
-                    for n, p in make_layer(*combo[:3]).named_parameters())
+        initial = dict(make_layer(*combo[:3]).named_parameters())
+        moved = max((ref_params[n] - p).abs().max().item() for n, p in initial.items())
         assert moved > 1e-3, combo                      # the steps did change the parameters
+        assert all(torch.equal(params[n], p) for n, p in initial.items() if not p.requires_grad)
         dropped = sum(r["dropped"] for r in ranks)
         assert (dropped > 0) == (combo[2] < 1), (combo, dropped)
 
@@ -227,7 +231,7 @@ def test_expert_parallel_in_a_plain_spawn_program():
 
 
 def test_expert_parallel_in_a_subgroup_of_four():
-    combos = [("labkit", 2, 0.75, "sgd"), ("hand", 1, 4.0, "adamw")]
+    combos = [("labkit", 2, 0.75, "sgd"), ("frozen", 1, 0.75, "adamw")]
     results = launch(in_subgroup, 4, combos, timeout_s=300)
     assert results[0] is None and results[2] is None
     assert_equal_to_single_device([results[1], results[3]], combos)

@@ -235,7 +235,7 @@ class ExpertParallel(nn.Module):
                 for t in self.module.experts[str(e)].state_dict().values()]
         sizes = [sum(numel for e in self._rank_experts(r) for *_, numel in self._expert_state[e])
                  for r in range(self.group.size)]
-        flat = torch.cat(mine) if mine else torch.zeros(0)
+        flat = torch.cat(mine)     # every rank holds at least one expert
         flat = torch.cat([flat, flat.new_zeros(max(sizes) - flat.numel())])
         everyone = context().comm.all_gather(flat[None], group=self.group,
                                              tag=f"{self.tag} gather experts")

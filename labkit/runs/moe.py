@@ -92,7 +92,7 @@ def _average(ctx, params, group, tag):
         return
     parts = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
              for p in params]
-    present = torch.tensor([float(p.grad is not None) for p in params])
+    present = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
     flat = ctx.comm.all_reduce(torch.cat(parts + [present]), group=group, tag=tag)
     offset, present = 0, flat[-len(params):]
     for p, flag in zip(params, present):
