@@ -3,7 +3,7 @@
 PyTorch has no MoE layer or expert-parallel wrapper of its own, so the anchor is the obvious
 plain-torch version on the same layer (labkit's MoELayer: 8 experts, top-2, capacity factor
 1.25, hidden 128, expert ffn 256), the same routing conventions, the same data: the routing
-counts with `dist.all_gather_into_tensor`, dispatch and combine with PyTorch's differentiable
+counts with `dist.all_gather_single`, dispatch and combine with PyTorch's differentiable
 `all_to_all_single_autograd` (torch.distributed._functional_collectives, what PyTorch now
 recommends over torch.distributed.nn.functional), expert gradients divided by N with hooks.
 One launch per world size; inside it every rank runs the two sides in interleaved rounds (the
@@ -39,7 +39,7 @@ from labkit.runtime.memory import MemoryTracker  # noqa: E402
 
 HIDDEN, FFN, TOKENS_PER_RANK = 128, 256, 256
 MOE = MoEConfig(experts=8, top_k=2, capacity_factor=1.25)
-WARMUP, TIMED, ROUNDS = 2, 6, 6
+WARMUP, TIMED, ROUNDS = 2, 8, 8
 SIDES = ("labkit", "torch")
 
 
@@ -64,7 +64,7 @@ class TorchExpertParallel(nn.Module):
         weight = top_p / top_p.sum(-1, keepdim=True)
         onehot = F.one_hot(expert, self.E)                        # (T, k, E)
         counts = torch.empty(self.n, self.k, self.E, dtype=torch.long)
-        dist.all_gather_into_tensor(counts, onehot.sum(0)[None].contiguous())
+        dist.all_gather_single(counts, onehot.sum(0)[None].contiguous())
         slots = math.ceil(self.cf * self.k * x.shape[0] * self.n / self.E)
         total = counts.sum(0)
         ahead = total.cumsum(0) - total + counts[:self.rank].sum(0)
