@@ -21,6 +21,7 @@ TECHNIQUES = {
     "tp": "labkit.runs.tensor_parallel",
     "zero": "labkit.runs.zero",
     "moe": "labkit.runs.moe",
+    "hybrid": "labkit.runs.hybrid",
 }
 SHAPE = ("layers", "hidden", "heads", "ffn", "seq", "vocab")  # GPT shape flags (--layers 4 ...)
 

@@ -1,0 +1,161 @@
+"""Putting it together: DP x TP x PP (x EP) on one model, composed from the building blocks.
+
+The world is a mesh (labkit.runtime.mesh: pp outermost, tp innermost, so a TP group sits inside
+a node). The model, as an nn.Sequential of layers, is cut into pp x v pipeline stages; rank
+(pp=i, dp=j, tp=k) holds stages i, i+pp, ... (v of them when interleaved), each split over its
+TP group by `parallelize` (heads and MLP columns, + sequence parallelism); the stages talk over
+the PP group with `PipelineSchedule`; the dp replicas of a stage average their gradients over
+the DP group after the pipeline flush (Megatron-LM's order, Narayanan et al. 2021,
+arXiv 2104.04473: TP inside a node, PP across nodes, DP outermost) and step with a plain
+optimizer or with ZeRO-1 (`ShardedOptimizer`) over the same group. An MoE model's experts are
+spread by `ExpertParallel` over EP groups carved out of DP; an expert's gradient is averaged
+over its replicas (`ep_dp`), every other one over DP.
+
+Memory per GPU (model states): Ψ / (tp * pp) of the weights each (+ 1/ep of the experts);
+ZeRO-1 divides the optimizer state by dp too. Activations: those of the micro-batches in
+flight on this stage, / tp with sequence parallelism. Communication per step: TP 4 collectives
+per layer and micro-batch of b*s*h values (inside a node); PP 2 point-to-point messages per
+stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the stage's gradients
+(2 (dp-1)/dp x its bytes; ZeRO-1 the same in reduce-scatter + all-gather form).
+
+    mesh = ctx.mesh(dp=2, tp=2, pp=2)
+    hybrid = HybridParallel(model, mesh, loss_fn, tp_plan=plan, n_microbatches=4)
+    loss = hybrid.step(x, y)                # forward, backward, DP average, optimizer step
+"""
+import fnmatch
+import itertools
+
+import torch
+import torch.nn as nn
+
+from ..runtime.context import context
+from ..runtime.memory import optimizer_state_tensors
+from .moe import ExpertParallel
+from .pipeline import PipelineSchedule, PipelineStage, split_into_stages
+from .tensor_parallel import gather_params, parallelize
+from .zero import ShardedOptimizer
+
+
+def plan_for(module, plan):
+    """The entries of a TP `plan` that name something in `module` (a stage holds only some of
+    the model's layers; keys match names atom by atom, "*" standing for one name)."""
+    names = [name.split(".") for name, _ in module.named_modules() if name]
+    def hits(pattern):
+        atoms = pattern.split(".")
+        return any(len(atoms) == len(parts) and all(map(fnmatch.fnmatchcase, parts, atoms))
+                   for parts in names)
+    return {pattern: style for pattern, style in plan.items() if hits(pattern)}
+
+
+def moe_layers(module):
+    """(parent, attribute, layer) of every Mixture-of-Experts layer: a router and experts."""
+    found = []
+    for name, child in module.named_modules():
+        for attr, layer in child.named_children():
+            if hasattr(layer, "experts") and (hasattr(layer, "router") or hasattr(layer, "gate")):
+                found.append((child, attr, layer))
+    return found
+
+
+class HybridParallel:
+    """Train `model` (an nn.Sequential, or a model with `as_sequential()`) on a `mesh`.
+
+    loss_fn(output, target) on the last stage; tp_plan: `parallelize`'s plan with names of
+    the sequential (e.g. {"*.attn.qkv": "colwise", ...}); schedule / n_microbatches / virtual:
+    the pipeline's; expert_parallel: wrap every MoE layer in ExpertParallel over mesh["ep"];
+    zero_stage 0 (a plain optimizer) or 1 (ShardedOptimizer over the DP group).
+    """
+
+    def __init__(self, model, mesh, loss_fn, *, tp_plan=None, sequence_parallel=False,
+                 schedule="1f1b", n_microbatches=4, virtual=1, balance="layers",
+                 expert_parallel=False, zero_stage=0, optimizer_class=torch.optim.Adam,
+                 **optimizer_defaults):
+        if zero_stage not in (0, 1):
+            raise ValueError(f"zero_stage must be 0 or 1 with pipeline parallelism, got "
+                             f"{zero_stage} (ZeRO-2/3 would shard gradients that the pipeline "
+                             "accumulates over micro-batches)")
+        self.ctx, self.mesh = context(), mesh
+        pp = mesh.sizes["pp"]
+        total = pp * virtual
+        modules = split_into_stages(model, total, balance)
+        mine = list(range(mesh.coords["pp"], total, pp))
+        for s in mine:
+            if mesh.sizes["tp"] > 1 and tp_plan:
+                parallelize(modules[s], plan_for(modules[s], tp_plan), group=mesh["tp"],
+                            sequence_parallel=sequence_parallel)
+            if expert_parallel:
+                for parent, attr, layer in moe_layers(modules[s]):
+                    setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"]))
+        self.stages = [PipelineStage(modules[s], s, total, group=mesh["pp"]) for s in mine]
+        self.module = nn.ModuleList(stage.module for stage in self.stages)
+        self.pipe = PipelineSchedule(self.stages, schedule, loss_fn, n_microbatches)
+        params = list(self.module.parameters())
+        expert_ids = {id(p) for _, _, layer in moe_layers(self.module)
+                      for p in layer.experts.parameters()}
+        self.dense = [p for p in params if p.requires_grad and id(p) not in expert_ids]
+        self.experts = [p for p in params if p.requires_grad and id(p) in expert_ids]
+        self.optimizers = []
+        for group_params, group in ((self.dense, mesh["dp"]), (self.experts, mesh["ep_dp"])):
+            if not group_params:
+                continue
+            if zero_stage == 1:
+                opt = ShardedOptimizer(group_params, optimizer_class, group=group, stage=1,
+                                       **optimizer_defaults)
+            else:
+                opt = optimizer_class(group_params, **optimizer_defaults)
+            self.optimizers.append(opt)
+        self.ctx.memory.watch(
+            params=lambda: list(self.module.parameters()),
+            grads=lambda: [p.grad for p in self.module.parameters()],
+            optimizer_state=lambda: list(itertools.chain.from_iterable(
+                optimizer_state_tensors(o) for o in self.optimizers)))
+
+    @property
+    def is_last(self):
+        return any(stage.is_last for stage in self.stages)
+
+    def step(self, x=None, target=None):
+        """One training step; returns the mean loss on the last stage's ranks, else None."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        with self.ctx.memory.track_activations():
+            loss = self.pipe.step(x, target=target)
+        # DP: the replicas of a stage average their gradients (one flat all-reduce each group).
+        average_gradients(self.ctx, self.dense, self.mesh["dp"], tag="dp grads")
+        average_gradients(self.ctx, self.experts, self.mesh["ep_dp"], tag="ep_dp grads")
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def full_params(self):
+        """{name in the sequential: whole tensor} of this rank's stages: TP shards gathered
+        (every rank calls it); experts are this rank's (the union over EP ranks is whole)."""
+        out = {}
+        for stage in self.stages:
+            module = stage.module
+            if self.mesh.sizes["tp"] > 1:
+                out.update(gather_params(module))
+            else:
+                out.update({k: p.detach().clone() for k, p in module.named_parameters()})
+        return {_unwrapped(k): v for k, v in out.items()}
+
+
+def average_gradients(ctx, params, group, tag):
+    """Average the gradients of `params` over `group` in one flat all-reduce (a parameter with
+    no gradient on this rank contributes zeros)."""
+    group = ctx.group(group)
+    if not params or group.size == 1:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
+    ctx.comm.all_reduce(flat, op="avg", group=group, tag=tag)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+
+
+def _unwrapped(name):
+    """Drop the `.module` a wrapper (ExpertParallel) adds to a parameter's name."""
+    return name.replace(".module.", ".")

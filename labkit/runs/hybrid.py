@@ -1,0 +1,217 @@
+"""DP x TP x PP (x EP) on labkit's GPT: the blocks composed on a mesh, checked against one device.
+
+`python -m labkit run hybrid --dp 2 --tp 2 --pp 2 [--zero 1] [--schedule 1f1b]
+[--sequence-parallel] [--experts 4 --ep 2] [--order tp,pp,dp,cp] --json` trains the tiny GPT
+(or its MoE variant) on dp x tp x pp CPU ranks with `labkit.parallel.hybrid.HybridParallel`
+and reports DESIGN.md's contract: loss and parameters against the single-device run, memory
+per rank, the comm log split by the mesh's groups (dp / tp / pp / ep), the modelled step.
+The MoE variant routes without capacity limits (capacity factor = experts / top_k: nothing is
+dropped, so micro-batching cannot change the routing) and without router losses, so the one
+device reference trains the same function.
+"""
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from .. import data, models
+from ..parallel.hybrid import HybridParallel
+from ..runtime.comm import _group_name
+from ..runtime.mesh import DIMS
+from ..theory import pipeline as schedules
+from . import reference
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+GROUP_ORDER = ("tp", "pp", "ep", "dp", "ep_dp", "cp")   # a set of ranks is named by the first
+
+
+def hybrid_plan(sequence_parallel=False):
+    """Megatron's TP plan, by the names of `TinyGPT.as_sequential()` (stage modules keep them):
+    "0" embeddings, "1".."L" blocks, "L+1" final norm + head."""
+    plan = {"0.tok": "vocab", "*.attn.qkv": "colwise", "*.attn.proj": "rowwise",
+            "*.mlp.fc1": "colwise", "*.mlp.fc2": "rowwise", "*.head": "vocab"}
+    if sequence_parallel:
+        plan["0.pos"] = "vocab"   # each rank gets the position rows of its sequence slice
+    return plan
+
+
+def moe_config(experts, top_k):
+    """An MoE that drops nothing and adds no router loss (see the module docstring)."""
+    return models.MoEConfig(experts=experts, top_k=top_k, capacity_factor=experts / top_k,
+                            aux_loss_coef=0.0, z_loss_coef=0.0)
+
+
+def run_config(cfg, experts=0, top_k=1):
+    """`cfg` as the hybrid trains it: the MoE GPT when experts > 0."""
+    if not experts:
+        return cfg
+    kwargs = dict(cfg.model_kwargs, moe=moe_config(experts, top_k))
+    return replace(cfg, model="moe", model_kwargs=kwargs)
+
+
+def check_config(cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
+                 sequence_parallel=False, experts=0, top_k=1):
+    """One-line ValueError for a layout this model or batch cannot take (before any rank)."""
+    for name, value in dict(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches,
+                            virtual=virtual).items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+    if cfg.model != "gpt":
+        raise ValueError("the hybrid trains the tiny GPT (--model gpt; --experts N for MoE)")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}")
+    if zero not in (0, 1):
+        raise ValueError(f"--zero must be 0 or 1 with a pipeline, got {zero}")
+    c = models.GPTConfig(**cfg.model_kwargs)
+    for name, size in dict(heads=c.heads, ffn=c.ffn, vocab=c.vocab,
+                           **({"seq": c.seq} if sequence_parallel else {})).items():
+        if size % tp:
+            raise ValueError(f"TP degree {tp} does not divide {name}={size}")
+    stages = pp * (virtual if schedule == "interleaved" else 1)
+    if c.layers + 2 < stages:
+        raise ValueError(f"{stages} pipeline stages need at least {stages - 2} GPT layers "
+                         f"(the embeddings and the head are stages of their own): pass "
+                         f"--layers {stages - 2}")
+    if cfg.global_batch % (dp * microbatches):
+        raise ValueError(f"global batch {cfg.global_batch} does not split into dp={dp} "
+                         f"replicas x {microbatches} micro-batches")
+    if schedule == "interleaved" and microbatches % pp:
+        raise ValueError(f"the interleaved schedule needs micro-batches ({microbatches}) "
+                         f"divisible by pp={pp}")
+    if experts:
+        models.MoEConfig(experts=experts, top_k=top_k)      # its own one-line checks
+        if experts % ep or dp % ep:
+            raise ValueError(f"--ep {ep} must divide --experts {experts} and --dp {dp} (expert "
+                             "parallelism spreads the experts over data-parallel ranks)")
+    elif ep > 1:
+        raise ValueError("--ep needs a mixture of experts: add --experts N")
+
+
+def optimizer_spec(cfg):
+    """The reference's optimizer as (class, options), for blocks that build their own."""
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam, dict(lr=cfg.lr, eps=1e-6, foreach=False)
+    return torch.optim.SGD, dict(lr=cfg.lr, foreach=False)
+
+
+def gpt_loss(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
+          sequence_parallel=False, order=DIMS):
+    """Train on this rank's place in the mesh; returns `rank_result` with its stages' params."""
+    from .report import rank_result
+    mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, ep=ep, order=tuple(order))
+    model = reference.build_model(cfg)
+    batches = [reference.batch(model, cfg, step) for step in range(cfg.steps)]
+    layers = model.as_sequential()
+    by_identity = {id(p): name for name, p in model.named_parameters()}
+    model_name = {name: by_identity[id(p)] for name, p in layers.named_parameters()}
+    opt_class, options = optimizer_spec(cfg)
+    hybrid = HybridParallel(
+        layers, mesh, gpt_loss, tp_plan=hybrid_plan(sequence_parallel),
+        sequence_parallel=sequence_parallel, schedule=schedule, n_microbatches=microbatches,
+        virtual=virtual if schedule == "interleaved" else 1,
+        expert_parallel=cfg.model == "moe", zero_stage=zero, optimizer_class=opt_class,
+        **options)
+    first, last = any(s.is_first for s in hybrid.stages), hybrid.is_last
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        x, y = data.shard(x, mesh.coords["dp"], dp), data.shard(y, mesh.coords["dp"], dp)
+        with ctx.step(step, cfg.steps):
+            loss = hybrid.step(x if first else None, y if last else None)
+        if loss is not None:
+            losses.append(loss.item())
+    with ctx.off_the_record():
+        params = {model_name[k]: v for k, v in hybrid.full_params().items()}
+    names = {}
+    for dim in GROUP_ORDER:
+        if dim in mesh.groups:
+            names.setdefault(_group_name(mesh[dim].ranks), dim)
+    comm = ctx.comm.summary(by=("op", "group", "tag"))
+    for row in comm:   # the DP averages say which group they use; else the group's ranks do
+        tag_dim = row["tag"].split(" ")[0]
+        row["dim"] = tag_dim if tag_dim in ("dp", "ep_dp") else names.get(row["group"], "other")
+    return rank_result(ctx, losses, stage_params=params, coords=mesh.coords,
+                       mesh_table=mesh.table(), is_last=last, comm_by_group=comm)
+
+
+def merge_results(results, dp):
+    """Rank 0's entry carries the global loss (the mean of the dp replicas' last stages) and
+    the whole model's parameters (the union of every rank's stages and experts)."""
+    last = [r for r in results if r["is_last"] and r["coords"]["tp"] == 0]
+    per_step = zip(*[r["loss"] for r in last])
+    first = dict(results[0], loss=[sum(s) / len(s) for s in per_step])
+    params = {}
+    for r in results:
+        for k, v in r["stage_params"].items():
+            params.setdefault(k, v)
+    first["params"] = params
+    return [first] + list(results[1:])
+
+
+def comm_by_dim(results):
+    """Payload bytes and ring-model bytes per rank, summed over every rank, by mesh dimension
+    (dp / tp / pp / ep / ep_dp) and op: a list of rows."""
+    rows = {}
+    for r in results:
+        for row in r["comm_by_group"]:
+            key = (row["dim"], row["op"])
+            out = rows.setdefault(key, dict(dim=row["dim"], op=row["op"], calls=0, bytes=0,
+                                            wire_bytes=0.0, modelled_s=0.0))
+            out["calls"] += row["calls"]
+            out["bytes"] += row["bytes"]
+            out["wire_bytes"] += row["wire_bytes_per_rank"]
+            out["modelled_s"] += row["modelled_s"]
+    return sorted(rows.values(), key=lambda row: (GROUP_ORDER.index(row["dim"])
+                                                  if row["dim"] in GROUP_ORDER else 99,
+                                                  row["op"]))
+
+
+def add_arguments(parser):
+    """Options of `python -m labkit run hybrid` (the world size is dp x tp x pp)."""
+    parser.set_defaults(world_size=None)
+    for name, help_ in (("dp", "data-parallel replicas"), ("tp", "tensor-parallel degree"),
+                        ("pp", "pipeline stages"), ("ep", "expert-parallel degree (MoE)")):
+        parser.add_argument(f"--{name}", type=int, default=2 if name != "ep" else 1,
+                            help=help_)
+    parser.add_argument("--zero", type=int, default=0, help="0 or 1 (ZeRO-1 over the DP group)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--virtual", type=int, default=2, help="stages per rank (interleaved)")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--experts", type=int, default=0, help="MoE experts (0: dense GPT)")
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--order", default=",".join(DIMS),
+                        help="mesh dimensions outermost to innermost (default pp,dp,cp,tp)")
+
+
+def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2, ep=1, zero=0,
+           schedule="1f1b", microbatches=2, virtual=2, sequence_parallel=False, experts=0,
+           top_k=2, order=",".join(DIMS), timeout_s=180, **_):
+    """Run the hybrid and return the run report of DESIGN.md (+ mesh table, comm by group)."""
+    from ..runtime.launch import launch
+    from .report import build_report
+    cfg = cfg or reference.RunConfig(model_kwargs=dict(layers=2))
+    check_config(cfg, dp, tp, pp, ep, zero, schedule, microbatches, virtual, sequence_parallel,
+                 experts, top_k)
+    world = dp * tp * pp
+    if world_size not in (None, world):
+        raise ValueError(f"--world-size {world_size} but dp x tp x pp = {world}: drop "
+                         "--world-size (the mesh sets it)")
+    dims = tuple(d.strip() for d in order.split(",")) if isinstance(order, str) else order
+    if sorted(dims) != sorted(DIMS):
+        raise ValueError(f"--order must name {', '.join(DIMS)} once each, got {order}")
+    run = run_config(cfg, experts, top_k)
+    results = launch(train, world, run, dp, tp, pp, ep, zero, schedule, microbatches, virtual,
+                     sequence_parallel, dims, cluster=cluster, timeout_s=timeout_s)
+    results = merge_results(results, dp)
+    v = virtual if schedule == "interleaved" else 1
+    return build_report(
+        "hybrid", run, results,
+        config=dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, schedule=schedule,
+                    microbatches=microbatches, virtual=v, sequence_parallel=sequence_parallel,
+                    experts=experts, top_k=top_k if experts else None, order=list(dims)),
+        comm_by_dim=comm_by_dim(results), mesh_table=results[0]["mesh_table"],
+        bubble_fraction_formula=schedules.bubble_formula(pp, microbatches, v))
