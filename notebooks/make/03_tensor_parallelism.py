@@ -192,8 +192,9 @@ pd.DataFrame(rows)
     code(r"""
 fig, axes = plt.subplots(1, 2, figsize=(12, 4))
 for ax, (sp, r) in zip(axes, runs.items()):
-    comm_bars(r["comm"], ax=ax, title=f"TP=2{' + SP' if sp else ''}: the whole run "
-              f"({cfg.steps} steps), measured log")
+    comm_bars(r["comm"], ax=ax, title=f"TP=2{' + SP' if sp else ''}, {cfg.steps} steps: "
+              "payloads from the log,\nwire bytes from the ring model")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.3)   # room for the legend above the call counts
     wire = sum(x["wire_bytes_per_rank"] for x in r["comm"])
     print(f"SP={sp}: ring-model bytes per rank from the log {wire:,.0f}, "
           f"formula {r['predicted_comm_bytes_per_rank']:,.0f}")
@@ -380,7 +381,8 @@ the per-round spread):
     code(r"""
 bench = pd.read_csv("../data/bench.csv")
 latest = bench[bench.benchmark == "tensor_parallel"].drop_duplicates("metric", keep="last")
-latest[["metric", "labkit", "torch", "ratio", "notes"]].rename(
+latest = latest.assign(per_round_spread=latest.notes.str.extract(r"per-round ratio ([\d.-]+)"))
+latest[["metric", "labkit", "torch", "ratio", "per_round_spread"]].rename(
     columns={"ratio": "labkit_over_torch"}).tail(4)
 """),
     md(r"""
