@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from . import catalog, hardware, transformer as tf
 from .time import collective_time
 
+# Bytes per parameter (weights, gradients, optimizer state) with Adam. bf16: Megatron-LM's
+# mixed precision (bf16 weights, fp32 main grads, fp32 master + moments); fp32: plain fp32 Adam.
+STATE_BYTES = {"bf16": (2, 4, 12), "fp32": (4, 4, 8)}
 RESERVED_BYTES = 2 * 2**30     # CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation
 BUCKET_BYTES = 40e6 * 4        # Megatron-LM's default DDP bucket: 40M fp32 gradients
 ADAM_BYTES_TOUCHED = 30        # read grad, master, m, v (16 B); write master, m, v, bf16 (14 B)
@@ -61,6 +64,8 @@ class ClusterSpec:
     achievable: float = ACHIEVABLE   # fraction of peak bf16 FLOP/s large matmuls reach
     hbm_passes: float = HBM_PASSES   # HBM reads+writes per activation byte kept, fwd+bwd
     flash_attention: bool = True     # the software stack: FlashAttention (no s^2 softmax kept)
+    precision: str = "bf16"          # "bf16": mixed precision (Megatron); "fp32": all fp32
+    dropout: bool = None             # None: GPT models have dropout, Llama models do not
 
     def link(self, span):
         """The link of a group whose members lie within `span` consecutive ranks."""
@@ -72,7 +77,8 @@ class ClusterSpec:
 
 
 def make_cluster(gpu="H100", gpus=8, gpus_per_node=8, intra_link=None, inter_link=None,
-                 achievable=None, hbm_passes=None, flash_attention=True):
+                 achievable=None, hbm_passes=None, flash_attention=True, precision="bf16",
+                 dropout=None):
     g = hardware.gpu(gpu)
     if gpus < 1 or gpus_per_node < 1:
         raise ValueError(f"GPU counts must be positive: gpus={gpus}, per node={gpus_per_node}")
@@ -80,7 +86,8 @@ def make_cluster(gpu="H100", gpus=8, gpus_per_node=8, intra_link=None, inter_lin
     inter = hardware.link(inter_link or "InfiniBand NDR")
     return ClusterSpec(g, gpus, gpus_per_node, intra, inter,
                        achievable or achievable_fraction(g),
-                       HBM_PASSES if hbm_passes is None else hbm_passes, flash_attention)
+                       HBM_PASSES if hbm_passes is None else hbm_passes, flash_attention,
+                       precision, dropout)
 
 
 def achievable_fraction(gpu):
@@ -173,20 +180,21 @@ def evaluate(m, c, batch, seq, p):
         stage_params = layers * layer_params + max(embedding, head)
     # --- memory (bytes per GPU, the worst stage)
     shard = dp * cp       # ZeRO shards over every rank holding the same weights
-    params = 2 * stage_params / (shard if zero >= 3 else 1)
-    grads = 4 * stage_params / (shard if zero >= 2 else 1)
-    optimizer = 12 * stage_params / (shard if zero >= 1 else 1)
-    flash = c.flash_attention
-    per_layer_act = tf.activation_bytes(m, seq, mbs, tp, sp, rc, cp, flash)
+    weight_b, grad_b, optim_b = STATE_BYTES[c.precision]
+    params = weight_b * stage_params / (shard if zero >= 3 else 1)
+    grads = grad_b * stage_params / (shard if zero >= 2 else 1)
+    optimizer = optim_b * stage_params / (shard if zero >= 1 else 1)
+    flash, act = c.flash_attention, dict(dropout=c.dropout, value_bytes=weight_b)
+    per_layer_act = tf.activation_bytes(m, seq, mbs, tp, sp, rc, cp, flash, **act)
     in_flight = min(micro, pp) * layers if v == 1 else \
         min(micro * v, (v + 1) * pp - 1) * layers / v
     activations = per_layer_act * in_flight
     if rc == "full":
-        activations += tf.full_layer_activation_bytes(m, seq, mbs, tp, sp, cp, flash)
+        activations += tf.full_layer_activation_bytes(m, seq, mbs, tp, sp, cp, flash, **act)
     last_stage_logits = tf.logits_bytes(m, seq, mbs, tp, cp)
     activations = max(activations, per_layer_act * layers + last_stage_logits) if pp > 1 \
         else activations + last_stage_logits
-    buffers = 2 * 2 * layer_params if zero == 3 else 0.0
+    buffers = 2 * weight_b * layer_params if zero == 3 else 0.0
     total = params + grads + optimizer + activations + buffers
     # --- time (seconds per step on the slowest stage)
     flops_rate = c.gpu.bf16_flops * c.achievable
@@ -203,13 +211,13 @@ def evaluate(m, c, batch, seq, p):
     # Memory-bound element-wise work (norms, activations, softmax, dropout, residuals): HBM
     # passes over the bytes a layer keeps for backward, again for recomputed forwards.
     elementwise = c.hbm_passes * layers * tf.activation_bytes(m, seq, mbs, tp, sp, "none", cp,
-                                                              flash) \
+                                                              flash, **act) \
         / c.gpu.memory_bw * {"none": 1.0, "selective": 1.0, "full": 4 / 3}[rc]
     mb_time = (compute_mb + extra) / flops_rate + tp_mb + elementwise
     bubble = (pp - 1) / v * mb_time
     send = collective_time("send", act_bytes / tp, 2, c.link(dp * cp * tp * 2)) if pp > 1 else 0
     pp_comm = 2 * micro * v * send
-    grad_bytes = 4 * stage_params   # fp32 (expert grads really reduce over dp/ep ranks only)
+    grad_bytes = grad_b * stage_params   # fp32 (expert grads really reduce over dp/ep ranks only)
     dp_link = c.link(dp * cp * tp)
     if zero == 0:
         dp_total = collective_time("all_reduce", grad_bytes, shard, dp_link)
@@ -307,13 +315,15 @@ def parse_fix(text):
 
 def plan(model, gpus, gpu="H100", gpus_per_node=8, intra_link=None, inter_link=None,
          global_batch=None, global_batch_tokens=None, seq=4096, fix=None, top=None,
-         achievable=None, hbm_passes=None, flash_attention=True):
+         achievable=None, hbm_passes=None, flash_attention=True, precision="bf16",
+         dropout=None):
     """Rank every legal plan; returns DESIGN.md's {"model", "cluster", "considered", "plans"}.
 
-    flash_attention=False models a stack that stores the softmax (Megatron-LM in 2021)."""
+    flash_attention=False models a stack that stores the softmax (Megatron-LM in 2021);
+    precision="fp32" an all-fp32 run (4 + 4 + 8 bytes of Adam states per parameter)."""
     m = parse_model(model)
     c = make_cluster(gpu, gpus, gpus_per_node, intra_link, inter_link, achievable, hbm_passes,
-                     flash_attention)
+                     flash_attention, precision, dropout)
     if seq < 1:
         raise ValueError(f"sequence length must be positive, got {seq}")
     if global_batch is None:

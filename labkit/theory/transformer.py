@@ -92,34 +92,44 @@ def head_flops_per_token(m: ModelShape) -> float:
 
 def activation_bytes(m: ModelShape, seq: int, micro_batch: int, tp: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none",
-                     cp: int = 1, flash: bool = False) -> float:
+                     cp: int = 1, flash: bool = False, dropout: bool = None,
+                     value_bytes: int = BYTES_16BIT) -> float:
     """Bytes one layer keeps for backward for one micro-batch on one GPU (see module doc).
 
     With context parallelism each rank holds s/cp of the sequence; its queries still meet every
     key, so the softmax term is a*(s/cp)*s*b. recompute: "none", "selective" or "full".
     flash: FlashAttention (Dao et al. 2022, arXiv 2205.14135) never stores the softmax (it
     recomputes it in backward), so the a s^2 term is gone, as under selective recompute.
+    dropout (default: GPT yes, Llama no) adds Korthikanti's 1-byte masks and the attention
+    dropout's output; value_bytes is 2 for 16-bit activations, 4 for fp32 runs.
     """
     s_local, b, h, a = seq / cp, micro_batch, m.hidden, m.heads
     sbh = s_local * b * h
     softmax = 0.0 if recompute == "selective" or flash else a * s_local * seq * b
+    sp = tp if sequence_parallel else 1
     if recompute == "full":
-        return BYTES_16BIT * sbh / (tp if sequence_parallel else 1)
-    if is_gpt(m):   # Korthikanti: 10 replicated (dropout masks included) + 24 split, 5as^2 b
-        replicated, split = 10 * sbh, 24 * sbh + 5 * softmax
-        return replicated / (tp if sequence_parallel else 1) + split / tp
-    kv = m.kv_heads * m.head_dim
-    f = m.ffn * (min(m.top_k, m.experts) if m.experts > 1 else 1)
-    replicated = BYTES_16BIT * 4 * sbh
-    split = BYTES_16BIT * (s_local * b * (h + 2 * kv) + sbh + 3 * s_local * b * f + softmax)
-    return replicated / (tp if sequence_parallel else 1) + split / tp
+        return value_bytes * sbh / sp
+    dropout = is_gpt(m) if dropout is None else dropout
+    if is_gpt(m):   # values: 4 sbh replicated; Q, K, V, attention out, 2 x 4h MLP: 12 sbh split
+        replicated, split = value_bytes * 4 * sbh, value_bytes * (12 * sbh + softmax)
+    else:           # Llama: GQA keys and values, SwiGLU's gate, up and down-projection inputs
+        kv = m.kv_heads * m.head_dim
+        f = m.ffn * (min(m.top_k, m.experts) if m.experts > 1 else 1)
+        replicated = value_bytes * 4 * sbh
+        split = value_bytes * (s_local * b * (h + 2 * kv) + sbh + 3 * s_local * b * f + softmax)
+    if dropout:     # two 1-byte masks on the residual branches; the attention dropout's mask
+        replicated += 2 * sbh                          # and output beside the softmax
+        split += (1 + value_bytes) * softmax
+    return replicated / sp + split / tp
 
 
 def full_layer_activation_bytes(m: ModelShape, seq: int, micro_batch: int, tp: int = 1,
                                 sequence_parallel: bool = False, cp: int = 1,
-                                flash: bool = False) -> float:
+                                flash: bool = False, dropout: bool = None,
+                                value_bytes: int = BYTES_16BIT) -> float:
     """The working set a fully recomputed layer rebuilds during its backward."""
-    return activation_bytes(m, seq, micro_batch, tp, sequence_parallel, "selective", cp)
+    return activation_bytes(m, seq, micro_batch, tp, sequence_parallel, "none", cp, flash,
+                            dropout, value_bytes)
 
 
 def logits_bytes(m: ModelShape, seq: int, micro_batch: int, tp: int = 1, cp: int = 1) -> float:
