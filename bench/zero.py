@@ -1,19 +1,30 @@
-"""labkit's ZeRO against PyTorch's own, in one run on the same ranks, model and data.
+"""labkit's ZeRO blocks against PyTorch's own, in one launch, on the same ranks, model and data.
 
-stage 1 vs torch.distributed.optim.ZeroRedundancyOptimizer (under DDP), stage 3 vs
-torch.distributed.fsdp.fully_shard (FSDP2: each block, then the whole model). For each pair:
-median step wall time (warm-up excluded, labkit's clock off), peak memory per rank and the
-largest difference of the resulting parameters.
-
-Peak memory is measured the same way for both: glibc's bytes in use (mallinfo2: arena chunks +
-mmapped blocks), polled by a thread and at every step boundary, minus the bytes in use before
-the model was built. It sees everything either implementation allocates (weights, grads,
-optimizer state, activations, communication buffers), which labkit's own tracker cannot do for
-PyTorch's internals. Results go to data/bench.csv.
+  stage 1: labkit DataParallel + ShardedOptimizer(stage=1)  vs  DDP + ZeroRedundancyOptimizer
+  stage 3: labkit FullyShard                                 vs  torch.distributed.fsdp.fully_shard
+Both sides: the same tiny GPT from the same seed, Adam (eps 1e-6, foreach=False), gradients as
+bucket views (DataParallel and DDP), stage 3 units = each block plus the root (fully_shard on
+each block, then on the model). Every rank runs the two sides of a pair in interleaved rounds
+(the order alternates, so neither side always runs second on a warmer machine):
+  step_time_s  the slowest rank's median wall time per step in each round (warm-up excluded);
+               the median over rounds, the spread (min-max over rounds), and labkit_over_torch
+               = the median of the per-round ratios. labkit's instrumentation is off (no comm
+               log, no virtual clock: ctx.off_the_record(); a memory tracker that does nothing);
+               torch has none.
+  peak_heap_bytes_per_rank  measured the same way for both: glibc's bytes in use (mallinfo2:
+               arena chunks + mmapped blocks), polled by a thread while the side is built and
+               takes two steps, minus the bytes in use before; it sees everything either side
+               allocates (weights, grads, optimizer state, activations, comm buffers).
+  max_param_diff  labkit vs torch after the same steps from the same weights.
+Rows replace this benchmark's earlier rows in data/bench.csv (column `ratio` = labkit_over_torch).
+Run: python bench/zero.py [--dry-run]
 """
+import csv
 import ctypes
+import datetime
 import gc
 import os
+import statistics
 import sys
 import threading
 import time
@@ -23,17 +34,97 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from common import append_rows, median  # noqa: E402
-from labkit import data, zero  # noqa: E402
+from common import COLUMNS, CSV  # noqa: E402
+from labkit import data, models  # noqa: E402
+from labkit.parallel.data_parallel import DataParallel  # noqa: E402
+from labkit.parallel.fully_shard import FullyShard  # noqa: E402
+from labkit.parallel.zero import ShardedOptimizer  # noqa: E402
 from labkit.runs import reference  # noqa: E402
 
 WORLD_SIZE = 2
-STEPS, WARMUP = 8, 2
-CFG = reference.RunConfig(steps=STEPS, global_batch=8, model_kwargs=dict(
+WARMUP, TIMED, ROUNDS = 2, 5, 6
+CFG = reference.RunConfig(global_batch=8, model_kwargs=dict(
     vocab=256, seq=64, hidden=128, heads=4, layers=4, ffn=512))
+ADAM = dict(lr=CFG.lr, eps=1e-6, foreach=False)   # what reference.build_optimizer uses
 
 
-_LIBC = {}   # loaded in each rank (ctypes handles do not pickle into the launched ranks)
+# ---------------------------------------------------------------------------- the four sides
+
+class Quiet:
+    """A memory tracker that records nothing (labkit's instrumentation off while timing)."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def labkit_stage1(ctx):
+    model = reference.build_model(CFG)
+    module = DataParallel(model, gradient_as_bucket_view=True)
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.Adam, stage=1, **ADAM)
+    return module, optimizer, lambda: {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def torch_zero1(ctx):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = reference.build_model(CFG)
+    module = DDP(model, gradient_as_bucket_view=True)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, **ADAM)
+    return module, optimizer, lambda: {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def labkit_stage3(ctx):
+    model = reference.build_model(CFG)
+    module = FullyShard(model, units=lambda m: m is model or isinstance(m, models.Block))
+    optimizer = torch.optim.Adam(module.parameters(), **ADAM)
+    return module, optimizer, module.full_state_dict
+
+
+def torch_fsdp2(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model = reference.build_model(CFG)
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), **ADAM)
+    return model, optimizer, lambda: {k: p.full_tensor().detach().clone()
+                                      for k, p in model.named_parameters()}
+
+
+PAIRS = (("stage 1", labkit_stage1, torch_zero1,
+          "labkit DataParallel + ShardedOptimizer(stage=1)",
+          "DDP(gradient_as_bucket_view) + torch.distributed.optim.ZeroRedundancyOptimizer"),
+         ("stage 3", labkit_stage3, torch_fsdp2, "labkit FullyShard (blocks + root)",
+          "torch.distributed.fsdp.fully_shard (FSDP2; blocks + root)"))
+
+
+def step(ctx, side, index):
+    module, optimizer, _ = side
+    model = getattr(module, "module", module)
+    x, y = (data.shard(t, ctx.rank, ctx.world_size)
+            for t in reference.batch(model, CFG, index))
+    # zero every .grad (ZeroRedundancyOptimizer.zero_grad clears only the owned ones)
+    model.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
+    module(x, y).backward()
+    optimizer.step()
+
+
+def timed_steps(ctx, side, first):
+    dist.barrier()
+    times = []
+    for i in range(first, first + TIMED):
+        start = time.perf_counter()
+        step(ctx, side, i)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------ heap peak
+
+_LIBC = {}
 
 
 def heap_in_use():
@@ -50,158 +141,118 @@ def heap_in_use():
     return info.uordblks + info.hblkhd
 
 
-class HeapPeak:
-    """The most heap bytes in use above a baseline, from `start()` to `stop()`."""
-
-    def __init__(self, interval_s=2e-4):
-        self.interval_s, self.peak, self.running = interval_s, 0, False
-
-    def start(self):
-        gc.collect()
-        self.base = heap_in_use()
-        self.peak, self.running = self.base, True
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.thread.start()
-
-    def _poll(self):
-        while self.running:
-            self.sample()
-            time.sleep(self.interval_s)
-
-    def sample(self):
-        self.peak = max(self.peak, heap_in_use())
-
-    def stop(self):
-        self.sample()
-        self.running = False
-        self.thread.join()
-        return self.peak - self.base
-
-
-def my_batch(model, cfg, step, ctx):
-    x, y = reference.batch(model, cfg, step)
-    return data.shard(x, ctx.rank, ctx.world_size), data.shard(y, ctx.rank, ctx.world_size)
-
-
-def run_labkit(ctx, stage, cfg):
-    ctx.clock.enabled = False   # timing: no modelled clock
-    heap, marks = HeapPeak(), []
-
-    def on_step(step):
-        marks.append(time.perf_counter())
-        heap.sample()
-        if step == cfg.steps - 1:
-            marks.append(heap.stop())
-
+def heap_peak(ctx, build):
+    """Most heap bytes in use above the start while `build` makes a side and it takes 2 steps."""
+    gc.collect()
     dist.barrier()
-    heap.start()
-    marks.append(time.perf_counter())
-    out = zero.train(ctx, cfg, stage=stage, step_callback=on_step)
-    times = [b - a for a, b in zip(marks[:-2], marks[1:-1])]
-    return dict(step_s=times, peak=marks[-1], params=out.get("params"))
+    base = peak = heap_in_use()
+    running = [True]
+
+    def poll():
+        nonlocal peak
+        while running[0]:
+            peak = max(peak, heap_in_use())
+            time.sleep(2e-4)
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    side = build(ctx)
+    for i in range(2):
+        step(ctx, side, i)
+        peak = max(peak, heap_in_use())
+    running[0] = False
+    thread.join()
+    del side
+    gc.collect()
+    return peak - base
 
 
-def run_torch(ctx, kind, cfg):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    heap, times = HeapPeak(), []
-    dist.barrier()
-    heap.start()
-    model = reference.build_model(cfg)
-    if kind == "zero1":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        module = DDP(model)
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=cfg.lr,
-                                            eps=1e-6, foreach=False)  # as build_optimizer
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (ctx.world_size,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        module = fully_shard(model, mesh=mesh)
-        optimizer = reference.build_optimizer(model.parameters(), cfg)
-    for step in range(cfg.steps):
-        start = time.perf_counter()
-        x, y = my_batch(model, cfg, step, ctx)
-        loss = module(x, y)
-        loss.backward()
-        optimizer.step()
-        # not optimizer.zero_grad: ZeroRedundancyOptimizer's clears only the parameters this
-        # rank owns, and DDP would keep adding into the others' .grad
-        model.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-        heap.sample()
-    peak = heap.stop()
-    del optimizer, module
-    params = {}
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        params[name] = full.detach().clone()
-    return dict(step_s=times, peak=peak, params=params if ctx.rank == 0 else None)
-
-
-RUNS = (("labkit stage 1", run_labkit, 1), ("ZeroRedundancyOptimizer", run_torch, "zero1"),
-        ("labkit stage 3", run_labkit, 3), ("FSDP2 fully_shard", run_torch, "fsdp2"))
-
+# ------------------------------------------------------------------------------ one launch
 
 def compare(ctx):
-    # A first short pass of each: imports and one-off library set-up (tens of MB of heap)
-    # would otherwise land on whichever implementation runs first.
-    warm_up = reference.RunConfig(**dict(CFG.as_dict(), steps=1))
-    for _, fn, arg in RUNS:
-        fn(ctx, arg, warm_up)
-        gc.collect()
+    ctx.memory = Quiet()
     out = {}
-    for label, fn, arg in RUNS:
-        gc.collect()
-        dist.barrier()
-        out[label] = fn(ctx, arg, CFG)
+    with ctx.off_the_record():
+        for name, ours, theirs, _, _ in PAIRS:
+            sides = {"labkit": ours(ctx), "torch": theirs(ctx)}
+            for side in sides.values():   # warm-up, also imports and one-off set-up
+                for i in range(WARMUP):
+                    step(ctx, side, i)
+            rounds = {"labkit": [], "torch": []}
+            for r in range(ROUNDS):
+                order = ("labkit", "torch") if r % 2 == 0 else ("torch", "labkit")
+                for who in order:
+                    rounds[who].append(timed_steps(ctx, sides[who], WARMUP + r * TIMED))
+            params = {who: side[2]() for who, side in sides.items()}
+            del sides
+            peaks = {"labkit": heap_peak(ctx, ours), "torch": heap_peak(ctx, theirs)}
+            out[name] = dict(rounds=rounds, peaks=peaks,
+                             params=params if ctx.rank == 0 else None)
     return out
 
 
+def replace_rows(benchmark, rows):
+    """data/bench.csv without this benchmark's earlier rows, then these (dated today)."""
+    with open(CSV, newline="") as f:
+        kept = [row for row in csv.DictReader(f) if row["benchmark"] != benchmark]
+    today = datetime.date.today().isoformat()
+    with open(CSV, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(kept + [{**{c: "" for c in COLUMNS}, **row, "date": today}
+                                 for row in rows])
+
+
 def main():
-    ranks = labkit.launch(compare, WORLD_SIZE, timeout_s=600)
-    ref = reference.train(CFG, track_memory=False)
+    ranks = labkit.launch(compare, WORLD_SIZE, timeout_s=900)
     psi = sum(p.numel() for p in reference.build_model(CFG).parameters())
+    where = (f"tiny GPT {psi} params (h128 L4 seq64 vocab256), batch {CFG.global_batch}, "
+             f"Adam fp32, {WORLD_SIZE} ranks gloo CPU (2 shared, busy cores); {ROUNDS} "
+             f"interleaved rounds of {TIMED} steps after {WARMUP} warm-up")
+    print(where)
     rows = []
-    print(f"tiny GPT {CFG.model_kwargs}, {psi:,} params, Adam fp32, {WORLD_SIZE} ranks gloo/CPU, "
-          f"{STEPS} steps ({WARMUP} warm-up)")
-    for ours, theirs, impl in (("labkit stage 1", "ZeroRedundancyOptimizer",
-                                "torch.distributed.optim.ZeroRedundancyOptimizer + DDP"),
-                               ("labkit stage 3", "FSDP2 fully_shard",
-                                "torch.distributed.fsdp.fully_shard (FSDP2)")):
-        step = {k: max(median(r[k]["step_s"][WARMUP:]) for r in ranks) for k in (ours, theirs)}
-        peak = {k: max(r[k]["peak"] for r in ranks) for k in (ours, theirs)}
-        a, b = ranks[0][ours]["params"], ranks[0][theirs]["params"]
+    for name, _, _, ours, theirs in PAIRS:
+        # per round: the slowest rank's median step, for each side
+        per_round = {who: [max(r[name]["rounds"][who][k] for r in ranks) for k in range(ROUNDS)]
+                     for who in ("labkit", "torch")}
+        med = {who: statistics.median(v) for who, v in per_round.items()}
+        ratios = [a / b for a, b in zip(per_round["labkit"], per_round["torch"])]
+        ratio = statistics.median(ratios)
+        peak = {who: max(r[name]["peaks"][who] for r in ranks) for who in ("labkit", "torch")}
+        a, b = ranks[0][name]["params"]["labkit"], ranks[0][name]["params"]["torch"]
         diff = reference.max_param_diff(a, b)
         close = sum(int(((a[k] - b[k]).abs() <= 1e-5).sum()) for k in a) / psi
-        diff_ref = (reference.max_param_diff(a, ref["params"]),
-                    reference.max_param_diff(b, ref["params"]))
-        t_ratio, m_ratio = step[ours] / step[theirs], peak[ours] / peak[theirs]
-        print(f"\n{ours} vs {theirs}")
-        print(f"  step (median wall): {step[ours] * 1e3:7.1f} ms vs {step[theirs] * 1e3:7.1f} ms"
-              f"  ratio {t_ratio:.2f}  (target <= 1.3)")
-        print(f"  peak heap per rank: {peak[ours] / 1e6:7.2f} MB vs {peak[theirs] / 1e6:7.2f} MB"
-              f"  ratio {m_ratio:.2f}  (target <= 1.1)")
-        print(f"  max |param difference|: {diff:.2e}, {close:.4%} of elements within 1e-5 "
-              f"(vs single-device reference: labkit {diff_ref[0]:.2e}, torch {diff_ref[1]:.2e})")
-        common = dict(benchmark="zero", labkit_impl=f"labkit.zero {ours[7:]}", torch_impl=impl,
+        steps = WARMUP + ROUNDS * TIMED
+        print(f"\n{name}: {ours}\n   vs {theirs}")
+        print(f"  step time (median of per-round medians): labkit {med['labkit'] * 1e3:.1f} ms "
+              f"(range {min(per_round['labkit']) * 1e3:.1f}-{max(per_round['labkit']) * 1e3:.1f})"
+              f", torch {med['torch'] * 1e3:.1f} ms (range {min(per_round['torch']) * 1e3:.1f}-"
+              f"{max(per_round['torch']) * 1e3:.1f})")
+        print(f"  labkit_over_torch time {ratio:.2f} (per-round {min(ratios):.2f}-"
+              f"{max(ratios):.2f}); peak heap per rank {peak['labkit'] / 1e6:.2f} MB vs "
+              f"{peak['torch'] / 1e6:.2f} MB, ratio {peak['labkit'] / peak['torch']:.2f}")
+        print(f"  max |param difference| after {steps} steps: {diff:.2e} "
+              f"({close:.4%} of elements within 1e-5)")
+        common = dict(benchmark="zero", labkit_impl=ours, torch_impl=theirs,
                       world_size=WORLD_SIZE)
-        notes = f"tiny GPT {psi} params, Adam fp32, gloo CPU, {STEPS - WARMUP} timed steps"
         rows += [
-            dict(common, metric="step_s_median", labkit=f"{step[ours]:.4f}",
-                 torch=f"{step[theirs]:.4f}", ratio=f"{t_ratio:.2f}", notes=notes),
-            dict(common, metric="peak_heap_bytes_per_rank", labkit=f"{peak[ours]:.0f}",
-                 torch=f"{peak[theirs]:.0f}", ratio=f"{m_ratio:.2f}",
-                 notes=notes + "; glibc mallinfo2 in-use bytes above the pre-build baseline"),
-            dict(common, metric="max_param_diff", labkit=f"{diff_ref[0]:.2e}",
-                 torch=f"{diff_ref[1]:.2e}", ratio=f"{diff:.2e}",
-                 notes=f"labkit/torch columns: vs single-device reference; ratio column: "
-                       f"labkit vs torch; {close:.4%} of elements within 1e-5 (Adam turns "
-                       f"rounding noise in near-zero gradients into ~lr steps)"),
+            dict(common, metric="step_time_s", labkit=f"{med['labkit']:.4f}",
+                 torch=f"{med['torch']:.4f}", ratio=f"{ratio:.2f}",
+                 notes=f"{where}; per-round ratio range {min(ratios):.2f}-{max(ratios):.2f}; "
+                       f"labkit {min(per_round['labkit']):.4f}-{max(per_round['labkit']):.4f} s,"
+                       f" torch {min(per_round['torch']):.4f}-{max(per_round['torch']):.4f} s; "
+                       "labkit instrumentation off"),
+            dict(common, metric="peak_heap_bytes_per_rank", labkit=f"{peak['labkit']:.0f}",
+                 torch=f"{peak['torch']:.0f}", ratio=f"{peak['labkit'] / peak['torch']:.2f}",
+                 notes="glibc mallinfo2 in-use bytes above the start, while building the side "
+                       "and 2 steps; the same measure for both"),
+            dict(common, metric="max_param_diff", labkit=f"{diff:.2e}", torch="",
+                 ratio="", notes=f"labkit vs torch after {steps} Adam steps from the same "
+                                 f"weights; {close:.4%} of elements within 1e-5"),
         ]
     if "--dry-run" not in sys.argv:
-        append_rows(rows)
+        replace_rows("zero", rows)
+        print(f"\n{len(rows)} rows replace the zero rows of data/bench.csv "
+              "(column ratio = labkit_over_torch)")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 
 import labkit
 from labkit import cli
+from labkit.exercises.zero import check_stage_memory_answer
 from labkit.runs import reference, zero
 from labkit.runtime.clock import Clock
 from labkit.runtime.comm import Comm
@@ -259,3 +260,18 @@ def test_cli_json_report(capsys):
     measured = sum(row["wire_bytes_per_rank"] for row in rep["comm"])
     assert measured == pytest.approx(rep["predicted_comm_bytes_per_rank"], rel=1e-12)
     assert measured == pytest.approx(rep["formula_comm_bytes_per_rank"], rel=0.01)
+
+
+# ---------------------------------------------------------------------------------- exercise
+
+def test_exercise_checker_names_the_mistake():
+    llama = dict(params=8.03e9, world_size=8, stage=2, verbose=False)
+    right = (2 + 14 / 8) * 8.03e9
+    assert check_stage_memory_answer(right, **llama).ok
+    for answer, problem, words in ((None, "no answer", "Hint"), ("lots", "not a number", "number"),
+                                   (right / 1e9, "units", "in GB"),
+                                   (16 * 8.03e9, "another layout", "baseline"),
+                                   ((4 + 12 / 8) * 8.03e9, "another layout", "stage 1"),
+                                   (123.0, "wrong value", "expected")):
+        check = check_stage_memory_answer(answer, **llama)
+        assert not check and check.problem == problem and words in check.message

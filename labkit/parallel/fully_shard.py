@@ -142,13 +142,13 @@ class FullyShard(nn.Module):
         prefetched = self._inflight.pop(unit, None)
         for flat, source in zip(unit.flats, prefetched or map(self._issue_gather, unit.flats)):
             data = source.wait() if flat.sharded else source
-            if prefetched:
-                self._ctx.memory.remove_buffer(f"prefetch {flat.name}")
             if flat.full is not flat.shard:
                 flat.full.untyped_storage().resize_(flat.full.numel() * flat.full.element_size())
                 flat.full.copy_(data)
                 self._ctx.memory.exclude(flat.full)   # saved for backward: not activations
                 self._ctx.memory.add_buffer(f"gathered {flat.name}", flat.full)
+            if prefetched:   # the receive buffer goes once copied in
+                self._ctx.memory.remove_buffer(f"prefetch {flat.name}")
         unit.gathered = True
 
     def _free(self, unit):

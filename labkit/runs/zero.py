@@ -338,5 +338,5 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", stage=1, mixed_preci
                                                            elem_bytes) * cfg.steps,
         formula_comm_bytes_per_rank=formula_wire_bytes(psi, world_size, stage,
                                                        elem_bytes) * cfg.steps,
-        offloaded_bytes=results[0]["offloaded_bytes"],
+        offloaded_bytes=results[0]["offloaded_bytes"], flat_numels=flats,
         step_memory={r["rank"]: r["step_memory"] for r in results})

@@ -1,7 +1,8 @@
 """Figures and the explorer of the ZeRO lesson (04): memory per rank by stage, measured beside
 modelled; which stages let a real model fit on N GPUs; memory over one step; the largest
 trainable model per GPU count. Everything modelled comes from `labkit.theory.memory`.
-Also: comm per step beside the formula, the offload timeline, and the exercise's checker.
+Also: comm per step beside the formula and the offload timeline. (The exercise's checker is
+`labkit.exercises.zero`.)
 """
 from __future__ import annotations
 
@@ -219,60 +220,3 @@ def offload_gantt(timeline, ranks=(0, 1), title=""):
               frameon=False)
     fig.tight_layout()
     return fig
-
-
-# ------------------------------------------------------------------------------- the exercise
-
-def stage_memory_answer(params, world_size, stage, mixed_precision=True):
-    """The expected model-state bytes per GPU (theory.memory.model_state_bytes, Adam)."""
-    return tm.model_state_bytes(params, mixed_precision=mixed_precision, zero_stage=stage,
-                                world_size=world_size)["total"]
-
-
-def _stage_memory_feedback(answer, params, world_size, stage, mixed_precision):
-    if answer is None:
-        return ("No answer yet. Hint: with mixed-precision Adam every parameter costs 2 bytes "
-                "(bf16 weight) + 2 bytes (bf16 gradient) + 12 bytes (fp32 master, momentum, "
-                f"variance). Which of the three does stage {stage} divide by N = {world_size}?")
-    try:
-        value = float(answer)
-    except (TypeError, ValueError):
-        return f"Give a number of bytes (an int or a float), not {answer!r}."
-    expected = stage_memory_answer(params, world_size, stage, mixed_precision)
-    close = lambda x: abs(value - x) <= 0.01 * abs(x)   # noqa: E731
-    if close(expected):
-        return (f"Correct: {value / 1e9:,.2f} GB per GPU of model states "
-                f"({expected / params:.3g} bytes per parameter).")
-    if close(expected / 1e9):
-        return f"Right number, but in GB: the answer is asked in bytes ({expected:,.0f})."
-    n = world_size
-    w, k = (2, 12) if mixed_precision else (4, 8)
-    known = {
-        "the baseline without ZeRO (nothing divided by N)": (2 * w + k) * params,
-        "stage 1 (only the optimizer state divided by N)": (2 * w + k / n) * params,
-        "stage 2": (w + (w + k) / n) * params,
-        "stage 3 (the weights divided by N as well)": (2 * w + k) * params / n,
-        "stage 2 without the fp32 master copy (K = 8 instead of 12)":
-            (w + (w + k - 4) / n) * params,
-        "stage 2 with the weights in fp32 (4 bytes)": (4 + (w + k) / n) * params,
-    }
-    for name, bytes_ in known.items():
-        if name != f"stage {stage}" and close(bytes_):
-            return (f"Not quite: {value:,.0f} bytes is {name}. Which states does stage {stage} "
-                    "shard, and which does every GPU keep whole?")
-    return (f"Not quite: {value:,.0f} bytes is {value / expected:.3g}x the expected value. Per "
-            f"parameter: weights {w} B, gradients {w} B, optimizer state {k} B; stage {stage} "
-            f"divides {'the last two' if stage == 2 else 'some of them'} by N = {n}.")
-
-
-def check_stage_memory_answer(answer, params, world_size, stage=2, mixed_precision=True):
-    """Print plain-words feedback on `answer` (bytes of model states per GPU); never raises.
-
-    Returns True when the answer is within 1% of theory.memory.model_state_bytes.
-    """
-    try:
-        message = _stage_memory_feedback(answer, params, world_size, stage, mixed_precision)
-    except Exception as error:   # feedback, never a traceback in the learner's notebook
-        message = f"Could not check this answer ({type(error).__name__}: {error})."
-    print(message)
-    return message.startswith("Correct")
