@@ -63,5 +63,6 @@ def check_stage_memory_answer(answer, params, world_size, stage=2, mixed_precisi
     try:
         problem, message = _feedback(answer, params, world_size, stage, mixed_precision)
     except Exception as error:   # feedback, never a traceback in the learner's notebook
-        problem, message = "error", f"Could not check this answer ({type(error).__name__}: {error})."
+        problem = "error"
+        message = f"Could not check this answer ({type(error).__name__}: {error})."
     return say(Check(problem == "", problem, message), verbose)
