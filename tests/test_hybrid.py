@@ -61,3 +61,15 @@ def test_bad_layouts_are_one_line(capsys, argv, message):
     assert cli.main(["run", "hybrid", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_layout_exercise_says_what_is_wrong():
+    from labkit.exercises.hybrid import check_layout
+    assert not check_layout("tp=8", verbose=False)
+    no_fit = check_layout(dict(dp=64, tp=1, pp=1, zero_stage=0), verbose=False)
+    assert no_fit.problem == "does not fit" and "GB per GPU" in no_fit.message
+    slow = check_layout(dict(dp=1, tp=64, pp=1), verbose=False)
+    assert slow.problem == "too slow" and "TP communication" in slow.message
+    assert check_layout(dict(dp=3, tp=8, pp=1), verbose=False).problem == "illegal"
+    good = check_layout(dict(dp=4, tp=4, pp=4), verbose=False)
+    assert good.ok and "fits" in good.message

@@ -1,0 +1,323 @@
+"""Build notebooks/06_putting_it_together.ipynb from the cells below, then execute it in place.
+
+Run from anywhere: `.venv/bin/python notebooks/make/06_putting_it_together.py`. Edit the lesson
+here, not in the .ipynb: the notebook is regenerated (with its outputs) from this list.
+"""
+from nbmake import code, md, write_and_execute
+
+CELLS = [
+    md(r"""
+# 06 · Putting it together: a DP × TP × PP mesh, and a planner
+
+Each technique of lessons 01-05 hits a wall on its own. Data parallelism copies the whole model
+to every GPU. ZeRO shards the model states but every GPU still runs every layer, and its
+all-gathers cross the slow links between nodes. Tensor parallelism needs NVLink-class links, so
+it stops at one node (8 GPUs). Pipeline parallelism leaves GPUs idle in the bubble unless there
+are many micro-batches per stage. Real runs combine them: Llama 3.1 405B trained with TP 8
+inside each node, PP 16 across nodes and data parallelism over the rest (Dubey et al. 2024).
+
+The source article ends by saying that, depending on the bottleneck, you can cut memory or
+time by "combining these techniques". This lesson does it:
+1. trains the tiny GPT on a **2 × 2 × 2 mesh** (8 CPU ranks: DP × TP × PP, each dimension one
+   of the building blocks of `labkit.parallel`) and checks it against one device;
+2. asks a **planner** (`labkit.theory.planner`) which layouts of a real model fit a real cluster
+   and how fast each would go (modelled), calibrated on a published table of runs.
+"""),
+    code(r"""
+import pandas as pd
+import matplotlib.pyplot as plt
+from IPython.display import Markdown
+
+import labkit
+from labkit.runs import hybrid, reference
+from labkit.theory import planner
+from labkit.viz.planner_widgets import (mesh_layout, plan_figure, plan_label, plan_table,
+                                        planner_explorer)
+from labkit.exercises.hybrid import EXERCISE, check_layout
+
+pd.set_option("display.precision", 3)
+pd.set_option("display.width", 120)
+GB = 1e9
+"""),
+    md(r"""
+## 1 · The walls of each technique alone (modelled)
+
+Llama 3 70B, a batch of 256 sequences of 4,096 tokens, on 64 H100s (8 nodes of 8). The planner
+holds the layout each technique allows on its own and searches the rest (micro-batch size,
+recompute, ...). `fits` compares the worst GPU's bytes with what an 80 GB H100 leaves usable.
+"""),
+    code(r"""
+WALLS = {"data parallel only": "dp=64,tp=1,pp=1,zero_stage=0",
+         "ZeRO-3 only": "dp=64,tp=1,pp=1,zero_stage=3",
+         "tensor parallel only (TP 64)": "dp=1,tp=64,pp=1",
+         "pipeline only (PP 64)": "dp=1,tp=1,pp=64",
+         "TP 8 x PP 8": "dp=1,tp=8,pp=8",
+         "TP 8 x PP 2 x DP 4": "dp=4,tp=8,pp=2"}
+walls = {}
+for name, fix in WALLS.items():
+    p = planner.plan("llama-3-70b", 64, "H100", global_batch=256, seq=4096, fix=fix,
+                     top=1)["plans"][0]
+    walls[name] = p
+pd.DataFrame({name: {"GB per GPU": p["memory_bytes"]["total"] / GB, "fits": p["fits"],
+                     "step (s, modelled)": p["step_s"], "MFU (modelled)": f"{p['mfu']:.1%}",
+                     "largest overhead": max((k for k in p["breakdown_s"] if k != "compute"),
+                                             key=lambda k: p["breakdown_s"][k])}
+              for name, p in walls.items()}).T
+"""),
+    code(r"""
+best_alone = max((p for n, p in walls.items() if p["fits"] and "x" not in n),
+                 key=lambda p: p["mfu"], default=None)
+combined = walls["TP 8 x PP 2 x DP 4"]
+Markdown(
+    f"Plain data parallelism needs {walls['data parallel only']['memory_bytes']['total'] / GB:.0f}"
+    f" GB per GPU. TP 64 spans 8 nodes: its all-reduces cross InfiniBand and take "
+    f"{walls['tensor parallel only (TP 64)']['breakdown_s']['tp_comm']:.0f} s of a "
+    f"{walls['tensor parallel only (TP 64)']['step_s']:.0f} s step. PP 64 leaves "
+    f"{walls['pipeline only (PP 64)']['breakdown_s']['pp_bubble'] / walls['pipeline only (PP 64)']['step_s']:.0%}"
+    f" of the step in the bubble. The best single technique that fits reaches "
+    f"{best_alone['mfu']:.1%} MFU; TP 8 × PP 2 × DP 4 reaches {combined['mfu']:.1%}.")
+"""),
+    md(r"""
+## 2 · Run it: the tiny GPT on a 2 × 2 × 2 mesh
+
+`labkit.runs.hybrid.report` starts 8 ranks and lays them out as a mesh (`labkit.Mesh`):
+**TP innermost** (ranks 0-1 share a TP group), then DP, then PP outermost. Each rank builds the
+same GPT, keeps its pipeline stage (`split_into_stages`), splits that stage's matrices over its
+TP group (`parallelize`), runs the 1F1B schedule with its stage neighbours (`PipelineSchedule`),
+and after the pipeline flush averages its gradients with the other replica of its stage (one
+all-reduce over the DP group). All of it is `labkit.parallel.hybrid.HybridParallel`, composed
+from the blocks of lessons 01-03. The modelled cluster is 2 nodes of 4 H100s.
+"""),
+    code(r"""
+cfg = reference.RunConfig(steps=3)   # Adam, as every lesson's reference run
+run = hybrid.report(cfg=cfg, dp=2, tp=2, pp=2, microbatches=2, cluster="2x4xH100-IB")
+print(f"loss per step:      {[round(x, 5) for x in run['loss']]}")
+print(f"reference (1 CPU):  {[round(x, 5) for x in run['reference_loss']]}")
+print(f"largest parameter difference after {cfg.steps} steps: "
+      f"{run['max_param_diff_vs_reference']:.2e}")
+fig = mesh_layout(run["mesh_table"], gpus_per_node=4,
+                  title="2 x 2 x 2 mesh on 2 modelled nodes: colour = stage, shade = TP shard")
+"""),
+    md(r"""
+Same losses, same parameters: the difference is float rounding of sums taken in another
+order, which Adam magnifies where a gradient is almost exactly zero (with SGD it stays at
+rounding level; `tests/test_hybrid.py` checks both). The communication, by the mesh dimension it ran in (payloads measured; wire bytes are
+the ring model's, not measured on gloo; seconds are modelled on the 2-node cluster):
+"""),
+    code(r"""
+comm = pd.DataFrame(run["comm_by_dim"]).rename(columns={
+    "bytes": "payload bytes (measured)", "wire_bytes": "ring-model bytes (modelled)",
+    "modelled_s": "seconds (modelled)"})
+comm
+"""),
+    md(r"""
+TP moves the most (4 collectives per layer and micro-batch, on the critical path): that is why
+it sits innermost, on NVLink. PP sends one activation per micro-batch and stage boundary; DP
+reduces each stage's gradients once per step.
+
+**The wrong order.** Put TP outermost instead (`order=("tp", "pp", "dp", "cp")`): ranks 0 and 4
+form a TP group, on different nodes. Same numbers, a slower modelled step:
+"""),
+    code(r"""
+wrong = hybrid.report(cfg=cfg, dp=2, tp=2, pp=2, microbatches=2, cluster="2x4xH100-IB",
+                      order="tp,pp,dp,cp")
+tp_time = {name: sum(r["modelled_s"] for r in rep["comm_by_dim"] if r["dim"] == "tp")
+           for name, rep in (("TP inside a node", run), ("TP across nodes", wrong))}
+print(f"same parameters as one device: {wrong['max_param_diff_vs_reference']:.2e}")
+for name, rep in (("TP inside a node", run), ("TP across nodes", wrong)):
+    print(f"{name:>17}: TP comm {tp_time[name] * 1e6:8.1f} us (modelled, all ranks), "
+          f"step {rep['modelled_step_s'] * 1e6:7.1f} us (modelled)")
+fig = mesh_layout(wrong["mesh_table"], gpus_per_node=4,
+                  title="TP outermost: each TP group spans both nodes (rank r and r + 4)")
+"""),
+    md(r"""
+## 3 · Measured memory beside the planner's
+
+The planner predicts the memory of any layout from the model's shape. Given the tiny GPT's shape
+and this run's settings (fp32 Adam, no dropout, the softmax stored), it should land near what
+the ranks measured. Stage 0 (ranks 0-3) holds the embeddings, stage 1 the head.
+"""),
+    code(r"""
+tiny = "layers=2,hidden=64,heads=4,ffn=256,vocab=128,seq=32,arch=gpt,tied=false"
+predicted = planner.plan(tiny, 8, "H100", global_batch=cfg.global_batch, seq=32,
+                         precision="fp32", dropout=False, flash_attention=False,
+                         fix="dp=2,tp=2,pp=2,v=1,micro_batch_size=2,zero_stage=0,"
+                             "recompute=none,sequence_parallel=false")["plans"][0]
+cats = ["params", "grads", "optimizer", "activations"]
+rows = {f"rank {r} (measured)": {c: run["memory"][r][c] for c in cats} for r in (0, 4)}
+rows["planner, worst stage (modelled)"] = {c: predicted["memory_bytes"][c] for c in cats}
+mem = pd.DataFrame(rows).T / 1e3
+mem.columns = [f"{c} (KB)" for c in cats]
+worst = {c: max(run["memory"][r][c] for r in (0, 4)) for c in cats}
+mem.loc["planner / worst measured"] = [predicted["memory_bytes"][c] / worst[c] for c in cats]
+mem
+"""),
+    md(r"""
+## 4 · The planner on real models (modelled)
+
+For a model, a cluster and a batch the planner enumerates every legal layout (dp, tp, pp,
+interleaving v, micro-batch size, ZeRO stage, recompute, sequence parallelism; cp and ep where
+they apply), predicts memory per GPU on the worst pipeline stage and the step time in seven
+parts, and ranks the plans that fit. Its physics is in `labkit/theory/planner.py`: FLOPs from
+the shapes (`theory/transformer.py`), collectives from the alpha-beta ring model, the bubble of
+each schedule, DP communication hidden under the last backward except one bucket. The command
+line gives the same: `python -m labkit plan --model llama-3-70b --gpus 64 --global-batch 256`.
+"""),
+    code(r"""
+CASES = [("llama-3-8b", 8, 512), ("llama-3-70b", 64, 256), ("llama-3-70b", 512, 1024),
+         ("llama-3.1-405b", 16384, 2048), ("mixtral-8x7b", 64, 512)]
+best_rows = []
+for name, gpus, batch in CASES:
+    out = planner.plan(name, gpus, "H100", global_batch=batch, seq=4096 if "405" not in name
+                       else 8192, top=1)
+    p = out["plans"][0]
+    best_rows.append({"model": out["model"]["display_name"], "H100s": gpus,
+                      "plans considered": out["considered"],
+                      "best plan": plan_label(p, " · "),
+                      "GB per GPU": round(p["memory_bytes"]["total"] / GB, 1),
+                      "step (s)": round(p["step_s"], 2), "MFU": f"{p['mfu']:.1%}",
+                      "tokens/s/GPU": round(p["tokens_per_s_per_gpu"])})
+pd.DataFrame(best_rows)
+"""),
+    code(r"""
+out70 = planner.plan("llama-3-70b", 64, "H100", global_batch=256, seq=4096, top=4)
+fig = plan_figure(out70)
+plan_table(out70, 4)
+"""),
+    md(r"""
+## 5 · How good is the model? Published runs
+
+The planner has two fitted constants, both fitted on **one** published table (Narayanan et
+al. 2021, Table 1: GPT models from 1.7B to 1T parameters on 32 to 3,072 A100s, with their
+layouts): the fraction of peak that large matrix multiplies reach, and how many times the
+element-wise kernels read and write each activation byte. Every other number is physics or a
+datasheet. Then it predicts runs it was **not** fitted on: Llama 3.1 405B on H100s (Dubey et
+al. 2024, Table 4).
+"""),
+    code(r"""
+rows = []
+for use in ("calibration", "check"):
+    for r in planner.published_check(planner.published_runs(use)):
+        rows.append({"use": use, "run": r["name"], "GPUs": int(r["gpus"]), "GPU": r["gpu"],
+                     "published TFLOP/s/GPU": float(r["tflops_per_gpu"]),
+                     "modelled": round(r["predicted"], 1), "error": f"{r['error']:+.1%}",
+                     "counts": r["metric"].upper()})
+published = pd.DataFrame(rows)
+errors = {use: [abs(float(e.strip('%+')) / 100) for e in published[published.use == use].error]
+          for use in ("calibration", "check")}
+print(f"fitted constants: achievable {planner.ACHIEVABLE:.2f} of peak, "
+      f"{planner.HBM_PASSES:g} HBM passes per activation byte")
+print(f"mean absolute error: calibration rows {sum(errors['calibration']) / 10:.1%}, "
+      f"out-of-sample rows {sum(errors['check']) / len(errors['check']):.1%}")
+published
+"""),
+    md(r"""
+What the model leaves out, so the errors can be read: kernel-launch and framework overheads,
+imperfect overlap, communication overlapped with TP (Megatron's tp-comm-overlap), network
+contention between groups that share links, stragglers and load imbalance between MoE
+experts. It is good enough to rank layouts and to say which part of a step dominates; the
+out-of-sample rows show how far to trust an absolute MFU.
+
+## 6 · Explore
+
+Pick a model, the number and kind of GPUs, the batch (tokens) and the sequence length: the
+four best plans, their memory per GPU and their modelled step.
+"""),
+    code(r"""
+planner_explorer()
+"""),
+    md(r"""
+## 7 · Memory-bound or time-bound: what to add next
+
+The source article's closing advice, made concrete: first make it **fit** (memory-bound), then
+make it **fast** (time-bound). For Llama 3 70B on 64 H100s, each row below allows one more
+technique than the row above and takes the planner's best plan:
+"""),
+    code(r"""
+LADDER = [("DP", "tp=1,pp=1,zero_stage=0"), ("+ ZeRO", "tp=1,pp=1"),
+          ("+ TP inside the node", "pp=1"), ("+ PP", "")]
+ladder = []
+for name, fix in LADDER:
+    out = planner.plan("llama-3-70b", 64, "H100", global_batch=256, seq=4096, fix=fix, top=1)
+    p = out["plans"][0]
+    ladder.append({"allowed": name, "best plan": plan_label(p, " · "), "fits": p["fits"],
+                   "GB per GPU": round(p["memory_bytes"]["total"] / GB, 1),
+                   "MFU": f"{p['mfu']:.1%}" if p["fits"] else "-",
+                   "what holds it back": max((k for k in p["breakdown_s"] if k != "compute"),
+                                             key=lambda k: p["breakdown_s"][k])
+                   if p["fits"] else p["reason"]})
+pd.DataFrame(ladder)
+"""),
+    md(r"""
+Read it as a decision chart: **does not fit** → shard the model states (ZeRO) or the layers
+(TP inside a node, PP across nodes), or keep fewer activations (recompute, sequence
+parallelism). **Fits but slow** → look at the largest overhead: exposed DP/ZeRO traffic
+(fewer replicas across slow links, ZeRO-1 rather than 3), TP traffic (keep TP inside a node),
+the bubble (more micro-batches, interleaving), recomputation (recompute less once it fits).
+
+## 8 · The source article's claim 3, revisited
+
+The source article says that with model parallelism "the runtime compared to single GPU
+training tends to increase by a similar magnitude to the number of GPUs used". With a fixed
+global batch the planner says (modelled):
+"""),
+    code(r"""
+scaling = []
+for gpus in (8, 16, 32, 64, 128, 256):
+    best = planner.plan("llama-3-70b", gpus, "H100", global_batch=256, seq=4096,
+                        top=1)["plans"][0]
+    pure = planner.plan("llama-3-70b", gpus, "H100", global_batch=256, seq=4096,
+                        fix=f"dp=1,tp={min(gpus, 8)},pp={gpus // min(gpus, 8)}",
+                        top=1)["plans"][0]
+    scaling.append({"H100s": gpus, "best plan": plan_label(best, " · "), "fits": best["fits"],
+                    "best step (s)": best["step_s"],
+                    "best GPU-seconds": best["step_s"] * gpus,
+                    "dp=1 step (s)": pure["step_s"], "dp=1 fits": pure["fits"],
+                    "dp=1 GPU-seconds": pure["step_s"] * gpus})
+scaling = pd.DataFrame(scaling)
+fit = scaling[scaling["fits"] & scaling["dp=1 fits"]]
+a, b = fit.iloc[0], fit.iloc[-1]
+display(scaling.round(2))
+more = b["H100s"] / a["H100s"]
+Markdown(
+    f"Where both fit ({a['H100s']} to {b['H100s']} GPUs, {more:.0f}x more), the step does "
+    f"not grow, it shrinks: the best plan from {a['best step (s)']:.1f} s to "
+    f"{b['best step (s)']:.1f} s, model parallelism alone (dp=1: only TP and PP grow) from "
+    f"{a['dp=1 step (s)']:.1f} s to {b['dp=1 step (s)']:.1f} s. What grows is the cost: "
+    f"GPU-seconds per step change by {b['best GPU-seconds'] / a['best GPU-seconds']:.2f}x for "
+    f"the best plan and by {b['dp=1 GPU-seconds'] / a['dp=1 GPU-seconds']:.2f}x with model "
+    f"parallelism alone (ideal scaling: 1.00x). So the claim holds only as a statement about "
+    f"efficiency, and only weakly: each GPU does less useful work as the bubble and the "
+    f"communication grow, but the runtime does not rise with the number of GPUs.")
+"""),
+    md(r"""
+## Exercise
+
+A layout for Llama 3 70B on 64 H100s (a batch of 256 sequences of 4,096 tokens) that **fits**
+and reaches a modelled **MFU of at least 45%**. Give at least `dp`, `tp` and `pp` (their product
+is 64); you may fix `v`, `micro_batch_size`, `zero_stage`, `recompute` and `sequence_parallel`
+too (the planner searches what you leave out). `check_layout` answers in words.
+"""),
+    code(r"""
+my_layout = dict(dp=64, tp=1, pp=1)     # change me
+check = check_layout(my_layout)
+"""),
+    md(r"""
+## Takeaways
+
+- Each technique alone hits a wall: DP copies everything, ZeRO-3's traffic crosses slow links,
+  TP stops at the node, PP idles in the bubble. Combined on a mesh (TP innermost, PP across
+  nodes, DP outermost) they fit models none fits alone.
+- The mesh is the blocks of lessons 01-03 composed, nothing more, and it trains exactly what one
+  device trains.
+- The planner turns "which layout?" into arithmetic. Its two fitted constants come from one
+  published table and it is checked on runs it was not fitted to: trust its ranking, and its
+  absolute MFU within the errors shown.
+- First make it fit (shard states, layers or activations), then make it fast (the largest
+  overhead says what to change).
+"""),
+]
+
+
+if __name__ == "__main__":
+    write_and_execute(CELLS, "06_putting_it_together.ipynb")
