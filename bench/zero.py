@@ -23,6 +23,7 @@ import csv
 import ctypes
 import datetime
 import gc
+import io
 import os
 import statistics
 import sys
@@ -191,15 +192,17 @@ def compare(ctx):
 
 
 def replace_rows(benchmark, rows):
-    """data/bench.csv without this benchmark's earlier rows, then these (dated today)."""
+    """data/bench.csv without this benchmark's earlier rows, then these (dated today); every
+    other line is kept byte for byte (the file is shared by every bench)."""
     with open(CSV, newline="") as f:
-        kept = [row for row in csv.DictReader(f) if row["benchmark"] != benchmark]
+        kept = [line for line in f.read().splitlines(keepends=True)
+                if next(csv.reader([line]), [""])[0] != benchmark]
+    new = io.StringIO()
     today = datetime.date.today().isoformat()
+    csv.DictWriter(new, fieldnames=COLUMNS).writerows(
+        [{**{c: "" for c in COLUMNS}, **row, "date": today} for row in rows])
     with open(CSV, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(kept + [{**{c: "" for c in COLUMNS}, **row, "date": today}
-                                 for row in rows])
+        f.write("".join(kept) + new.getvalue())
 
 
 def main():
