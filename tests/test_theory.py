@@ -18,7 +18,10 @@ def test_hardware_csv_loads():
     assert len(hardware.gpus()) == 7 and len(hardware.links()) == 7
     h100 = hardware.gpu("H100 SXM")
     assert h100.bf16_flops == 989e12 and h100.fp32_flops == 67e12
-    assert h100.memory_bytes == 80e9 and h100.memory_bw == 3.35e12 and h100.link == "NVLink 4"
+    # the driver's figure (nvidia-smi memory.total: 81559 MiB), not the datasheet's 80 GB
+    assert h100.memory_bytes == 81559 * 2**20 and h100.memory_bw == 3.35e12
+    assert h100.link == "NVLink 4" and h100.achievable is None
+    assert hardware.gpu("A100").achievable == 0.68   # fitted by planner.calibrate
     nv4 = hardware.link("NVLink 4")
     assert nv4.bandwidth == 450e9 and nv4.effective_bandwidth == pytest.approx(360e9)
     assert hardware.link("ib-ndr").bandwidth == 50e9
@@ -39,7 +42,8 @@ def test_gpu_lookup_lenient(name):
 
 def test_gpu_lookup_other_names():
     assert hardware.gpu("a100").name == "A100 SXM 80GB"
-    assert hardware.gpu("A100-40GB").memory_bytes == 40e9
+    assert hardware.gpu("A100-40GB").memory_bytes == 40960 * 2**20
+    assert hardware.gpu("B200").memory_bytes == 180e9   # datasheet figure where no driver's
     assert hardware.gpu("rtx4090").name == "RTX 4090"
     assert hardware.gpu("h100-pcie").bf16_flops == 756e12
 
@@ -96,7 +100,7 @@ def test_cluster_parsing():
     assert hardware.cluster("4xA100-NVLink").intra.name == "NVLink 3"
     assert hardware.cluster("1xRTX4090").world_size == 1
     assert hardware.cluster("2xRTX4090-PCIe").intra.name == "PCIe 4 x16"
-    assert hardware.cluster("8xH200-NVLink").gpu.memory_bytes == 141e9
+    assert hardware.cluster("8xH200-NVLink").gpu.memory_bytes == 143771 * 2**20
     assert hardware.cluster("2xH100-PCIe").gpu.name == "H100 PCIe"   # the GPU, not a link word
     c = hardware.cluster("4x8xA100-IB-HDR")
     assert c.world_size == 32 and c.inter.name == "InfiniBand HDR"
@@ -175,7 +179,14 @@ def test_largest_trainable_params():
     # ZeRO Table 1 style: 16 bytes/param without sharding, 80 GB -> 5B.
     assert memory.largest_trainable_params(80e9, 64, 0) == pytest.approx(5e9)
     assert memory.largest_trainable_params(80e9, 64, 3) == pytest.approx(80e9 * 64 / 16)
-    assert memory.largest_trainable_params(hardware.gpu("H100"), 1, 0) == pytest.approx(5e9)
+    assert memory.largest_trainable_params(hardware.gpu("H100"), 1, 0) == pytest.approx(
+        81559 * 2**20 / 16)
+
+
+def test_what_the_lessons_draw_fits():
+    # 144 GB of bf16 weights fit one H200 (140.4 GiB); TP=2 halves of 162 GB fit an H100.
+    assert 144e9 <= hardware.gpu("H200").memory_bytes
+    assert 81e9 <= hardware.gpu("H100").memory_bytes < 86e9
 
 
 def test_korthikanti_activation_formulas():

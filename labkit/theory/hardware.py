@@ -2,6 +2,8 @@
 
 A GPU does `flops(dtype)` FLOP/s at peak; a cluster achieves `mfu` of that (an assumption).
 A link moves `bandwidth * efficiency` bytes/s per direction after `latency` seconds.
+A GPU's `memory_bytes` is what the driver reports (H100: 81559 MiB = 85.5e9 bytes), so that
+"fits" compares like with like; `achievable` is the fitted fraction of peak big GEMMs reach.
 """
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ class GPU:
     name: str
     bf16_flops: float     # dense tensor-core bf16/fp16 FLOP/s
     fp32_flops: float     # dense non-tensor-core fp32 FLOP/s
-    memory_bytes: float   # 1 GB = 1e9 bytes
+    memory_bytes: float   # bytes the driver reports (nvidia-smi memory.total); 1 GB = 1e9 bytes
     memory_bw: float      # bytes/s
     link: str             # name of the default intra-node link
+    achievable: float | None = None   # fraction of dense bf16 peak large GEMMs reach (fitted)
 
     def flops(self, dtype="bf16") -> float:
         """Peak FLOP/s for a dtype: a torch dtype or 'bf16'/'fp16'/'fp32'/'bfloat16'/'float32'."""
@@ -91,6 +94,13 @@ def _rows() -> tuple:
         return tuple(csv.DictReader(f))
 
 
+def _memory_bytes(row) -> float:
+    """The driver's figure (the '80 GB' H100 reports 81559 MiB = 85.5e9 bytes): what 'fits'
+    must be judged against; the datasheet's GB (1e9 bytes) where no driver figure is known."""
+    driver = row.get("memory_bytes_driver", "").strip()
+    return float(driver) if driver else float(row["memory_gb"]) * 1e9
+
+
 @functools.lru_cache(maxsize=None)
 def _gpus() -> dict:
     out = {}
@@ -100,9 +110,10 @@ def _gpus() -> dict:
                 name=r["name"],
                 bf16_flops=float(r["bf16_tflops"]) * 1e12,
                 fp32_flops=float(r["fp32_tflops"]) * 1e12,
-                memory_bytes=float(r["memory_gb"]) * 1e9,
+                memory_bytes=_memory_bytes(r),
                 memory_bw=float(r["memory_bw_tbs"]) * 1e12,
                 link=r["link"],
+                achievable=float(r["achievable"]) if r.get("achievable", "").strip() else None,
             )
     return out
 
