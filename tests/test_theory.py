@@ -276,6 +276,11 @@ def test_collective_time_values_and_monotone():
         times_b = [ttime.collective_time(op, b, 8, "ib") for b in (1e3, 1e6, 1e9)]
         assert times_b == sorted(times_b) and times_b[0] < times_b[-1]
     assert ttime.collective_time("recv", 1e6, 2, nv) == ttime.collective_time("send", 1e6, 2, nv)
+    # a broadcast's root sends all S (nccl-tests: broadcast bus bandwidth = S / time), not the
+    # (n-1)/n * S the ranks send on average
+    assert ttime.collective_time("broadcast", 1e9, 8, nv) == pytest.approx(7 * 2e-6 + 1e9 / 360e9)
+    assert ttime.busiest_rank_bytes("broadcast", 1e9, 8) == 1e9
+    assert ttime.busiest_rank_bytes("all_reduce", 1e9, 8) == pytest.approx(2 * 7 / 8 * 1e9)
     assert ttime.collective_time("all_reduce", 1e9, 8, "ib") > t   # IB slower than NVLink
 
 
@@ -283,6 +288,22 @@ def test_compute_time_and_flops():
     assert ttime.compute_time(989e12 * 0.5, "H100") == pytest.approx(1.0)
     assert ttime.training_flops(1e9, 1e6) == 6e15
     assert ttime.training_flops(1e9, 1e6, layers=2, hidden=10, seq=100) == 6e15 + 12 * 2000 * 1e6
+
+
+def llama_3_8b_flops_per_token(seq):
+    """Spelled out from the Llama 3 8B config: q, o h x h; k, v h x 1024 (8 KV heads of 128);
+    SwiGLU 3 h x 14336; the output head V x h. The input embedding is a lookup: no FLOPs."""
+    L, h, kv, f, V = 32, 4096, 1024, 14336, 128256
+    matmul_weights = L * (2 * h * h + 2 * h * kv + 3 * h * f) + V * h
+    return 6 * matmul_weights + 12 * L * h * seq   # + attention scores and values
+
+
+def test_training_flops_count_the_matmuls():
+    assert ttime.training_flops("llama-3-8b", 1, seq=4096) == llama_3_8b_flops_per_token(4096)
+    assert ttime.training_flops("Llama 3 8B", 10) == 10 * llama_3_8b_flops_per_token(4096)
+    six_n = 6 * catalog.model("llama-3-8b").param_count()
+    embedding_share = (six_n - llama_3_8b_flops_per_token(0)) / six_n
+    assert embedding_share == pytest.approx(0.0654, abs=5e-4)   # what 6N overcounted
 
 
 def test_bubble_fraction():
@@ -298,7 +319,8 @@ def test_dp_step_time():
                              global_batch_tokens=2**20)
     assert one["comm"] == 0 and one["total"] == one["compute"]
     n = catalog.model("llama-3-8b").param_count()
-    assert one["compute"] == pytest.approx(6 * n * 2**20 / (989e12 * 0.5))
+    assert one["compute"] == pytest.approx(llama_3_8b_flops_per_token(4096) * 2**20
+                                           / (989e12 * 0.5))
     eight = ttime.dp_step_time("llama-3-8b", gpus=8, cluster="8xH100-NVLink",
                                global_batch_tokens=2**20)
     assert eight["compute"] == pytest.approx(one["compute"] / 8)

@@ -164,7 +164,7 @@ def step_time(model, tp, *, batch=1, seq=4096, cluster=None, link=None,
               sequence_parallel=False, dtype="bf16", overlap=0.0) -> dict:
     """Modelled seconds for one training micro-batch of `batch` x `seq` tokens on a TP group.
 
-    compute = (6N + 12 L h s) * tokens / t / (peak * mfu) (theory.time.training_flops);
+    compute = (6 N_matmul + 12 L h s) * tokens / t / (peak * mfu) (theory.time.training_flops);
     comm = layers * the collectives of `block_comm` (alpha-beta over the group's link: NVLink
     inside a node, InfiniBand once the group spans nodes). Megatron's TP collectives sit on the
     critical path (each layer waits for its all-reduce), so exposed = comm * (1 - overlap);
@@ -175,8 +175,7 @@ def step_time(model, tp, *, batch=1, seq=4096, cluster=None, link=None,
     m = catalog.model(model) if not isinstance(model, catalog.ModelShape) else model
     c = hardware.cluster(cluster) if cluster is not None else cluster_for(tp)
     link = hardware.link(link) if link is not None else c.link_for(range(tp))
-    flops = training_flops(m.param_count(), batch * seq, layers=m.layers, hidden=m.hidden,
-                           seq=seq)
+    flops = training_flops(m, batch * seq, seq=seq)   # matmuls + attention, no embedding
     compute = c.compute_time(flops / tp, dtype)
     comm = hidden_comm = 0.0
     if tp > 1:

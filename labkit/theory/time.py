@@ -1,7 +1,9 @@
 """Closed-form step times: compute at mfu * peak FLOP/s, collectives by the alpha-beta model.
 
-A ring collective over n ranks takes steps * alpha + wire_bytes / beta (all-reduce: 2(n-1)
-steps, 2(n-1)/n * S bytes); training costs 6 * N * tokens FLOPs; a pipeline idles (P-1)/(M+P-1).
+A ring collective over n ranks takes steps * alpha + the busiest rank's bytes / beta (all-reduce:
+2(n-1) steps, 2(n-1)/n * S bytes; broadcast: the root sends all S); training costs 6 FLOPs per
+matmul weight per token plus the attention scores (the input embedding is a lookup, no FLOPs);
+a pipeline idles (P-1)/(M+P-1).
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import math
 
 from . import catalog, hardware
 from .memory import dtype_bytes
+from .transformer import model_flops_per_token
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv",
        "barrier")
@@ -20,12 +23,14 @@ def _check_op(op):
 
 
 def wire_bytes_per_rank(op, nbytes, group_size) -> float:
-    """Bytes each rank sends for the ring algorithm; nbytes is the tensor this rank hands the op.
+    """Ring-model bytes a rank sends, averaged over the group's ranks (modelled, not measured);
+    nbytes is the tensor this rank hands the op. Summed over a run, this is each rank's volume.
 
     all_reduce 2(n-1)/n * S (reduce-scatter then all-gather, Patarasuk & Yuan 2009);
     all_gather (n-1) * S (S is the input shard: (n-1)/n of the gathered output);
     reduce_scatter and all_to_all (n-1)/n * S; broadcast (n-1)/n * S, the average over ranks of a
-    pipelined chain in which n-1 ranks each forward S; send S, recv 0, barrier 0; n == 1 -> 0.
+    pipelined chain in which n-1 ranks each forward S (its time is set by the busiest rank:
+    busiest_rank_bytes); send S, recv 0, barrier 0; n == 1 -> 0.
     """
     _check_op(op)
     n = group_size
@@ -42,6 +47,17 @@ def wire_bytes_per_rank(op, nbytes, group_size) -> float:
     return 0.0   # recv, barrier
 
 
+def busiest_rank_bytes(op, nbytes, group_size) -> float:
+    """Bytes the busiest rank sends, which set the op's time. The ring ops are symmetric (every
+    rank sends wire_bytes_per_rank); a broadcast's root sends all S, and so does every rank of
+    the pipelined chain but the last, so it takes S / bandwidth (nccl-tests' convention: a
+    broadcast's bus bandwidth is S / time), not the (n-1)/n * S average."""
+    _check_op(op)
+    if op == "broadcast" and group_size > 1:
+        return float(nbytes)
+    return wire_bytes_per_rank(op, nbytes, group_size)
+
+
 def ring_steps(op, group_size) -> int:
     """Messages in sequence (each paying the latency alpha) for the ring algorithm."""
     _check_op(op)
@@ -56,14 +72,14 @@ def ring_steps(op, group_size) -> int:
 
 
 def collective_time(op, nbytes, group_size, link) -> float:
-    """Alpha-beta time in seconds: steps * link.latency + wire bytes / effective bandwidth
-    (Hockney's model; ring costs as in Thakur et al. 2005 and NCCL). A recv takes as long as the
-    matching send: the receiver waits for the nbytes to arrive."""
+    """Alpha-beta time in seconds: steps * link.latency + the busiest rank's bytes / effective
+    bandwidth (Hockney's model; ring costs as in Thakur et al. 2005 and NCCL). A recv takes as
+    long as the matching send: the receiver waits for the nbytes to arrive."""
     _check_op(op)
     if group_size <= 1:
         return 0.0
     ln = hardware.link(link)
-    wire = wire_bytes_per_rank("send" if op == "recv" else op, nbytes, group_size)
+    wire = busiest_rank_bytes("send" if op == "recv" else op, nbytes, group_size)
     return ring_steps(op, group_size) * ln.latency + wire / ln.effective_bandwidth
 
 
@@ -96,10 +112,25 @@ def compute_time(flops, gpu, dtype="bf16", mfu=0.5) -> float:
     return flops / (hardware.gpu(gpu).flops(dtype) * mfu)
 
 
+def default_seq(model) -> int:
+    """The sequence length a model's step is modelled at when none is given: its context,
+    at most 4096 (lesson 03's TP step uses 4096 too)."""
+    return min(catalog.model(model).max_seq or 4096, 4096)
+
+
 def training_flops(params, tokens, *, layers=None, hidden=None, seq=None) -> float:
-    """Forward + backward FLOPs: 6 * N * tokens (Kaplan et al. 2020 arXiv 2001.08361, Chinchilla),
-    plus the attention score term 12 * L * h * s * tokens when layers, hidden and seq are given
-    (Narayanan et al. 2021, arXiv 2104.04473, without recomputation)."""
+    """Forward + backward FLOPs (Narayanan et al. 2021, arXiv 2104.04473, without recompute).
+
+    A catalog model (ModelShape or name): transformer.model_flops_per_token(m, seq) * tokens,
+    6 FLOPs per matmul weight per token plus the attention scores 12 L h s; the input embedding
+    is a lookup and costs none (counting it overstates Llama 3 8B by 6.5%); seq defaults to
+    default_seq(model). A parameter count N: 6 * N * tokens (Kaplan et al. 2020 arXiv
+    2001.08361), plus 12 * L * h * s * tokens when layers, hidden and seq are given."""
+    if not isinstance(params, (int, float)):
+        m = catalog.model(params)
+        if m.arch == "unet":   # not a transformer: 6 N is all there is to say
+            return 6.0 * m.param_count() * tokens
+        return float(model_flops_per_token(m, seq or default_seq(m)) * tokens)
     flops = 6 * params * tokens
     if layers is not None and hidden is not None and seq is not None:
         flops += 12 * layers * hidden * seq * tokens
@@ -126,10 +157,12 @@ def _params(model) -> float:
 
 
 def dp_step_time(model, *, gpus, cluster, global_batch_tokens, dtype="bf16", overlap=True,
-                 bucket_bytes=25e6) -> dict:
+                 bucket_bytes=25e6, seq=None) -> dict:
     """Modelled data-parallel step time in seconds for a fixed global batch.
 
-    compute = 6 * N * tokens / gpus / (peak FLOP/s * mfu);
+    compute = training_flops(model, tokens / gpus, seq=seq) / (peak FLOP/s * mfu): for a catalog
+    model the matmuls and the attention scores (the compute model of lesson 03's TP step),
+    for a bare count 6 * N * tokens;
     comm = all-reduce of the N gradients (dtype bytes each, so 2N for bf16) in buckets of
     bucket_bytes over the cluster's link (inter-node once gpus > gpus_per_node), ring alpha-beta.
     Overlap (PyTorch DDP style, Li et al. 2020 arXiv 2006.15704): buckets reduce while backward
@@ -141,7 +174,8 @@ def dp_step_time(model, *, gpus, cluster, global_batch_tokens, dtype="bf16", ove
     c = hardware.cluster(cluster)
     if gpus > c.world_size:
         raise ValueError(f"{gpus} GPUs requested but cluster {c.name!r} has {c.world_size}")
-    compute = c.compute_time(training_flops(n_params, global_batch_tokens / gpus), dtype)
+    flops_of = n_params if isinstance(model, (int, float)) else model
+    compute = c.compute_time(training_flops(flops_of, global_batch_tokens / gpus, seq=seq), dtype)
     comm, last_bucket = 0.0, 0.0
     if gpus > 1:
         grad_bytes = n_params * dtype_bytes(dtype)
