@@ -344,7 +344,9 @@ there to show that the modelled picture comes from a real run.
     md(r"""
 ## 6 · How far does it scale? Modelled on H100s, measured here
 
-`theory.time.dp_step_time` is the closed form: compute 6·Ψ·tokens/N at 50% of peak, plus the
+`theory.time.dp_step_time` is the closed form: compute (6 FLOPs per matmul weight + 12·L·h·s for
+the attention scores) per token, tokens/N of them per GPU, at 50% of peak (lesson 03's compute
+model; the input embedding is a lookup, no FLOPs; s = 4,096 for Llama 3 8B), plus the
 all-reduce of 2Ψ bytes of bf16 gradients in 25 MB buckets, of which everything but the last
 bucket hides under backward. Within a node the ring runs on NVLink; beyond 8 GPUs it crosses
 InfiniBand, and the curve bends.

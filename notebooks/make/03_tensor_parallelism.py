@@ -262,7 +262,8 @@ plt.show()
 ## Why tensor parallelism stays inside a node
 
 TP's collectives sit on the critical path: every layer waits for its all-reduce before the next
-matmul. On a real model the modelled step time (compute at 50% of the H100's bf16 peak,
+matmul. On a real model the modelled step time (compute: 6 FLOPs per matmul weight + 12·L·h·s
+per token, as in lesson 01, at 50% of the H100's bf16 peak,
 alpha-beta collectives over the group's link) for Llama 3 70B, one micro-batch of 4,096 tokens:
 """),
     code(r"""
