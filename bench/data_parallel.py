@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from common import append_rows  # noqa: E402
+from common import replace_rows  # noqa: E402
 from labkit import data  # noqa: E402
 from labkit.parallel.data_parallel import DataParallel  # noqa: E402
 from labkit.runs import reference  # noqa: E402
@@ -136,14 +136,18 @@ def main(world_sizes=(2, 4)):
                             torch_impl="DDP gradient_as_bucket_view=True", world_size=n)
                 rows += [
                     dict(base, metric="step_time_s_median", labkit=f"{x['step']:.4e}",
-                         torch=f"{t['step']:.4e}", ratio=f"{ratio:.2f}", notes=note),
+                         torch=f"{t['step']:.4e}", labkit_over_torch=f"{ratio:.2f}",
+                         spread_min=f"{a:.2f}", spread_max=f"{b:.2f}", rounds=ROUNDS,
+                         notes=note),
                     dict(base, metric="peak_bytes_rank0", labkit=x["peak"], torch=t["peak"],
-                         ratio=f"{peak_ratio:.2f}", notes="labkit memory tracker on both"),
+                         labkit_over_torch=f"{peak_ratio:.2f}",
+                         notes="labkit memory tracker on both"),
                     dict(base, metric="max_param_diff", labkit=f"{x['diff']:.1e}",
                          notes=f"after {cfg.steps} Adam steps (eps 1e-6)")]
             print(line)
-    append_rows(rows)
-    print(f"\n{len(rows)} rows appended to data/bench.csv (column ratio = labkit_over_torch)")
+    replace_rows(rows)
+    print(f"\n{len(rows)} rows written to data/bench.csv (a rerun replaces its configurations' "
+          "rows; column labkit_over_torch)")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from common import append_rows, median  # noqa: E402
+from common import median, replace_rows  # noqa: E402
 
 CALLS = 300
 
@@ -64,9 +64,9 @@ def main():
             rows.append(dict(benchmark="comm_overhead", labkit_impl=f"ctx.comm ({label})",
                              torch_impl="dist.all_reduce", world_size=4,
                              metric=f"s_per_call_{numel * 4}B", labkit=f"{t[label]:.2e}",
-                             torch=f"{raw:.2e}", ratio=f"{ratio:.2f}",
+                             torch=f"{raw:.2e}", labkit_over_torch=f"{ratio:.2f}",
                              notes="gloo CPU; the clock adds one 8-byte stamp all_reduce"))
-    append_rows(rows)
+    replace_rows(rows)
 
 
 if __name__ == "__main__":

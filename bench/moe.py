@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from common import append_rows  # noqa: E402
+from common import replace_rows  # noqa: E402
 from labkit.models import MoEConfig, MoELayer  # noqa: E402
 from labkit.parallel.moe import ExpertParallel  # noqa: E402
 from labkit.runtime.memory import MemoryTracker  # noqa: E402
@@ -187,13 +187,16 @@ def main(world_sizes=(2, 4)):
         base = dict(benchmark="moe", labkit_impl="ExpertParallel",
                     torch_impl="funcol all_to_all_single_autograd, written out", world_size=n)
         rows += [dict(base, metric="step_time_s_median", labkit=f"{lab['step']:.4e}",
-                      torch=f"{tor['step']:.4e}", ratio=f"{ratio:.2f}", notes=note),
+                      torch=f"{tor['step']:.4e}", labkit_over_torch=f"{ratio:.2f}",
+                      spread_min=f"{a:.2f}", spread_max=f"{b:.2f}", rounds=ROUNDS, notes=note),
                  dict(base, metric="peak_bytes_rank0", labkit=lab["peak"], torch=tor["peak"],
-                      ratio=f"{peak_ratio:.2f}", notes="labkit memory tracker on both"),
+                      labkit_over_torch=f"{peak_ratio:.2f}",
+                      notes="labkit memory tracker on both"),
                  dict(base, metric="max_param_diff", labkit=f"{s['diff']:.1e}",
                       notes=f"after {WARMUP + TIMED + 1} SGD steps")]
-    append_rows(rows)
-    print(f"\n{len(rows)} rows appended to data/bench.csv (column ratio = labkit_over_torch)")
+    replace_rows(rows)
+    print(f"\n{len(rows)} rows written to data/bench.csv (a rerun replaces its configurations' "
+          "rows; column labkit_over_torch)")
 
 
 if __name__ == "__main__":

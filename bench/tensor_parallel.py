@@ -15,7 +15,7 @@ cut a fused weight in contiguous thirds). Per side:
               way on both sides (unique storages, DTensors unwrapped to their local shards);
   equal       outputs and gradient shards equal the single-device module's (atol 1e-5).
 labkit_over_torch = labkit / torch (below 1: labkit is faster or smaller).
-Run: python bench/tensor_parallel.py   (rows are appended to data/bench.csv)
+Run: python bench/tensor_parallel.py   (rows replace their configurations' in data/bench.csv)
 """
 import copy
 import os
@@ -30,7 +30,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from common import append_rows  # noqa: E402
+from common import replace_rows  # noqa: E402
 from labkit import models  # noqa: E402
 from labkit.parallel import tensor_parallel as tp  # noqa: E402
 
@@ -232,12 +232,14 @@ def main():
         note = (f"{setting}; per-round ratio {a:.2f}-{b:.2f}; instrumentation off; shared, "
                 "loaded machine")
         rows += [dict(base, metric=f"{kind}_step_s_median", labkit=f"{s['step']['labkit']:.4e}",
-                      torch=f"{s['step']['torch']:.4e}", ratio=f"{s['ratio']:.2f}", notes=note),
+                      torch=f"{s['step']['torch']:.4e}", labkit_over_torch=f"{s['ratio']:.2f}",
+                      spread_min=f"{a:.2f}", spread_max=f"{b:.2f}", rounds=ROUNDS, notes=note),
                  dict(base, metric=f"{kind}_peak_bytes", labkit=s["peak"]["labkit"],
-                      torch=s["peak"]["torch"], ratio=f"{peak_ratio:.2f}",
+                      torch=s["peak"]["torch"], labkit_over_torch=f"{peak_ratio:.2f}",
                       notes="params + grads + max saved for backward, unique storages")]
-    append_rows(rows)
-    print(f"\n{len(rows)} rows appended to data/bench.csv (column ratio = labkit_over_torch)")
+    replace_rows(rows)
+    print(f"\n{len(rows)} rows written to data/bench.csv (a rerun replaces its configurations' "
+          "rows; column labkit_over_torch)")
 
 
 if __name__ == "__main__":

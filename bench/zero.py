@@ -16,14 +16,11 @@ each block, then on the model). Every rank runs the two sides of a pair in inter
                takes two steps, minus the bytes in use before; it sees everything either side
                allocates (weights, grads, optimizer state, activations, comm buffers).
   max_param_diff  labkit vs torch after the same steps from the same weights.
-Rows replace this benchmark's earlier rows in data/bench.csv (column `ratio` = labkit_over_torch).
+Rows replace their configurations' rows in data/bench.csv (column `labkit_over_torch`).
 Run: python bench/zero.py [--dry-run]
 """
-import csv
 import ctypes
-import datetime
 import gc
-import io
 import os
 import statistics
 import sys
@@ -35,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from common import COLUMNS, CSV  # noqa: E402
+import common  # noqa: E402
 from labkit import data, models  # noqa: E402
 from labkit.parallel.data_parallel import DataParallel  # noqa: E402
 from labkit.parallel.fully_shard import FullyShard  # noqa: E402
@@ -192,17 +189,9 @@ def compare(ctx):
 
 
 def replace_rows(benchmark, rows):
-    """data/bench.csv without this benchmark's earlier rows, then these (dated today); every
-    other line is kept byte for byte (the file is shared by every bench)."""
-    with open(CSV, newline="") as f:
-        kept = [line for line in f.read().splitlines(keepends=True)
-                if next(csv.reader([line]), [""])[0] != benchmark]
-    new = io.StringIO()
-    today = datetime.date.today().isoformat()
-    csv.DictWriter(new, fieldnames=COLUMNS).writerows(
-        [{**{c: "" for c in COLUMNS}, **row, "date": today} for row in rows])
-    with open(CSV, "w", newline="") as f:
-        f.write("".join(kept) + new.getvalue())
+    """Rows into data/bench.csv (bench/common.py): each replaces its configuration's row."""
+    assert all(r["benchmark"] == benchmark for r in rows)
+    common.replace_rows(rows)
 
 
 def main():
@@ -239,23 +228,26 @@ def main():
                       world_size=WORLD_SIZE)
         rows += [
             dict(common, metric="step_time_s", labkit=f"{med['labkit']:.4f}",
-                 torch=f"{med['torch']:.4f}", ratio=f"{ratio:.2f}",
+                 torch=f"{med['torch']:.4f}", labkit_over_torch=f"{ratio:.2f}",
+                 spread_min=f"{min(ratios):.2f}", spread_max=f"{max(ratios):.2f}",
+                 rounds=len(ratios),
                  notes=f"{where}; per-round ratio range {min(ratios):.2f}-{max(ratios):.2f}; "
                        f"labkit {min(per_round['labkit']):.4f}-{max(per_round['labkit']):.4f} s,"
                        f" torch {min(per_round['torch']):.4f}-{max(per_round['torch']):.4f} s; "
                        "labkit instrumentation off"),
             dict(common, metric="peak_heap_bytes_per_rank", labkit=f"{peak['labkit']:.0f}",
-                 torch=f"{peak['torch']:.0f}", ratio=f"{peak['labkit'] / peak['torch']:.2f}",
+                 torch=f"{peak['torch']:.0f}",
+                 labkit_over_torch=f"{peak['labkit'] / peak['torch']:.2f}",
                  notes="glibc mallinfo2 in-use bytes above the start, while building the side "
                        "and 2 steps; the same measure for both"),
             dict(common, metric="max_param_diff", labkit=f"{diff:.2e}", torch="",
-                 ratio="", notes=f"labkit vs torch after {steps} Adam steps from the same "
+                 notes=f"labkit vs torch after {steps} Adam steps from the same "
                                  f"weights; {close:.4%} of elements within 1e-5"),
         ]
     if "--dry-run" not in sys.argv:
         replace_rows("zero", rows)
-        print(f"\n{len(rows)} rows replace the zero rows of data/bench.csv "
-              "(column ratio = labkit_over_torch)")
+        print(f"\n{len(rows)} rows written to data/bench.csv (replacing their configurations' "
+              "rows; column labkit_over_torch)")
 
 
 if __name__ == "__main__":

@@ -376,15 +376,14 @@ check = check_row_parallel(my_row_parallel_forward)
 `bench/tensor_parallel.py` runs `labkit.parallelize` beside PyTorch's `parallelize_module` with
 `ColwiseParallel` / `RowwiseParallel` (DTensor) on the same weights, input and 2 gloo ranks (an
 MLP block and a whole transformer block), in interleaved rounds with instrumentation off on both
-sides, and appends the ratios to `data/bench.csv` (`ratio` = labkit_over_torch; the notes give
-the per-round spread):
+sides, and writes its rows into `data/bench.csv` (`labkit_over_torch`: labkit's number over
+PyTorch's, the median of the per-round ratios; `spread_min`-`spread_max`: their range):
 """),
     code(r"""
 bench = pd.read_csv("../data/bench.csv")
 latest = bench[bench.benchmark == "tensor_parallel"].drop_duplicates("metric", keep="last")
-latest = latest.assign(per_round_spread=latest.notes.str.extract(r"per-round ratio ([\d.-]+)"))
-latest[["metric", "labkit", "torch", "ratio", "per_round_spread"]].rename(
-    columns={"ratio": "labkit_over_torch"}).tail(4)
+latest[["metric", "labkit", "torch", "labkit_over_torch", "spread_min", "spread_max",
+        "rounds"]].fillna("")
 """),
     md(r"""
 ## Takeaways
