@@ -1,4 +1,4 @@
-"""Real model shapes from data/models.csv, and parameter counts derived from those shapes.
+"""Real model shapes from labkit/tables/models.csv, and parameter counts derived from them.
 
 Llama layer: attention 2h^2 + 2h*(kv_heads*head_dim), SwiGLU MLP 3*h*ffn (x experts for MoE,
 plus a router h*experts), two RMSNorms 2h; embeddings V*h (a second V*h head unless tied).
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from .hardware import DATA_DIR
+from .hardware import TABLES
 
-MODELS_CSV = DATA_DIR / "models.csv"
+MODELS_CSV = TABLES / "models.csv"
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def _float(s: str):
 @functools.lru_cache(maxsize=None)
 def _models() -> dict:
     out = {}
-    with open(MODELS_CSV, newline="") as f:
+    with MODELS_CSV.open(newline="") as f:
         for r in csv.DictReader(f):
             out[r["name"]] = ModelShape(
                 name=r["name"], display_name=r["display_name"], arch=r["arch"],
@@ -138,7 +138,8 @@ def models() -> list[ModelShape]:
 
 def table() -> pd.DataFrame:
     """The models CSV as a DataFrame, with derived total and active parameter counts."""
-    df = pd.read_csv(MODELS_CSV)
+    with MODELS_CSV.open() as f:
+        df = pd.read_csv(f)
     df["params_derived"] = [model(n).param_count() for n in df["name"]]
     df["active_params_derived"] = [model(n).active_param_count() for n in df["name"]]
     return df

@@ -1,4 +1,4 @@
-"""Hardware numbers from data/hardware.csv: GPUs, links and clusters built from them.
+"""Hardware numbers from labkit/tables/hardware.csv (data/ links to it): GPUs, links, clusters.
 
 A GPU does `flops(dtype)` FLOP/s at peak; a cluster achieves `mfu` of that (an assumption).
 A link moves `bandwidth * efficiency` bytes/s per direction after `latency` seconds.
@@ -11,12 +11,17 @@ import csv
 import functools
 import re
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import pandas as pd
 
-DATA_DIR = Path(__file__).parents[2] / "data"
-HARDWARE_CSV = DATA_DIR / "hardware.csv"
+# The tables ship inside the package (labkit/tables/, package data), so that any install finds
+# them; the checkout's data/ folder links to them and holds the bench results (bench.csv).
+TABLES = resources.files("labkit") / "tables"
+HARDWARE_CSV = TABLES / "hardware.csv"
+_CHECKOUT_DATA = Path(__file__).parents[2] / "data"
+DATA_DIR = _CHECKOUT_DATA if (_CHECKOUT_DATA / "bench.csv").is_file() else TABLES
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ def _norm(name: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _rows() -> tuple:
-    with open(HARDWARE_CSV, newline="") as f:
+    with HARDWARE_CSV.open(newline="") as f:
         return tuple(csv.DictReader(f))
 
 
@@ -134,7 +139,8 @@ def _links() -> dict:
 
 def table() -> pd.DataFrame:
     """The hardware CSV as a DataFrame (GPUs and links, with their sources)."""
-    return pd.read_csv(HARDWARE_CSV)
+    with HARDWARE_CSV.open() as f:
+        return pd.read_csv(f)
 
 
 def gpus() -> list[GPU]:
