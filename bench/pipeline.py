@@ -1,28 +1,32 @@
-"""labkit's GPipe and 1F1B against torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B).
+"""labkit's pipeline executor against torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B).
 
-Same TinyGPT, same split (labkit's balanced split: every rank gets the same modules), the same
-micro-batches and world size, gloo on CPU, in one run. For each schedule: median wall step time
-(warm-up excluded, labkit's clock off), first-stage peak activation bytes (both measured by
-labkit's saved-tensor tracker), and the largest gradient difference after one identical step.
+Same TinyGPT, same split (`split_into_stages`: every rank gets the same modules, deep-copied for
+torch's side), the same micro-batches and loss, 4 ranks, gloo on CPU, in one launch. Per
+schedule: wall step time in interleaved rounds (which side goes first alternates; the slowest
+rank's time per round; median and spread over the rounds; labkit's comm log and clock off),
+rank 0's peak saved activations (both measured by labkit's saved-tensor tracker) and the
+largest gradient difference after one identical step. Ratios: labkit_over_torch.
 """
 import copy
 import os
+import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage as TorchStage
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from labkit import pipeline as pp  # noqa: E402
+from labkit.parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages  # noqa
 from labkit.runs import reference  # noqa: E402
 from labkit.runtime.memory import MemoryTracker  # noqa: E402
-from common import append_rows, median  # noqa: E402
+import common  # noqa: E402
 
-WORLD, MICRO, WARMUP, ITERS = 4, 8, 2, 8
+WORLD, MICRO, WARMUP, ROUNDS = 4, 8, 2, 7
 CFG = reference.RunConfig(steps=1, global_batch=32, optimizer="sgd",
                           model_kwargs=dict(layers=8, hidden=128, heads=4, seq=64, vocab=256,
                                             ffn=512))
@@ -33,91 +37,111 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def clock_off(ctx):
-    """Turn labkit's clock off for timing (raw wall clock, like torch's side)."""
-    ctx.clock.enabled = False
-
-
-def bench_rank(ctx, cfg, schedule_name):
+def bench_rank(ctx, cfg):
     p, rank = ctx.world_size, ctx.rank
     model = reference.build_model(cfg)
     x, y = reference.batch(model, cfg, 0)
-    micro = list(zip(x.chunk(MICRO), y.chunk(MICRO)))
-    ours = pp.build_chunks(model, rank, p)
-    theirs = copy.deepcopy(ours[0])             # identical weights for torch's stage
-    ops = pp.make_schedule(schedule_name, p, MICRO)
-    stage = PipelineStage(theirs, rank, p, device=torch.device("cpu"))
-    schedule = TORCH_SCHEDULES[schedule_name](stage, MICRO, loss_fn=loss_fn)
+    module = split_into_stages(model, p)[rank]
+    out = {}
+    for name, torch_class in TORCH_SCHEDULES.items():
+        ours, theirs = copy.deepcopy(module), copy.deepcopy(module)
+        pipe = PipelineSchedule(PipelineStage(ours, rank, p), name, loss_fn, MICRO)
+        torch_pipe = torch_class(TorchStage(theirs, rank, p, device=torch.device("cpu")),
+                                 MICRO, loss_fn=loss_fn)
 
-    def labkit_step():
-        run_schedule_step(ctx, ours, ops, micro)
+        def labkit_step():
+            ours.zero_grad(set_to_none=True)
+            with ctx.off_the_record():
+                pipe.step(x, target=y)
 
-    def torch_step():
-        for q in theirs.parameters():
-            q.grad = None
-        if rank == 0:
-            schedule.step(x)
-        elif rank == p - 1:
-            schedule.step(target=y, losses=[])
-        else:
-            schedule.step()
+        def torch_step():
+            theirs.zero_grad(set_to_none=True)
+            if rank == 0:
+                torch_pipe.step(x)
+            elif rank == p - 1:
+                torch_pipe.step(target=y, losses=[])
+            else:
+                torch_pipe.step()
 
-    # 1) equal gradients after one identical step; peak activations on each rank (measured)
-    peaks = {}
-    for name, step, module in (("labkit", labkit_step, ours[0]), ("torch", torch_step, theirs)):
-        clock_off(ctx)
-        ctx.memory = MemoryTracker(ctx).watch(model=module)
-        with ctx.memory.track_activations():
-            step()
-        peaks[name] = ctx.memory.max_saved_bytes
-    grad_diff = max((a.grad - b.grad).abs().max().item()
-                    for a, b in zip(ours[0].parameters(), theirs.parameters()))
-    # 2) step times, alternating the two so that load on the machine hits both alike
-    times = {"labkit": [], "torch": []}
-    for i in range(WARMUP + ITERS):
-        for name, step in (("labkit", labkit_step), ("torch", torch_step)):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            dist.barrier()
-            if i >= WARMUP:
-                times[name].append(time.perf_counter() - start)
-    return dict(rank=rank, peaks=peaks, grad_diff=grad_diff,
-                step_s={k: median(v) for k, v in times.items()})
+        steps = {"labkit": (labkit_step, ours), "torch": (torch_step, theirs)}
+        peaks = {}
+        for side, (step, stage) in steps.items():   # one step each, saved tensors tracked
+            ctx.memory = MemoryTracker(ctx).watch(model=stage)
+            with ctx.memory.track_activations():
+                step()
+            peaks[side] = ctx.memory.max_saved_bytes
+        grad_diff = max((a.grad - b.grad).abs().max().item()
+                        for a, b in zip(ours.parameters(), theirs.parameters()))
+        times = {"labkit": [], "torch": []}
+        for i in range(WARMUP + ROUNDS):
+            order = ("labkit", "torch") if i % 2 == 0 else ("torch", "labkit")
+            for side in order:
+                dist.barrier()
+                start = time.perf_counter()
+                steps[side][0]()
+                took = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)   # the slowest rank's step
+                if i >= WARMUP:
+                    times[side].append(took.item())
+        out[name] = dict(peaks=peaks, grad_diff=grad_diff, times=times)
+    return out
 
 
-def run_schedule_step(ctx, chunks, ops, micro):
-    for q in chunks[0].parameters():
-        q.grad = None
-    pp.run_schedule(ctx, chunks, ops, micro)
+def spread(values):
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
 
 
 def main():
+    model_note = ("TinyGPT 8x128 (seq 64, vocab 256), batch 32, M=8, 4 ranks, gloo CPU; "
+                  f"{ROUNDS} interleaved rounds after {WARMUP} warm-up")
+    print(f"{model_note}; wall clock measured here (machine shared with other jobs)")
+    results = labkit.launch(bench_rank, WORLD, CFG, timeout_s=900)
     rows = []
-    print(f"TinyGPT {CFG.model_kwargs}, batch {CFG.global_batch}, {MICRO} micro-batches, "
-          f"{WORLD} stages, gloo on CPU (wall clock, measured here; median of {ITERS})")
-    for name in ("gpipe", "1f1b"):
-        results = labkit.launch(bench_rank, WORLD, CFG, name, timeout_s=600)
-        ours = max(r["step_s"]["labkit"] for r in results)
-        theirs = max(r["step_s"]["torch"] for r in results)
-        peak_ours, peak_theirs = results[0]["peaks"]["labkit"], results[0]["peaks"]["torch"]
-        diff = max(r["grad_diff"] for r in results)
-        print(f"  {name:>5}: step {ours * 1e3:7.1f} ms vs torch {theirs * 1e3:7.1f} ms "
-              f"(ratio {ours / theirs:.2f}); stage-0 peak activations "
+    for name, torch_class in TORCH_SCHEDULES.items():
+        ours, theirs = (spread(results[0][name]["times"][s]) for s in ("labkit", "torch"))
+        ratios = spread([a / b for a, b in zip(results[0][name]["times"]["labkit"],
+                                               results[0][name]["times"]["torch"])])
+        peak_ours, peak_theirs = (results[0][name]["peaks"][s] for s in ("labkit", "torch"))
+        diff = max(r[name]["grad_diff"] for r in results)
+        print(f"  {name:>5}: step {ours[0] * 1e3:7.1f} ms [{ours[1] * 1e3:.1f}-"
+              f"{ours[2] * 1e3:.1f}] vs torch {theirs[0] * 1e3:7.1f} ms [{theirs[1] * 1e3:.1f}-"
+              f"{theirs[2] * 1e3:.1f}]; labkit_over_torch per round: median {ratios[0]:.2f} "
+              f"[{ratios[1]:.2f}-{ratios[2]:.2f}]; stage-0 peak activations "
               f"{peak_ours / 1e6:.2f} MB vs {peak_theirs / 1e6:.2f} MB "
-              f"(ratio {peak_ours / peak_theirs:.2f}); max grad diff {diff:.1e}")
-        torch_impl = f"torch.distributed.pipelining.{TORCH_SCHEDULES[name].__name__}"
-        common = dict(benchmark="pipeline", labkit_impl=f"labkit.pipeline {name}",
-                      torch_impl=torch_impl, world_size=WORLD)
-        note = f"TinyGPT 8x128, batch 32, M={MICRO}, gloo CPU, 2 busy cores"
-        rows += [dict(common, metric="step_time_s", labkit=f"{ours:.4f}", torch=f"{theirs:.4f}",
-                      ratio=f"{ours / theirs:.2f}", notes=note + "; target <= 1.3"),
-                 dict(common, metric="stage0_peak_activation_bytes", labkit=peak_ours,
-                      torch=peak_theirs, ratio=f"{peak_ours / peak_theirs:.2f}",
-                      notes="saved-tensor bytes on rank 0 (labkit tracker for both)"),
-                 dict(common, metric="max_grad_diff", labkit=f"{diff:.2e}", torch="",
-                      ratio="", notes="after one identical step, every rank's stage")]
-    append_rows(rows)
+              f"({peak_ours / peak_theirs:.2f}); max grad diff {diff:.1e}")
+        same = dict(benchmark="pipeline", labkit_impl=f"labkit.PipelineSchedule {name}",
+                    torch_impl=f"torch.distributed.pipelining.{torch_class.__name__}",
+                    world_size=WORLD)
+        rows += [dict(same, metric="step_time_s", labkit=f"{ours[0]:.4f}",
+                      torch=f"{theirs[0]:.4f}", labkit_over_torch=f"{ratios[0]:.2f}",
+                      notes=f"{model_note}; median per-round ratio, range "
+                            f"{ratios[1]:.2f}-{ratios[2]:.2f}; labkit "
+                            f"{ours[1]:.4f}-{ours[2]:.4f} s, torch {theirs[1]:.4f}-"
+                            f"{theirs[2]:.4f} s; instrumentation off"),
+                 dict(same, metric="stage0_peak_activation_bytes", labkit=peak_ours,
+                      torch=peak_theirs, labkit_over_torch=f"{peak_ours / peak_theirs:.2f}",
+                      notes="saved-tensor bytes on rank 0, labkit's tracker for both"),
+                 dict(same, metric="max_grad_diff", labkit=f"{diff:.2e}", torch="",
+                      labkit_over_torch="", notes="after one identical step, every rank")]
+    write(rows)
+
+
+def write(rows):
+    """Rows into data/bench.csv (this bench's earlier rows replaced), through bench/common.py
+    and under its ratio column's name."""
+    if "labkit_over_torch" not in common.COLUMNS:
+        rows = [dict({k: v for k, v in r.items() if k != "labkit_over_torch"},
+                     ratio=r["labkit_over_torch"]) for r in rows]
+    if hasattr(common, "replace_rows"):
+        common.replace_rows(rows)
+        return
+    if os.path.exists(common.CSV):   # one row per (bench, config): drop this bench's old rows
+        with open(common.CSV, "rb") as f:
+            lines = f.read().splitlines(keepends=True)
+        with open(common.CSV, "wb") as f:
+            f.writelines(line for line in lines if not line.startswith(b"pipeline,"))
+    common.append_rows(rows)
 
 
 if __name__ == "__main__":

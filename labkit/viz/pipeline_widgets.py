@@ -116,7 +116,8 @@ def run_gantts(timeline, title=""):
     """A real run's timeline twice: modelled clock (top) and measured wall clock (bottom).
 
     The wall panel starts at the first op (times shifted to 0), shows the forward and backward
-    bars (a wait on the virtual clock has no wall length) and numbers every bar wide enough."""
+    bars (a wait on the virtual clock has no wall length) and numbers every bar: inside, or
+    above it in the bar's colour when it is too thin."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5))
     compute = [e for e in timeline if e["lane"] == "compute"]
     gantt(compute, ax=top, clock="modelled", title=f"{title} - modelled")
@@ -128,12 +129,12 @@ def run_gantts(timeline, title=""):
     span = max(e["wall_end"] for e in wall)
     _pad(bottom)
     ranks = sorted({e["rank"] for e in wall})
-    for e in wall:   # gantt numbers bars over 2.5% of the span; smaller ones get a small number
+    for e in wall:   # gantt numbers bars over 2.5% of the span; the thinner ones get it above
         width = e["wall_end"] - e["wall_start"]
-        if 0.008 * span < width <= 0.025 * span:
-            bottom.text(e["wall_start"] + width / 2, -ranks.index(e["rank"]),
-                        str(e["meta"]["microbatch"]), ha="center", va="center", fontsize=5.5,
-                        color="white" if e["name"] == "forward" else "black")
+        if width <= 0.025 * span:
+            bottom.text(e["wall_start"] + width / 2, -ranks.index(e["rank"]) + 0.27,
+                        str(e["meta"]["microbatch"]), ha="center", va="bottom", fontsize=6,
+                        color=GANTT_COLORS[e["name"]])
     bottom.set_xlabel("measured wall-clock time (s) since the first op, on this machine")
     fig.tight_layout()
     return fig
