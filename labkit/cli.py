@@ -26,7 +26,19 @@ TECHNIQUES = {
 SHAPE = ("layers", "hidden", "heads", "ffn", "seq", "vocab")  # GPT shape flags (--layers 4 ...)
 
 
+POSITIVE = ("world_size", "steps", "batch", "gpus", "seq")  # counts that must be at least 1
+
+
 def main(argv=None):
+    """The command line. Exit code 0, 2 for a mistake (one line, no traceback), 130 on Ctrl-C."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # launch's cleanup has already stopped every rank
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def _main(argv):
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -49,6 +61,7 @@ def main(argv=None):
         "plan", help="which DP x TP x PP layouts of a model fit a cluster, and how fast"))
     args = parser.parse_args(argv)
     try:
+        _check_positive(args)
         if args.command == "doctor":
             print(doctor())
         elif args.command == "run":
@@ -62,6 +75,15 @@ def main(argv=None):
         print(f"error: {message}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_positive(args):
+    """Counts of zero or less end here, in one line (not as negative GB, NaN or a traceback)."""
+    for name in POSITIVE:
+        value = getattr(args, name, None)
+        if value is not None and not value >= 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
+                             f"got {value}")
 
 
 def _technique(module_name):
@@ -152,10 +174,11 @@ def plan_command(args):
 def doctor():
     import torch
     import torch.distributed as dist
-    from .runtime.launch import max_cpu_ranks
+    from .runtime.cpus import max_cpu_ranks, usable_cpus
     lines = [f"python        {platform.python_version()} ({sys.executable})",
              f"torch         {torch.__version__}",
-             f"cpu cores     {os.cpu_count()}  (at most {max_cpu_ranks()} simulated ranks here)",
+             f"cpu cores     {os.cpu_count()}, {usable_cpus()} usable by this process "
+             f"(at most {max_cpu_ranks()} simulated ranks here)",
              f"gloo          {'yes' if dist.is_gloo_available() else 'no'}",
              f"nccl          {'yes' if dist.is_nccl_available() else 'no'}"]
     if torch.cuda.is_available():

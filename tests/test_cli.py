@@ -1,9 +1,15 @@
-"""python -m labkit: doctor, the single-device reference report, memory of a real model."""
+"""python -m labkit: doctor, the single-device reference report, memory of a real model,
+one-line answers to mistakes, and Ctrl-C."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+
+from labkit.cli import main
 
 REPORT_KEYS = {"technique", "world_size", "backend", "config", "steps", "loss", "reference_loss",
                "max_param_diff_vs_reference", "memory", "predicted_memory", "comm",
@@ -50,3 +56,51 @@ def test_memory_of_llama_3_70b():
 def test_memory_of_an_unknown_model_says_which_exist():
     out = labkit("memory", "--model", "gpt-17", check=False)
     assert out.returncode != 0 and "llama-3-70b" in out.stderr
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["memory", "--gpus", "0"], "--gpus"),
+    (["memory", "--batch", "-2"], "--batch"),
+    (["memory", "--seq", "0"], "--seq"),
+    (["run", "single", "--steps", "0"], "--steps"),
+    (["run", "single", "--batch", "0"], "--batch"),
+    (["run", "dp", "--world-size", "-1"], "--world-size"),
+])
+def test_counts_of_zero_or_less_get_one_line_and_exit_code_2(args, flag, capsys):
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert err == f"error: {flag} must be a positive integer, got {args[-1]}\n" and out == ""
+
+
+def forkserver_of(pid):
+    """The forkserver a process started (its child running multiprocessing.forkserver)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if parent == pid and b"forkserver" in f.read():
+                    return int(name)
+        except (OSError, IndexError, ValueError):
+            pass
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_during_the_first_start_prints_one_line_and_exits_130():
+    # As a terminal does: SIGINT to the whole process group, while the forkserver that the
+    # first launch started still imports torch.
+    proc = subprocess.Popen([sys.executable, "-m", "labkit", "run", "single", "--steps", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while forkserver_of(proc.pid) is None and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    assert forkserver_of(proc.pid) is not None, "the run never started its ranks"
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err == "interrupted (Ctrl-C)\n" and out == ""

@@ -1,29 +1,50 @@
 """Start one process per rank, run `fn(ctx)` on each, hand back the results in rank order.
 
-The parent owns a TCPStore on a port the kernel picked (port 0), so two launches never race for
-a port. Each child gets `fn` serialised by value (cloudpickle: notebook cells work), joins the
-process group through that store, and answers on its own pipe: ("ok", result) or ("error", tb).
-The parent watches the pipes and the processes: the first error, death or timeout stops all.
+The ranks meet through a FileStore in a private temporary folder, not a TCPStore: c10d's TCP
+store resolves every peer address back to a name (getnameinfo), and when the DNS answer is lost
+that stalls a launch 5 s (about 1 launch in 20 here). Each child gets `fn` serialised by value
+(cloudpickle: notebook cells work), joins the process group, and answers on its own pipe:
+("ok", result) or ("error", tb). The parent watches the pipes and the processes: the first
+error, death or timeout stops all.
+
+No rank outlives its launch. Ranks are forked by multiprocessing's forkserver, which is warmed
+with a no-op process before any rank is asked for (its first start imports torch: seconds), and
+which lives in a process group of its own, so the Ctrl-C sent to ours stops the launch, not the
+forkserver mid-import. Every rank watches an "alive" pipe whose only write end the launch
+holds: when the launch ends (returns, raises, is interrupted, or its process dies, even as a
+zombie) the pipe reads end-of-file and the rank leaves, also a rank the forkserver forks late
+for a launch that was interrupted while asking for it.
 """
+import atexit
+import math
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing import forkserver, resource_tracker, util as mp_util
+from multiprocessing.connection import wait as wait_for
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiprocessing.connection import wait as wait_for
 
 from .context import Context, STATUS_WIDTH
+from .cpus import BYTES_PER_CPU_RANK, max_cpu_ranks, usable_cpus
 
 DEFAULT_TIMEOUT_S = 120.0
-BYTES_PER_CPU_RANK = 400e6  # a CPU rank (Python + torch + gloo) needs about this much memory
+NO_TIMEOUT = timedelta(days=7)  # what torch gets when timeout_s=None ("wait as long as it takes")
+
+_inside_rank = False  # True in a rank process, and under torchrun while `fn` runs
+_warm_forkserver_pid = None  # the forkserver known to have finished its imports
 
 
 class LaunchError(RuntimeError):
@@ -43,43 +64,59 @@ def launch(fn, world_size, *args, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
     """Run `fn(ctx, *args, **kwargs)` on `world_size` ranks and return the results by rank.
 
     backend: None picks NCCL when there are at least `world_size` GPUs, else gloo on CPU.
+    timeout_s: seconds the ranks may take once started (None: no limit).
     cluster: the modelled machine the virtual clock runs on (a name from `labkit.theory`).
     Under torchrun (RANK and WORLD_SIZE in the environment) this process is one of the ranks:
     `fn` runs here and every rank gets the list of all results.
     """
+    if _inside_rank:
+        raise RuntimeError("launch cannot be nested: this code already runs on a rank. Use "
+                           "ctx (ctx.comm, ctx.new_group) inside fn instead of a second launch.")
+    timeout_s = check_timeout(timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed)
     backend = check_launch_args(world_size, backend)
     _check_cluster(cluster, world_size)
     if threads is None:  # share the cores: oversubscribed ranks are much slower than idle ones
-        threads = max(1, (os.cpu_count() or 1) // world_size)
+        threads = max(1, usable_cpus() // world_size)
     payload = cloudpickle.dumps((fn, args, kwargs))
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                          wait_for_workers=False, timeout=_td(timeout_s + 30))
     procs = _mp_context()
+    with _no_missing_main_file():
+        _warm_forkserver(procs)
+    store_dir = tempfile.mkdtemp(prefix="labkit-store-")
+    alive_r, alive_w = procs.Pipe(duplex=False)  # only this launch holds the write end
     status = procs.Array("c", STATUS_WIDTH * world_size, lock=False)
     progress = procs.Array("q", 2, lock=False)  # rank 0's (steps done, steps in all)
     children = []
     try:
         with _no_missing_main_file():
-            _start_ranks(procs, children, world_size, backend, store.port, payload,
-                         (status, progress), cluster, seed, threads, timeout_s)
+            for rank in range(world_size):
+                conn, child_conn = procs.Pipe(duplex=False)
+                p = procs.Process(target=_worker, daemon=True, args=(
+                    rank, world_size, backend, os.path.join(store_dir, "store"), payload,
+                    child_conn, alive_r, (status, progress), cluster, seed, threads, timeout_s))
+                p.start()
+                child_conn.close()
+                children.append(_Child(rank, p, conn))
         return _collect(children, status, progress, timeout_s)
     finally:
-        _stop_all(children)
-        del store
+        alive_w.close()  # first: every rank, registered or still on its way, now leaves
+        alive_r.close()
+        try:
+            _stop_all(children)
+        finally:
+            shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _start_ranks(procs, children, world_size, backend, port, payload, boards, cluster, seed,
-                 threads, timeout_s):
-    for rank in range(world_size):
-        parent_conn, child_conn = procs.Pipe(duplex=False)
-        p = procs.Process(target=_worker, daemon=True,
-                          args=(rank, world_size, backend, port, payload, child_conn, boards,
-                                cluster, seed, threads, timeout_s, os.getpid()))
-        p.start()
-        child_conn.close()
-        children.append(_Child(rank, p, parent_conn))
+def check_timeout(timeout_s):
+    """None or +inf: no limit; otherwise a positive number of seconds."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or math.isnan(timeout_s) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, or None for no "
+                         f"timeout; got {timeout_s!r}")
+    return None if math.isinf(timeout_s) else float(timeout_s)
 
 
 def check_launch_args(world_size, backend):
@@ -99,7 +136,7 @@ def check_launch_args(world_size, backend):
         if world_size > limit:
             raise ValueError(
                 f"world_size={world_size} is far more CPU ranks than this machine can hold "
-                f"(at most {limit} here: {os.cpu_count()} cores, about "
+                f"(at most {limit} here: {usable_cpus()} usable CPU(s), about "
                 f"{BYTES_PER_CPU_RANK / 1e6:.0f} MB per rank). For larger clusters use the "
                 f"modelled numbers in labkit.theory, or run under torchrun on real machines.")
     return backend
@@ -112,15 +149,6 @@ def _check_cluster(cluster, world_size):
         raise ValueError(f"the modelled cluster {modelled.name!r} has {modelled.world_size} GPUs "
                          f"but world_size={world_size}; pick a bigger one, e.g. "
                          f"'{-(-world_size // 8)}x8xH100-IB'")
-
-
-def max_cpu_ranks():
-    """The most simulated ranks worth starting here: bounded by memory and by cores."""
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        available = 8e9
-    return max(2, min(int(available // BYTES_PER_CPU_RANK), 8 * max(2, os.cpu_count() or 1)))
 
 
 def _collect(children, status, progress, timeout_s):
@@ -138,11 +166,11 @@ def _collect(children, status, progress, timeout_s):
 
 def _wait_for_results(children, status, progress, timeout_s, bar_box):
     results = [None] * len(children)
-    deadline = time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pending = {c.conn: c for c in children}
     sentinels = {c.process.sentinel: c for c in children}
     while pending:
-        left = deadline - time.monotonic()
+        left = 0.2 if deadline is None else deadline - time.monotonic()
         if left <= 0:
             raise LaunchError(_timeout_message(children, status, timeout_s))
         ready = wait_for(list(pending) + [s for s, c in sentinels.items() if not c.done],
@@ -157,13 +185,23 @@ def _wait_for_results(children, status, progress, timeout_s, bar_box):
                     raise LaunchError(_death_message(child)) from None
                 if kind == "error":
                     raise LaunchError(f"rank {child.rank} raised:\n{body}")
-                results[child.rank] = cloudpickle.loads(body)
+                results[child.rank] = _unpickle_result(child.rank, body)
                 child.done = True
             elif obj in sentinels:
                 child = sentinels[obj]
                 if not child.done and child.conn in pending and not child.conn.poll():
                     raise LaunchError(_death_message(child))
     return results
+
+
+def _unpickle_result(rank, body):
+    try:
+        return cloudpickle.loads(body)
+    except Exception as error:  # noqa: BLE001 - any failure here is the result's, say whose
+        raise LaunchError(
+            f"rank {rank}'s result cannot be unpickled in the launching process "
+            f"({type(error).__name__}: {error}). Return plain data (numbers, lists, dicts, "
+            f"tensors) or objects of classes this process can import.") from None
 
 
 def _show_progress(progress, bar_box):
@@ -184,15 +222,34 @@ def _death_message(child):
 
 
 def _timeout_message(children, status, timeout_s):
-    lines = [f"timed out after {timeout_s:g}s; ranks still running and where they wait:"]
-    for c in children:
-        if c.done:
-            continue
-        where = _read_status(status, c.rank) or "running (not in a collective)"
-        lines.append(f"  rank {c.rank}: {where}")
-    lines.append("Ranks that wait in different collectives (or in one the others never call) "
-                 "deadlock: every rank must call the same collectives in the same order.")
+    """Name what each unfinished rank does: a rank in a collective says which (its status)."""
+    running = [c.rank for c in children if not c.done]
+    finished = [c.rank for c in children if c.done]
+    where = {r: _read_status(status, r) for r in running}
+    waiting = [r for r in running if where[r]]
+    head = f"timed out after {timeout_s:g}s"
+    if not waiting:
+        return (f"{head}: still computing, no rank waits in a collective (ranks "
+                f"{_ranks(running)} are busy in fn). The work needs more time than timeout_s: "
+                f"pass a larger timeout_s, or timeout_s=None for no limit.")
+    lines = [f"{head}; ranks still running and where they wait:"]
+    for r in running:
+        lines.append(f"  rank {r}: {where[r] or 'still computing (not in a collective)'}")
+    if finished:
+        lines.append(f"  ranks {_ranks(finished)}: finished")
+    if len(waiting) == len(running):
+        lines.append("A deadlock: every rank still running waits in a collective that the "
+                     "others never join. Every rank must call the same collectives in the "
+                     "same order.")
+    else:
+        lines.append(f"A deadlock if ranks {_ranks([r for r in running if not where[r]])} never "
+                     "call the collective the others wait in (every rank must call the same "
+                     "collectives in the same order); otherwise pass a larger timeout_s.")
     return "\n".join(lines)
+
+
+def _ranks(ranks):
+    return ", ".join(map(str, ranks))
 
 
 def _read_status(status, rank):
@@ -214,37 +271,44 @@ def _stop_all(children):
         c.conn.close()
 
 
-def _die_with_parent(parent_pid):
-    """Leave at once if the launching process goes away (e.g. a killed Jupyter kernel)."""
+def _leave_when_launch_ends(alive):
+    """Exit at once when the launch's "alive" pipe reads end-of-file: its only write end is the
+    launch's, closed when the launch ends or its process dies (a zombie holds no descriptors)."""
+    if alive.poll():  # the launch that asked for this rank is already over
+        os._exit(0)
+
     def watch():
-        while True:
-            time.sleep(0.5)
-            try:
-                os.kill(parent_pid, 0)
-            except ProcessLookupError:
-                os._exit(1)
-    threading.Thread(target=watch, daemon=True).start()
+        wait_for([alive])
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="labkit-alive-watch").start()
 
 
-def _worker(rank, world_size, backend, port, payload, conn, boards, cluster, seed, threads,
-            timeout_s, parent_pid):
+def _worker(rank, world_size, backend, store_path, payload, conn, alive, boards, cluster, seed,
+            threads, timeout_s):
+    global _inside_rank
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us all
-    _die_with_parent(parent_pid)
+    _leave_when_launch_ends(alive)
+    _inside_rank = True
     torch.set_num_threads(threads)
-    ctx = None
+    limit = NO_TIMEOUT if timeout_s is None else timedelta(seconds=timeout_s + 30)
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
-                              timeout=_td(timeout_s + 30))
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(limit)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=_td(timeout_s + 30))
+                                timeout=limit)
         ctx = Context(rank, world_size, backend, cluster=cluster, status=boards[0],
                       progress=boards[1], seed=seed)
         torch.manual_seed(seed)  # same seed everywhere: every replica starts identical
         result = fn(ctx, *args, **kwargs)
-        body = cloudpickle.dumps(result)
+        try:
+            body = cloudpickle.dumps(result)
+        except Exception as error:
+            raise TypeError(f"the result of fn on rank {rank} cannot be pickled to send it "
+                            f"back ({type(error).__name__}: {error}); return plain data") \
+                from error
         conn.send(("ok", body))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent as text
         try:
@@ -264,6 +328,7 @@ def _worker(rank, world_size, backend, port, payload, conn, boards, cluster, see
 
 
 def _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed):
+    global _inside_rank
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world_size not in (None, size):
         raise ValueError(f"launch(world_size={world_size}) but torchrun started {size} ranks")
@@ -273,17 +338,25 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group(backend)
+        # A group left for interpreter shutdown to tear down may abort the process ("terminate
+        # called without an active exception") after its work is done: labkit made it, so
+        # labkit destroys it, before that.
+        atexit.register(_destroy_default_group)
     ctx = Context(rank, size, backend, cluster=cluster, status=None, seed=seed)
     torch.manual_seed(seed)
-    result = fn(ctx, *args, **kwargs)
+    _inside_rank = True
+    try:
+        result = fn(ctx, *args, **kwargs)
+    finally:
+        _inside_rank = False
     results = [None] * size
     dist.all_gather_object(results, result)
     return results
 
 
-def _td(seconds):
-    from datetime import timedelta
-    return timedelta(seconds=seconds)
+def _destroy_default_group():
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _mp_context():
@@ -295,6 +368,44 @@ def _mp_context():
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.optim",
                                 "cloudpickle", __name__])
     return ctx
+
+
+def _warm_forkserver(procs):
+    """Start the forkserver in a process group of its own, then wait until it can fork.
+
+    A terminal's Ctrl-C and a Jupyter interrupt signal the whole process group. In a group of
+    its own, the forkserver (and every rank it forks) never sees them, also while it imports
+    torch: no import traceback in the cell, no forkserver dead mid-import; the launch stops the
+    ranks itself. It still ends with us: it leaves when its "alive" pipe from us closes.
+    Waiting for a no-op process means that no rank is ever queued behind the forkserver's
+    imports: an interrupt during them stops the launch before any rank was asked for.
+    """
+    global _warm_forkserver_pid
+    resource_tracker.ensure_running()  # its own spawn, not the patched one below
+    spawn = mp_util.spawnv_passfds
+    mp_util.spawnv_passfds = _spawn_in_own_group
+    try:
+        forkserver.ensure_running()
+    finally:
+        mp_util.spawnv_passfds = spawn
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is not None and pid == _warm_forkserver_pid:
+        return  # this forkserver forked before: its imports are done
+    p = procs.Process(target=_no_op, daemon=True)
+    p.start()
+    p.join()
+    _warm_forkserver_pid = pid
+
+
+def _spawn_in_own_group(path, args, passfds):
+    """multiprocessing.util.spawnv_passfds, in a new session (so a new process group)."""
+    child = subprocess.Popen(args, executable=path, pass_fds=passfds, start_new_session=True)
+    child.returncode = 0  # multiprocessing reaps it (os.waitpid), not subprocess
+    return child.pid
+
+
+def _no_op():
+    pass
 
 
 @contextmanager
