@@ -25,6 +25,8 @@ _BLOCKS = {
     "PipelineSchedule": "labkit.parallel.pipeline",
     "split_into_stages": "labkit.parallel.pipeline",
     "ExpertParallel": "labkit.parallel.moe",
+    "ContextParallel": "labkit.parallel.context_parallel",
+    "ring_attention": "labkit.parallel.context_parallel",
 }
 
 __all__ = ["Context", "Group", "LaunchError", "Mesh", "context", "launch", *_BLOCKS]

@@ -22,6 +22,7 @@ TECHNIQUES = {
     "zero": "labkit.runs.zero",
     "moe": "labkit.runs.moe",
     "hybrid": "labkit.runs.hybrid",
+    "cp": "labkit.runs.context_parallel",
 }
 SHAPE = ("layers", "hidden", "heads", "ffn", "seq", "vocab")  # GPT shape flags (--layers 4 ...)
 

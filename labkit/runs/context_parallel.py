@@ -1,0 +1,209 @@
+"""Context parallelism on labkit's tiny GPT: the sequence split across ranks, attention by ring.
+
+`python -m labkit run cp --world-size 4 --layout zigzag [--no-causal] [--method all_gather]
+--json`. The world is the CP group: every rank sees the whole batch but only its shard of each
+sequence (`shard_sequence`, global positions for the position embedding); each block's attention
+is wrapped in `ContextParallel`; the replicated weights' gradients are averaged with one
+all-reduce per step. The parameters are compared with the single-device run. Then an attention
+check: one ring attention forward and backward on random q, k, v (causal or not, as asked),
+its output and q, k, v gradients against single-device fp64 attention, the FLOPs each rank's
+clock counted (contiguous causal: the last rank ~2x the mean; zigzag: balanced), its comm
+bytes and saved activation bytes against labkit.theory.context_parallel.
+"""
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from .. import models
+from ..parallel.context_parallel import (LAYOUTS, METHODS, ContextParallel, all_gather_attention,
+                                         check_sequence, ring_attention, sequence_positions,
+                                         shard_sequence)
+from ..runtime.memory import MemoryTracker
+from ..theory import context_parallel as theory_cp
+from ..theory import memory as theory_memory
+from ..theory.time import wire_bytes_per_rank
+from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
+
+ATTENTION_TAGS = ("ring attention", "all-gather attention")
+
+
+def gpt_config(cfg):
+    if cfg.model != "gpt":
+        raise ValueError("context parallelism splits the GPT's sequences: use --model gpt "
+                         "(the MLP model has no sequence)")
+    return models.GPTConfig(**cfg.model_kwargs)
+
+
+def check_cp(cfg, cp, layout="zigzag", method="ring"):
+    """One-line ValueError before any rank starts."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"the CP degree must be a positive integer, got {cp!r}")
+    check_sequence(gpt_config(cfg).seq, cp, layout)
+
+
+def build_cp_model(cfg, group=None, layout="zigzag", method="ring"):
+    """The reference's GPT (same seed) with every block's attention wrapped in ContextParallel."""
+    model = build_model(cfg)
+    for block in model.blocks:
+        block.attn = ContextParallel(block.attn, group, layout, method)
+    return model
+
+
+def gpt_forward(model, ids, positions):
+    """TinyGPT's forward on a sequence shard: the position embedding at global positions."""
+    x = model.tok(ids) + model.pos(positions)
+    for block in model.blocks:
+        x = block(x)
+    return model.head(model.ln_f(x))
+
+
+def reference_names(params):
+    """Parameter names without the wrapper's `.module` (the single-device model's names)."""
+    return {name.replace("attn.module.", "attn."): p for name, p in params.items()}
+
+
+def _average_gradients(ctx, model):
+    """The weights are replicated and each rank's loss is the mean over its tokens: average."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = ctx.comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), op="avg",
+                               tag="cp gradient all-reduce")
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def train(ctx, cfg, layout="zigzag", method="ring", causal=True, check_shape=None):
+    """Train the CP tiny GPT on ctx.world (the CP group), then run the attention check."""
+    from .report import rank_result
+    c = gpt_config(cfg)
+    check_cp(cfg, ctx.world_size, layout, method)
+    model = build_cp_model(cfg, None, layout, method)
+    optimizer = build_optimizer(model.parameters(), cfg)
+    ctx.memory.watch(model=model, optimizer=optimizer)
+    positions = sequence_positions(c.seq, ctx.rank, ctx.world_size, layout)
+    losses = []
+    for step in range(cfg.steps):
+        with ctx.step(step, cfg.steps):
+            x, y = global_batch(model, cfg, step)
+            x, y = shard_sequence(x, None, layout), shard_sequence(y, None, layout)
+            optimizer.zero_grad(set_to_none=True)
+            with ctx.memory.track_activations(), ctx.clock.compute("forward+backward"):
+                logits = gpt_forward(model, x, positions)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                loss.backward()
+            _average_gradients(ctx, model)
+            with ctx.clock.compute("optimizer step"):
+                optimizer.step()
+        with ctx.off_the_record():   # the whole sequence's loss: the mean of the shards'
+            losses.append(ctx.comm.all_reduce(loss.detach().clone(), op="avg").item())
+    comm = ctx.comm.summary()
+    params = reference_names({n: p.detach().clone() for n, p in model.named_parameters()})
+    shape = check_shape or (2, c.heads, c.seq, c.hidden // c.heads)
+    check = attention_check(ctx, shape, causal, layout, method)
+    return rank_result(ctx, losses, params=params if ctx.rank == 0 else None, comm=comm,
+                       attention_check=check)
+
+
+def attention_check(ctx, shape, causal, layout, method, seed=0):
+    """One CP attention forward + backward on random (b, h, s, d) inputs against fp64
+    single-device attention; this rank's counted FLOPs, comm bytes, saved bytes, timeline."""
+    b, h, s, d = shape
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(b, h, s, d, generator=g) for _ in range(4))
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*full, is_causal=causal)
+    expected.backward(do.double())
+    mine = [shard_sequence(t, None, layout, dim=2).requires_grad_() for t in (q, k, v)]
+    ctx.comm.barrier(tag="attention check")        # start together on the modelled clock
+    ctx.comm.reset()
+    first_event, flops, start = len(ctx.clock.events), ctx.clock.flops, ctx.clock.t
+    tracker = MemoryTracker()
+    fn = ring_attention if method == "ring" else all_gather_attention
+    with tracker.track_activations():
+        out = fn(*mine, None, causal, layout)
+    out.backward(shard_sequence(do, None, layout, dim=2))
+    rows = [(out, expected)] + [(m.grad, f.grad) for m, f in zip(mine, full)]
+    diffs = {name: (a.double() - shard_sequence(e.detach(), None, layout, dim=2)).abs().max()
+             .item() for name, (a, e) in zip(("out", "dq", "dk", "dv"), rows)}
+    wire = sum(r["wire_bytes_per_rank"] for r in ctx.comm.summary(by=("op", "tag"))
+               if r["tag"].startswith(ATTENTION_TAGS))
+    timeline = [dict(e, start=e["start"] - start, end=e["end"] - start)
+                for e in ctx.clock.timeline()[first_event:]]
+    return dict(max_diff=diffs, flops=ctx.clock.flops - flops, wire_bytes=wire,
+                saved_bytes=tracker.max_saved_bytes, modelled_s=ctx.clock.t - start,
+                timeline=timeline)
+
+
+def predict_comm(cfg, cp, method="ring"):
+    """Wire bytes per rank for the training run (theory/, fp32): per step and layer one CP
+    attention forward and backward, and the gradient all-reduce of the replicated weights."""
+    c = gpt_config(cfg)
+    attention = theory_cp.comm_bytes_per_rank(cfg.global_batch, c.heads, c.seq,
+                                              c.hidden // c.heads, cp, dtype_bytes=4,
+                                              grad_bytes=4, method=method)["total"]
+    grads = wire_bytes_per_rank("all_reduce", 4 * c.param_count(), cp)
+    return cfg.steps * (c.layers * attention + grads)
+
+
+def predict_memory(cfg, cp):
+    """fp32 Adam states of the whole (replicated) model; activations not modelled here (the
+    attention check compares ring attention's saved bytes with theory/)."""
+    n = gpt_config(cfg).param_count()
+    states = theory_memory.model_state_bytes(n, mixed_precision=False, optimizer=cfg.optimizer)
+    return dict(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
+                activations=None, peak=None)
+
+
+def add_arguments(parser):
+    parser.add_argument("--layout", choices=LAYOUTS, default="zigzag",
+                        help="which positions each rank holds (zigzag balances causal work)")
+    parser.add_argument("--method", choices=METHODS, default="ring",
+                        help="ring: K, V passed around a ring; all_gather: Llama 3's way")
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction,
+                        default=True, help="causal mask in the attention check")
+
+
+def report(world_size=2, cfg=None, cluster="8xH100-NVLink", layout="zigzag", method="ring",
+           causal=True, check_shape=None, **_):
+    """Run CP (world_size = CP degree) on the tiny GPT and return the run report."""
+    from ..runtime.launch import launch
+    from .report import build_report
+    cfg = cfg or RunConfig()
+    check_cp(cfg, world_size, layout, method)
+    c = gpt_config(cfg)
+    shape = tuple(check_shape or (2, c.heads, c.seq, c.hidden // c.heads))
+    check_sequence(shape[2], world_size, layout)
+    results = launch(train, world_size, cfg, layout, method, causal, shape, cluster=cluster,
+                     timeout_s=600)
+    checks = [r["attention_check"] for r in results]
+    b, h, s, d = shape
+    flops = [ch["flops"] for ch in checks]
+    attention = dict(
+        shape=dict(batch=b, heads=h, seq=s, head_dim=d), causal=causal, method=method,
+        max_diff={k: max(ch["max_diff"][k] for ch in checks) for k in checks[0]["max_diff"]},
+        flops_per_rank=flops,
+        predicted_flops_per_rank=(theory_cp.attention_flops_per_rank(b, h, s, d, world_size,
+                                                                      layout, causal)
+                                  if method == "ring" else None),
+        imbalance=theory_cp.imbalance(flops) if sum(flops) else None,
+        comm_bytes_per_rank=[ch["wire_bytes"] for ch in checks],
+        predicted_comm_bytes_per_rank=theory_cp.comm_bytes_per_rank(
+            b, h, s, d, world_size, dtype_bytes=4, grad_bytes=4, method=method)["total"],
+        saved_bytes_per_rank=[ch["saved_bytes"] for ch in checks],
+        predicted_saved_bytes_per_rank=theory_cp.attention_saved_bytes(b, h, s, d, world_size,
+                                                                       dtype_bytes=4),
+        modelled_s=max(ch["modelled_s"] for ch in checks))
+    out = build_report(
+        "cp", cfg, results,
+        config=dict(cp=world_size, layout=layout, method=method, causal=causal),
+        predicted_memory=predict_memory(cfg, world_size),
+        predicted_comm_bytes_per_rank=predict_comm(cfg, world_size, method),
+        attention_check=attention)
+    out["attention_timeline"] = [e for ch in checks for e in ch["timeline"]]
+    return out

@@ -1,0 +1,160 @@
+"""Context-parallel formulas: comm bytes per rank, activation memory, causal work per rank, and
+the ring's modelled schedule (with and without overlap) as data a Gantt chart can draw.
+
+Ring Attention (Liu et al. 2023, arXiv 2310.01889): each of N ranks holds s/N tokens; K and V
+blocks (KV = 2 b h_kv (s/N) d values) travel N-1 hops forward and N-1 backward, the dK, dV
+partial sums N hops. The transfer hides under the block computation when the block is large:
+a (s/N)^2 block costs 4 b h (s/N)^2 d FLOPs forward against 2 b h_kv (s/N) d values sent.
+Causal load balance: contiguous chunks give rank r the work of r + 1/2 blocks (the last rank
+~2x the average); zigzag (chunks r and 2N-1-r of 2N, Brandon et al. 2023 arXiv 2311.09431,
+Llama 3 arXiv 2407.21783) gives every rank N/2. Llama 3 all-gathers K and V instead.
+"""
+from __future__ import annotations
+
+from . import hardware
+from .time import collective_time
+
+LAYOUTS = ("contiguous", "zigzag")
+FORWARD_MATMULS = 2     # Q K^T and P V
+BACKWARD_MATMULS = 5    # scores again, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q
+
+
+def kv_block_bytes(batch, kv_heads, seq, head_dim, cp, dtype_bytes=2):
+    """Bytes of one rank's K and V shard: 2 b h_kv (s/cp) d values."""
+    return 2 * batch * kv_heads * seq / cp * head_dim * dtype_bytes
+
+
+def comm_bytes_per_rank(batch, heads, seq, head_dim, cp, *, dtype_bytes=2, grad_bytes=4,
+                        method="ring", kv_heads=None):
+    """Bytes one rank sends for one attention call, forward and backward (wire, ring model).
+
+    ring: forward (N-1) KV; backward (N-1) KV + N dKV in `grad_bytes` (labkit keeps the
+    travelling partial sums in fp32). all_gather: (N-1) KV forward (all-gather), (N-1) KV
+    backward (reduce-scatter of dK, dV in the input dtype).
+    """
+    n = cp
+    kv = kv_block_bytes(batch, kv_heads or heads, seq, head_dim, cp, dtype_bytes)
+    if n == 1:
+        return dict(forward=0.0, backward=0.0, total=0.0)
+    if method == "ring":
+        fwd, bwd = (n - 1) * kv, (n - 1) * kv + n * kv * grad_bytes / dtype_bytes
+    elif method == "all_gather":
+        fwd = bwd = (n - 1) * kv
+    else:
+        raise ValueError(f"method must be 'ring' or 'all_gather', got {method!r}")
+    return dict(forward=fwd, backward=bwd, total=fwd + bwd)
+
+
+def attention_saved_bytes(batch, heads, seq, head_dim, cp, dtype_bytes=2):
+    """What ring attention keeps for backward per rank: q, k, v, out of s/cp tokens and the
+    fp32 log-sum-exp. Falls as 1/cp; naive attention keeps the b h s^2 probabilities too."""
+    local = batch * heads * seq / cp
+    return 4 * local * head_dim * dtype_bytes + 4 * local
+
+
+def causal_work(cp, layout="contiguous"):
+    """Each rank's share of the causal attention work (useful query-key pairs; sums to 1).
+
+    contiguous: rank r's queries see blocks 0..r, the last half-hidden: (2r + 1) / N^2.
+    zigzag: every rank 1/N."""
+    _check_layout(layout)
+    if layout == "zigzag":
+        return [1.0 / cp] * cp
+    return [(2 * r + 1) / cp ** 2 for r in range(cp)]
+
+
+def computed_blocks(cp, layout="contiguous", causal=True):
+    """(s/cp)^2 blocks labkit's ring attention computes per rank (the diagonal block whole,
+    masked): contiguous causal r + 1; zigzag causal 1 + (N-1)/2 (half blocks off the
+    diagonal); not causal N."""
+    _check_layout(layout)
+    if not causal:
+        return [float(cp)] * cp
+    if layout == "zigzag":
+        return [1 + (cp - 1) / 2] * cp
+    return [float(r + 1) for r in range(cp)]
+
+
+def attention_flops_per_rank(batch, heads, seq, head_dim, cp, layout="contiguous",
+                             causal=True, backward=True):
+    """Matmul FLOPs each rank's ring attention runs: per whole block 2 (s/cp)^2 d b h FLOPs
+    per matmul, 2 matmuls forward and 5 backward (FlashAttention-2's backward)."""
+    local = seq / cp
+    per_matmul = 2 * batch * heads * local * local * head_dim
+    matmuls = FORWARD_MATMULS + (BACKWARD_MATMULS if backward else 0)
+    return [b * per_matmul * matmuls for b in computed_blocks(cp, layout, causal)]
+
+
+def imbalance(work):
+    """max / mean of per-rank work: 1 is balanced; the slowest rank sets the step."""
+    return max(work) / (sum(work) / len(work))
+
+
+def _check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+
+
+def _step_work(rank, step, cp, layout, causal):
+    """Fraction of a whole block rank `rank` computes at ring step `step` (useful pairs)."""
+    src = (rank - step) % cp
+    if not causal:
+        return 1.0
+    if src == rank:
+        return 0.5
+    if layout == "zigzag":
+        return 0.5
+    return 1.0 if src < rank else 0.0
+
+
+def ring_schedule(batch, heads, seq, head_dim, cp, layout="contiguous", causal=True, *,
+                  kv_heads=None, gpu="H100", link="NVLink 4", mfu=0.5, dtype_bytes=2,
+                  overlap=True):
+    """The forward ring of one attention layer as events {rank, lane, kind, name, start, end}
+    (modelled seconds; what labkit.viz.plots.gantt draws), and the layer's time.
+
+    Each step a rank computes its (useful part of the) block at mfu x peak and sends the KV
+    block on; the next step starts when both its block arrived (the slowest neighbour's send)
+    and its own compute ended. overlap=False sends after computing (no overlap)."""
+    g, ln = hardware.gpu(gpu), hardware.link(link)
+    rate = g.flops("bf16") * mfu
+    local = seq / cp
+    block_s = FORWARD_MATMULS * 2 * batch * heads * local * local * head_dim / rate
+    send_s = collective_time("send", kv_block_bytes(batch, kv_heads or heads, seq, head_dim,
+                                                    cp, dtype_bytes), 2, ln) if cp > 1 else 0.0
+    events, ready = [], [0.0] * cp     # ready[r]: when rank r may start its next step
+    for step in range(cp):
+        ends = []
+        for r in range(cp):
+            start = ready[r]
+            work = _step_work(r, step, cp, layout, causal) * block_s
+            if work:
+                events.append(dict(rank=r, lane="compute", kind="compute",
+                                   name=f"block of rank {(r - step) % cp}", start=start,
+                                   end=start + work))
+            last = step == cp - 1
+            send_start = start if overlap else start + work
+            if not last:
+                events.append(dict(rank=r, lane="comm", kind="send", name="send KV",
+                                   start=send_start, end=send_start + send_s))
+            ends.append((start + work, send_start + (0.0 if last else send_s)))
+        for r in range(cp):   # my next block is the one my left neighbour just sent
+            compute_end, _ = ends[r]
+            _, arrival = ends[(r - 1) % cp]
+            if compute_end < arrival and step < cp - 1:
+                events.append(dict(rank=r, lane="compute", kind="idle",
+                                   name="wait for KV", start=compute_end, end=arrival))
+            ready[r] = max(compute_end, arrival) if step < cp - 1 else compute_end
+    return dict(events=events, time_s=max(ready), block_s=block_s, send_s=send_s,
+                busy_s=[sum(e["end"] - e["start"] for e in events
+                            if e["rank"] == r and e["kind"] == "compute") for r in range(cp)])
+
+
+def min_block_tokens(heads, head_dim, *, kv_heads=None, gpu="H100", link="NVLink 4", mfu=0.5,
+                     dtype_bytes=2, causal_fraction=0.5):
+    """Tokens per rank from which one block's computation hides its KV transfer (bandwidth
+    term only): 4 L^2 d h f / F >= 2 L d h_kv bytes / B  ->  L >= h_kv bytes F / (2 h f B)."""
+    g, ln = hardware.gpu(gpu), hardware.link(link)
+    rate = g.flops("bf16") * mfu
+    return (kv_heads or heads) * dtype_bytes * rate / (2 * heads * causal_fraction
+                                                       * ln.effective_bandwidth)
