@@ -5,11 +5,11 @@ torch's side), the same micro-batches and loss, 4 ranks, gloo on CPU, in one lau
 schedule: wall step time in interleaved rounds (which side goes first alternates; the slowest
 rank's time per round; median and spread over the rounds; labkit's comm log and clock off),
 rank 0's peak saved activations (both measured by labkit's saved-tensor tracker) and the
-largest gradient difference after one identical step. Ratios: labkit_over_torch.
+largest gradient difference after one identical step. Rows replace this bench's earlier rows
+in data/bench.csv (bench/common.py); ratios are labkit_over_torch.
 """
 import copy
 import os
-import statistics
 import sys
 import time
 
@@ -72,76 +72,53 @@ def bench_rank(ctx, cfg):
             peaks[side] = ctx.memory.max_saved_bytes
         grad_diff = max((a.grad - b.grad).abs().max().item()
                         for a, b in zip(ours.parameters(), theirs.parameters()))
-        times = {"labkit": [], "torch": []}
-        for i in range(WARMUP + ROUNDS):
-            order = ("labkit", "torch") if i % 2 == 0 else ("torch", "labkit")
-            for side in order:
+
+        def timed(step):
+            def measure():
                 dist.barrier()
                 start = time.perf_counter()
-                steps[side][0]()
+                step()
                 took = torch.tensor([time.perf_counter() - start])
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)   # the slowest rank's step
-                if i >= WARMUP:
-                    times[side].append(took.item())
+                return took.item()
+            return measure
+
+        times = common.interleaved_rounds({side: timed(step) for side, (step, _) in
+                                           steps.items()}, rounds=ROUNDS, warmup=WARMUP)
         out[name] = dict(peaks=peaks, grad_diff=grad_diff, times=times)
     return out
 
 
-def spread(values):
-    """(median, min, max)."""
-    return statistics.median(values), min(values), max(values)
-
-
 def main():
     model_note = ("TinyGPT 8x128 (seq 64, vocab 256), batch 32, M=8, 4 ranks, gloo CPU; "
-                  f"{ROUNDS} interleaved rounds after {WARMUP} warm-up")
-    print(f"{model_note}; wall clock measured here (machine shared with other jobs)")
+                  "labkit's comm log and clock off")
+    print(f"{model_note}; wall clock measured here, {ROUNDS} interleaved rounds after "
+          f"{WARMUP} warm-up (machine shared with other jobs)")
     results = labkit.launch(bench_rank, WORLD, CFG, timeout_s=900)
     rows = []
     for name, torch_class in TORCH_SCHEDULES.items():
-        ours, theirs = (spread(results[0][name]["times"][s]) for s in ("labkit", "torch"))
-        ratios = spread([a / b for a, b in zip(results[0][name]["times"]["labkit"],
-                                               results[0][name]["times"]["torch"])])
-        peak_ours, peak_theirs = (results[0][name]["peaks"][s] for s in ("labkit", "torch"))
-        diff = max(r[name]["grad_diff"] for r in results)
-        print(f"  {name:>5}: step {ours[0] * 1e3:7.1f} ms [{ours[1] * 1e3:.1f}-"
-              f"{ours[2] * 1e3:.1f}] vs torch {theirs[0] * 1e3:7.1f} ms [{theirs[1] * 1e3:.1f}-"
-              f"{theirs[2] * 1e3:.1f}]; labkit_over_torch per round: median {ratios[0]:.2f} "
-              f"[{ratios[1]:.2f}-{ratios[2]:.2f}]; stage-0 peak activations "
-              f"{peak_ours / 1e6:.2f} MB vs {peak_theirs / 1e6:.2f} MB "
-              f"({peak_ours / peak_theirs:.2f}); max grad diff {diff:.1e}")
-        same = dict(benchmark="pipeline", labkit_impl=f"labkit.PipelineSchedule {name}",
+        got = results[0][name]
+        base = dict(benchmark="pipeline", labkit_impl=f"labkit.PipelineSchedule {name}",
                     torch_impl=f"torch.distributed.pipelining.{torch_class.__name__}",
                     world_size=WORLD)
-        rows += [dict(same, metric="step_time_s", labkit=f"{ours[0]:.4f}",
-                      torch=f"{theirs[0]:.4f}", labkit_over_torch=f"{ratios[0]:.2f}",
-                      notes=f"{model_note}; median per-round ratio, range "
-                            f"{ratios[1]:.2f}-{ratios[2]:.2f}; labkit "
-                            f"{ours[1]:.4f}-{ours[2]:.4f} s, torch {theirs[1]:.4f}-"
-                            f"{theirs[2]:.4f} s; instrumentation off"),
-                 dict(same, metric="stage0_peak_activation_bytes", labkit=peak_ours,
+        time_row = common.compared_row(base, "step_time_s", got["times"]["labkit"],
+                                       got["times"]["torch"], notes=model_note,
+                                       value_format="{:.4f}")
+        peak_ours, peak_theirs = got["peaks"]["labkit"], got["peaks"]["torch"]
+        diff = max(r[name]["grad_diff"] for r in results)
+        print(f"  {name:>5}: step {time_row['labkit']} s vs torch {time_row['torch']} s; "
+              f"labkit_over_torch {time_row['labkit_over_torch']} "
+              f"({time_row['spread_min']}-{time_row['spread_max']}); stage-0 peak "
+              f"activations {peak_ours / 1e6:.2f} MB vs {peak_theirs / 1e6:.2f} MB "
+              f"({peak_ours / peak_theirs:.2f}); max grad diff {diff:.1e}")
+        rows += [time_row,
+                 dict(base, metric="stage0_peak_activation_bytes", labkit=peak_ours,
                       torch=peak_theirs, labkit_over_torch=f"{peak_ours / peak_theirs:.2f}",
-                      notes="saved-tensor bytes on rank 0, labkit's tracker for both"),
-                 dict(same, metric="max_grad_diff", labkit=f"{diff:.2e}", torch="",
-                      labkit_over_torch="", notes="after one identical step, every rank")]
-    write(rows)
-
-
-def write(rows):
-    """Rows into data/bench.csv (this bench's earlier rows replaced), through bench/common.py
-    and under its ratio column's name."""
-    if "labkit_over_torch" not in common.COLUMNS:
-        rows = [dict({k: v for k, v in r.items() if k != "labkit_over_torch"},
-                     ratio=r["labkit_over_torch"]) for r in rows]
-    if hasattr(common, "replace_rows"):
-        common.replace_rows(rows)
-        return
-    if os.path.exists(common.CSV):   # one row per (bench, config): drop this bench's old rows
-        with open(common.CSV, "rb") as f:
-            lines = f.read().splitlines(keepends=True)
-        with open(common.CSV, "wb") as f:
-            f.writelines(line for line in lines if not line.startswith(b"pipeline,"))
-    common.append_rows(rows)
+                      notes="saved-tensor bytes on rank 0, one step, labkit's tracker for "
+                            "both"),
+                 dict(base, metric="max_grad_diff", labkit=f"{diff:.2e}",
+                      notes="after one identical step, every rank")]
+    common.replace_rows(rows)
 
 
 if __name__ == "__main__":

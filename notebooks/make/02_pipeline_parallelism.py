@@ -231,18 +231,15 @@ pd.DataFrame({"stage-0 activations (bytes, measured)":
 `bench/pipeline.py` runs labkit's executor beside `torch.distributed.pipelining`'s
 `ScheduleGPipe` and `Schedule1F1B` (the same TinyGPT split, 8 micro-batches, 4 ranks, gloo on
 CPU) in one run, alternating the two in rounds. Its latest rows in `data/bench.csv`
-(`labkit_over_torch`: labkit's number over PyTorch's, the median over rounds; `spread`: the
-lowest and highest per-round ratio):
+(`labkit_over_torch`: labkit's number over PyTorch's, the median over rounds; `spread_min`,
+`spread_max`: the lowest and highest per-round ratio, which show how much the load of a shared
+machine moved the timing):
 """),
     code(r"""
-bench = pd.read_csv(labkit.theory.hardware.DATA_DIR / "bench.csv")
-ratio = "labkit_over_torch" if "labkit_over_torch" in bench else "ratio"
-rows = bench[bench.benchmark == "pipeline"].drop_duplicates(["labkit_impl", "metric"],
-                                                            keep="last")
-rows = rows.assign(labkit_over_torch=rows[ratio],
-                   spread=rows.notes.str.extract(r"range ([0-9.]+-[0-9.]+)", expand=False))
-rows[["labkit_impl", "torch_impl", "metric", "labkit", "torch", "labkit_over_torch", "spread",
-      "date"]].astype(object).fillna("")
+bench = pd.read_csv(labkit.theory.hardware.DATA_DIR / "bench.csv", keep_default_na=False)
+bench[bench.benchmark == "pipeline"][["labkit_impl", "torch_impl", "metric", "labkit", "torch",
+                                      "labkit_over_torch", "spread_min", "spread_max", "rounds",
+                                      "date"]]
 """),
     md(r"""
 ## 7 · The source article's example: Llama 3 70B on 2 (4, 8) GPUs
