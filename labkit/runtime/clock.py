@@ -1,19 +1,21 @@
 """A virtual timeline per rank: what this run would take on a modelled cluster (e.g. 8xH100).
 
-Compute advances a rank's time by counted FLOPs / (peak FLOP/s x MFU) (FLOPs from PyTorch's
-FlopCounterMode); a collective starts when the last member reaches it and lasts its alpha-beta
-time; a message arrives at the sender's time plus its transfer time. Async collectives run on a
-second lane, so communication hidden under compute shows as overlap. All times are *modelled*.
-"""
-import time
-from dataclasses import dataclass, field
+Compute advances a rank's time by counted FLOPs / (peak FLOP/s x MFU) (counted as PyTorch's
+FlopCounterMode counts them, see flops.py); a collective starts when the last member reaches it
+and lasts its alpha-beta time; a message arrives at the sender's time plus its transfer time. Async
+collectives run on a second lane, so communication hidden under compute shows as overlap. All
+times are *modelled*.
 
-import torch
-import torch.distributed as dist
-from torch.utils.flop_counter import FlopCounterMode
+How the ranks learn each other's time: `ctx.comm` carries each rank's time stamp inside the
+collective or message itself (a few extra elements of the same op, see comm.py), so the clock
+adds no extra round of communication; the comm log shows those bytes as the clock's own
+(tag "clock"). The clock only decides what the stamps mean.
+"""
+from dataclasses import dataclass, field
 
 from ..theory import hardware
 from ..theory import time as theory_time
+from .flops import start_counting, stop_counting
 
 
 @dataclass
@@ -35,21 +37,15 @@ class _Timing:
     op: str
     nbytes: int
     duration: float
-    issued: float
+    issued: float                 # this rank's modelled time when it issued the op
     group_ranks: tuple = ()
-    stamp: torch.Tensor = None
-    work: object = None
     async_op: bool = False
     peer: int = -1
     wall_issued: float = 0.0
+    group_ready: float = None     # collectives: the last member's issue time; recv: the send's
+    complete: object = None       # comm's function that waits for the op and fills group_ready
     resolved: bool = False
-
-
-class _Region:
-    def __init__(self, name, meta, mode, wall_start):
-        self.name, self.meta, self.mode = name, meta, mode
-        self.flops_at_cut = 0
-        self.wall_start = wall_start
+    end: float = 0.0
 
 
 class Clock:
@@ -68,6 +64,7 @@ class Clock:
         self.step_marks = [0.0]
         self._region = None
         self._pending = []    # async collectives issued and not yet placed on the comm lane
+        self._durations = {}  # (op, bytes, ranks) -> modelled seconds (the same op recurs)
 
     # --- compute ---------------------------------------------------------------------------
     @property
@@ -96,7 +93,7 @@ class Clock:
         """This rank's modelled time, including the FLOPs of a compute region still open."""
         if self._region is None:
             return self.t
-        flops = self._region.mode.get_total_flops() - self._region.flops_at_cut
+        flops = self._region.counter.flops - self._region.flops_at_cut
         return self.t + flops / self.flops_per_s
 
     def mark_step(self):
@@ -107,20 +104,17 @@ class Clock:
     def step_times(self):
         return [b - a for a, b in zip(self.step_marks, self.step_marks[1:])]
 
-    # --- communication -----------------------------------------------------------------------
+    # --- communication (called by comm.py) ----------------------------------------------------
     def start_collective(self, op, nbytes, group, async_op=False):
-        """Issue: share this rank's time with the group so the op starts when the last arrives."""
+        """Issue: note this rank's time; comm carries it to the group with the op's data."""
         if not self.enabled:
             return None
         self._cut()
-        duration = theory_time.collective_time(op, nbytes, group.size,
-                                               self.cluster.link_for(group.ranks))
-        stamp = torch.tensor([self.now()], dtype=torch.float64, device=self.ctx.device)
-        work = None
-        if group.size > 1:
-            work = dist.all_reduce(stamp, dist.ReduceOp.MAX, group=group.pg, async_op=True)
-        timing = _Timing(op, nbytes, duration, self.now(), group.ranks, stamp, work, async_op,
-                         wall_issued=self.ctx.elapsed())
+        now = self.t
+        timing = _Timing(op, nbytes, self._duration(op, nbytes, group.ranks), now, group.ranks,
+                         async_op, wall_issued=self.ctx.elapsed())
+        if group.size == 1:
+            timing.group_ready = now
         if async_op:
             self._pending.append(timing)
         return timing
@@ -129,16 +123,15 @@ class Clock:
         if not self.enabled:
             return None
         self._cut()
-        link = self.cluster.link_for((self.ctx.rank, dst))
-        return _Timing("send", nbytes, theory_time.collective_time("send", nbytes, 2, link),
-                       self.now(), peer=dst, wall_issued=self.ctx.elapsed())
+        return _Timing("send", nbytes, self._duration("send", nbytes, (self.ctx.rank, dst)),
+                       self.t, peer=dst, wall_issued=self.ctx.elapsed())
 
-    def start_recv(self, src, nbytes, stamp):
+    def start_recv(self, src, nbytes, sent=None):
+        """A message from `src`; `sent` is the sender's time stamp (None: not arrived yet)."""
         if not self.enabled:
             return None
-        link = self.cluster.link_for((self.ctx.rank, src))
-        return _Timing("recv", nbytes, theory_time.collective_time("send", nbytes, 2, link),
-                       self.now(), stamp=stamp, peer=src, wall_issued=self.ctx.elapsed())
+        return _Timing("recv", nbytes, self._duration("send", nbytes, (self.ctx.rank, src)),
+                       self.now(), peer=src, wall_issued=self.ctx.elapsed(), group_ready=sent)
 
     def finish_async(self, timing):
         """The op's data is here: place it on the timeline; return its modelled seconds."""
@@ -150,28 +143,36 @@ class Clock:
                        timing.issued + timing.duration, timing.wall_issued, wall_now)
             return timing.duration
         if timing.op == "recv":
-            sent = float(timing.stamp.item())
+            sent = timing.group_ready
             arrival = sent + timing.duration
             self._emit("comm", "recv", f"recv from {timing.peer}", sent, arrival,
                        timing.wall_issued, wall_now)
             self._advance_to(arrival, f"wait for rank {timing.peer}")
             return timing.duration
         # A collective: earlier async ones take the comm lane first, in issue order.
-        for earlier in list(self._pending):
-            if earlier is timing:
-                break
-            self._place(earlier, wall_now)
+        if self._pending and self._pending[0] is not timing:
+            for earlier in list(self._pending):
+                if earlier is timing:
+                    break
+                self._place(earlier, wall_now)
         end = self._place(timing, wall_now)
         self._advance_to(end, f"wait for {timing.op}")
         return timing.duration
 
+    def _duration(self, op, nbytes, ranks):
+        key = (op, nbytes, ranks)
+        duration = self._durations.get(key)
+        if duration is None:
+            duration = self._durations[key] = theory_time.collective_time(
+                op, nbytes, len(ranks), self.cluster.link_for(ranks))
+        return duration
+
     def _place(self, timing, wall_now):
         if timing.resolved:
             return timing.end
-        if timing.work is not None:
-            timing.work.wait()
-        group_ready = float(timing.stamp.item())
-        start = max(group_ready, self.comm_free)
+        if timing.group_ready is None:
+            timing.complete()   # wait for the op: the members' stamps travel with its data
+        start = max(timing.group_ready, self.comm_free)
         timing.end = start + timing.duration
         self.comm_free = timing.end
         lane, kind = ("comm", "comm") if timing.async_op else ("compute", "comm")
@@ -182,7 +183,8 @@ class Clock:
         if not timing.async_op:
             self.t = max(self.t, timing.end)
         timing.resolved = True
-        if timing in self._pending:
+        timing.complete = None   # drop comm's buffers with it
+        if timing.async_op:
             self._pending.remove(timing)
         return timing.end
 
@@ -202,26 +204,39 @@ class Clock:
         region = self._region
         if region is None:
             return
-        flops = region.mode.get_total_flops()
-        dt = (flops - region.flops_at_cut) / self.flops_per_s
+        flops = region.counter.flops
+        counted = flops - region.flops_at_cut
         wall = self.ctx.elapsed()
-        if dt > 0:
+        if counted > 0:
+            dt = counted / self.flops_per_s
             self._emit("compute", "compute", region.name, self.t, self.t + dt,
-                       region.wall_start, wall, meta=dict(region.meta, flops=flops -
-                                                          region.flops_at_cut))
+                       region.wall_start, wall, meta=dict(region.meta, flops=counted))
             self.t += dt
-            self.flops += flops - region.flops_at_cut
+            self.flops += counted
         region.flops_at_cut = flops
         region.wall_start = wall
 
     def _emit(self, lane, kind, name, start, end, wall_start=None, wall_end=None, meta=None):
-        now = self.ctx.elapsed()
-        self.events.append(Event(self.ctx.rank, lane, kind, name, start, end,
-                                 now if wall_start is None else wall_start,
-                                 now if wall_end is None else wall_end, meta or {}))
+        if wall_start is None or wall_end is None:
+            now = self.ctx.elapsed()
+            wall_start = now if wall_start is None else wall_start
+            wall_end = now if wall_end is None else wall_end
+        self.events.append(Event(self.ctx.rank, lane, kind, name, start, end, wall_start,
+                                 wall_end, meta or {}))
+
+
+class _Region:
+    __slots__ = ("name", "meta", "counter", "flops_at_cut", "wall_start")
+
+    def __init__(self, name, meta, counter, wall_start):
+        self.name, self.meta, self.counter = name, meta, counter
+        self.flops_at_cut = 0
+        self.wall_start = wall_start
 
 
 class _ComputeRegion:
+    __slots__ = ("clock", "name", "meta", "outer")
+
     def __init__(self, clock, name, meta):
         self.clock, self.name, self.meta = clock, name, meta
         self.outer = False
@@ -232,10 +247,7 @@ class _ComputeRegion:
             self.outer = True
             return self
         clock._cut()
-        mode = FlopCounterMode(display=False)
-        mode.__enter__()
-        clock._region = _Region(self.name, self.meta, mode, clock.ctx.elapsed())
-        self.started = time.perf_counter()
+        clock._region = _Region(self.name, self.meta, start_counting(), clock.ctx.elapsed())
         return self
 
     def __exit__(self, *exc):
@@ -244,5 +256,5 @@ class _ComputeRegion:
         clock = self.clock
         clock._cut()
         region, clock._region = clock._region, None
-        region.mode.__exit__(*exc)
+        stop_counting(region.counter, exc)
         return False

@@ -8,7 +8,17 @@ seconds (measured) and modelled seconds on the clock. The log keeps running tota
 
 Every op takes `group=` (None: the world; a labkit Group; or a torch ProcessGroup) and `tag=`
 (a label kept in the log, e.g. "grad bucket 3"). Point-to-point peers are ranks *of the group*.
+
+The virtual clock's time stamps ride inside the ops (no extra round of communication): a
+message carries its sender's stamp in 8 extra bytes; an all_gather or all_to_all appends each
+rank's stamp to its piece; an all_reduce or reduce_scatter appends one slot per member, zero
+except the member's own stamp written as small integers the reduction leaves exact, so the sum
+(or max, or min) hands every member every stamp. A broadcast (whose data flows from one rank
+only) and payloads of other dtypes exchange the stamps in a separate all_reduce(max). Those
+bytes are logged apart, as the clock's own (tag "clock"): `summary(clock=True)` shows them; the
+technique's rows and `wire_bytes()` leave them out.
 """
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,9 +27,11 @@ import torch
 import torch.distributed as dist
 
 from ..theory import time as theory_time
+from . import stamps
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "avg": dist.ReduceOp.SUM}  # gloo has no AVG: sum, then divide by the group size
+_FIELDS = ("calls", "bytes", "wire_bytes_per_rank", "wall_s", "modelled_s")
 
 
 @dataclass
@@ -45,23 +57,32 @@ class Handle:
     result: torch.Tensor
     record: CommRecord
     started: float
-    finish: object = None           # a function run once the data is there (e.g. divide for avg)
+    finish: object = None           # run once the data is there (unpack stamps, divide for avg)
     timing: object = None           # the clock's note of when this op was issued
     done: bool = field(default=False)
 
     def wait(self):
         if not self.done:
-            if self.work is not None:
-                self.comm.ctx.set_status(f"waiting in async {self.record.op} (group of "
-                                         f"{self.record.group_size}) {self.record.tag}")
-                self.work.wait()
-            if self.finish is not None:
-                self.finish()
+            self._complete()
             self.comm._finished(self.record, time.perf_counter() - self.started,
                                 self.comm.ctx.clock.finish_async(self.timing))
-            self.comm.ctx.set_status("")
             self.done = True
         return self.result
+
+    def _complete(self):
+        """Wait for the data and unpack it (once; the clock may call it before `wait`)."""
+        if self.work is not None:
+            ctx = self.comm.ctx
+            if ctx._status is not None:
+                ctx.set_status(f"waiting in async {self.record.op} (group of "
+                               f"{self.record.group_size}) {self.record.tag}")
+            self.work.wait()
+            self.work = None
+            if ctx._status is not None:
+                ctx.set_status("")
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
 
 
 KEEP_RECORDS = 10_000   # single calls kept for inspection; totals are kept for every call
@@ -72,25 +93,33 @@ class Comm:
         self.ctx = ctx
         self.records = deque(maxlen=KEEP_RECORDS)
         self.totals = {}        # (op, group, tag) -> calls, bytes, wire bytes, seconds
+        self.clock_totals = {}  # (op, group) -> the same, for the clock's own time stamps
         self.recording = True   # False inside ctx.off_the_record()
+        self._names = {}        # ranks -> group name, dtype -> name (asked on every call)
 
     # --- collectives -------------------------------------------------------------------
     def all_reduce(self, tensor, op="sum", group=None, async_op=False, tag=""):
         """Reduce `tensor` in place over the group (sum, avg, max, min)."""
         group = self.ctx.group(group)
-        finish = (lambda: tensor.div_(group.size)) if op == "avg" else None
-        return self._run("all_reduce", tensor, tensor, group, async_op, finish, tag,
-                         lambda: dist.all_reduce(tensor, _REDUCE_OPS[op], group=group.pg,
-                                                 async_op=async_op))
+        return self._reduce("all_reduce", tensor, tensor, op, group, async_op, tag)
 
     def all_gather(self, tensor, group=None, async_op=False, tag=""):
         """Concatenate every rank's `tensor` along dim 0; returns a new tensor (n x larger)."""
         group = self.ctx.group(group)
         tensor = tensor.contiguous()
         out = tensor.new_empty((group.size * tensor.shape[0],) + tuple(tensor.shape[1:]))
-        return self._run("all_gather", tensor, out, group, async_op, None, tag,
-                         lambda: dist.all_gather_single(out, tensor, group=group.pg,
-                                                        async_op=async_op))
+        record, timing = self._start("all_gather", tensor, group, async_op, tag)
+        if not stamps.needed(timing):
+            return self._issue(record, timing, group, out, None, async_op, lambda: (
+                dist.all_gather_single(out, tensor, group=group.pg, async_op=async_op)))
+        self._log_clock("all_gather", record.group, group.size, 8)
+        packed = stamps.with_stamp(tensor, timing)
+        gathered = packed.new_empty(group.size * packed.numel())
+
+        def finish():
+            timing.group_ready = stamps.unpack(gathered, out, [tensor.nbytes] * group.size)
+        return self._issue(record, timing, group, out, finish, async_op, lambda: (
+            dist.all_gather_single(gathered, packed, group=group.pg, async_op=async_op)))
 
     def reduce_scatter(self, tensor, op="sum", group=None, async_op=False, tag=""):
         """Reduce `tensor` over the group; this rank keeps its 1/n slice of dim 0."""
@@ -100,17 +129,16 @@ class Comm:
             raise ValueError(f"reduce_scatter: dim 0 ({tensor.shape[0]}) must divide by the "
                              f"group size ({group.size}); pad the tensor first")
         out = tensor.new_empty((tensor.shape[0] // group.size,) + tuple(tensor.shape[1:]))
-        finish = (lambda: out.div_(group.size)) if op == "avg" else None
-        return self._run("reduce_scatter", tensor, out, group, async_op, finish, tag,
-                         lambda: dist.reduce_scatter_single(out, tensor, _REDUCE_OPS[op],
-                                                            group=group.pg, async_op=async_op))
+        return self._reduce("reduce_scatter", tensor, out, op, group, async_op, tag)
 
     def broadcast(self, tensor, src=0, group=None, async_op=False, tag=""):
         """Copy `tensor` from the group's member `src` (a rank of the group) to every member."""
         group = self.ctx.group(group)
         root = group.global_rank(src)
-        return self._run("broadcast", tensor, tensor, group, async_op, None, tag,
-                         lambda: dist.broadcast(tensor, root, group=group.pg, async_op=async_op))
+        record, timing = self._start("broadcast", tensor, group, async_op, tag)
+        finish = self._separate_stamps(timing, group, record)
+        return self._issue(record, timing, group, tensor, finish, async_op, lambda: (
+            dist.broadcast(tensor, root, group=group.pg, async_op=async_op)))
 
     def all_to_all(self, tensor, input_splits=None, output_splits=None, group=None,
                    async_op=False, tag=""):
@@ -126,54 +154,83 @@ class Comm:
             output_splits = self.all_to_all(sizes, group=group, tag=f"{tag} sizes").tolist()
         rows = sum(output_splits) if output_splits is not None else tensor.shape[0]
         out = tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
-        return self._run("all_to_all", tensor, out, group, async_op, None, tag,
-                         lambda: dist.all_to_all_single(out, tensor, output_splits,
-                                                        input_splits, group=group.pg,
-                                                        async_op=async_op))
+        record, timing = self._start("all_to_all", tensor, group, async_op, tag)
+        if not stamps.needed(timing):
+            return self._issue(record, timing, group, out, None, async_op, lambda: (
+                dist.all_to_all_single(out, tensor, output_splits, input_splits,
+                                       group=group.pg, async_op=async_op)))
+        n = group.size
+        self._log_clock("all_to_all", record.group, n, 8 * n)
+        row = tensor.element_size() * math.prod(tensor.shape[1:])   # bytes per row
+        send_bytes = [r * row for r in stamps.equal_splits(input_splits, tensor.shape[0], n)]
+        receive_bytes = [r * row for r in stamps.equal_splits(output_splits, rows, n)]
+        packed = stamps.with_stamp(tensor, timing, send_bytes)
+        received = packed.new_empty(sum(receive_bytes) + 8 * n)
+
+        def finish():
+            timing.group_ready = stamps.unpack(received, out, receive_bytes)
+        return self._issue(record, timing, group, out, finish, async_op, lambda: (
+            dist.all_to_all_single(received, packed, [b + 8 for b in receive_bytes],
+                                   [b + 8 for b in send_bytes], group=group.pg,
+                                   async_op=async_op)))
 
     def barrier(self, group=None, tag=""):
         group = self.ctx.group(group)
-        return self._run("barrier", torch.empty(0), None, group, False, None, tag,
-                         lambda: dist.barrier(group=group.pg))
+        record, timing = self._start("barrier", torch.empty(0), group, False, tag)
+        if not stamps.needed(timing):
+            return self._issue(record, timing, group, None, None, False,
+                               lambda: dist.barrier(group=group.pg))
+        # An all_reduce of the stamps waits for every member, as a barrier does: it is one.
+        self._log_clock("barrier", record.group, group.size, 8, carrier="all_reduce")
+        stamp = torch.tensor([timing.issued], dtype=torch.float64, device=self.ctx.device)
+
+        def finish():
+            timing.group_ready = stamp.item()
+        return self._issue(record, timing, group, None, finish, False, lambda: (
+            dist.all_reduce(stamp, dist.ReduceOp.MAX, group=group.pg)))
 
     # --- point to point ------------------------------------------------------------------
     def send(self, tensor, dst, group=None, async_op=False, tag=""):
         """Send `tensor` to member `dst` of the group (the world: a global rank).
 
-        The sender's virtual time travels with the message (an 8-byte stamp sent first).
+        The sender's virtual time travels in the same message (8 bytes after the data).
         """
         peer = self.ctx.group(group).global_rank(dst)
         timing = self.ctx.clock.start_send(peer, tensor.nbytes)
-        issued = timing.issued if timing is not None else 0.0  # None: the clock is off
-        stamp = torch.tensor([issued], dtype=torch.float64, device=self.ctx.device)
         record = self._record("send", tensor, (self.ctx.rank, peer), tag, peer)
+        self._log_clock("send", record.group, 2, 8)
+        packed = stamps.with_stamp(tensor, timing)
         t0 = time.perf_counter()
-        self.ctx.set_status(f"send to rank {peer} ({tensor.nbytes} bytes) {tag}")
         if async_op:
-            works = [dist.isend(stamp, peer), dist.isend(tensor.contiguous(), peer)]
-            return Handle(self, _Works(works), tensor, record, t0, timing=timing)
-        dist.send(stamp, peer)
-        dist.send(tensor.contiguous(), peer)
-        self.ctx.set_status("")
+            return Handle(self, dist.isend(packed, peer), tensor, record, t0, timing=timing)
+        self._status(f"send to rank {peer} ({tensor.nbytes} bytes) {tag}")
+        dist.send(packed, peer)
+        self._status("")
         self._finished(record, time.perf_counter() - t0, self.ctx.clock.finish_async(timing))
         return tensor
 
     def recv(self, tensor, src, group=None, async_op=False, tag=""):
         """Receive into `tensor` from member `src` of the group; waits (virtually) for it."""
         peer = self.ctx.group(group).global_rank(src)
-        stamp = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
         record = self._record("recv", tensor, (peer, self.ctx.rank), tag, peer)
+        self._log_clock("recv", record.group, 2, 8)
+        packed = torch.empty(tensor.nbytes + 8, dtype=torch.uint8, device=tensor.device)
         t0 = time.perf_counter()
-        self.ctx.set_status(f"recv from rank {peer} ({tensor.nbytes} bytes) {tag}")
         if async_op:
-            works = [dist.irecv(stamp, peer), dist.irecv(tensor, peer)]
-            timing = self.ctx.clock.start_recv(peer, tensor.nbytes, stamp)
-            return Handle(self, _Works(works), tensor, record, t0, timing=timing)
-        dist.recv(stamp, peer)
-        dist.recv(tensor, peer)
-        self.ctx.set_status("")
+            timing = self.ctx.clock.start_recv(peer, tensor.nbytes)
+
+            def finish():
+                sent = stamps.unpack(packed, tensor)
+                if timing is not None:
+                    timing.group_ready = sent
+            return Handle(self, dist.irecv(packed, peer), tensor, record, t0, finish=finish,
+                          timing=timing)
+        self._status(f"recv from rank {peer} ({tensor.nbytes} bytes) {tag}")
+        dist.recv(packed, peer)
+        self._status("")
+        sent = stamps.unpack(packed, tensor)
         self._finished(record, time.perf_counter() - t0, self.ctx.clock.finish_async(
-            self.ctx.clock.start_recv(peer, tensor.nbytes, stamp)))
+            self.ctx.clock.start_recv(peer, tensor.nbytes, sent)))
         return tensor
 
     # --- the log ---------------------------------------------------------------------------
@@ -182,68 +239,167 @@ class Comm:
         import pandas as pd
         return pd.DataFrame([r.__dict__ for r in self.records])
 
-    def summary(self, by=("op", "group")):
+    def summary(self, by=("op", "group"), clock=False):
         """Totals per op and group (or `by` any of op, group, tag): calls, payload bytes
-        (measured), ring-model wire bytes per rank (modelled), wall and modelled seconds."""
+        (measured), ring-model wire bytes per rank (modelled), wall and modelled seconds.
+        `clock=True` adds the clock's own time stamps as rows tagged "clock" (they cost no
+        modelled time: a real cluster has no virtual clock to synchronise)."""
         rows = {}
         for (op, group, tag), total in self.totals.items():
-            key = tuple(dict(op=op, group=group, tag=tag)[k] for k in by)
-            row = rows.setdefault(key, dict(dict(zip(by, key)), calls=0, bytes=0,
-                                            wire_bytes_per_rank=0.0, wall_s=0.0,
-                                            modelled_s=0.0))
-            for k in ("calls", "bytes", "wire_bytes_per_rank", "wall_s", "modelled_s"):
-                row[k] += total[k]
+            values = dict(op=op, group=group, tag=tag)
+            _accumulate(rows, tuple(values[k] for k in by), by, total)
+        if clock:
+            for (op, group), total in self.clock_totals.items():
+                values = dict(op=op, group=group, tag="clock")
+                key = tuple(values[k] for k in by) + ("the clock's own",)  # never merged
+                _accumulate(rows, key, by, total)["tag"] = "clock"
         return list(rows.values())
 
-    def wire_bytes(self, op=None):
-        """Ring-model bytes this rank sent, for one op or all of them (modelled)."""
+    def wire_bytes(self, op=None, clock=False):
+        """Ring-model bytes this rank sent, for one op or all of them (modelled); with
+        `clock=True`, those of the clock's time stamps instead."""
+        if clock:
+            return sum(t["wire_bytes_per_rank"] for (o, _), t in self.clock_totals.items()
+                       if op in (None, o))
         return sum(t["wire_bytes_per_rank"] for (o, _, _), t in self.totals.items()
                    if op in (None, o))
 
     def reset(self):
         self.records.clear()
         self.totals.clear()
+        self.clock_totals.clear()
 
     # --- one place that runs and logs a collective -------------------------------------------
     def _record(self, op, tensor, ranks, tag="", peer=-1):
-        record = CommRecord(op, len(ranks), str(tensor.dtype).replace("torch.", ""),
-                            tensor.nbytes,
-                            theory_time.wire_bytes_per_rank(op, tensor.nbytes, len(ranks)),
-                            0.0, 0.0, False, tag, peer, _group_name(ranks))
+        names = self._names
+        group, dtype = names.get(ranks), names.get(tensor.dtype)
+        if group is None:
+            group = names[ranks] = _group_name(ranks)
+        if dtype is None:
+            dtype = names[tensor.dtype] = str(tensor.dtype).replace("torch.", "")
+        nbytes = tensor.nbytes
+        record = CommRecord(op, len(ranks), dtype, nbytes,
+                            theory_time.wire_bytes_per_rank(op, nbytes, len(ranks)),
+                            0.0, 0.0, False, tag, peer, group)
         if self.recording:
             self.records.append(record)
-            self._add(record, calls=1)
+            total = _total(self.totals, (op, group, tag))
+            total["calls"] += 1
+            total["bytes"] += nbytes
+            total["wire_bytes_per_rank"] += record.wire_bytes_per_rank
         return record
 
-    def _add(self, record, calls=0, wall_s=0.0, modelled_s=0.0):
-        total = self.totals.get((record.op, record.group, record.tag))
-        if total is None:
-            total = self.totals[(record.op, record.group, record.tag)] = dict(
-                calls=0, bytes=0, wire_bytes_per_rank=0.0, wall_s=0.0, modelled_s=0.0)
-        if calls:
-            total["calls"] += calls
-            total["bytes"] += record.bytes
-            total["wire_bytes_per_rank"] += record.wire_bytes_per_rank
-        total["wall_s"] += wall_s
-        total["modelled_s"] += modelled_s
+    def _log_clock(self, op, group, size, nbytes, carrier=None):
+        """Count `nbytes` of time stamps this rank handed to `op` (or to the `carrier` op that
+        took them beside it) as the clock's own; a receiver sends none of them."""
+        if self.recording:
+            total = _total(self.clock_totals, (op, group))
+            total["calls"] += 1
+            total["bytes"] += nbytes
+            if op != "recv":
+                total["wire_bytes_per_rank"] += theory_time.wire_bytes_per_rank(
+                    carrier or op, nbytes, size)
 
     def _finished(self, record, wall_s, modelled_s):
         record.wall_s, record.modelled_s = wall_s, modelled_s
         if self.recording:
-            self._add(record, wall_s=wall_s, modelled_s=modelled_s)
+            total = self.totals.get((record.op, record.group, record.tag))
+            if total is not None:
+                total["wall_s"] += wall_s
+                total["modelled_s"] += modelled_s
 
-    def _run(self, op, tensor, result, group, async_op, finish, tag, call):
+    def _start(self, op, tensor, group, async_op, tag):
         record = self._record(op, tensor, group.ranks, tag)
         record.async_op = async_op
-        timing = self.ctx.clock.start_collective(op, tensor.nbytes, group, async_op)
-        self.ctx.set_status(f"{op} (group {list(group.ranks)}, {tensor.nbytes} bytes) {tag}")
+        return record, self.ctx.clock.start_collective(op, tensor.nbytes, group, async_op)
+
+    def _issue(self, record, timing, group, result, finish, async_op, call):
+        """Run `call` (the torch.distributed op); finish it now, or hand back a Handle."""
+        if not async_op:
+            self._status(f"{record.op} (group {list(group.ranks)}, {record.bytes} bytes) "
+                         f"{record.tag}")
         t0 = time.perf_counter()
         work = call()
-        handle = Handle(self, work, result, record, t0, finish=finish, timing=timing)
+        handle = Handle(self, work if async_op else None, result, record, t0, finish=finish,
+                        timing=timing)
+        if timing is not None and timing.group_ready is None:
+            timing.complete = handle._complete
         if async_op:
             return handle
-        handle.work = None  # the sync call already finished
+        self._status("")
         return handle.wait()
+
+    def _reduce(self, name, tensor, out, op, group, async_op, tag):
+        """all_reduce (out is tensor) or reduce_scatter (out is this member's piece), with the
+        members' stamps in slots after the data (after each member's piece, to scatter)."""
+        record, timing = self._start(name, tensor, group, async_op, tag)
+        slots = stamps.reduction_slots(tensor.dtype, op, group, timing, tensor.device)
+        scatter, reduce_op = name == "reduce_scatter", _REDUCE_OPS[op]
+        if slots is None:
+            finish = _then(self._separate_stamps(timing, group, record),
+                           (lambda: out.div_(group.size)) if op == "avg" else None)
+            sent, received = tensor, out
+        else:
+            pieces = group.size if scatter else 1
+            self._log_clock(name, record.group, group.size, pieces * slots.nbytes)
+            sent = stamps.with_slots(tensor, slots, pieces)
+            received = sent.new_empty(sent.numel() // pieces) if scatter else sent
+
+            def finish():
+                timing.group_ready = stamps.unpack_reduced(received, out,
+                                                           group.size if op == "avg" else 1)
+        if scatter:
+            return self._issue(record, timing, group, out, finish, async_op, lambda: (
+                dist.reduce_scatter_single(received, sent, reduce_op, group=group.pg,
+                                           async_op=async_op)))
+        return self._issue(record, timing, group, out, finish, async_op, lambda: (
+            dist.all_reduce(sent, reduce_op, group=group.pg, async_op=async_op)))
+
+    def _separate_stamps(self, timing, group, record):
+        """For an op that cannot carry the stamps: an async all_reduce(max) of them, issued
+        beside the op; returns the function that reads it when the op is waited for."""
+        if not stamps.needed(timing):
+            return None
+        self._log_clock(record.op, record.group, group.size, 8, carrier="all_reduce")
+        stamp = torch.tensor([timing.issued], dtype=torch.float64, device=self.ctx.device)
+        work = dist.all_reduce(stamp, dist.ReduceOp.MAX, group=group.pg, async_op=True)
+
+        def finish():
+            work.wait()
+            timing.group_ready = stamp.item()
+        return finish
+
+    def _status(self, text):
+        if self.ctx._status is not None:
+            self.ctx.set_status(text)
+
+
+def _then(first, second):
+    """One finishing function that runs `first`, then `second` (either may be None)."""
+    if first is None or second is None:
+        return first or second
+
+    def both():
+        first()
+        second()
+    return both
+
+
+def _accumulate(rows, key, by, total):
+    row = rows.get(key)
+    if row is None:
+        row = rows[key] = dict(zip(by, key), **{k: 0 for k in _FIELDS})
+    for k in _FIELDS:
+        row[k] += total[k]
+    return row
+
+
+def _total(totals, key):
+    total = totals.get(key)
+    if total is None:
+        total = totals[key] = dict(calls=0, bytes=0, wire_bytes_per_rank=0.0, wall_s=0.0,
+                                   modelled_s=0.0)
+    return total
 
 
 def _group_name(ranks):
@@ -252,13 +408,3 @@ def _group_name(ranks):
     if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}"
     return ",".join(map(str, ranks))
-
-
-@dataclass
-class _Works:
-    """Several works waited as one (a p2p message is its time stamp plus its tensor)."""
-    works: list
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
