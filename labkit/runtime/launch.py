@@ -83,12 +83,12 @@ def launch(fn, world_size, *args, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
     procs = _mp_context()
     with _no_missing_main_file():
         _warm_forkserver(procs)
-    store_dir = tempfile.mkdtemp(prefix="labkit-store-")
-    alive_r, alive_w = procs.Pipe(duplex=False)  # only this launch holds the write end
     status = procs.Array("c", STATUS_WIDTH * world_size, lock=False)
     progress = procs.Array("q", 2, lock=False)  # rank 0's (steps done, steps in all)
-    children = []
+    children, store_dir, alive_w = [], None, None
     try:
+        store_dir = tempfile.mkdtemp(prefix="labkit-store-")
+        alive_r, alive_w = procs.Pipe(duplex=False)  # only this launch holds the write end
         with _no_missing_main_file():
             for rank in range(world_size):
                 conn, child_conn = procs.Pipe(duplex=False)
@@ -100,12 +100,14 @@ def launch(fn, world_size, *args, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
                 children.append(_Child(rank, p, conn))
         return _collect(children, status, progress, timeout_s)
     finally:
-        alive_w.close()  # first: every rank, registered or still on its way, now leaves
-        alive_r.close()
+        if alive_w is not None:
+            alive_w.close()  # first: every rank, registered or still on its way, now leaves
+            alive_r.close()
         try:
             _stop_all(children)
         finally:
-            shutil.rmtree(store_dir, ignore_errors=True)
+            if store_dir is not None:
+                shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def check_timeout(timeout_s):
