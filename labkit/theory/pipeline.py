@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from . import hardware
+from .hardware import Cluster, Link, cluster
 from . import time as theory_time
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
@@ -288,9 +288,9 @@ def simulate_like(timeline, schedule, t_comm=0.0):
 def comm_free_cluster(base="8xH100-NVLink"):
     """`base` with a link that costs nothing (no latency, infinite bandwidth): the setting in
     which the bubble formula holds, since it counts compute only."""
-    c = hardware.cluster(base)
-    free = hardware.Link("free link (no latency, infinite bandwidth)", math.inf, 0.0, 1.0)
-    return hardware.Cluster(f"{c.name} (free links)", c.gpu, c.gpus_per_node, c.nodes, free,
+    c = cluster(base)
+    free = Link("free link (no latency, infinite bandwidth)", math.inf, 0.0, 1.0)
+    return Cluster(f"{c.name} (free links)", c.gpu, c.gpus_per_node, c.nodes, free,
                             free if c.inter else None, c.mfu)
 
 
