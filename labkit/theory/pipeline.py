@@ -291,7 +291,7 @@ def comm_free_cluster(base="8xH100-NVLink"):
     c = cluster(base)
     free = Link("free link (no latency, infinite bandwidth)", math.inf, 0.0, 1.0)
     return Cluster(f"{c.name} (free links)", c.gpu, c.gpus_per_node, c.nodes, free,
-                            free if c.inter else None, c.mfu)
+                   free if c.inter else None, c.mfu)
 
 
 # ========================================================================= splitting
