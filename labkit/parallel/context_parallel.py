@@ -184,7 +184,7 @@ class _RingAttention(torch.autograd.Function):
             plan = _block_plan(me, src, n, local, causal, layout, q.device)
             if plan is not None:
                 rows, cols, mask = plan
-                with ctx.clock.compute("ring attention fwd", block=src):
+                with ctx.clock.compute("ring attention forward", block=src):
                     o_b, lse_b = _block_forward(qf[:, :, rows], kv[0][:, :, cols].to(acc),
                                                 kv[1][:, :, cols].to(acc), scale, mask)
                     out[:, :, rows], lse[:, :, rows] = merge_partials(
@@ -214,7 +214,7 @@ class _RingAttention(torch.autograd.Function):
             part = None
             if plan is not None:
                 rows, cols, mask = plan
-                with ctx.clock.compute("ring attention bwd", block=src):
+                with ctx.clock.compute("ring attention backward", block=src):
                     kb, vb = kv[0][:, :, cols].to(acc), kv[1][:, :, cols].to(acc)
                     qb, dob = qf[:, :, rows], do[:, :, rows]
                     p = torch.exp(_scores(qb, kb, scale, mask) - lse[:, :, rows].unsqueeze(-1))
@@ -301,7 +301,7 @@ def all_gather_attention(q, k, v, group=None, causal=True, layout="contiguous", 
         mine = sequence_positions(s, group.rank, n, layout, q.device)
         keys = torch.cat([sequence_positions(s, r, n, layout, q.device) for r in range(n)])
         mask = mine.unsqueeze(1) >= keys.unsqueeze(0)
-    with context().clock.compute("all-gather attention"):
+    with context().clock.compute("all-gather attention forward"):
         return _sdpa(q, k_all, v_all, attn_mask=mask, scale=scale)
 
 

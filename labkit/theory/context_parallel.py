@@ -130,7 +130,7 @@ def ring_schedule(batch, heads, seq, head_dim, cp, layout="contiguous", causal=T
             work = _step_work(r, step, cp, layout, causal) * block_s
             if work:
                 events.append(dict(rank=r, lane="compute", kind="compute",
-                                   name=f"block of rank {(r - step) % cp}", start=start,
+                                   name=f"forward: block of rank {(r - step) % cp}", start=start,
                                    end=start + work))
             last = step == cp - 1
             send_start = start if overlap else start + work
