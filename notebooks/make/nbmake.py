@@ -2,6 +2,8 @@
 
 A generator (`NN_name.py` beside this file) lists its cells with `md(...)` and `code(...)` and
 calls `write_and_execute(cells, "NN_name.ipynb")`; the notebook is saved with its outputs.
+An exercise's answer is a cell of its own tagged `solution` (`code(..., tags=("solution",))`):
+the student edition (`make student`) replaces it by a stub that raises NotImplementedError.
 """
 import subprocess
 import sys
@@ -16,8 +18,12 @@ def md(text):
     return nbformat.v4.new_markdown_cell(text.strip())
 
 
-def code(text):
-    return nbformat.v4.new_code_cell(text.strip())
+def code(text, tags=()):
+    """A code cell; `tags=("solution",)` marks an exercise's answer (`make student` stubs it)."""
+    cell = nbformat.v4.new_code_cell(text.strip())
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
 
 
 def write_and_execute(cells, name, timeout_s=300):
