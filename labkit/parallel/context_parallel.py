@@ -230,10 +230,11 @@ class _RingAttention(torch.autograd.Function):
                 cols, dk_b, dv_b = part
                 dkv[0][:, :, cols] += dk_b.to(reduce_dtype)
                 dkv[1][:, :, cols] += dv_b.to(reduce_dtype)
-            dkv_pending = ring.pass_on(dkv, "ring attention bwd dkv")
+            dkv_pending = ring.pass_on(dkv, "ring attention bwd dkv") if n > 1 else None
             if pending is not None:
                 kv = _wait(pending)
-        dkv = _wait(dkv_pending)   # after n hops my own block's sums are home
+        if n > 1:
+            dkv = _wait(dkv_pending)   # after n hops my own block's sums are home
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
                 None, None, None, None, None)
 
