@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-labkit
 
-.PHONY: install lab test bench notebooks clean
+.PHONY: install lab test bench notebooks html student clean
 
 install: $(STAMP)
 
@@ -30,6 +30,14 @@ bench: install
 # Rebuild every notebook from its generator (notebooks/make/*.py) and save it executed.
 notebooks: install
 	for g in notebooks/make/*.py; do $(PY) $$g || exit 1; done
+
+# The executed lessons as static HTML in site/ (index.html links them), and the student edition
+# in student/ (solution cells stubbed, outputs cleared): nbconvert, see labkit/editions.py.
+html: install
+	$(PY) -m labkit.editions html site
+
+student: install
+	$(PY) -m labkit.editions student student
 
 clean:
 	rm -rf $(VENV) .pytest_cache
