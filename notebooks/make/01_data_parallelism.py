@@ -365,8 +365,9 @@ for name in ("GPT-2 small", "Llama 3 8B"):
     zero2 = next(n for n in gpus if tm.model_state_bytes(psi, zero_stage=2,
                                                          world_size=n)["total"] <= hbm)
     print(f"{name:12} {psi / 1e9:5.2f}B parameters: {states / 1e9:6.1f} GB of model states per "
-          f"replica, {'fits' if states <= hbm else 'does NOT fit'} one {hbm / 1e9:.0f} GB H100 "
-          f"(ZeRO-2, which sends the same bytes per step, fits from {zero2} GPU(s))")
+          f"replica, {'fits' if states <= hbm else 'does NOT fit'} one 80 GB H100 "
+          f"({hbm / 1e9:.1f}e9 bytes, as the driver reports it; ZeRO-2, which sends the same "
+          f"bytes per step, fits from {zero2} GPU(s))")
 """),
     code(r"""
 def wall_step(n, cfg):

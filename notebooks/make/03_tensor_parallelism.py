@@ -380,10 +380,9 @@ sides, and writes its rows into `data/bench.csv` (`labkit_over_torch`: labkit's 
 PyTorch's, the median of the per-round ratios; `spread_min`-`spread_max`: their range):
 """),
     code(r"""
-bench = pd.read_csv("../data/bench.csv")
+bench = pd.read_csv("../data/bench.csv", dtype=str, keep_default_na=False)   # as written
 latest = bench[bench.benchmark == "tensor_parallel"].drop_duplicates("metric", keep="last")
-latest[["metric", "labkit", "torch", "labkit_over_torch", "spread_min", "spread_max",
-        "rounds"]].fillna("")
+latest[["metric", "labkit", "torch", "labkit_over_torch", "spread_min", "spread_max", "rounds"]]
 """),
     md(r"""
 ## Takeaways
