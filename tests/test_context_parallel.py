@@ -2,8 +2,10 @@
 
 Every check compares this rank's rows of the output and of the q, k, v gradients with
 single-device attention on the whole sequence (fp64 `scaled_dot_product_attention` on the same
-inputs), for 2 and 4 ranks, causal and not, contiguous and zigzag, in a plain mp.spawn program;
-then under launch: inside the sub-group {1,3} of 4, the FLOPs each rank's clock counted against
+inputs), for 2 and 4 ranks, causal and not, contiguous and zigzag, grouped-query attention (4
+query heads on 2 K/V heads), in a plain mp.spawn program; then under launch: inside the
+sub-group {1,3} of 4, a ring of one, the cp groups of a dp=2 x cp=2 mesh, the FLOPs each
+rank's clock counted against
 theory/ (contiguous causal: the last rank 1.6x the mean at N=4; zigzag: equal), the comm log
 against the bytes formula, ContextParallel on a module calling scaled_dot_product_attention
 and on labkit's Attention, the one-line errors, the driver and the exercise's checker.
@@ -55,6 +57,24 @@ def _errors(group, causal, layout, method, dtype, reduce_dtype=torch.float32):
             for a, b in pairs]
 
 
+def _gqa_errors(group, method, layout="zigzag"):
+    """4 query heads sharing 2 key/value heads (grouped-query attention, as Llama 3)."""
+    g = torch.Generator().manual_seed(5)
+    q, do = (torch.randn(B, 4, SEQ, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, 2, SEQ, D, generator=g, dtype=torch.float64) for _ in range(2))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
+    expected.backward(do)
+    mine = [cp.shard_sequence(t, group, layout, dim=2).float().requires_grad_()
+            for t in (q, k, v)]
+    fn = cp.ring_attention if method == "ring" else cp.all_gather_attention
+    out = fn(*mine, group, True, layout)
+    out.backward(cp.shard_sequence(do, group, layout, dim=2).float())
+    pairs = [(out, expected)] + [(m.grad, f.grad) for m, f in zip(mine, full)]
+    return max((a.double() - cp.shard_sequence(b.detach(), group, layout, dim=2)).abs().max()
+               .item() for a, b in pairs)
+
+
 def _single_device_bf16_error(seq, causal):
     """bf16 scaled_dot_product_attention on one device against fp64: the floor to compare to."""
     q, k, v, do = _inputs(seq, torch.bfloat16)
@@ -75,6 +95,7 @@ def spawned_checks(rank, world_size):
     out["bf16"] = _errors(group, True, "zigzag", "ring", torch.bfloat16)
     out["bf16 sums in bf16"] = _errors(group, True, "zigzag", "ring", torch.bfloat16,
                                        reduce_dtype=torch.bfloat16)
+    out["gqa"] = max(_gqa_errors(group, method) for method in cp.METHODS)
     return out
 
 
@@ -96,6 +117,7 @@ def test_ring_and_all_gather_equal_one_device_fp32(spawned):
     for case in CASES:
         worst = max(max(r[case]) for r in results)
         assert worst < 1e-5, f"{n} ranks, {case}: max difference {worst:.2e}"
+    assert max(r["gqa"] for r in results) < 1e-5   # 4 query heads on 2 K/V heads
 
 
 def test_bf16_error_and_ring_size(spawned):
@@ -154,6 +176,9 @@ def launched_checks(ctx):
                                + _errors(sub, False, "contiguous", "all_gather", torch.float32))
     alone = ctx.split_groups([[r] for r in range(ctx.world_size)])   # a ring of one
     out["group of one"] = max(_errors(alone, True, "zigzag", "ring", torch.float32))
+    mesh = ctx.mesh(dp=2, cp=2)                     # lesson 06's mesh with a cp dimension
+    out["mesh cp"] = (mesh["cp"].ranks, max(_errors(mesh["cp"], True, "zigzag", "ring",
+                                                    torch.float32)))
     ctx.comm.barrier()
     n, seq = ctx.world_size, 4 * ctx.world_size
     for layout in cp.LAYOUTS:
@@ -196,6 +221,8 @@ def test_sub_group_of_four(launched):
     assert launched[1]["sub-group"] < 1e-5 and launched[3]["sub-group"] < 1e-5
     assert "sub-group" not in launched[0]
     assert all(r["group of one"] < 1e-5 for r in launched)
+    assert [r["mesh cp"][0] for r in launched] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert all(r["mesh cp"][1] < 1e-5 for r in launched)
 
 
 def test_flops_per_rank_show_the_causal_imbalance(launched):

@@ -140,6 +140,16 @@ def _scores(q, k, scale, mask):
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
+def _repeat_heads(t, groups):
+    """GQA: each K/V head serves `groups` query heads (dim 1); a view-free repeat."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _sum_heads(t, groups):
+    """The gradient of _repeat_heads: add the query heads that shared a K/V head."""
+    return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(2)
+
+
 def _block_forward(q, k, v, scale, mask):
     s = _scores(q, k, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
@@ -173,6 +183,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(fctx, q, k, v, group, causal, layout, scale, reduce_dtype):
         ctx, ring = context(), _Ring(group)
         n, me, local = group.size, group.rank, q.shape[SEQ_DIM]
+        groups = q.shape[1] // k.shape[1]      # query heads per K/V head (GQA; 1: MHA)
         acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         qf = q.to(acc)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -185,8 +196,8 @@ class _RingAttention(torch.autograd.Function):
             if plan is not None:
                 rows, cols, mask = plan
                 with ctx.clock.compute("ring attention forward", block=src):
-                    o_b, lse_b = _block_forward(qf[:, :, rows], kv[0][:, :, cols].to(acc),
-                                                kv[1][:, :, cols].to(acc), scale, mask)
+                    kb, vb = (_repeat_heads(t[:, :, cols].to(acc), groups) for t in kv)
+                    o_b, lse_b = _block_forward(qf[:, :, rows], kb, vb, scale, mask)
                     out[:, :, rows], lse[:, :, rows] = merge_partials(
                         out[:, :, rows], lse[:, :, rows], o_b, lse_b)
             if pending is not None:
@@ -202,6 +213,7 @@ class _RingAttention(torch.autograd.Function):
         group, causal, layout, scale, reduce_dtype = fctx.setup
         ctx, ring = context(), _Ring(group)
         n, me, local = group.size, group.rank, q.shape[SEQ_DIM]
+        groups = q.shape[1] // k.shape[1]
         acc = lse.dtype
         qf, do = q.to(acc), grad_out.to(acc)
         delta = (do * out.to(acc)).sum(-1, keepdim=True)   # D_i = dO_i . O_i
@@ -215,14 +227,14 @@ class _RingAttention(torch.autograd.Function):
             if plan is not None:
                 rows, cols, mask = plan
                 with ctx.clock.compute("ring attention backward", block=src):
-                    kb, vb = kv[0][:, :, cols].to(acc), kv[1][:, :, cols].to(acc)
+                    kb, vb = (_repeat_heads(t[:, :, cols].to(acc), groups) for t in kv)
                     qb, dob = qf[:, :, rows], do[:, :, rows]
                     p = torch.exp(_scores(qb, kb, scale, mask) - lse[:, :, rows].unsqueeze(-1))
                     dv_b = p.transpose(-2, -1) @ dob
                     ds = p * (dob @ vb.transpose(-2, -1) - delta[:, :, rows])
                     dq[:, :, rows] += (ds @ kb) * scale
                     dk_b = (ds.transpose(-2, -1) @ qb) * scale
-                part = cols, dk_b, dv_b
+                part = cols, _sum_heads(dk_b, groups), _sum_heads(dv_b, groups)
             # the dK, dV partial sums of block src arrive from the previous rank (step 0: none)
             dkv = (torch.zeros((2,) + k.shape, dtype=reduce_dtype, device=k.device)
                    if dkv_pending is None else _wait(dkv_pending))
@@ -245,10 +257,13 @@ def _check_qkv(q, k, v):
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"head dims mismatch: q has {q.shape[-1]}, k has {k.shape[-1]}")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[2] != k.shape[2]:
-        raise ValueError("q, k, v must hold the same batch, heads and local sequence "
-                         f"(this rank's shard): {tuple(q.shape)}, {tuple(k.shape)}, "
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError("q, k, v must hold the same batch and local sequence (this rank's "
+                         f"shard), k and v the same shape: {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads do not share {k.shape[1]} key/value heads "
+                         "evenly (grouped-query attention needs a multiple)")
 
 
 def _setup(q, k, v, group, layout):
@@ -263,6 +278,7 @@ def ring_attention(q, k, v, group=None, causal=True, layout="contiguous", scale=
     """softmax(Q K^T * scale [causal]) V over the whole sequence, each rank holding its shard.
 
     q, k, v: (batch, heads, local_seq, head_dim), this rank's positions of the `layout`
+    (k and v may have fewer heads, grouped-query attention: only those travel the ring)
     ("contiguous": chunk r of N; "zigzag": chunks r and 2N-1-r of 2N). Returns this rank's
     output rows. Blocks are computed in fp32 for bf16/fp16 inputs; K, V travel in their own
     dtype, the dK, dV partial sums in `reduce_dtype`.
@@ -295,15 +311,17 @@ def all_gather_attention(q, k, v, group=None, causal=True, layout="contiguous", 
     group = _setup(q, k, v, group, layout)
     kv = _AllGatherSequence.apply(torch.stack((k, v), dim=1).flatten(1, 2).contiguous(),
                                   group, "all-gather attention kv")
-    k_all, v_all = kv.unflatten(1, (2, q.shape[1])).unbind(1)
+    k_all, v_all = kv.unflatten(1, (2, k.shape[1])).unbind(1)
     mask = None
     if causal:
         n, s = group.size, q.shape[SEQ_DIM] * group.size
         mine = sequence_positions(s, group.rank, n, layout, q.device)
         keys = torch.cat([sequence_positions(s, r, n, layout, q.device) for r in range(n)])
         mask = mine.unsqueeze(1) >= keys.unsqueeze(0)
+    groups = q.shape[1] // k.shape[1]
     with context().clock.compute("all-gather attention forward"):
-        return _sdpa(q, k_all, v_all, attn_mask=mask, scale=scale)
+        return _sdpa(q, _repeat_heads(k_all, groups), _repeat_heads(v_all, groups),
+                     attn_mask=mask, scale=scale)
 
 
 # ---------------------------------------------------------------- applying it to a module
@@ -344,9 +362,11 @@ class ContextParallel(nn.Module):
     def core(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              **extra):
         """scaled_dot_product_attention's signature, computed across the group."""
-        if attn_mask is not None or dropout_p or extra.get("enable_gqa"):
+        if attn_mask is not None or dropout_p:
             raise ValueError("ContextParallel supports scaled_dot_product_attention without "
-                             "attn_mask, dropout or enable_gqa (use is_causal)")
+                             "attn_mask or dropout (use is_causal)")
+        if q.shape[1] != k.shape[1] and not extra.get("enable_gqa"):
+            raise ValueError("q and k have different head counts: pass enable_gqa=True")
         fn = ring_attention if self.method == "ring" else all_gather_attention
         return fn(q, k, v, self.group, causal=is_causal, layout=self.layout, scale=scale)
 
