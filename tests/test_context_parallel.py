@@ -282,3 +282,26 @@ def test_driver_report():
     assert theory.imbalance(data["attention_check"]["flops_per_rank"]) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="not divisible by 8"):
         run_cp.report(world_size=4, cfg=RunConfig(model_kwargs=dict(seq=12)), layout="zigzag")
+
+
+# ------------------------------------------------------------------ theory/ and the explorer
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+def test_causal_work_counts_the_unmasked_pairs(layout):
+    """theory's share of causal work per rank against the query-key pairs a mask keeps."""
+    n, seq = 4, 1024
+    pairs = [sum(int(p) + 1 for p in cp.sequence_positions(seq, r, n, layout))
+             for r in range(n)]
+    shares = [p / sum(pairs) for p in pairs]
+    assert shares == pytest.approx(theory.causal_work(n, layout), rel=0.01)
+
+
+def test_ring_schedule_and_explorer_figure():
+    from labkit.viz import cp_widgets
+    times = {(layout, overlap): theory.ring_schedule(1, 32, 131072, 128, 8, layout, kv_heads=8,
+                                                     overlap=overlap)["time_s"]
+             for layout in cp.LAYOUTS for overlap in (True, False)}
+    assert times[("zigzag", True)] < 0.6 * times[("contiguous", True)]
+    assert all(times[(layout, False)] > times[(layout, True)] for layout in cp.LAYOUTS)
+    fig = cp_widgets.cp_figure(seq=131072, cp=8, layout="zigzag")
+    assert "1.00x" in fig.labkit_summary and "fits an H100 with: full" in fig.labkit_summary
