@@ -15,8 +15,9 @@ Ring Attention: Liu, Zaharia & Abbeel 2023, arXiv 2310.01889.
 The causal imbalance. With a causal mask and rank r holding the r-th contiguous chunk, rank r's
 queries see only blocks 0..r: rank N-1 works ~2x the average while rank 0 idles. The zigzag
 layout cuts the sequence into 2N chunks and gives rank r chunks r and 2N-1-r (one early, one
-late): every rank then does the same work at every ring step (Brandon et al. 2023, Striped /
-zigzag attention, arXiv 2311.09431; used by Llama 3).
+late): every rank then does the same work at every ring step (the layout of Llama 3 and of
+ring-flash-attention; Striped Attention, Brandon et al. 2023, arXiv 2311.09431, balances it by
+dealing the tokens out round-robin instead).
 
 Memory per rank: q, k, v, out of s/N tokens (4 b h (s/N) d values) plus the fp32 log-sum-exp,
 saved for backward; the s x s scores are never stored whole (one block of (s/N)^2 at a time).

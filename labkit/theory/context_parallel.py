@@ -6,8 +6,9 @@ blocks (KV = 2 b h_kv (s/N) d values) travel N-1 hops forward and N-1 backward, 
 partial sums N hops. The transfer hides under the block computation when the block is large:
 a (s/N)^2 block costs 4 b h (s/N)^2 d FLOPs forward against 2 b h_kv (s/N) d values sent.
 Causal load balance: contiguous chunks give rank r the work of r + 1/2 blocks (the last rank
-~2x the average); zigzag (chunks r and 2N-1-r of 2N, Brandon et al. 2023 arXiv 2311.09431,
-Llama 3 arXiv 2407.21783) gives every rank N/2. Llama 3 all-gathers K and V instead.
+~2x the average); zigzag (chunks r and 2N-1-r of 2N, as Llama 3, arXiv 2407.21783) gives
+every rank N/2 (Striped Attention, Brandon et al. 2023, arXiv 2311.09431, balances by dealing
+tokens round-robin). Llama 3 all-gathers K and V instead of passing them around a ring.
 """
 from __future__ import annotations
 
