@@ -372,12 +372,12 @@ class ContextParallel(nn.Module):
         return fn(q, k, v, self.group, causal=is_causal, layout=self.layout, scale=scale)
 
     def _patch_targets(self):
-        """(namespace, name, replacement) of every attention core the module may call."""
-        targets = [(F, "scaled_dot_product_attention", self.core)]
-        seen = set()
+        """(globals dict, name, replacement) of every attention core the module may call."""
+        functional = vars(F)     # F.scaled_dot_product_attention is looked up here per call
+        targets, seen = [(functional, "scaled_dot_product_attention", self.core)], set()
         for m in self.module.modules():   # the module globals each forward reads names from
             names = getattr(type(m).forward, "__globals__", None)
-            if names is None or id(names) in seen:
+            if names is None or id(names) in seen or names is functional:
                 continue
             seen.add(id(names))
             for name, value in list(names.items()):
@@ -388,23 +388,15 @@ class ContextParallel(nn.Module):
         return targets
 
     def forward(self, *args, **kwargs):
-        saved = []
+        targets = self._patch_targets()
+        originals = [names[name] for names, name, _ in targets]
         try:
-            for space, name, replacement in self._patch_targets():
-                original = space[name] if isinstance(space, dict) else getattr(space, name)
-                saved.append((space, name, original))
-                _set(space, name, replacement)
+            for names, name, replacement in targets:
+                names[name] = replacement
             return self.module(*args, **kwargs)
         finally:
-            for space, name, original in reversed(saved):
-                _set(space, name, original)
+            for (names, name, _), original in zip(targets, originals):
+                names[name] = original
 
     def extra_repr(self):
         return f"group={list(self.group.ranks)}, layout={self.layout}, method={self.method}"
-
-
-def _set(space, name, value):
-    if isinstance(space, dict):
-        space[name] = value
-    else:
-        setattr(space, name, value)
