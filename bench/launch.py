@@ -2,8 +2,9 @@
 
 Start-up: wall seconds for `launch(noop, N)`, the first call (forkserver imports torch once)
 and later calls. Overhead: the same loop of small all_reduces through `torch.distributed`
-directly, through `ctx.comm` with the clock off (log only), and with the clock on; ratios
-instrumented / raw, measured in the same ranks in the same run.
+directly, through `ctx.comm` with the clock off (log only), and with the clock on (its stamps
+ride in the all_reduce as 4 slots per rank); ratios instrumented / raw, measured in the same
+ranks in the same run. What the instruments cost a whole data-parallel step: bench/runtime.py.
 """
 import os
 import sys
@@ -65,7 +66,7 @@ def main():
                              torch_impl="dist.all_reduce", world_size=4,
                              metric=f"s_per_call_{numel * 4}B", labkit=f"{t[label]:.2e}",
                              torch=f"{raw:.2e}", labkit_over_torch=f"{ratio:.2f}",
-                             notes="gloo CPU; the clock adds one 8-byte stamp all_reduce"))
+                             notes="gloo CPU; the clock's stamps ride in the all_reduce"))
     replace_rows(rows)
 
 

@@ -17,9 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-_PLAIN = {}      # id(op) -> its kernel, for ops with no FLOP formula and no decomposition
-_FORMULAS = {}   # id(op) -> its FLOP formula (ops are looked up by id: an OpOverload hashes
-_COUNTS = {}     # in Python, slowly); (op, shapes, arguments) -> FLOPs, already computed
+# Ops are looked up by id (an OpOverload hashes in Python, slowly; ops live as long as the process).
+_PLAIN = {}      # id(op) -> its kernel: an op with no FLOP formula and no decomposition
+_FORMULAS = {}   # id(op) -> its FLOP formula
+_COUNTS = {}     # (op, shapes and plain arguments) -> the FLOPs its formula answered
 _MAX_COUNTS = 50_000
 
 
@@ -65,7 +66,7 @@ class _FlopCounter(TorchDispatchMode):
                     if out is not NotImplemented:
                         return out
                 else:
-                    _PLAIN[id(func)] = func._op   # ops live as long as the process
+                    _PLAIN[id(func)] = func._op
                 return func(*args, **kwargs)
             _FORMULAS[id(func)] = formula
         out = func(*args, **kwargs)

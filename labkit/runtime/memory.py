@@ -86,24 +86,25 @@ class _Sizes:
 
 
 class _ModelTensors:
-    """`model.parameters()` and their `.grad`, read from a remembered list of the model's
-    modules (walking the module tree is most of the cost; the tracker forgets the list at each
-    sample, so a module added between samples is found at the next one)."""
+    """`model.parameters()` and their `.grad`, from a list of the parameters kept between two
+    samples (walking the module tree is most of the cost of a count; the tracker forgets the
+    list at each sample, so a parameter added or replaced in a module is found at the next)."""
 
     def __init__(self, model):
-        self.model, self.modules = model, None
+        self.model, self.params_seen = model, None
 
     def forget(self):
-        self.modules = None
+        self.params_seen = None
 
     def params(self):
-        if self.modules is None:
-            self.modules = _modules_of(self.model)
-        if self.modules is False:               # a module that lists itself differently
-            return list(self.model.parameters())
-        unique = {id(p): p for module in self.modules for p in module._parameters.values()
-                  if p is not None}
-        return list(unique.values())
+        if self.params_seen is None:
+            modules = _modules_of(self.model)
+            if modules is False:                # a module that lists itself differently
+                return list(self.model.parameters())
+            unique = {id(p): p for module in modules for p in module._parameters.values()
+                      if p is not None}
+            self.params_seen = list(unique.values())
+        return self.params_seen
 
     def grads(self):
         return [p.grad for p in self.params()]
