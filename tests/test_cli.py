@@ -94,7 +94,8 @@ def test_ctrl_c_during_the_first_start_prints_one_line_and_exits_130():
     # first launch started still imports torch.
     proc = subprocess.Popen([sys.executable, "-m", "labkit", "run", "single", "--steps", "100000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,  # SIGINT at its default even if we ignore it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while forkserver_of(proc.pid) is None and time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()

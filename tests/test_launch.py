@@ -261,12 +261,19 @@ if __name__ == "__main__":
 """
 
 
+def sigint_as_a_terminal_gives_it():
+    """For a child that must take Ctrl-C: SIGINT at its default, also when this test run
+    ignores it (started in the background or under nohup: children inherit an ignored SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_script(tmp_path, folder, n, **popen):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     os.makedirs(folder, exist_ok=True)
     return subprocess.Popen([sys.executable, str(script), str(folder), str(n)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_a_terminal_gives_it, **popen)
 
 
 def test_two_processes_launch_at_once_one_a_script_piped_on_stdin(tmp_path):
@@ -354,7 +361,8 @@ def test_an_interrupt_during_a_cold_start_leaves_no_rank_behind(tmp_path):
     delays = (0.0, 1.0, 2.5, 4.0, 6.0)
     kernels = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
                                 stderr=open(tmp_path / f"err{i}", "w"), text=True,
-                                start_new_session=True) for i in range(len(delays))]
+                                start_new_session=True, preexec_fn=sigint_as_a_terminal_gives_it)
+               for i in range(len(delays))]
     signalled = [None] * len(delays)
 
     def interrupt(i):
