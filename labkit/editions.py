@@ -82,7 +82,7 @@ def student_notebook(nb):
     nb = nbformat.from_dict(nb)
     resources = {}
     for step in (TagRemovePreprocessor(remove_cell_tags={"instructor"}, enabled=True),
-                 StubSolutions(), ClearOutputPreprocessor()):
+                 StubSolutions(enabled=True), ClearOutputPreprocessor(enabled=True)):
         nb, resources = step(nb, resources)
     return nb
 

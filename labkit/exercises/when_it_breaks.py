@@ -126,7 +126,8 @@ def _failed_run(text):
     if "Connection closed by peer" in text or "Connection reset by peer" in text:
         return Check(False, "one-sided collective", (
             "HANG, CUT SHORT: one rank waited in a collective while another had finished and "
-            "left (gloo then reports the connection closed or reset by the peer). Every rank must call the "
-            f"same collectives in the same order (no collective under `if ctx.rank == 0`). {HINT}"))
+            "left (gloo then reports the connection closed or reset by the peer). Every rank "
+            "must call the same collectives in the same order (no collective under "
+            f"`if ctx.rank == 0`). {HINT}"))
     last = [line for line in text.splitlines() if line.strip()][-1].strip()
     return Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}. {HINT}")

@@ -268,14 +268,14 @@ Count model states only (mixed-precision Adam, 16 bytes per parameter; activatio
    many GB per GPU?
 3. With ZeRO-3, what is the fewest H100s that can hold the model states?
 
-Fill in your answers (replace `None`) and run the checking cell.
+Fill in your answers (in the student edition they are `None`) and run the checking cell.
 """),
     code(r"""
-gb_per_gpu_no_zero = None      # e.g. 100.0
-fits_on_one_h100 = None        # True or False
-gb_per_gpu_zero3_on_8 = None   # e.g. 10.0
-fewest_h100s_zero3 = None      # an integer
-"""),
+gb_per_gpu_no_zero = 16 * 8.03e9 / 1e9        # every replica holds all 16 bytes per parameter
+fits_on_one_h100 = False                      # 128 GB of model states > one H100's 80 GB
+gb_per_gpu_zero3_on_8 = 16 * 8.03e9 / 8 / 1e9  # all three states split 8 ways
+fewest_h100s_zero3 = 2                        # 128.5 / 2 = 64 GB fits, 128.5 / 1 does not
+""", tags=("solution",)),
     code(r"""
 def check(name, answer, truth, hint, tolerance=0.05):
     if answer is None:

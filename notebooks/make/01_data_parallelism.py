@@ -505,11 +505,12 @@ dp_widgets.dp_explorer()
 ## 9 · Exercise: write the ring all-reduce
 
 Fill in `my_ring_all_reduce` using only `ctx.comm.send(t, dst, async_op=True)` (returns a handle
-with `.wait()`) and `ctx.comm.recv(t, src)`. Then set `MY_RING_IS_READY = True` and run the
-cell: `check_ring_all_reduce` runs it on 4 ranks with different data, and tells you in words
-what is wrong: a wrong sum, chunks in the wrong place, a deadlock (every rank waiting in recv),
-or more bytes sent than the ring's 2(N−1)/N·S. Until then the cell checks labkit's own ring so
-that you can see what success looks like.
+with `.wait()`) and `ctx.comm.recv(t, src)`: cut the tensor into N chunks
+(`torch.tensor_split(tensor.view(-1), n)` gives views, so writing a chunk writes the tensor), run
+N−1 reduce-scatter steps to the right neighbour, then N−1 all-gather steps. Then run the
+checking cell: `check_ring_all_reduce` runs it on 4 ranks with different data, and tells you
+in words what is wrong: a wrong sum, chunks in the wrong place, a deadlock (every rank waiting
+in recv), or more bytes sent than the ring's 2(N−1)/N·S.
 """),
     code(r"""
 def my_ring_all_reduce(ctx, tensor):
@@ -517,19 +518,23 @@ def my_ring_all_reduce(ctx, tensor):
     chunks = list(torch.tensor_split(tensor.view(-1), n))   # views: writing them writes tensor
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):                                   # reduce-scatter
-        send_i, recv_i = None, None        # TODO: which chunk goes right, which comes from left?
+        send_i, recv_i = (r - s) % n, (r - s - 1) % n        # my partial sum goes right
         incoming = torch.empty_like(chunks[recv_i])
         handle = ctx.comm.send(chunks[send_i], right, async_op=True)
         ctx.comm.recv(incoming, left)
         handle.wait()
-        ...                                # TODO: combine incoming with your chunk
-    for s in range(n - 1):                                   # all-gather
-        ...                                # TODO: pass the finished chunks around the ring
+        chunks[recv_i] += incoming                           # add mine to the one passing by
+    for s in range(n - 1):                                   # all-gather: chunk r+1 is done
+        send_i, recv_i = (r + 1 - s) % n, (r - s) % n
+        incoming = torch.empty_like(chunks[recv_i])
+        handle = ctx.comm.send(chunks[send_i], right, async_op=True)
+        ctx.comm.recv(incoming, left)
+        handle.wait()
+        chunks[recv_i].copy_(incoming)                       # a finished sum: keep it
     return tensor
-
-
-MY_RING_IS_READY = False
-verdict = check_ring_all_reduce(my_ring_all_reduce if MY_RING_IS_READY else dp.ring_all_reduce)
+""", tags=("solution",)),
+    code(r"""
+verdict = check_ring_all_reduce(my_ring_all_reduce)
 """),
     md(r"""
 What the feedback looks like for two classic mistakes: forgetting that the other ranks' data

@@ -181,12 +181,13 @@ is long against the message latency (real models: ms against µs).
 
 ## 4 · The timeline of a real run
 
-1F1B with M = 8 on free links: per-rank rows, forward / backward / idle, micro-batch numbers on
+1F1B with M = 4 on free links (M = 8 is the exercise at the end): per-rank rows, forward / backward / idle, micro-batch numbers on
 the bars. Above: the modelled clock. Below: the wall clock measured on this machine from the
 first op, where the ranks share two CPU cores, so the shape is noisier.
 """),
     code(r"""
-fig = run_gantts([e for r in one_f for e in r["timeline"]], title="1F1B, P=4, M=8, real run")
+one_f4 = results[runs.index(dict(schedule="1f1b", microbatches=4, cluster=free))]
+fig = run_gantts([e for r in one_f4 for e in r["timeline"]], title="1F1B, P=4, M=4, real run")
 plt.show()
 """),
     md(r"""
@@ -318,14 +319,17 @@ Below, `my_stage0` is the order of ops on **stage 0** of a 4-stage pipeline with
 micro-batches; the other stages run labkit's 1F1B. `check_stage_order` first checks the
 schedule the way the executor does (every op once, each F before its B, no deadlock: replayed by
 the simulator), then runs it for real on 4 ranks and compares the parameters with one device,
-and says how many micro-batches' activations the stage holds. The starter is GPipe's order:
-right result, but stage 0 holds all 8. Write 1F1B for P = 4 and M = 8 (section 1 shows the rule
-on 3 stages). Try also putting `B0` right after `F0`: the executor refuses it, naming the ops
-that would wait forever.
+and says how many micro-batches' activations the stage holds. GPipe's order (all eight F,
+then all eight B) gives the right result, but stage 0 holds all 8: try it first. Then write 1F1B
+for P = 4 and M = 8 (section 1 shows the rule on 3 stages). Try also putting `B0` right after
+`F0`: the executor refuses it, naming the ops that would wait forever.
 """),
     code(r"""
-my_stage0 = ["F0", "F1", "F2", "F3", "F4", "F5", "F6", "F7",
-             "B0", "B1", "B2", "B3", "B4", "B5", "B6", "B7"]
+my_stage0 = ["F0", "F1", "F2",                  # warm-up: P - 1 - stage = 3 forwards
+             "F3", "B0", "F4", "B1", "F5", "B2", "F6", "B3", "F7", "B4",   # one F, one B
+             "B5", "B6", "B7"]                  # drain
+""", tags=("solution",)),
+    code(r"""
 check = check_stage_order(my_stage0, stage=0, stages=4, microbatches=8)
 print(check.message)
 """),

@@ -65,12 +65,11 @@ pd.set_option("display.width", 120)
 The two operators are ordinary `torch.autograd.Function`s: the all-reduce is in `backward` for
 f and in `forward` for g. Each calls `ctx.comm` with the process group and a tag (the layer's
 name), so every call lands in the comm log and on the modelled clock. The layers are a few lines
-on top:
+on top; the column-parallel one below (the row-parallel forward is the exercise at the end):
 """),
     code(r"""
 print(inspect.getsource(tp._CopyToTP))
 print(inspect.getsource(tp.ColumnParallelLinear.forward))
-print(inspect.getsource(tp.RowParallelLinear.forward))
 """),
     md(r"""
 ## Your own model, your own loop
@@ -364,10 +363,10 @@ on 2 ranks and says what is wrong, if anything (it returns a `Check`: `.ok`, `.p
 """),
     code(r"""
 def my_row_parallel_forward(ctx, x_shard, weight_shard, bias, group):
-    # TODO: this is only this rank's part of the answer
-    return F.linear(x_shard, weight_shard, bias)
-
-
+    partial = F.linear(x_shard, weight_shard)               # this rank's share of every output
+    return tp.reduce_from_tp(partial, group, "exercise") + bias   # sum over ranks, bias once
+""", tags=("solution",)),
+    code(r"""
 check = check_row_parallel(my_row_parallel_forward)
 """),
     md(r"""

@@ -276,8 +276,9 @@ Write `route(logits, k, capacity)` for logits of shape (T, E). Return `expert` (
 token's k experts with the highest softmax probability, best first), `weight` (T, k: for k = 1
 the probability, for k = 2 the two probabilities divided by their sum) and `kept` (T, k: False
 for assignments past an expert's capacity, filling each expert with all first choices in token
-order before any second choice). The starter below routes but never drops; `labkit` says what
-is wrong.
+order before any second choice). `check_top_k_routing` compares your function with labkit's
+routing on several cases and says what is wrong (a router that never drops is the usual first
+try).
 """),
     code(r"""
 def route(logits, k, capacity):
@@ -285,9 +286,16 @@ def route(logits, k, capacity):
     weight, expert = probs.topk(k, dim=-1)
     if k > 1:
         weight = weight / weight.sum(dim=-1, keepdim=True)
-    kept = torch.ones_like(expert, dtype=torch.bool)   # TODO: drop what does not fit
+    kept = torch.zeros_like(expert, dtype=torch.bool)
+    used = [0] * logits.shape[-1]                 # slots taken, per expert
+    for choice in range(k):                       # all first choices before any second choice
+        for t in range(logits.shape[0]):          # in token order
+            e = int(expert[t, choice])
+            kept[t, choice] = used[e] < capacity
+            used[e] += int(kept[t, choice])
     return expert, weight, kept
-
+""", tags=("solution",)),
+    code(r"""
 check_top_k_routing(route);
 """),
     md(r"""

@@ -299,7 +299,9 @@ is 64); you may fix `v`, `micro_batch_size`, `zero_stage`, `recompute` and `sequ
 too (the planner searches what you leave out). `check_layout` answers in words.
 """),
     code(r"""
-my_layout = dict(dp=64, tp=1, pp=1)     # change me
+my_layout = dict(dp=16, tp=4, pp=1)     # TP inside a node, ZeRO and the rest left to the planner
+""", tags=("solution",)),
+    code(r"""
 check = check_layout(my_layout)
 """),
     md(r"""

@@ -314,8 +314,8 @@ print(f"largest loss difference over {cfg.steps} steps: {gap:.4f} (on losses nea
     md(r"""
 The two loss curves lie almost on top of each other (this tiny GPT reads random tokens, so
 neither can fall far below ln(vocab)): nothing in the log looks wrong. Only the comparison of
-the parameters with the reference says the run is wrong, by far more than float rounding. The same comparison, on 2 and 4 ranks, measures *how*
-wrong: the first update against the reference's is N times too large (summed: N means added).
+the parameters with the reference says the run is wrong, by far more than float rounding. The
+same comparison, on 2 and 4 ranks, measures *how* wrong: the first update against the reference's is N times too large (summed: N means added).
 """),
     code(r"""
 def first_update(ctx, cfg):
