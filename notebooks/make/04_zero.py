@@ -390,7 +390,8 @@ def say(n):
 l8, l70, l405 = (catalog.model(m) for m in ("Llama 3 8B", "Llama 3 70B", "Llama 3.1 405B"))
 dp_8b = tm.model_state_bytes(l8.param_count(), zero_stage=0)["total"]
 display(Markdown(f'''
-On {h100.name}s ({h100.memory_bytes / 1e9:.0f} GB each, mixed-precision Adam): Llama 3 8B needs
+On {h100.name}s (sold as 80 GB; {h100.memory_bytes / 1e9:.1f} GB as the driver reports it;
+mixed-precision Adam): Llama 3 8B needs
 {dp_8b / 1e9:.0f} GB per GPU in plain DP; with ZeRO, stage 1 fits {say(fewest_gpus(l8.name, 1))},
 stage 2 {say(fewest_gpus(l8.name, 2))}, stage 3 {say(fewest_gpus(l8.name, 3))}. Llama 3 70B:
 stage 3 {say(fewest_gpus(l70.name, 3))}; stages 1 and 2 {say(fewest_gpus(l70.name, 2))} (their
