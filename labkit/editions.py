@@ -2,8 +2,9 @@
 nbconvert's own exporters and preprocessors:
 
 - `python -m labkit.editions html [site]`: every lesson rendered to static HTML (plots are the
-  PNGs saved in the notebook; widgets show their last state, embedded where ipywidgets allows)
-  and an index page linking them by title (`make html`).
+  PNGs saved in the notebook; widgets' last state embedded for ipywidgets' renderer, plus a
+  static picture of each explorer's last drawing for reading offline) and an index page
+  linking them by title (`make html`).
 - `python -m labkit.editions student [student]`: the student edition (`make student`). A cell
   tagged `solution` keeps its function signatures, whose bodies become
   `raise NotImplementedError("your code here")`; its top-level answers (`name = value`) become
@@ -114,6 +115,53 @@ li {{ margin: 0.4em 0 }}</style></head>
 """
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+class WidgetSnapshots(Preprocessor):
+    """After each widget output, a static picture of its last state: the text of its HTML
+    widgets and the images of its Output widgets, read from the widget state saved in the
+    notebook. The live widget needs ipywidgets' renderer from a CDN and, to redraw, a kernel;
+    the snapshot shows the explorer's last drawing also offline."""
+
+    def preprocess(self, nb, resources):
+        self.state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+        return super().preprocess(nb, resources)
+
+    def preprocess_cell(self, cell, resources, index):
+        outputs = []
+        for output in cell.get("outputs", []):
+            outputs.append(output)
+            view = output.get("data", {}).get(WIDGET_VIEW)
+            parts = self._parts(view["model_id"]) if view else []
+            if any(part.startswith("<img") for part in parts):   # an explorer, not a bar
+                note = ("<p><i>The explorer as last drawn (a static picture: moving its "
+                        "controls needs a running kernel, <code>make lab</code>).</i></p>")
+                outputs.append(nbformat.v4.new_output(
+                    "display_data", {"text/html": note + "\n".join(parts)}))
+        if cell.cell_type == "code":
+            cell.outputs = outputs
+        return cell, resources
+
+    def _parts(self, model_id, seen=None):
+        seen = set() if seen is None else seen
+        model = self.state.get(model_id)
+        if model is None or model_id in seen:
+            return []
+        seen.add(model_id)
+        state, parts = model.get("state", {}), []
+        if model.get("model_name") == "HTMLModel" and state.get("value"):
+            parts.append(f"<p>{state['value']}</p>")
+        for output in state.get("outputs", []):
+            png = output.get("data", {}).get("image/png")
+            if png:
+                parts.append(f'<img src="data:image/png;base64,{png.strip()}">')
+        for child in state.get("children", []):
+            parts += self._parts(str(child).removeprefix("IPY_MODEL_"), seen)
+        return parts
+
+
 def build_site(out="site", folder=NOTEBOOKS):
     """Render every executed lesson to `out`/NN_name.html and write `out`/index.html."""
     from nbconvert import HTMLExporter
@@ -124,6 +172,7 @@ def build_site(out="site", folder=NOTEBOOKS):
     for path in lessons(folder):
         nb = nbformat.read(path, as_version=4)
         name = title(nb, path.stem)
+        nb, _ = WidgetSnapshots(enabled=True)(nb, {})
         body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": name}})
         (out / f"{path.stem}.html").write_text(body, encoding="utf-8")
         items.append(f'<li><a href="{path.stem}.html">{html.escape(name)}</a></li>')

@@ -97,3 +97,18 @@ def test_checker_fails_on_the_stub_and_passes_on_the_solution(student, prefix, r
         on_solution = run_check(namespace(teacher, solution_cells(teacher)))
     assert not on_stub.ok and stub_says in on_stub.message
     assert on_solution.ok, on_solution.message
+
+
+def test_site_links_each_lesson_by_title_with_a_static_explorer(tmp_path):
+    lessons = tmp_path / "notebooks"
+    lessons.mkdir()
+    for prefix in ("05", "07"):
+        source = read(editions.NOTEBOOKS, prefix)
+        nbformat.write(source, lessons / f"{prefix}_lesson.ipynb")
+    with contextlib.redirect_stdout(io.StringIO()):
+        index = editions.build_site(tmp_path / "site", folder=lessons)
+    text = index.read_text()
+    assert 'href="07_lesson.html">07 · When it breaks' in text and 'href="05_lesson.html"' in text
+    page = (tmp_path / "site" / "07_lesson.html").read_text()
+    assert "The explorer as last drawn" in page and page.count("data:image/png;base64,") >= 2
+    assert "application/vnd.jupyter.widget-state+json" in page
