@@ -118,8 +118,8 @@ def test_cli_plan_prints_a_ranking_and_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out) >= {"model", "cluster", "considered", "plans"} and len(out["plans"]) == 3
     plan = out["plans"][0]
-    assert set(plan["breakdown_s"]) == {"compute", "recompute", "tp_comm", "pp_bubble",
-                                        "pp_comm", "dp_comm", "optimizer"}
+    assert set(plan["breakdown_s"]) == {"compute", "recompute", "tp_comm", "cp_comm",
+                                        "pp_bubble", "pp_comm", "dp_comm", "optimizer"}
     assert cli.main(["plan", "--model", "llama-3-8b", "--gpus", "16", "--global-batch", "64",
                      "--fix", "tp=3"]) == 2
     assert "no legal plan" in capsys.readouterr().err

@@ -18,6 +18,7 @@ ADVICE = {"tp_comm": "TP communication: keep TP inside a node (tp <= 8) or lower
                      "instead of ZeRO-3",
           "recompute": "recomputation: recompute less if memory allows",
           "pp_comm": "pipeline sends: fewer stages",
+          "cp_comm": "the context-parallel ring: fewer CP ranks or keep them inside a node",
           "optimizer": "the optimizer step", "compute": "compute itself"}
 
 

@@ -13,7 +13,8 @@ that fit. Everything is modelled from first principles with named constants:
   transformer.py times the micro-batches a stage holds at once: 1F1B holds pp on the first
   stage, interleaving (v chunks) ((v+1)pp - 1) chunks of L/(pp v) layers (Megatron-LM's warm-up).
 - Time: compute + recompute + TP collectives (4 all-reduces per layer and micro-batch, 6 with
-  full recompute; exposed) + pipeline bubble (pp-1)/v micro-batch times (Narayanan et al. 2021)
+  full recompute; exposed) + CP's ring of K/V shards beyond what attention hides (Liu et al.
+  2023, arXiv 2310.01889) + pipeline bubble (pp-1)/v micro-batch times (Narayanan et al. 2021)
   + pipeline sends + DP gradient reduction overlapped with the last micro-batch's backward except
   one bucket + ZeRO-3 weight gathers not hidden under compute + the optimizer (memory bound).
   Collectives use the alpha-beta ring model (time.py) on NVLink inside a node, the inter-node
@@ -213,7 +214,15 @@ def evaluate(m, c, batch, seq, p):
     elementwise = c.hbm_passes * layers * tf.activation_bytes(m, seq, mbs, tp, sp, "none", cp,
                                                               flash, **act) \
         / c.gpu.memory_bw * {"none": 1.0, "selective": 1.0, "full": 4 / 3}[rc]
-    mb_time = (compute_mb + extra) / flops_rate + tp_mb + elementwise
+    # CP: K and V shards travel the ring (cp - 1 hops forward; K, V and their gradients again
+    # backward: 3 x), each hop hidden under one block of attention unless the link is slower.
+    cp_mb = 0.0
+    if cp > 1:
+        kv_bytes = 2 * 2 * tokens_mb * m.kv_heads * m.head_dim / tp
+        hop = collective_time("send", kv_bytes, 2, c.link(cp * tp))
+        block = 3 * tokens_mb * tf.attention_core_flops_per_token(m, seq) / tp / cp / flops_rate
+        cp_mb = layers * 3 * (cp - 1) * max(0.0, hop - block / 3)
+    mb_time = (compute_mb + extra) / flops_rate + tp_mb + cp_mb + elementwise
     bubble = (pp - 1) / v * mb_time
     send = collective_time("send", act_bytes / tp, 2, c.link(dp * cp * tp * 2)) if pp > 1 else 0
     pp_comm = 2 * micro * v * send
@@ -234,7 +243,8 @@ def evaluate(m, c, batch, seq, p):
     optimizer_s = ADAM_BYTES_TOUCHED * opt_params / c.gpu.memory_bw
     breakdown = dict(compute=micro * (compute_mb / flops_rate + elementwise),
                      recompute=micro * extra / flops_rate,
-                     tp_comm=micro * tp_mb, pp_bubble=bubble, pp_comm=pp_comm, dp_comm=dp_comm,
+                     tp_comm=micro * tp_mb, cp_comm=micro * cp_mb, pp_bubble=bubble,
+                     pp_comm=pp_comm, dp_comm=dp_comm,
                      optimizer=optimizer_s)
     step = sum(breakdown.values())
     gpus = c.gpus

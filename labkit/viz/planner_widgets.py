@@ -12,10 +12,12 @@ from ..theory import catalog, planner
 from .plots import memory_stack, time_split
 
 BREAKDOWN_LABELS = {"compute": "compute", "recompute": "recompute (incl. FlashAttention's)",
-                    "tp_comm": "TP comm", "pp_bubble": "pipeline bubble", "pp_comm": "PP sends",
+                    "tp_comm": "TP comm", "cp_comm": "CP ring (exposed)",
+                    "pp_bubble": "pipeline bubble", "pp_comm": "PP sends",
                     "dp_comm": "DP/ZeRO comm (exposed)", "optimizer": "optimizer step"}
 BREAKDOWN_COLORS = {"compute": "#2ca02c", "recompute (incl. FlashAttention's)": "#98df8a",
-                    "TP comm": "#9467bd", "pipeline bubble": "#dcdcdc", "PP sends": "#c5b0d5",
+                    "TP comm": "#9467bd", "CP ring (exposed)": "#e377c2",
+                    "pipeline bubble": "#dcdcdc", "PP sends": "#c5b0d5",
                     "DP/ZeRO comm (exposed)": "#d62728", "optimizer step": "#8c564b"}
 EXPLORER_GPUS = {"H100 SXM": "H100", "H200 SXM": "H200", "A100 SXM 80GB": "A100", "B200": "B200"}
 
@@ -56,8 +58,8 @@ def plan_figure(out, k=4, fig=None):
     usable = out["cluster"]["usable_bytes"]
     memory_stack(bars, capacity={f"{out['cluster']['gpu']} usable": usable}, ax=left,
                  title="memory per GPU, worst stage (modelled)")
-    rows = {f"#{i + 1} {plan_label(p)}": {BREAKDOWN_LABELS[c]: v
-                                          for c, v in p["breakdown_s"].items()}
+    used = [c for c in BREAKDOWN_LABELS if any(p["breakdown_s"].get(c) for p in plans)]
+    rows = {f"#{i + 1} {plan_label(p)}": {BREAKDOWN_LABELS[c]: p["breakdown_s"][c] for c in used}
             for i, p in enumerate(plans)}
     time_split(rows, ax=right, unit="s", title="step time (modelled)", colors=BREAKDOWN_COLORS)
     right.tick_params(axis="y", labelsize=8)
