@@ -39,6 +39,11 @@ def test_adam_default_layout_equals_one_device():
     rep = run("adam")
     assert rep["max_param_diff_vs_reference"] < ADAM_TOLERANCE
     assert rep["loss"] == pytest.approx(rep["reference_loss"], abs=1e-5)
+    # the planner's bytes for the same tiny shape and layout against the worst measured rank
+    # (5%: it gives replicated biases and the final norm to every stage alike)
+    for category in ("params", "grads", "optimizer", "activations"):
+        worst = max(m[category] for m in rep["memory"].values())
+        assert rep["predicted_memory"][category] == pytest.approx(worst, rel=0.05), category
 
 
 def test_moe_variant_with_expert_parallelism_equals_one_device():
