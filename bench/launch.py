@@ -1,10 +1,11 @@
 """How long launch takes to start and join N ranks, and what the comm log and clock cost.
 
 Start-up: wall seconds for `launch(noop, N)`, the first call (forkserver imports torch once)
-and later calls. Overhead: the same loop of small all_reduces through `torch.distributed`
-directly, through `ctx.comm` with the clock off (log only), and with the clock on (its stamps
-ride in the all_reduce as 4 slots per rank); ratios instrumented / raw, measured in the same
-ranks in the same run. What the instruments cost a whole data-parallel step: bench/runtime.py.
+and later calls. Overhead: the same loop of all_reduces (256 bytes, 1 MB) through
+`torch.distributed` directly, through `ctx.comm` with the clock off (log only), and with the
+clock on (its stamps ride in the all_reduce as 4 slots per rank), in interleaved rounds in the
+same ranks; ratios instrumented / raw, median and spread over the rounds. What the instruments
+cost a whole data-parallel step: bench/runtime.py.
 """
 import os
 import sys
@@ -15,9 +16,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from common import median, replace_rows  # noqa: E402
+from common import compared_row, interleaved_rounds, median, replace_rows  # noqa: E402
 
-CALLS = 300
+CALLS = 60    # all_reduces per variant and round
+ROUNDS = 7
+VARIANTS = ("raw", "log only", "log + clock")
 
 
 def noop(ctx):
@@ -25,19 +28,25 @@ def noop(ctx):
 
 
 def collective_loop(ctx, numel):
+    """Seconds per call of each variant, one value per interleaved round (the slowest rank's)."""
     t = torch.ones(numel)
-    timings = {}
-    for label in ("raw", "log only", "log + clock", "raw again"):
-        ctx.clock.enabled = label == "log + clock"
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            if label.startswith("raw"):
-                dist.all_reduce(t)
-            else:
-                ctx.comm.all_reduce(t)
-        timings[label] = (time.perf_counter() - start) / CALLS
-    return timings
+
+    def variant(label):
+        def one_round():
+            ctx.clock.enabled = label == "log + clock"
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                if label == "raw":
+                    dist.all_reduce(t)
+                else:
+                    ctx.comm.all_reduce(t)
+            return (time.perf_counter() - start) / CALLS
+        return one_round
+    per_round = interleaved_rounds({label: variant(label) for label in VARIANTS}, ROUNDS)
+    slowest = torch.tensor([per_round[label] for label in VARIANTS], dtype=torch.float64)
+    dist.all_reduce(slowest, dist.ReduceOp.MAX)
+    return dict(zip(VARIANTS, slowest.tolist()))
 
 
 def main():
@@ -53,20 +62,21 @@ def main():
         rows.append(dict(benchmark="launch", labkit_impl="launch", world_size=n,
                          metric="start_join_s", labkit=f"{median(times[1:]):.3f}",
                          notes=f"first call {times[0]:.2f} s (forkserver imports torch once)"))
-    print(f"\ncomm log and clock overhead, {CALLS} all_reduces per variant (per call, wall)")
-    for numel in (1, 250_000):
-        per_rank = labkit.launch(collective_loop, 4, numel)
-        t = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-        raw = min(t["raw"], t["raw again"])
+    print(f"\ncomm log and clock overhead, {CALLS} all_reduces per variant in each of {ROUNDS} "
+          f"interleaved rounds (per call, wall, slowest rank)")
+    # 256 bytes, not 4: gloo reduces fewer elements than ranks by a shortcut (4 ranks: 0.6 ms
+    # against 3-8 ms for 4+ elements here), which the clock's slots would not take
+    for numel in (64, 250_000):
+        t = labkit.launch(collective_loop, 4, numel)[0]
         for label in ("log only", "log + clock"):
-            ratio = t[label] / raw
-            print(f"  {numel * 4:>9} B  {label:<12} {t[label] * 1e6:8.1f} us vs raw "
-                  f"{raw * 1e6:8.1f} us  ratio {ratio:.2f}")
-            rows.append(dict(benchmark="comm_overhead", labkit_impl=f"ctx.comm ({label})",
-                             torch_impl="dist.all_reduce", world_size=4,
-                             metric=f"s_per_call_{numel * 4}B", labkit=f"{t[label]:.2e}",
-                             torch=f"{raw:.2e}", labkit_over_torch=f"{ratio:.2f}",
-                             notes="gloo CPU; the clock's stamps ride in the all_reduce"))
+            row = compared_row(dict(benchmark="comm_overhead", labkit_impl=f"ctx.comm ({label})",
+                                    torch_impl="dist.all_reduce", world_size=4),
+                               f"s_per_call_{numel * 4}B", t[label], t["raw"],
+                               notes="gloo CPU, 2 shared cores; the clock's stamps ride in the "
+                                     "all_reduce (4 slots per rank)", value_format="{:.2e}")
+            print(f"  {numel * 4:>9} B  {label:<12} {row['labkit']} s vs raw {row['torch']} s  "
+                  f"ratio {row['labkit_over_torch']} ({row['spread_min']}..{row['spread_max']})")
+            rows.append(row)
     replace_rows(rows)
 
 

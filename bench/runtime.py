@@ -147,7 +147,7 @@ def main():
                             torch_impl="DP step, instruments off", world_size=n)
                 notes = (f"{name} GPT {shape or 'default'}, batch {global_batch}; gloo CPU on "
                          f"{os.cpu_count()} shared cores, load {load:.1f}; labkit_over_torch "
-                         f"here: instrumented / bare")
+                         f"here: this variant / the same step with instruments off")
                 rows.append(compared_row(base, f"step_s ({name} GPT)",
                                          [r[variant] for r in rounds],
                                          [r["bare"] for r in rounds], notes))
