@@ -9,14 +9,15 @@ seconds (measured) and modelled seconds on the clock. The log keeps running tota
 Every op takes `group=` (None: the world; a labkit Group; or a torch ProcessGroup) and `tag=`
 (a label kept in the log, e.g. "grad bucket 3"). Point-to-point peers are ranks *of the group*.
 
-The virtual clock's time stamps ride inside the ops (no extra round of communication): a
-message carries its sender's stamp in 8 extra bytes; an all_gather or all_to_all appends each
-rank's stamp to its piece; an all_reduce or reduce_scatter appends one slot per member, zero
-except the member's own stamp written as small integers the reduction leaves exact, so the sum
-(or max, or min) hands every member every stamp. A broadcast (whose data flows from one rank
-only) and payloads of other dtypes exchange the stamps in a separate all_reduce(max). Those
-bytes are logged apart, as the clock's own (tag "clock"): `summary(clock=True)` shows them; the
-technique's rows and `wire_bytes()` leave them out.
+The virtual clock's time stamps ride inside the ops (no extra round of communication, see
+stamps.py): a message carries its sender's stamp in 8 extra bytes; an all_gather or all_to_all
+appends each rank's stamp to its piece; an all_reduce or reduce_scatter appends one slot per
+member, zero but for the member's own stamp written as small integers the reduction leaves
+exact, so the sum (or max, or min) hands every member every stamp; a barrier is an all_reduce of
+the stamps. A broadcast (its data flows from one rank only) and payloads of a dtype that cannot
+hold the slots (bool, complex) exchange the stamps in an all_reduce(max) issued beside them.
+Those bytes are logged apart, as the clock's own (tag "clock"): `summary(clock=True)` shows
+them; the technique's rows and `wire_bytes()` leave them out.
 """
 import math
 import time
