@@ -2,9 +2,11 @@
 bad arguments, Ctrl-C (also during the cold start), a dead parent, the CPUs it may use, and
 torchrun."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -206,6 +208,20 @@ def test_a_modelled_cluster_smaller_than_the_world_is_refused():
 def test_launches_back_to_back_reuse_nothing():
     for _ in range(3):
         assert labkit.launch(rank_and_sum, 2)[1] == (1, 2, 3.0)
+
+
+def test_a_launch_removes_the_store_folders_of_launches_killed_outright():
+    # A launcher killed by SIGKILL runs no cleanup: its folder waits for the next launch.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = tempfile.mkdtemp(prefix=f"labkit-store-{gone.pid}-")
+    live = tempfile.mkdtemp(prefix=f"labkit-store-{os.getpid()}-")  # as if launching now
+    try:
+        labkit.launch(rank_and_sum, 2)
+        assert not os.path.exists(dead) and os.path.isdir(live)
+    finally:
+        shutil.rmtree(dead, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ the CPUs a rank may use

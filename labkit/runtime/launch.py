@@ -7,10 +7,8 @@ that stalls a launch 5 s (about 1 launch in 20 here). Each child gets `fn` seria
 ("ok", result) or ("error", tb). The parent watches the pipes and the processes: the first
 error, death or timeout stops all.
 
-No rank outlives its launch. Ranks are forked by multiprocessing's forkserver, which is warmed
-with a no-op process before any rank is asked for (its first start imports torch: seconds), and
-which lives in a process group of its own, so the Ctrl-C sent to ours stops the launch, not the
-forkserver mid-import. Every rank watches an "alive" pipe whose only write end the launch
+No rank outlives its launch. Ranks are forked by multiprocessing's forkserver (processes.py),
+warmed before any rank is asked for and deaf to the Ctrl-C sent to our process group. Every rank watches an "alive" pipe whose only write end the launch
 holds: when the launch ends (returns, raises, is interrupted, or its process dies, even as a
 zombie) the pipe reads end-of-file and the rank leaves, also a rank the forkserver forks late
 for a launch that was interrupted while asking for it.
@@ -20,31 +18,26 @@ import math
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import forkserver, resource_tracker, util as mp_util
 from multiprocessing.connection import wait as wait_for
 
 import cloudpickle
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .context import Context, STATUS_WIDTH
 from .cpus import BYTES_PER_CPU_RANK, max_cpu_ranks, usable_cpus
+from .processes import mp_context, new_store_folder, no_missing_main_file, warm_forkserver
 
 DEFAULT_TIMEOUT_S = 120.0
 NO_TIMEOUT = timedelta(days=7)  # what torch gets when timeout_s=None ("wait as long as it takes")
 
 _inside_rank = False  # True in a rank process, and under torchrun while `fn` runs
-_warm_forkserver_pid = None  # the forkserver known to have finished its imports
 
 
 class LaunchError(RuntimeError):
@@ -80,16 +73,16 @@ def launch(fn, world_size, *args, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
     if threads is None:  # share the cores: oversubscribed ranks are much slower than idle ones
         threads = max(1, usable_cpus() // world_size)
     payload = cloudpickle.dumps((fn, args, kwargs))
-    procs = _mp_context()
-    with _no_missing_main_file():
-        _warm_forkserver(procs)
+    procs = mp_context()
+    with no_missing_main_file():
+        warm_forkserver(procs)
     status = procs.Array("c", STATUS_WIDTH * world_size, lock=False)
     progress = procs.Array("q", 2, lock=False)  # rank 0's (steps done, steps in all)
     children, store_dir, alive_w = [], None, None
     try:
-        store_dir = tempfile.mkdtemp(prefix="labkit-store-")
+        store_dir = new_store_folder()
         alive_r, alive_w = procs.Pipe(duplex=False)  # only this launch holds the write end
-        with _no_missing_main_file():
+        with no_missing_main_file():
             for rank in range(world_size):
                 conn, child_conn = procs.Pipe(duplex=False)
                 p = procs.Process(target=_worker, daemon=True, args=(
@@ -359,68 +352,3 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed):
 def _destroy_default_group():
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _mp_context():
-    """A forkserver that has imported torch once: later ranks start by fork, in a fraction of
-    a second, instead of each importing torch again (seconds per rank on a laptop)."""
-    ctx = mp.get_context("forkserver")
-    # torch._dynamo is imported lazily by the first optimizer a rank builds (~800 modules):
-    # importing it once here saves every rank seconds on every launch.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.optim",
-                                "cloudpickle", __name__])
-    return ctx
-
-
-def _warm_forkserver(procs):
-    """Start the forkserver in a process group of its own, then wait until it can fork.
-
-    A terminal's Ctrl-C and a Jupyter interrupt signal the whole process group. In a group of
-    its own, the forkserver (and every rank it forks) never sees them, also while it imports
-    torch: no import traceback in the cell, no forkserver dead mid-import; the launch stops the
-    ranks itself. It still ends with us: it leaves when its "alive" pipe from us closes.
-    Waiting for a no-op process means that no rank is ever queued behind the forkserver's
-    imports: an interrupt during them stops the launch before any rank was asked for.
-    """
-    global _warm_forkserver_pid
-    resource_tracker.ensure_running()  # its own spawn, not the patched one below
-    spawn = mp_util.spawnv_passfds
-    mp_util.spawnv_passfds = _spawn_in_own_group
-    try:
-        forkserver.ensure_running()
-    finally:
-        mp_util.spawnv_passfds = spawn
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    if pid is not None and pid == _warm_forkserver_pid:
-        return  # this forkserver forked before: its imports are done
-    p = procs.Process(target=_no_op, daemon=True)
-    p.start()
-    p.join()
-    _warm_forkserver_pid = pid
-
-
-def _spawn_in_own_group(path, args, passfds):
-    """multiprocessing.util.spawnv_passfds, in a new session (so a new process group)."""
-    child = subprocess.Popen(args, executable=path, pass_fds=passfds, start_new_session=True)
-    child.returncode = 0  # multiprocessing reaps it (os.waitpid), not subprocess
-    return child.pid
-
-
-def _no_op():
-    pass
-
-
-@contextmanager
-def _no_missing_main_file():
-    """With `python - <<EOF` the main "file" is <stdin>, which a new process cannot re-import;
-    hide it while ranks start (they get `fn` by value and need no main module)."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if path is None or os.path.isfile(path):
-        yield
-        return
-    del main.__file__
-    try:
-        yield
-    finally:
-        main.__file__ = path
