@@ -2,6 +2,7 @@
 launch, as a learner's own script would. The blocks' tests use it to show they need no launch."""
 import os
 import socket
+import sys
 import tempfile
 
 import torch
@@ -24,6 +25,11 @@ def _entry(rank, world_size, port, fn, args, out_dir):
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # torch 2.13 + gloo: a process may abort at interpreter shutdown ("terminate called without
+    # an active exception") after all its work is done; its result is saved, so leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn, world_size, *args):
