@@ -15,7 +15,7 @@ from .runtime.launch import LaunchError
 
 # technique name on the command line -> the module that implements it
 TECHNIQUES = {
-    "single": "labkit.runs.reference",
+    "single": "labkit.runs.single",
     "dp": "labkit.runs.data_parallel",
     "pipeline": "labkit.runs.pipeline",
     "tp": "labkit.runs.tensor_parallel",

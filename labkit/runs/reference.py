@@ -127,26 +127,3 @@ def activation_bytes(model, batch_size):
     dims = model.dims
     elements = sum(dims[:-1]) + sum(dims[1:-1]) + 2 * dims[-1]
     return 4 * batch_size * elements
-
-
-def run(ctx, cfg):
-    """The `single` technique: the reference training on one rank, with the clock running."""
-    from .report import rank_result
-    out = train(cfg, ctx=ctx)
-    return rank_result(ctx, out["loss"], params=out["params"])
-
-
-def add_arguments(parser):
-    """`single` has no options of its own."""
-
-
-def report(world_size=1, cfg=None, cluster="8xH100-NVLink", **_):
-    """Run `single` and return the run report."""
-    from ..runtime.launch import launch
-    from .report import build_report
-    cfg = cfg or RunConfig()
-    if world_size != 1:
-        raise ValueError("the single-device reference runs on exactly one rank (--world-size 1)")
-    results = launch(run, 1, cfg, cluster=cluster)
-    return build_report("single", cfg, results, predicted_memory=predict_memory(cfg),
-                        predicted_comm_bytes_per_rank=0)

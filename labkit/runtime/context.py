@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .clock import Clock
 from .comm import Comm
 from .memory import MemoryTracker
+from .mesh import Mesh
 
 STATUS_WIDTH = 160  # bytes per rank in the shared status board the parent reads on a timeout
 
@@ -54,6 +55,9 @@ def context():
         cluster = "8xH100-NVLink" if world <= 8 else f"{-(-world // 8)}x8xH100-IB"
         Context(dist.get_rank(), world, dist.get_backend(), cluster=cluster)
     return _current
+
+
+Mesh.find_context = staticmethod(context)   # Mesh(dp=..) without ctx= uses this process's
 
 
 class Context:
@@ -110,7 +114,6 @@ class Context:
 
     def mesh(self, **sizes):
         """A Mesh of named sub-groups, e.g. `ctx.mesh(dp=2, tp=2, pp=2)` (TP innermost)."""
-        from .mesh import Mesh
         return Mesh(ctx=self, **sizes)
 
     # --- bookkeeping a training loop needs -------------------------------------------------

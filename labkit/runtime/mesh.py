@@ -20,10 +20,10 @@ DIMS = ("pp", "dp", "cp", "tp")   # outermost to innermost
 
 
 class Mesh:
+    find_context = None   # set by runtime.context: how a Mesh built without ctx finds it
+
     def __init__(self, dp=1, tp=1, pp=1, cp=1, ep=1, order=DIMS, ctx=None):
-        if ctx is None:
-            from .context import context
-            ctx = context()
+        ctx = ctx if ctx is not None else Mesh.find_context()
         self.ctx = ctx
         self.sizes = dict(dp=dp, tp=tp, pp=pp, cp=cp)
         for name, size in dict(self.sizes, ep=ep).items():

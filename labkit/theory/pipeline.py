@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from .hardware import Cluster, Link, cluster
-from . import time as theory_time
+from .time import bubble_fraction
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 
@@ -256,7 +256,7 @@ def timeline_bubble_fraction(timeline, ranks=None):
 
 def bubble_formula(stages, microbatches, virtual=1):
     """(P-1)/(V*M + P-1): the idle share with equal stages and free links (theory.time)."""
-    return theory_time.bubble_fraction(stages, microbatches, virtual)
+    return bubble_fraction(stages, microbatches, virtual)
 
 
 def bubble_formula_text(schedule, virtual=1):
