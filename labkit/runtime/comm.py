@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ..theory import time as theory_time
-from . import stamps
+from .stamps import (equal_splits, needed as stamp_needed, reduction_slots, unpack as
+                     unpack_stamps, unpack_reduced, with_slots, with_stamp)
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "avg": dist.ReduceOp.SUM}  # gloo has no AVG: sum, then divide by the group size
@@ -110,15 +111,15 @@ class Comm:
         tensor = tensor.contiguous()
         out = tensor.new_empty((group.size * tensor.shape[0],) + tuple(tensor.shape[1:]))
         record, timing = self._start("all_gather", tensor, group, async_op, tag)
-        if not stamps.needed(timing):
+        if not stamp_needed(timing):
             return self._issue(record, timing, group, out, None, async_op, lambda: (
                 dist.all_gather_single(out, tensor, group=group.pg, async_op=async_op)))
         self._log_clock("all_gather", record.group, group.size, 8)
-        packed = stamps.with_stamp(tensor, timing)
+        packed = with_stamp(tensor, timing)
         gathered = packed.new_empty(group.size * packed.numel())
 
         def finish():
-            timing.group_ready = stamps.unpack(gathered, out, [tensor.nbytes] * group.size)
+            timing.group_ready = unpack_stamps(gathered, out, [tensor.nbytes] * group.size)
         return self._issue(record, timing, group, out, finish, async_op, lambda: (
             dist.all_gather_single(gathered, packed, group=group.pg, async_op=async_op)))
 
@@ -156,20 +157,20 @@ class Comm:
         rows = sum(output_splits) if output_splits is not None else tensor.shape[0]
         out = tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
         record, timing = self._start("all_to_all", tensor, group, async_op, tag)
-        if not stamps.needed(timing):
+        if not stamp_needed(timing):
             return self._issue(record, timing, group, out, None, async_op, lambda: (
                 dist.all_to_all_single(out, tensor, output_splits, input_splits,
                                        group=group.pg, async_op=async_op)))
         n = group.size
         self._log_clock("all_to_all", record.group, n, 8 * n)
         row = tensor.element_size() * math.prod(tensor.shape[1:])   # bytes per row
-        send_bytes = [r * row for r in stamps.equal_splits(input_splits, tensor.shape[0], n)]
-        receive_bytes = [r * row for r in stamps.equal_splits(output_splits, rows, n)]
-        packed = stamps.with_stamp(tensor, timing, send_bytes)
+        send_bytes = [r * row for r in equal_splits(input_splits, tensor.shape[0], n)]
+        receive_bytes = [r * row for r in equal_splits(output_splits, rows, n)]
+        packed = with_stamp(tensor, timing, send_bytes)
         received = packed.new_empty(sum(receive_bytes) + 8 * n)
 
         def finish():
-            timing.group_ready = stamps.unpack(received, out, receive_bytes)
+            timing.group_ready = unpack_stamps(received, out, receive_bytes)
         return self._issue(record, timing, group, out, finish, async_op, lambda: (
             dist.all_to_all_single(received, packed, [b + 8 for b in receive_bytes],
                                    [b + 8 for b in send_bytes], group=group.pg,
@@ -178,7 +179,7 @@ class Comm:
     def barrier(self, group=None, tag=""):
         group = self.ctx.group(group)
         record, timing = self._start("barrier", torch.empty(0), group, False, tag)
-        if not stamps.needed(timing):
+        if not stamp_needed(timing):
             return self._issue(record, timing, group, None, None, False,
                                lambda: dist.barrier(group=group.pg))
         # An all_reduce of the stamps waits for every member, as a barrier does: it is one.
@@ -200,7 +201,7 @@ class Comm:
         timing = self.ctx.clock.start_send(peer, tensor.nbytes)
         record = self._record("send", tensor, (self.ctx.rank, peer), tag, peer)
         self._log_clock("send", record.group, 2, 8)
-        packed = stamps.with_stamp(tensor, timing)
+        packed = with_stamp(tensor, timing)
         t0 = time.perf_counter()
         if async_op:
             return Handle(self, dist.isend(packed, peer), tensor, record, t0, timing=timing)
@@ -221,7 +222,7 @@ class Comm:
             timing = self.ctx.clock.start_recv(peer, tensor.nbytes)
 
             def finish():
-                sent = stamps.unpack(packed, tensor)
+                sent = unpack_stamps(packed, tensor)
                 if timing is not None:
                     timing.group_ready = sent
             return Handle(self, dist.irecv(packed, peer), tensor, record, t0, finish=finish,
@@ -229,7 +230,7 @@ class Comm:
         self._status(f"recv from rank {peer} ({tensor.nbytes} bytes) {tag}")
         dist.recv(packed, peer)
         self._status("")
-        sent = stamps.unpack(packed, tensor)
+        sent = unpack_stamps(packed, tensor)
         self._finished(record, time.perf_counter() - t0, self.ctx.clock.finish_async(
             self.ctx.clock.start_recv(peer, tensor.nbytes, sent)))
         return tensor
@@ -334,7 +335,7 @@ class Comm:
         """all_reduce (out is tensor) or reduce_scatter (out is this member's piece), with the
         members' stamps in slots after the data (after each member's piece, to scatter)."""
         record, timing = self._start(name, tensor, group, async_op, tag)
-        slots = stamps.reduction_slots(tensor.dtype, op, group, timing, tensor.device)
+        slots = reduction_slots(tensor.dtype, op, group, timing, tensor.device)
         scatter, reduce_op = name == "reduce_scatter", _REDUCE_OPS[op]
         if slots is None:
             finish = _then(self._separate_stamps(timing, group, record),
@@ -343,11 +344,11 @@ class Comm:
         else:
             pieces = group.size if scatter else 1
             self._log_clock(name, record.group, group.size, pieces * slots.nbytes)
-            sent = stamps.with_slots(tensor, slots, pieces)
+            sent = with_slots(tensor, slots, pieces)
             received = sent.new_empty(sent.numel() // pieces) if scatter else sent
 
             def finish():
-                timing.group_ready = stamps.unpack_reduced(received, out,
+                timing.group_ready = unpack_reduced(received, out,
                                                            group.size if op == "avg" else 1)
         if scatter:
             return self._issue(record, timing, group, out, finish, async_op, lambda: (
@@ -359,7 +360,7 @@ class Comm:
     def _separate_stamps(self, timing, group, record):
         """For an op that cannot carry the stamps: an async all_reduce(max) of them, issued
         beside the op; returns the function that reads it when the op is waited for."""
-        if not stamps.needed(timing):
+        if not stamp_needed(timing):
             return None
         self._log_clock(record.op, record.group, group.size, 8, carrier="all_reduce")
         stamp = torch.tensor([timing.issued], dtype=torch.float64, device=self.ctx.device)
