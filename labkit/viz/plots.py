@@ -255,7 +255,8 @@ def comm_bars(summary, ax=None, title=""):
     """Payload bytes and wire bytes per rank for each op (`ctx.comm.summary()` rows).
 
     Rows may carry a 'rank' key (one summary per rank): then each op gets one group per rank.
-    Payload bytes come from the logged tensors; wire bytes from the ring algorithm's formula.
+    Payload bytes come from the logged tensors (measured); wire bytes from the ring model
+    (modelled: gloo does not report what it sends).
     """
     rows = summary.to_dict("records") if hasattr(summary, "to_dict") else list(summary)
     fig, ax = _figure(ax, (max(5.0, 1.1 * len(rows) + 3), 4.2))
@@ -268,9 +269,9 @@ def comm_bars(summary, ax=None, title=""):
     payload = [float(r["bytes"]) / scale for r in rows]
     wire = [float(r["wire_bytes_per_rank"]) / scale for r in rows]
     ax.bar([i - 0.2 for i in x], payload, 0.4, color="#4c72b0",
-           label="payload bytes handed to the op (logged)")
+           label="payload bytes handed to the op (measured)")
     ax.bar([i + 0.2 for i in x], wire, 0.4, color="#9467bd",
-           label="wire bytes sent per rank (ring algorithm)")
+           label="ring-model bytes sent per rank (modelled)")
     for i, r in enumerate(rows):
         if "calls" in r:
             calls = f"{r['calls']} call" + ("s" if r["calls"] != 1 else "")
