@@ -9,9 +9,10 @@ error, death or timeout stops all.
 
 No rank outlives its launch. Ranks are forked by multiprocessing's forkserver (processes.py),
 warmed before any rank is asked for and deaf to the Ctrl-C sent to our process group. Every
-rank watches an "alive" pipe whose only write end the launch holds: when the launch ends (returns, raises, is interrupted, or its process dies, even as a
-zombie) the pipe reads end-of-file and the rank leaves, also a rank the forkserver forks late
-for a launch that was interrupted while asking for it.
+rank watches an "alive" pipe whose only write end the launch holds: when the launch ends
+(returns, raises, is interrupted, or its process dies, even as a zombie) the pipe reads
+end-of-file and the rank leaves, also a rank the forkserver forks late for a launch that was
+interrupted while asking for it.
 """
 import atexit
 import math
