@@ -20,6 +20,7 @@ from common import compared_row, interleaved_rounds, median, replace_rows  # noq
 
 CALLS = 60    # all_reduces per variant and round
 ROUNDS = 7
+LAUNCHES = 100  # back-to-back launches for the tail (p99) of start and join
 VARIANTS = ("raw", "log only", "log + clock")
 
 
@@ -49,6 +50,12 @@ def collective_loop(ctx, numel):
     return dict(zip(VARIANTS, slowest.tolist()))
 
 
+def _timed_launch(n):
+    start = time.perf_counter()
+    labkit.launch(noop, n)
+    return time.perf_counter() - start
+
+
 def main():
     rows = []
     print("start and join (wall seconds, measured here)")
@@ -62,6 +69,14 @@ def main():
         rows.append(dict(benchmark="launch", labkit_impl="launch", world_size=n,
                          metric="start_join_s", labkit=f"{median(times[1:]):.3f}",
                          notes=f"first call {times[0]:.2f} s (forkserver imports torch once)"))
+    times = sorted(_timed_launch(2) for _ in range(LAUNCHES))
+    p50, p99 = times[len(times) // 2], times[int(0.99 * (len(times) - 1))]
+    print(f"  {LAUNCHES} launches of 2 ranks: median {p50:.3f} s, p99 {p99:.3f} s, "
+          f"max {times[-1]:.3f} s (a 5 s name-lookup stall would show in p99)")
+    rows.append(dict(benchmark="launch", labkit_impl="launch", world_size=2,
+                     metric=f"start_join_p99_of_{LAUNCHES}_s", labkit=f"{p99:.3f}",
+                     notes=f"median {p50:.3f} s, max {times[-1]:.3f} s; FileStore rendezvous "
+                           f"(no reverse name lookup)"))
     print(f"\ncomm log and clock overhead, {CALLS} all_reduces per variant in each of {ROUNDS} "
           f"interleaved rounds (per call, wall, slowest rank)")
     # 256 bytes, not 4: gloo reduces fewer elements than ranks by a shortcut (4 ranks: 0.6 ms
