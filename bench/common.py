@@ -102,6 +102,18 @@ def interleaved_rounds(sides, rounds=MIN_ROUNDS, warmup=1):
     return values
 
 
+def slowest_rank_rounds(results, side, rounds):
+    """Per round, the median step of the slowest rank (each step's max over ranks).
+
+    results: one dict per rank, {side: [round, ...]}, each round {"step_wall_s": [seconds]}.
+    """
+    per_round = []
+    for rnd in range(rounds):
+        per_rank = [r[side][rnd]["step_wall_s"] for r in results]
+        per_round.append(statistics.median(max(ts) for ts in zip(*per_rank)))
+    return per_round
+
+
 def summary(labkit_values, torch_values):
     """Medians of both sides and the per-round ratio labkit / torch: median, min, max."""
     if len(labkit_values) != len(torch_values) or not labkit_values:

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from common import replace_rows  # noqa: E402
+from common import replace_rows, slowest_rank_rounds  # noqa: E402
 from labkit import data  # noqa: E402
 from labkit.parallel.data_parallel import DataParallel  # noqa: E402
 from labkit.runs import reference  # noqa: E402
@@ -89,10 +89,7 @@ def summarise(results):
     """Per side: the median over rounds of the per-round median step (slowest rank each step)."""
     out = {}
     for side in SIDES:
-        per_round = []
-        for rnd in range(ROUNDS):
-            per_rank = [r[side][rnd]["step_wall_s"] for r in results]
-            per_round.append(statistics.median(max(ts) for ts in zip(*per_rank)))
+        per_round = slowest_rank_rounds(results, side, ROUNDS)
         out[side] = dict(step=statistics.median(per_round), rounds=per_round,
                          peak=results[0][side][0]["peak"])
     torch_rounds = out["torch"]["rounds"]

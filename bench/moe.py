@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from common import replace_rows  # noqa: E402
+from common import replace_rows, slowest_rank_rounds  # noqa: E402
 from labkit.models import MoEConfig, MoELayer  # noqa: E402
 from labkit.parallel.moe import ExpertParallel  # noqa: E402
 from labkit.runtime.memory import MemoryTracker  # noqa: E402
@@ -149,10 +149,7 @@ def rounds(ctx):
 def summarise(results):
     out = {}
     for side in SIDES:
-        per_round = []
-        for rnd in range(ROUNDS):
-            per_rank = [r[side][rnd]["step_wall_s"] for r in results]
-            per_round.append(statistics.median(max(ts) for ts in zip(*per_rank)))
+        per_round = slowest_rank_rounds(results, side, ROUNDS)
         out[side] = dict(step=statistics.median(per_round), rounds=per_round,
                          peak=results[0][side][0]["peak"])
     ratios = [a / b for a, b in zip(out["labkit"]["rounds"], out["torch"]["rounds"])]
