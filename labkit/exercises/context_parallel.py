@@ -6,12 +6,19 @@ log-sum-exp (what ring attention does after every ring step). The checker runs i
 built from real attention (ordinary scores, scores large enough to overflow exp, and a query
 that has seen no key at all yet, as a causal mask makes) and says what is wrong in plain words.
 No ranks are needed: the merge is arithmetic on one device.
+
+`check_ring_attention(fn)` runs the learner's `fn(ctx, q, k, v)` on 4 ranks, each holding its
+contiguous quarter of a sequence, and compares with attention over the whole sequence on one
+device (no mask): a rank that attends to its own keys only, a deadlock, a pass too many, or a
+wrong merge are said in words. `check_ring_bytes` checks a number: the bytes one rank sends in
+the forward ring of one attention layer (`theory.context_parallel.comm_bytes_per_rank`).
 """
 import math
 
 import torch
 
-from . import Check, say
+from ..theory import context_parallel as tcp
+from . import Check, Mistake, check_number, say
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -119,3 +126,108 @@ def _judge(fn):
     return Check(True, "", "Correct: the merge is exact (ordinary scores), stable (scores of a "
                  "few hundred) and handles a query that sees no key of a block. Ring attention "
                  "merges one such block per ring step.")
+
+
+RING_WORLD, RING_SHAPE = 4, (2, 16, 8)     # ranks; batch, whole sequence, head_dim
+RING_HINT = ("Hint: start from partial_attention(q, k, v) of your own block; then N-1 times "
+             "send (k, v) to rank r+1 (async_op=True), receive the next (k, v) from rank r-1, "
+             "and merge partial_attention(q, k_in, v_in) into your result with merge.")
+
+
+def _ring_inputs():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(*RING_SHAPE, generator=g) for _ in range(3)]
+
+
+def _run_ring_attention(ctx, fn):
+    q, k, v = (t.chunk(ctx.world_size, dim=1)[ctx.rank].clone() for t in _ring_inputs())
+    out = fn(ctx, q, k, v)
+    sent = sum(rec.bytes for rec in ctx.comm.records if rec.op == "send")
+    return dict(rank=ctx.rank, out=out.detach().clone() if isinstance(out, torch.Tensor)
+                else out, sent=sent, kv_bytes=k.nbytes + v.nbytes)
+
+
+def check_ring_attention(fn, timeout_s=20.0, verbose=True):
+    """Run `fn(ctx, q, k, v) -> out` (this rank's queries against every rank's keys) on 4 ranks."""
+    from ..runtime.launch import LaunchError, launch
+    try:
+        results = launch(_run_ring_attention, RING_WORLD, fn, timeout_s=timeout_s)
+    except LaunchError as error:
+        return say(_ring_failed(str(error)), verbose)
+    return say(_judge_ring(results), verbose)
+
+
+def _ring_failed(text):
+    if "NotImplementedError" in text:
+        return Check(False, "not written", "NOT WRITTEN YET: your function (or the merge it "
+                     f"calls) raised NotImplementedError. {RING_HINT}")
+    if "timed out" in text:
+        return Check(False, "deadlock", "DEADLOCK: the ranks still waited at the timeout. If "
+                     "every rank first waits in recv, nobody sends: post the sends with "
+                     f"async_op=True before the recvs, and wait on their handles after. "
+                     f"{RING_HINT}")
+    last = [line for line in text.splitlines() if line.strip()][-1].strip()
+    return Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}. {RING_HINT}")
+
+
+def _judge_ring(results):
+    n = len(results)
+    q, k, v = _ring_inputs()
+    full, _ = partial_attention(q, k, v)
+    for res in results:
+        r, out = res["rank"], res["out"]
+        want = full.chunk(n, dim=1)[r]
+        if not isinstance(out, torch.Tensor) or out.shape != want.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            return Check(False, "shape", f"Rank {r} returned {got}; expected out of shape "
+                         f"{tuple(want.shape)} (batch, this rank's queries, head_dim).")
+        if torch.allclose(out, want, atol=1e-5):
+            continue
+        mine = [t.chunk(n, dim=1)[r] for t in (q, k, v)]
+        if torch.allclose(out, partial_attention(*mine)[0], atol=1e-5):
+            return Check(False, "no ring", f"Rank {r}'s queries attended only to its own keys: "
+                         f"the other ranks' K and V blocks never arrived. {RING_HINT}")
+        return Check(False, "wrong", f"Rank {r}'s output differs from attention over the whole "
+                     f"sequence by {(out - want).abs().max():.3g}. Is every block merged "
+                     f"exactly once (your own and N-1 received ones)? {RING_HINT}")
+    worst = max(results, key=lambda res: res["sent"])
+    if worst["sent"] > (n - 1) * worst["kv_bytes"]:
+        return Check(False, "one pass too many", f"The outputs are right, but rank "
+                     f"{worst['rank']} sent {worst['sent']} bytes, more than (N-1) x KV = "
+                     f"{n - 1} x {worst['kv_bytes']}: after N-1 passes every rank has seen "
+                     "every block; the N-th pass only brings a rank its own block back.")
+    return Check(True, "", f"Correct: all {n} ranks match attention over the whole sequence, "
+                 f"and each sent {worst['sent']} bytes = (N-1) x its K and V block. Causal "
+                 "masks and the backward ring are what labkit's ring_attention adds.")
+
+
+RING_BYTES = dict(model="Llama 3 70B", batch=1, seq=65536, heads=64, kv_heads=8, head_dim=128,
+                  cp=16)
+
+
+def check_ring_bytes(answer, verbose=True):
+    """Bytes one rank sends in the forward ring of one attention layer (bf16 K and V)."""
+    c = RING_BYTES
+    n = c["cp"]
+    kv = tcp.kv_block_bytes(c["batch"], c["kv_heads"], c["seq"], c["head_dim"], n)
+    expected = tcp.comm_bytes_per_rank(c["batch"], c["heads"], c["seq"], c["head_dim"], n,
+                                       kv_heads=c["kv_heads"])["forward"]
+    mistakes = [
+        Mistake(n * kv, "one pass too many", f"that is N = {n} passes; a rank already holds "
+                f"its own block, so N-1 = {n - 1} passes bring it every other block"),
+        Mistake(expected / 2, "K only", "K and V both travel: KV = 2 x b x h_kv x (s/N) x d "
+                "values"),
+        Mistake(expected * c["heads"] / c["kv_heads"], "query heads", f"that uses the "
+                f"{c['heads']} query heads; with grouped-query attention only the "
+                f"{c['kv_heads']} KV heads' keys and values exist and travel"),
+        Mistake(expected * n, "whole sequence", f"each block holds s/N = {c['seq'] // n} "
+                f"tokens, not the whole {c['seq']}"),
+        Mistake(kv, "one block", f"that is one block; the ring passes N-1 = {n - 1} of them"),
+    ]
+    return check_number(answer, expected, what=f"bytes one rank sends in the forward ring "
+                        f"({c['model']}: b={c['batch']}, s={c['seq']}, h_kv={c['kv_heads']}, "
+                        f"d={c['head_dim']}, CP={n}, bf16)", unit="bytes", mistakes=mistakes,
+                        verbose=verbose,
+                        hint="KV = 2 x b x h_kv x (s/N) x d x 2 bytes per block; the ring "
+                             "passes N-1 blocks.",
+                        explain="The backward sends as much again, plus the dK, dV sums.")

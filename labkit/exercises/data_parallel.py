@@ -3,12 +3,15 @@
 `check_ring_all_reduce(fn)` runs the learner's `fn(ctx, tensor)` on every rank with different
 data and says in words what is wrong: a wrong sum, chunks in the wrong place, a deadlock (every
 rank waiting in recv), another collective used, or more bytes sent than the ring's 2(N-1)/N x S.
+`check_ring_bytes(answer)` checks the bytes each GPU sends to all-reduce GPT-2 small's bf16
+gradients on 8 GPUs against `theory.data_parallel.ring_all_reduce_bytes`.
 """
 import torch
 
 from ..runtime.launch import LaunchError, launch
+from ..theory import catalog
 from ..theory.data_parallel import ring_all_reduce_bytes
-from . import Check, say
+from . import Check, Mistake, check_number, say
 
 
 def _ring_input(rank, numel):
@@ -117,3 +120,29 @@ def _diagnose(res, expected, n):
 def _short(t, k=8):
     values = ", ".join(f"{v:g}" for v in t[:k].tolist())
     return f"[{values}{', ...' if t.numel() > k else ''}]"
+
+
+RING_BYTES_MODEL, RING_BYTES_GPUS = "gpt2-small", 8
+
+
+def check_ring_bytes(answer, model=RING_BYTES_MODEL, world_size=RING_BYTES_GPUS, verbose=True):
+    """Bytes each GPU sends in one ring all-reduce of the model's bf16 gradients."""
+    n, size = world_size, 2 * catalog.model(model).param_count()   # S: bf16 gradient bytes
+    expected = ring_all_reduce_bytes(size, n)
+    mistakes = [
+        Mistake(2 * size, "factor (N-1)/N", f"that is 2 x S: each phase moves (N-1)/N x S per "
+                f"rank, not S (a rank never sends the chunk it ends up owning); x {n - 1}/{n}"),
+        Mistake((n - 1) / n * size, "one phase", "off by a factor 2: a ring all-reduce sends "
+                "each byte twice, once in reduce-scatter and once in all-gather"),
+        Mistake(2 * (n - 1) * size, "whole tensor", f"that sends the whole S in each of the "
+                f"2(N-1) steps; each step sends one chunk of S/N = S/{n}"),
+        Mistake(2 * expected, "fp32", "that counts 4 bytes per gradient; they are bf16, 2 "
+                "bytes each"),
+        Mistake(size, "just S", "that is the gradient itself, S; the ring sends 2(N-1)/N x S"),
+    ]
+    return check_number(answer, expected, what=f"bytes each of {n} GPUs sends to all-reduce "
+                        f"{catalog.model(model).display_name}'s bf16 gradients", unit="bytes",
+                        mistakes=mistakes, verbose=verbose,
+                        hint=f"S = 2 bytes x {size // 2:,} parameters; a ring sends "
+                             "2(N-1)/N x S per rank.",
+                        explain="It stays under 2 S however many GPUs join.")

@@ -1,16 +1,91 @@
-"""Lesson 06's exercise: pick a DP x TP x PP layout that fits a model on a cluster and reaches a
-target MFU.
+"""Lesson 06's exercises: average gradients over the data-parallel group of a mesh (on 4
+ranks), pick a DP x TP x PP layout that fits a model on a cluster and reaches a target MFU, and
+the bytes of model states per GPU of a hybrid layout.
+
+`check_dp_average(fn)` runs the learner's `fn(ctx, mesh, grad)` on a dp=2 x tp=2 mesh: each rank
+must end with the mean of `grad` over its DP group only (the replicas of the same TP shard),
+not over the world or the TP group.
 
 `check_layout(answer, ...)` evaluates the learner's plan with the planner (the fields they give
 held fixed, the rest searched), and answers with a `Check` in plain words: which rule a layout
 breaks, how far over the GPU's memory it is and what to add, or how far from the target MFU it
 lands and which part of the step is largest. It never raises.
 """
-from ..theory import planner
-from . import Check, say
+import torch
 
-EXERCISE = dict(model="llama-3-70b", gpus=64, gpu="H100", global_batch=256, seq=4096,
+from ..theory import catalog, planner
+from ..theory import memory as tm
+from . import Check, Mistake, check_number, say
+
+EXERCISE = dict(model="llama-3-70b", gpus=96, gpu="H100", global_batch=384, seq=4096,
                 target_mfu=0.45)
+MESH = dict(dp=2, tp=2)
+DP_HINT = ("Hint: ctx.comm.all_reduce(grad, group=mesh['dp']) sums over this rank's DP group "
+           "(its replicas); then divide by mesh['dp'].size.")
+
+
+def dp_average(ctx, mesh, grad):
+    """One answer: sum over my DP group (the replicas of my shard), divide by its size."""
+    ctx.comm.all_reduce(grad, group=mesh["dp"])
+    return grad / mesh["dp"].size
+
+
+def _mesh_input(rank):
+    return torch.full((4,), 10.0 ** rank)      # 1, 10, 100, 1000: every sum tells its ranks
+
+
+def _run_mesh(ctx, fn):
+    mesh = ctx.mesh(**MESH)
+    grad = _mesh_input(ctx.rank)
+    out = fn(ctx, mesh, grad)
+    out = out if isinstance(out, torch.Tensor) else grad
+    groups = {name: list(mesh[name].ranks) for name in ("dp", "tp")}
+    return dict(rank=ctx.rank, out=out.detach().clone(), groups=groups)
+
+
+def check_dp_average(fn, timeout_s=30.0, verbose=True):
+    """Run `fn(ctx, mesh, grad)` on a dp=2 x tp=2 mesh; each rank: the mean over its DP group."""
+    from ..runtime.launch import LaunchError, launch
+    try:
+        results = launch(_run_mesh, MESH["dp"] * MESH["tp"], fn, timeout_s=timeout_s)
+    except LaunchError as error:
+        text = str(error)
+        if "NotImplementedError" in text:
+            return say(Check(False, "not written", "NOT WRITTEN YET: your function raised "
+                             f"NotImplementedError. {DP_HINT}"), verbose)
+        last = [line for line in text.splitlines() if line.strip()][-1].strip()
+        return say(Check(False, "raised", f"YOUR CODE RAISED (or hung) on a rank: {last}. "
+                         f"{DP_HINT}"), verbose)
+    return say(_judge_dp(results), verbose)
+
+
+def _judge_dp(results):
+    world = len(results)
+    for res in results:
+        got, r, groups = res["out"].reshape(-1), res["rank"], res["groups"]
+        mean = lambda ranks: sum(_mesh_input(q) for q in ranks) / len(ranks)   # noqa: E731
+        summed = lambda ranks: sum(_mesh_input(q) for q in ranks)             # noqa: E731
+        if torch.allclose(got, mean(groups["dp"])):
+            continue
+        where = f"rank {r} (DP group {groups['dp']}, TP group {groups['tp']})"
+        if torch.allclose(got, summed(groups["dp"])):
+            return Check(False, "summed", f"On {where} the DP group's gradients are summed, "
+                         f"not averaged: divide by the DP group's size, {len(groups['dp'])}.")
+        if torch.allclose(got, mean(range(world))) or torch.allclose(got, summed(range(world))):
+            return Check(False, "world", f"On {where} the gradient is reduced over all {world} "
+                         "ranks: ranks of another TP group hold other shards of the weights; "
+                         f"only the DP group holds copies of the same shard. {DP_HINT}")
+        if torch.allclose(got, mean(groups["tp"])) or torch.allclose(got, summed(groups["tp"])):
+            return Check(False, "tp group", f"On {where} the gradient is reduced over the TP "
+                         "group: its ranks hold different shards; average over mesh['dp'], the "
+                         f"replicas. {DP_HINT}")
+        if torch.allclose(got, _mesh_input(r)):
+            return Check(False, "not reduced", f"On {where} nothing was reduced. {DP_HINT}")
+        return Check(False, "wrong value", f"On {where} the result is not the mean over the DP "
+                     f"group. {DP_HINT}")
+    return Check(True, "", f"Correct: every rank holds the mean over its DP group (ranks "
+                 f"{results[0]['groups']['dp']} for rank 0): the replicas of the same shard "
+                 "agree, the other shards are left alone.")
 ADVICE = {"tp_comm": "TP communication: keep TP inside a node (tp <= 8) or lower it",
           "pp_bubble": "the pipeline bubble: more micro-batches (smaller micro-batch size) or "
                        "interleaving (v > 1)",
@@ -57,3 +132,44 @@ def check_layout(answer, model=EXERCISE["model"], gpus=EXERCISE["gpus"], gpu=EXE
         f"modelled MFU of {p['mfu']:.1%} (target {target_mfu:.0%}), with "
         f"v={p['v']}, micro-batch {p['micro_batch_size']}, ZeRO-{p['zero_stage']}, recompute "
         f"{p['recompute']}, sequence parallel {p['sequence_parallel']}.")), verbose)
+
+
+HYBRID_MEMORY = dict(model="llama-3-70b", dp=2, tp=8, pp=4, zero_stage=1)
+
+
+def hybrid_state_gb(model=HYBRID_MEMORY["model"], dp=HYBRID_MEMORY["dp"],
+                    tp=HYBRID_MEMORY["tp"], pp=HYBRID_MEMORY["pp"],
+                    zero_stage=HYBRID_MEMORY["zero_stage"]):
+    """GB of model states per GPU: TP x PP split the parameters, ZeRO shards over DP (equal
+    stages assumed; mixed-precision Adam)."""
+    psi = catalog.model(model).param_count() / (tp * pp)
+    return tm.model_state_bytes(psi, zero_stage=zero_stage, world_size=dp)["total"] / 1e9
+
+
+def check_hybrid_memory(answer, verbose=True):
+    """GB of model states per GPU for the HYBRID_MEMORY layout."""
+    h = HYBRID_MEMORY
+    psi = catalog.model(h["model"]).param_count()
+    local = psi / (h["tp"] * h["pp"])
+    expected = hybrid_state_gb()
+    mistakes = [
+        Mistake(16 * local / 1e9, "no ZeRO", f"that is 16 bytes per local parameter: ZeRO-1 "
+                f"also divides the 12 bytes of optimizer state by dp = {h['dp']}"),
+        Mistake(16 * psi / h["tp"] / 1e9, "forgot pp", f"the pipeline splits the layers too: "
+                f"divide the parameters by tp x pp = {h['tp'] * h['pp']}"),
+        Mistake(16 * psi / h["pp"] / 1e9, "forgot tp", "TP splits every weight matrix too: "
+                f"divide the parameters by tp x pp = {h['tp'] * h['pp']}"),
+        Mistake(16 * local / h["dp"] / 1e9, "ZeRO-3", "that divides all of it by dp (ZeRO-3); "
+                "ZeRO-1 shards only the optimizer state"),
+        Mistake(tm.model_state_bytes(local, zero_stage=2, world_size=h["dp"])["total"] / 1e9,
+                "ZeRO-2", "that shards the gradients as well (ZeRO-2); ZeRO-1 shards only the "
+                "optimizer state"),
+    ]
+    return check_number(answer, expected, what=f"GB of model states per GPU (Llama 3 70B, "
+                        f"dp={h['dp']} tp={h['tp']} pp={h['pp']}, ZeRO-{h['zero_stage']})",
+                        unit="GB", mistakes=mistakes, verbose=verbose,
+                        hint="parameters per GPU = params / (tp x pp); then 2 + 2 bytes "
+                             "(weights, gradients) + 12 / dp bytes (optimizer state, ZeRO-1) "
+                             "per parameter.",
+                        explain="Activations and the embedding's extra weight on the first and "
+                                "last stage come on top.")

@@ -4,11 +4,14 @@ The answer key is the routing of `labkit.parallel.moe` on one rank (the same con
 `labkit.models.MoEConfig`): softmax over experts; top-1 weight = the probability, top-k > 1
 weights renormalised to sum to 1; each expert takes at most `capacity` assignments, first
 choices before second choices, earlier tokens first; the rest are dropped (kept = False).
+`check_capacity_answer(answer)` checks a number: the slots per expert for a batch, against
+`theory.moe.capacity` (ceil(capacity_factor x k x tokens / experts)).
 """
 import torch
 
 from ..parallel.moe import choice_counts, queue_positions, top_k_gates
-from . import Check, say
+from ..theory.moe import capacity as capacity_formula
+from . import Check, Mistake, check_number, say
 
 
 def reference_top_k_routing(logits, k, capacity):
@@ -78,3 +81,31 @@ def _first_problem(logits, k, capacity, got_e, got_w, got_k, where):
                                           "first choices (in token order) before any second "
                                           "choice, and drop the latest tokens.")
     return None
+
+
+CAPACITY = dict(tokens=6000, experts=64, top_k=2, capacity_factor=1.25)
+
+
+def check_capacity_answer(answer, tokens=CAPACITY["tokens"], experts=CAPACITY["experts"],
+                          top_k=CAPACITY["top_k"], capacity_factor=CAPACITY["capacity_factor"],
+                          verbose=True):
+    """Slots per expert (tokens each expert may take) for one batch; a whole number."""
+    import math
+    t, e, k, cf = tokens, experts, top_k, capacity_factor
+    expected = capacity_formula(t, e, k, cf)
+    mistakes = [
+        Mistake(math.floor(cf * k * t / e), "rounded down", "round up: a fraction of a slot "
+                "is a whole slot, or the last token of an evenly loaded expert is dropped"),
+        Mistake(math.ceil(cf * t / e), "forgot k", f"each token is sent to k = {k} experts: "
+                f"there are k x T = {k * t} assignments to spread, not {t}"),
+        Mistake(math.ceil(k * t / e), "forgot the factor", f"that is the even share; the "
+                f"capacity factor {cf} adds headroom for an uneven load"),
+        Mistake(math.ceil(t / e), "even share", "that is T / E; multiply by k (assignments per "
+                "token) and the capacity factor"),
+    ]
+    return check_number(answer, expected, what=f"slots per expert (T = {t} tokens, E = {e} "
+                        f"experts, k = {k}, capacity factor {cf})", unit="tokens", exact=True,
+                        mistakes=mistakes, verbose=verbose,
+                        hint="capacity = capacity factor x k x T / E, rounded up.",
+                        explain=f"{e} experts x {expected} slots = {e * expected} slots for "
+                                f"{k * t} assignments.")

@@ -4,6 +4,8 @@
 checks the schedule the way the executor does (every op once, F before B, no deadlock: replayed
 by the simulator), then runs it for real with `PipelineSchedule` on a small nn.Sequential and
 compares the parameters with one device. It answers with a `Check`; it never raises.
+`check_gpipe_bubble(answer)` checks a number: GPipe's bubble fraction for P stages and M
+micro-batches, against `theory.time.bubble_fraction`.
 """
 import torch
 import torch.nn as nn
@@ -11,7 +13,8 @@ import torch.nn.functional as F
 
 from ..parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from ..theory import pipeline as schedules
-from . import Check
+from ..theory.time import bubble_fraction, bubble_over_ideal
+from . import Check, Mistake, check_number
 
 WIDTH, BATCH, LR = 16, 8, 0.1
 
@@ -110,3 +113,29 @@ def check_stage_order(my_ops, stage=0, stages=4, microbatches=8, timeout_s=60):
                      f"{p - stage - 1} warm-up forwards, alternate F and B.")
     exact = ops == schedules.one_f_one_b_schedule(p, m)[stage]
     return Check(True, "", f"CORRECT: {text}." + (" That is exactly 1F1B." if exact else ""))
+
+
+BUBBLE_STAGES, BUBBLE_MICROBATCHES = 6, 20
+
+
+def check_gpipe_bubble(answer, stages=BUBBLE_STAGES, microbatches=BUBBLE_MICROBATCHES,
+                       verbose=True):
+    """The share of a GPipe step each stage sits idle, as a fraction of the step's time."""
+    p, m = stages, microbatches
+    expected = bubble_fraction(p, m)
+    mistakes = [
+        Mistake(bubble_over_ideal(p, m), "over ideal", "that is (P-1)/M, the bubble divided "
+                "by the busy time; the question asks for a share of the whole step, busy "
+                "time + bubble: (P-1)/(M+P-1)"),
+        Mistake((p - 1) / p, "one batch", "that is the idle share without micro-batches (M = "
+                "1); with M micro-batches the fill and drain are P-1 slots out of M+P-1"),
+        Mistake((p - 1) / (m + p), "off by one", "count the slots again: a stage is busy M "
+                "slots and idle P-1, so the step is M+P-1 slots long"),
+        Mistake(p / (m + p), "off by one", "the first stage starts at once: it waits P-1 "
+                "slots, not P; the step is M+P-1 slots long"),
+    ]
+    return check_number(answer, expected, what=f"GPipe's bubble for P = {p} stages and M = {m} "
+                        "micro-batches", unit="fraction", mistakes=mistakes, verbose=verbose,
+                        hint="draw the forward slots: stage P-1 starts after P-1 slots and "
+                             "the backward drains the same way; idle slots / all slots.",
+                        explain="1F1B has the same bubble, with less memory.")

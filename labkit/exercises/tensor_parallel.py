@@ -1,12 +1,15 @@
-"""Lesson 03's exercise: write the forward of a row-parallel linear; the checker runs it on 2
-ranks against the full layer and says what is wrong, in plain words."""
+"""Lesson 03's exercises: write the forward of a row-parallel linear (the checker runs it on 2
+ranks against the full layer and says what is wrong, in plain words), and count the bytes one
+GPU sends per transformer block under TP (`check_block_bytes`, against
+`theory.tensor_parallel.block_wire_bytes`)."""
 import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import Check, say
+from . import Check, Mistake, check_number, say
+from ..theory.tensor_parallel import block_wire_bytes
 from ..parallel.tensor_parallel import reduce_from_tp
 
 
@@ -89,3 +92,34 @@ def _judge(r0, world_size):
     return Check(False, "wrong", "The output differs from the full layer's (max difference "
                  f"{(y - expected).abs().max():.3g}). Compute F.linear(x_shard, weight_shard) "
                  "without bias, all-reduce (sum) it over the group, then add the bias.")
+
+
+BLOCK = dict(batch=1, seq=4096, hidden=8192, tp=8)   # Llama 3 70B's width, one node of TP
+
+
+def check_block_bytes(answer, batch=BLOCK["batch"], seq=BLOCK["seq"], hidden=BLOCK["hidden"],
+                      tp=BLOCK["tp"], verbose=True):
+    """Bytes one GPU sends per transformer block and micro-batch, forward + backward, bf16,
+    without sequence parallelism (ring all-reduces)."""
+    t, size = tp, batch * seq * hidden * 2          # S: one b x s x h bf16 activation
+    expected = block_wire_bytes(batch, seq, hidden, tp)
+    ring = 2 * (t - 1) / t * size
+    mistakes = [
+        Mistake(2 * ring, "half the calls", "off by a factor 2: count forward and backward, "
+                "2 all-reduces each (g after attention and after the MLP in forward, f before "
+                "them in backward)"),
+        Mistake(ring, "one call", "that is one all-reduce; a block runs 4 (2 forward, 2 "
+                "backward)"),
+        Mistake(4 * size, "payload", f"that counts S per all-reduce; a ring all-reduce sends "
+                f"2(t-1)/t x S per rank (2 x {t - 1}/{t})"),
+        Mistake(4 * (t - 1) / t * size, "one phase", "off by a factor 2: a ring all-reduce "
+                "sends each byte twice, once in reduce-scatter and once in all-gather"),
+        Mistake(2 * expected, "fp32", "that counts 4 bytes per value; the activations are "
+                "bf16, 2 bytes each"),
+    ]
+    return check_number(answer, expected, what=f"bytes one GPU sends per block (b={batch}, "
+                        f"s={seq}, h={hidden}, t={t}, bf16)", unit="bytes", mistakes=mistakes,
+                        verbose=verbose,
+                        hint="S = b x s x h x 2 bytes; 2 all-reduces forward + 2 backward, each "
+                             "2(t-1)/t x S per rank.",
+                        explain="Every layer of the model sends this, on the critical path.")

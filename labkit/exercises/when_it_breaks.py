@@ -6,12 +6,17 @@ every rank holding the gradient of the *full* batch's mean loss. It compares the
 with one device trained on the whole batch and says, in words, what went wrong: not written
 yet, a hang, replicas that drift apart (no sync), updates N times too large (summed, not
 averaged), or some other difference. It answers with a `Check`; it never raises.
+`check_mfu_answer(answer)` checks a number: the MFU of a measured throughput, against
+`theory.time.training_flops` (6 x params per token) over GPUs x the dense bf16 peak, and names
+the wrong peaks and FLOP counts.
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import Check, say
+from ..theory import catalog, hardware
+from ..theory.time import training_flops
+from . import Check, Mistake, check_number, say
 
 DIMS, BATCH, LR, STEPS = (8, 16, 4), 8, 0.1, 3
 
@@ -131,3 +136,32 @@ def _failed_run(text):
             f"`if ctx.rank == 0`). {HINT}"))
     last = [line for line in text.splitlines() if line.strip()][-1].strip()
     return Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}. {HINT}")
+
+
+MFU_RUN = dict(model="llama-3-8b", gpus=64, gpu="H100", tokens_per_s=600_000)
+
+
+def check_mfu_answer(answer, model=MFU_RUN["model"], gpus=MFU_RUN["gpus"], gpu=MFU_RUN["gpu"],
+                     tokens_per_s=MFU_RUN["tokens_per_s"], verbose=True):
+    """The MFU (a fraction) of a run training `tokens_per_s` tokens/s on `gpus` GPUs."""
+    psi, peak = catalog.model(model).param_count(), hardware.gpu(gpu).bf16_flops
+    expected = training_flops(psi, tokens_per_s) / (gpus * peak)
+    a100 = hardware.gpu("A100").bf16_flops
+    mistakes = [
+        Mistake(expected / 2, "sparse peak", "that divides by the sparse peak, twice the dense "
+                "one; 2:4 sparsity is not what training runs: use the dense bf16 peak"),
+        Mistake(expected / 3, "forward only", "that counts 2 x params FLOPs per token, the "
+                "forward alone; training adds the backward (twice the forward): 6 x params"),
+        Mistake(expected * 4 / 3, "recompute", "that counts 8 x params per token, a recomputed "
+                "forward included: that is the HFU; MFU counts the model's 6 x params only"),
+        Mistake(expected * gpus, "one GPU", f"the tokens/s are for all {gpus} GPUs together: "
+                f"divide by {gpus} x the peak of one"),
+        Mistake(expected * peak / a100, "wrong GPU", "that uses the A100's peak; the run is on "
+                "H100s"),
+    ]
+    return check_number(answer, expected, what=f"the MFU of {tokens_per_s:,} tokens/s on "
+                        f"{gpus} {gpu}s ({catalog.model(model).display_name})", unit="fraction",
+                        mistakes=mistakes, verbose=verbose,
+                        hint=f"6 x {psi / 1e9:.2f}e9 FLOPs per token x tokens/s, over {gpus} x "
+                             f"the dense bf16 peak ({peak / 1e12:.0f} TFLOP/s each).",
+                        explain="Between 0.3 and 0.6 is what good large runs report.")

@@ -1,11 +1,99 @@
-"""Lesson 04's exercise: the bytes of model states per GPU under a ZeRO stage.
+"""Lesson 04's exercises: a ZeRO-2 gradient shard on 4 ranks, and the bytes of model states
+per GPU under a ZeRO stage.
+
+`check_gradient_shard(fn)` runs the learner's `fn(ctx, grad)` on 4 ranks, each with its own
+full gradient; it must return this rank's 1/N slice of the gradient averaged over the ranks
+(what ZeRO-2 keeps), and says in words what is wrong: summed, the whole gradient kept (an
+all-reduce: N times the memory and twice the bytes), another rank's slice, nothing reduced.
 
 `check_stage_memory_answer(answer, params, world_size, stage)` compares the learner's number
 with `theory.memory.model_state_bytes` and, when it is wrong, names the mistake it matches
 (the baseline, another stage, a forgotten master copy, fp32 weights, GB instead of bytes).
 """
+import torch
+
 from ..theory import memory as tm
-from . import Check, say
+from . import Check, Mistake, check_number, say
+
+SHARD_HINT = ("Hint: out = ctx.comm.reduce_scatter(grad) sums over the ranks and keeps this "
+              "rank's 1/N slice of dim 0; divide it by ctx.world_size and return it.")
+
+
+def gradient_shard(ctx, grad):
+    """One answer: reduce-scatter (sum, keep my slice), then divide by N: my averaged shard."""
+    return ctx.comm.reduce_scatter(grad) / ctx.world_size
+
+
+def _shard_input(rank, numel):
+    """Distinct, exactly summable values per rank."""
+    return torch.arange(numel, dtype=torch.float32) + 64.0 * rank
+
+
+def _run_shard(ctx, fn, numel):
+    grad = _shard_input(ctx.rank, numel)
+    out = fn(ctx, grad.clone())
+    sent = {rec.op for rec in ctx.comm.records}
+    return dict(rank=ctx.rank, out=out.detach().clone() if isinstance(out, torch.Tensor)
+                else out, ops=sorted(sent))
+
+
+def check_gradient_shard(fn, world_size=4, numel=16, timeout_s=20.0, verbose=True):
+    """Run `fn(ctx, grad)` on `world_size` ranks; each must return its averaged shard."""
+    from ..runtime.launch import LaunchError, launch
+    try:
+        results = launch(_run_shard, world_size, fn, numel, timeout_s=timeout_s)
+    except LaunchError as error:
+        text = str(error)
+        if "NotImplementedError" in text:
+            return say(Check(False, "not written", "NOT WRITTEN YET: your function raised "
+                             f"NotImplementedError. {SHARD_HINT}"), verbose)
+        if "timed out" in text:
+            return say(Check(False, "hang", "HANG: the ranks did not call the same collectives. "
+                             f"{SHARD_HINT}"), verbose)
+        last = [line for line in text.splitlines() if line.strip()][-1].strip()
+        return say(Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}. {SHARD_HINT}"),
+                   verbose)
+    return say(_judge_shard(results, world_size, numel), verbose)
+
+
+def _judge_shard(results, n, numel):
+    mean = sum(_shard_input(r, numel) for r in range(n)) / n
+    shards = list(mean.chunk(n))
+    for res in results:
+        out, r = res["out"], res["rank"]
+        if not isinstance(out, torch.Tensor):
+            return Check(False, "not a tensor", f"Rank {r} returned {type(out).__name__}, not "
+                         f"a tensor. {SHARD_HINT}")
+        out = out.reshape(-1).float()
+        if out.numel() == numel:
+            if torch.allclose(out, mean):
+                return Check(False, "whole gradient", (
+                    "Every rank holds the whole averaged gradient: that is DP's all-reduce. "
+                    f"ZeRO-2 keeps only its 1/{n} slice ({numel // n} of {numel} values), and "
+                    "a reduce-scatter sends half the bytes of an all-reduce. " + SHARD_HINT))
+            if torch.allclose(out, _shard_input(r, numel)):
+                return Check(False, "not reduced", f"Rank {r} returned its own gradient, "
+                             f"unreduced. {SHARD_HINT}")
+            return Check(False, "wrong size", f"Rank {r} returned {numel} values: keep only "
+                         f"its slice of {numel // n}. {SHARD_HINT}")
+        if out.numel() != numel // n:
+            return Check(False, "wrong size", f"Rank {r} returned {out.numel()} values, its "
+                         f"slice has {numel // n} ({numel} / {n} ranks). {SHARD_HINT}")
+        if torch.allclose(out, shards[r]):
+            continue
+        if torch.allclose(out, n * shards[r]):
+            return Check(False, "summed", f"Rank {r}'s slice is the sum over the ranks, {n}x "
+                         "the average: each rank's loss is already a mean over its shard of "
+                         f"the batch; divide the sum by ctx.world_size = {n}.")
+        owner = [i for i in range(n) if torch.allclose(out, shards[i])]
+        if owner:
+            return Check(False, "wrong slice", f"Rank {r} holds slice {owner[0]}: rank r "
+                         "keeps slice r of dim 0 (what reduce_scatter gives it).")
+        return Check(False, "wrong value", f"Rank {r}'s slice is wrong. {SHARD_HINT}")
+    ops = sorted({op for res in results for op in res["ops"]})
+    return Check(True, "", f"Correct: each of the {n} ranks keeps its averaged 1/{n} slice of "
+                 f"the gradient ({numel // n} of {numel} values; collectives: "
+                 f"{', '.join(ops)}). The optimizer then steps only that slice.")
 
 
 def stage_memory_answer(params, world_size, stage, mixed_precision=True):
@@ -14,55 +102,31 @@ def stage_memory_answer(params, world_size, stage, mixed_precision=True):
                                 world_size=world_size)["total"]
 
 
-def _feedback(answer, params, world_size, stage, mixed_precision):
-    """(problem, message): problem is "" when the answer is right."""
-    if answer is None:
-        return "no answer", (
-            "No answer yet. Hint: with mixed-precision Adam every parameter costs 2 bytes "
-            "(bf16 weight) + 2 bytes (bf16 gradient) + 12 bytes (fp32 master, momentum, "
-            f"variance). Which of the three does stage {stage} divide by N = {world_size}?")
-    try:
-        value = float(answer)
-    except (TypeError, ValueError):
-        return "not a number", f"Give a number of bytes (an int or a float), not {answer!r}."
-    expected = stage_memory_answer(params, world_size, stage, mixed_precision)
-    close = lambda x: abs(value - x) <= 0.01 * abs(x)   # noqa: E731
-    if close(expected):
-        return "", (f"Correct: {value / 1e9:,.2f} GB per GPU of model states "
-                    f"({expected / params:.3g} bytes per parameter).")
-    if close(expected / 1e9):
-        return "units", f"Right number, but in GB: the answer is asked in bytes ({expected:,.0f})."
+def check_stage_memory_answer(answer, params, world_size, stage=2, mixed_precision=True,
+                              verbose=True):
+    """Say in words whether `answer` (bytes of model states per GPU) is right; never raises.
+
+    Right means within 1% of theory.memory.model_state_bytes; a wrong answer that matches the
+    baseline, another stage, a forgotten master copy or fp32 weights is named.
+    """
     n = world_size
     w, k = (2, 12) if mixed_precision else (4, 8)
-    known = {
+    expected = stage_memory_answer(params, world_size, stage, mixed_precision)
+    layouts = {
         "the baseline without ZeRO (nothing divided by N)": (2 * w + k) * params,
         "stage 1 (only the optimizer state divided by N)": (2 * w + k / n) * params,
-        "stage 2": (w + (w + k) / n) * params,
+        "stage 2 (optimizer state and gradients divided by N)": (w + (w + k) / n) * params,
         "stage 3 (the weights divided by N as well)": (2 * w + k) * params / n,
         "stage 2 without the fp32 master copy (K = 8 instead of 12)":
             (w + (w + k - 4) / n) * params,
         "stage 2 with the weights in fp32 (4 bytes)": (4 + (w + k) / n) * params,
     }
-    for name, nbytes in known.items():
-        if name != f"stage {stage}" and close(nbytes):
-            return "another layout", (
-                f"Not quite: {value:,.0f} bytes is {name}. Which states does stage {stage} "
-                "shard, and which does every GPU keep whole?")
-    return "wrong value", (
-        f"Not quite: {value:,.0f} bytes is {value / expected:.3g}x the expected value. Per "
-        f"parameter: weights {w} B, gradients {w} B, optimizer state {k} B; stage {stage} "
-        f"divides {'the last two' if stage == 2 else 'some of them'} by N = {n}.")
-
-
-def check_stage_memory_answer(answer, params, world_size, stage=2, mixed_precision=True,
-                              verbose=True):
-    """Say in words whether `answer` (bytes of model states per GPU) is right; never raises.
-
-    Right means within 1% of theory.memory.model_state_bytes. Returns a `Check` (and prints it).
-    """
-    try:
-        problem, message = _feedback(answer, params, world_size, stage, mixed_precision)
-    except Exception as error:   # feedback, never a traceback in the learner's notebook
-        problem = "error"
-        message = f"Could not check this answer ({type(error).__name__}: {error})."
-    return say(Check(problem == "", problem, message), verbose)
+    mistakes = [Mistake(nbytes, "another layout", f"that is {name}. Which states does stage "
+                        f"{stage} shard, and which does every GPU keep whole?")
+                for name, nbytes in layouts.items() if not name.startswith(f"stage {stage} ")]
+    return check_number(answer, expected, what=f"bytes of model states per GPU, ZeRO stage "
+                        f"{stage} on N = {n}", unit="bytes", mistakes=mistakes, verbose=verbose,
+                        hint=f"every parameter costs {w} bytes (weight) + {w} bytes (gradient) "
+                             f"+ {k} bytes (optimizer state); which does stage {stage} divide "
+                             f"by N = {n}?",
+                        explain=f"That is {expected / params:.3g} bytes per parameter.")
