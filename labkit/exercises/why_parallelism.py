@@ -1,71 +1,82 @@
-"""Lesson 00's exercises: a first collective on 4 ranks, and the model states of Llama 3 8B.
+"""Lesson 00's exercises: a broadcast written by hand with send and recv on 4 ranks, and the
+model states of Llama 3 8B.
 
-`check_first_collective(fn)` runs the learner's `fn(ctx)` on every rank under `labkit.launch`:
-each rank contributes its rank number and must get back what `all_reduce` gives, the sum over
-ranks. The feedback names what went wrong: nothing reduced, averaged, a constant contributed, a
-collective only some ranks call (a hang), or an error. The number exercises compare with
+`check_broadcast(fn)` runs the learner's `fn(ctx, tensor)` on every rank under `labkit.launch`,
+each rank with different data: afterwards every rank must hold rank 0's tensor (returned, or
+written into `tensor`), moved with `ctx.comm.send` / `ctx.comm.recv` only. The feedback names
+what went wrong: nothing received, rank 0's data overwritten, a collective used instead, a hang
+(every rank waiting in recv), or an error. The number exercises compare with
 `theory.memory.model_state_bytes` (mixed-precision Adam: 16 bytes per parameter).
 """
+import torch
+
 from ..theory import catalog, hardware, memory as tm
 from . import Check, Mistake, check_number, say
 
 MODEL, GPU = "llama-3-8b", "H100"
-HINT = ("Hint: make a one-element tensor holding float(ctx.rank), call "
-        "ctx.comm.all_reduce(t) on every rank (it sums in place), and return t.item().")
+HINT = ("Hint: on rank 0, ctx.comm.send(tensor, dst) to every other rank dst; on every other "
+        "rank, ctx.comm.recv(tensor, 0) (it writes into tensor); then return tensor.")
 
 
-def first_collective(ctx):
-    """One answer: every rank contributes its rank; all_reduce leaves the sum on every rank."""
-    import torch
-    t = torch.tensor([float(ctx.rank)])
-    ctx.comm.all_reduce(t)
-    return t.item()
+def broadcast_by_hand(ctx, tensor):
+    """One answer: rank 0 sends its tensor to each other rank; each of them receives it."""
+    if ctx.rank == 0:
+        for dst in range(1, ctx.world_size):
+            ctx.comm.send(tensor, dst)
+    else:
+        ctx.comm.recv(tensor, 0)
+    return tensor
+
+
+def _data(rank, numel=6):
+    return torch.arange(numel, dtype=torch.float32) + 10.0 * (rank + 1)
 
 
 def _run_user(ctx, fn):
-    out = fn(ctx)
-    value = out.item() if hasattr(out, "item") and getattr(out, "numel", lambda: 1)() == 1 \
-        else out
-    return dict(rank=ctx.rank, value=value, ops=[rec.op for rec in ctx.comm.records])
+    tensor = _data(ctx.rank)
+    out = fn(ctx, tensor)
+    got = out if isinstance(out, torch.Tensor) else tensor
+    records = ctx.comm.records
+    return dict(rank=ctx.rank, got=got.detach().clone().reshape(-1),
+                sent=sum(rec.bytes for rec in records if rec.op == "send"),
+                others=sorted({rec.op for rec in records if rec.op not in ("send", "recv")}))
 
 
-def check_first_collective(fn, world_size=4, timeout_s=20.0, verbose=True):
-    """Run `fn(ctx)` on `world_size` ranks: each must return sum(range(world_size))."""
+def check_broadcast(fn, world_size=4, timeout_s=20.0, verbose=True):
+    """Run `fn(ctx, tensor)` on `world_size` ranks: each must end with rank 0's tensor."""
     from ..runtime.launch import LaunchError, launch
     try:
         results = launch(_run_user, world_size, fn, timeout_s=timeout_s)
     except LaunchError as error:
         return say(_failed(str(error)), verbose)
-    return say(_judge(results, world_size), verbose)
+    return say(_judge(results), verbose)
 
 
-def _judge(results, n):
-    want = float(sum(range(n)))
-    values = [r["value"] for r in results]
-    if any(v is None for v in values):
-        return Check(False, "no value", "Your function returned None on some rank: return the "
-                     f"reduced value (e.g. t.item()), not the result of a print. {HINT}")
-    try:
-        got = [float(v) for v in values]
-    except (TypeError, ValueError):
-        return Check(False, "not a number", f"Return one number per rank, got {values[0]!r} on "
-                     f"rank 0. {HINT}")
-    if all(g == want for g in got):
-        ops = sorted({op for r in results for op in r["ops"]})
-        return Check(True, "", f"Correct: every rank holds 0 + 1 + ... + {n - 1} = {want:g} "
-                     f"(collectives called: {', '.join(ops)}). Every rank called the same "
-                     "collective; the sum came back to all of them.")
-    if got == [float(r) for r in range(n)]:
-        return Check(False, "not reduced", "Each rank returned its own rank: nothing was "
-                     f"reduced. {HINT}")
-    if all(g == want / n for g in got):
-        return Check(False, "averaged", f"Every rank holds {want / n:g}, the mean: all_reduce "
-                     "sums by default; do not divide by the number of ranks here.")
-    if all(g == n for g in got):
-        return Check(False, "constant", f"Every rank holds {n:g}: each contributed 1, not its "
-                     "rank number.")
-    table = ", ".join(f"rank {r}: {g:g}" for r, g in enumerate(got))
-    return Check(False, "wrong value", f"Expected {want:g} on every rank, got {table}. {HINT}")
+def _judge(results):
+    n, want = len(results), _data(0)
+    for res in results:
+        r, got = res["rank"], res["got"]
+        if got.shape != want.shape:
+            return Check(False, "shape", f"Rank {r} holds {got.numel()} values, rank 0's "
+                         f"tensor has {want.numel()}: receive into a tensor of the same shape.")
+        if torch.equal(got, want):
+            continue
+        if r == 0:
+            return Check(False, "source changed", "Rank 0's own tensor changed: rank 0 only "
+                         f"sends. {HINT}")
+        if torch.equal(got, _data(r)):
+            return Check(False, "not received", f"Rank {r} still holds its own data: it "
+                         f"received nothing (or received into another tensor). {HINT}")
+        return Check(False, "wrong value", f"Rank {r} holds {got.tolist()}, rank 0 sent "
+                     f"{want.tolist()}. {HINT}")
+    used = sorted({op for res in results for op in res["others"]})
+    if used:
+        return Check(False, "collective", f"Every rank holds rank 0's data, but with "
+                     f"{', '.join(used)}: write it with ctx.comm.send and ctx.comm.recv only.")
+    root = results[0]["sent"]
+    return Check(True, "", f"Correct: all {n} ranks hold rank 0's tensor. Rank 0 sent "
+                 f"{root} bytes, {n - 1} x the tensor's {want.nbytes}: the root's link carries "
+                 "N-1 copies. Lesson 01's ring spreads that load over every link.")
 
 
 def _failed(text):
@@ -73,9 +84,9 @@ def _failed(text):
         return Check(False, "not written", f"NOT WRITTEN YET: your function raised "
                      f"NotImplementedError. {HINT}")
     if "timed out" in text or "closed by peer" in text or "reset by peer" in text:
-        return Check(False, "hang", "HANG: some ranks waited in a collective that the others "
-                     "never called. A collective must be called by every rank of the group (no "
-                     f"collective under `if ctx.rank == 0`). {HINT}")
+        return Check(False, "hang", "HANG: some rank waited for a message nobody sent (a recv "
+                     "on rank 0, or a recv from a rank that never sends to it). Only rank 0 "
+                     f"sends; each other rank receives once, from rank 0. {HINT}")
     last = [line for line in text.splitlines() if line.strip()][-1].strip()
     return Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}. {HINT}")
 

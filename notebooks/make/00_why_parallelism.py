@@ -56,6 +56,8 @@ from labkit.runs.reference import RunConfig, predict_memory, train
 from labkit.theory import catalog, hardware, memory as tm
 from labkit.viz import comm_bars, memory_stack
 from labkit.viz.widgets import capacities, memory_explorer
+from labkit.exercises.why_parallelism import (check_broadcast, check_fewest_gpus_zero3,
+                                            check_gb_no_zero)
 
 pd.set_option("display.precision", 3)
 pd.set_option("display.width", 120)
@@ -257,52 +259,6 @@ followed by an all-gather, each moving (n−1)/n·S per rank, so **2(n−1)/n·S
 processes talking through gloo; `modelled_s` is what the alpha-beta model says the same call
 would take on the *modelled* cluster, eight H100s on NVLink. The two are different machines:
 never compare them as if they were one.
-
-## 6 · Exercise: training Llama 3 8B
-
-Count model states only (mixed-precision Adam, 16 bytes per parameter; activations aside).
-
-1. With plain data parallelism (no ZeRO), how many GB does each GPU hold, and does it fit on
-   an 80 GB H100?
-2. With ZeRO stage 3 on 8 GPUs (weights, gradients and optimizer state each split 8 ways), how
-   many GB per GPU?
-3. With ZeRO-3, what is the fewest H100s that can hold the model states?
-
-Fill in your answers (in the student edition they are `None`) and run the checking cell.
-"""),
-    code(r"""
-gb_per_gpu_no_zero = 16 * 8.03e9 / 1e9        # every replica holds all 16 bytes per parameter
-fits_on_one_h100 = False                      # 128 GB of model states > one H100's 80 GB
-gb_per_gpu_zero3_on_8 = 16 * 8.03e9 / 8 / 1e9  # all three states split 8 ways
-fewest_h100s_zero3 = 2                        # 128.5 / 2 = 64 GB fits, 128.5 / 1 does not
-""", tags=("solution",)),
-    code(r"""
-def check(name, answer, truth, hint, tolerance=0.05):
-    if answer is None:
-        print(f"{name}: not answered yet. Hint: {hint}")
-    elif isinstance(truth, bool) or isinstance(truth, int):
-        print(f"{name}: {'right' if answer == truth else 'not quite'}. {hint}")
-    elif abs(answer - truth) <= tolerance * truth:
-        print(f"{name}: right ({truth:.1f}).")
-    else:
-        print(f"{name}: not quite ({answer} vs about {truth:.1f}). Hint: {hint}")
-
-
-llama8 = catalog.model("llama-3-8b")
-h100 = hardware.gpu("H100").memory_bytes
-plain = tm.model_state_bytes(llama8.param_count(), zero_stage=0)["total"]
-zero3 = tm.model_state_bytes(llama8.param_count(), zero_stage=3, world_size=8)["total"]
-check("GB per GPU without ZeRO", gb_per_gpu_no_zero, plain / GB,
-      "16 bytes x 8.03 B parameters, and every data-parallel GPU holds all of it.")
-check("fits on one H100", fits_on_one_h100, plain <= h100,
-      "Without ZeRO adding GPUs does not help: each one still needs all the model states.")
-check("GB per GPU, ZeRO-3 on 8", gb_per_gpu_zero3_on_8, zero3 / GB,
-      "ZeRO-3 divides all three model states by the number of GPUs.")
-fewest = next(n for n in range(1, 65)
-              if tm.model_state_bytes(llama8.param_count(), zero_stage=3,
-                                      world_size=n)["total"] <= h100)
-check("fewest H100s with ZeRO-3", fewest_h100s_zero3, fewest,
-      "Find the smallest n with 16 x 8.03e9 / n <= 80e9 (and activations still need room).")
 """),
     md(r"""
 ## Takeaways
@@ -316,6 +272,55 @@ check("fewest H100s with ZeRO-3", fewest_h100s_zero3, fewest,
 - Plain data parallelism copies everything to every GPU, so it cannot make a model fit; splitting
   the states (ZeRO), the layers (pipeline) or the matrices (tensor parallelism) can, and the next
   lessons measure what each costs in communication.
+"""),
+    md(r"""
+## Exercises
+
+Three exercises; each answer goes in its own cell (in the student edition it raises
+`NotImplementedError` or is `None`), and the cell after it checks it and says, in words, what is
+wrong and how to fix it.
+
+**1 · A broadcast by hand.** `hello` above used a collective. Collectives are made of
+point-to-point messages: `ctx.comm.send(tensor, dst)` sends a tensor to rank `dst` and
+`ctx.comm.recv(tensor, src)` waits for one from rank `src` and writes it into `tensor` (same
+shape). Write `my_broadcast(ctx, tensor)`: afterwards every rank holds rank 0's tensor. The
+checker runs it on 4 ranks, each starting with different data, and says what went wrong (a
+rank that received nothing, a hang, a collective used instead).
+"""),
+    code(r"""
+def my_broadcast(ctx, tensor):
+    if ctx.rank == 0:                          # the root sends a copy to every other rank
+        for dst in range(1, ctx.world_size):
+            ctx.comm.send(tensor, dst)
+    else:                                      # the others receive once, from the root
+        ctx.comm.recv(tensor, 0)
+    return tensor
+""", tags=("solution",)),
+    code(r"""
+check_broadcast(my_broadcast);
+"""),
+    md(r"""
+**2 · Llama 3 8B with plain data parallelism.** Count model states only (mixed-precision Adam;
+activations aside): how many GB does each GPU hold when Llama 3 8B (8.03 B parameters) is
+trained with plain data parallelism on 8 GPUs? Does it fit an H100? Write the number as an
+expression that shows where it comes from.
+"""),
+    code(r"""
+gb_per_gpu_no_zero = 16 * 8.03e9 / 1e9   # 2 + 2 + 12 bytes per parameter, on every replica
+""", tags=("solution",)),
+    code(r"""
+check_gb_no_zero(gb_per_gpu_no_zero);
+"""),
+    md(r"""
+**3 · The fewest H100s with ZeRO-3.** ZeRO stage 3 (lesson 04) splits all three model states
+N ways. What is the fewest H100s that hold Llama 3 8B's model states that way? Use the H100's
+memory as the hardware table gives it: `hardware.gpu("H100").memory_bytes`.
+"""),
+    code(r"""
+fewest_h100s_zero3 = 2   # 128.5 GB / 2 = 64 GB fits one H100; 128.5 GB on one does not
+""", tags=("solution",)),
+    code(r"""
+check_fewest_gpus_zero3(fewest_h100s_zero3);
 """),
 ]
 
