@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from IPython.display import Markdown, display
 
 import labkit
-from labkit.exercises.data_parallel import check_ring_all_reduce
+from labkit.exercises.data_parallel import check_ring_all_reduce, check_ring_bytes
 from labkit.parallel.data_parallel import DataParallel
 from labkit.runs import data_parallel as dp
 from labkit.runs.reference import RunConfig, batch, build_model, max_param_diff, train
@@ -502,10 +502,31 @@ PCIe instead of NVLink.
 dp_widgets.dp_explorer()
 """),
     md(r"""
-## 9 · Exercise: write the ring all-reduce
+## Takeaways
 
-Fill in `my_ring_all_reduce` using only `ctx.comm.send(t, dst, async_op=True)` (returns a handle
-with `.wait()`) and `ctx.comm.recv(t, src)`: cut the tensor into N chunks
+- Data parallelism copies the whole model to every GPU and averages gradients with one
+  all-reduce per step; the result equals one device on the full batch (checked above to float
+  rounding), on labkit's GPT and on a model and loop of your own, with one wrapper line.
+- A ring all-reduce sends 2(N−1)/N × the gradient bytes per GPU: under 2× whatever N, measured
+  byte-for-byte in the comm log. It does not shrink with N while compute does, so scaling is set
+  by **tokens per GPU** against gradient bytes and link bandwidth.
+- Buckets launched from gradient hooks overlap the all-reduce with backward (what PyTorch DDP
+  does); the modelled step gets shorter, and only the last bucket is always exposed.
+- "Twice as fast with twice the GPUs" holds for big batches inside a node, not for small batches
+  or across the NVLink → InfiniBand boundary; a second inference node doubles throughput, not
+  the speed of one batch.
+- Every copy still holds all parameters, gradients and optimizer state: data parallelism does
+  not help a model fit (Llama 3 8B does not fit one H100 this way). ZeRO (lesson 04) shards
+  those states across the same replicas.
+"""),
+    md(r"""
+## Exercises
+
+Two exercises; each answer goes in its own cell (in the student edition it raises
+`NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+
+**1 · Write the ring all-reduce.** Fill in `my_ring_all_reduce` using only
+`ctx.comm.send(t, dst, async_op=True)` (returns a handle with `.wait()`) and `ctx.comm.recv(t, src)`: cut the tensor into N chunks
 (`torch.tensor_split(tensor.view(-1), n)` gives views, so writing a chunk writes the tensor), run
 N−1 reduce-scatter steps to the right neighbour, then N−1 all-gather steps. Then run the
 checking cell: `check_ring_all_reduce` runs it on 4 ranks with different data, and tells you
@@ -557,22 +578,15 @@ print()
 _ = check_ring_all_reduce(receives_first, timeout_s=3)
 """),
     md(r"""
-## Takeaways
-
-- Data parallelism copies the whole model to every GPU and averages gradients with one
-  all-reduce per step; the result equals one device on the full batch (checked above to float
-  rounding), on labkit's GPT and on a model and loop of your own, with one wrapper line.
-- A ring all-reduce sends 2(N−1)/N × the gradient bytes per GPU: under 2× whatever N, measured
-  byte-for-byte in the comm log. It does not shrink with N while compute does, so scaling is set
-  by **tokens per GPU** against gradient bytes and link bandwidth.
-- Buckets launched from gradient hooks overlap the all-reduce with backward (what PyTorch DDP
-  does); the modelled step gets shorter, and only the last bucket is always exposed.
-- "Twice as fast with twice the GPUs" holds for big batches inside a node, not for small batches
-  or across the NVLink → InfiniBand boundary; a second inference node doubles throughput, not
-  the speed of one batch.
-- Every copy still holds all parameters, gradients and optimizer state: data parallelism does
-  not help a model fit (Llama 3 8B does not fit one H100 this way). ZeRO (lesson 04) shards
-  those states across the same replicas.
+**2 · The bytes of one all-reduce.** Eight GPUs train GPT-2 small (124,439,808 parameters)
+with data parallelism and bf16 gradients. How many bytes does **each GPU send** in the ring
+all-reduce of one step's gradients? Write it as an expression that shows the derivation.
+"""),
+    code(r"""
+ring_bytes_per_gpu = 2 * (8 - 1) / 8 * (2 * 124_439_808)   # 2(N-1)/N x S, S = 2 bytes x params
+""", tags=("solution",)),
+    code(r"""
+check_ring_bytes(ring_bytes_per_gpu);
 """),
 ]
 
