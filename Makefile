@@ -10,11 +10,38 @@ STAMP := $(VENV)/.installed-labkit
 
 install: $(STAMP)
 
-# torch is pinned: on these machines torch==2.13.0 is a local CPU wheel (an unpinned torch
-# would pull a multi-GB CUDA build). Installed first so nothing else picks another torch.
+# torch is pinned, and installed first so that nothing else picks another torch. Where it comes
+# from, TORCH_INDEX (make lab TORCH_INDEX=cpu):
+#   auto     (default) PyTorch's CPU wheel index on Linux without nvidia-smi: PyPI's Linux torch
+#            bundles CUDA (GBs a laptop does not need); elsewhere pip's own index (macOS and
+#            Windows wheels on PyPI are CPU builds already)
+#   cpu      PyTorch's CPU wheel index on any OS;  default: pip's own index and configuration
+#   <url>    any other index, e.g. https://download.pytorch.org/whl/cu128 for a CUDA build
+# An extra index is added only if it answers within 10 s; otherwise the install goes on from
+# pip's own index and says so (a machine that reaches only PyPI still installs).
+TORCH_VERSION := 2.13.0
+TORCH_INDEX ?= auto
+CPU_WHEELS := https://download.pytorch.org/whl/cpu
+ifeq ($(TORCH_INDEX),auto)
+NO_GPU_LINUX := $(if $(filter Linux,$(shell uname -s)),$(if $(shell command -v nvidia-smi),,yes))
+TORCH_URL := $(if $(NO_GPU_LINUX),$(CPU_WHEELS))
+else ifeq ($(TORCH_INDEX),cpu)
+TORCH_URL := $(CPU_WHEELS)
+else ifneq ($(TORCH_INDEX),default)
+TORCH_URL := $(TORCH_INDEX)
+endif
+REACHABLE := import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/torch/", timeout=10)
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	@if [ -n "$(TORCH_URL)" ] && $(PY) -c '$(REACHABLE)' "$(TORCH_URL)" 2>/dev/null; then \
+	  echo "torch $(TORCH_VERSION) from $(TORCH_URL) (TORCH_INDEX=$(TORCH_INDEX))"; \
+	  $(PY) -m pip install -q torch==$(TORCH_VERSION) --extra-index-url "$(TORCH_URL)"; \
+	else \
+	  if [ -n "$(TORCH_URL)" ]; then echo "$(TORCH_URL) does not answer: torch from pip's" \
+	    "own index (on Linux that may be the multi-GB CUDA build)"; fi; \
+	  $(PY) -m pip install -q torch==$(TORCH_VERSION); \
+	fi
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 

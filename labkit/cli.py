@@ -1,14 +1,13 @@
 """python -m labkit {doctor, run, memory}: the lab from a terminal.
 
   python -m labkit doctor                        torch, backends, GPUs, cores
+  python -m labkit doctor --launch               ready for the workshop? (4 ranks, a plot)
   python -m labkit run single --json             the single-device reference run
   python -m labkit run dp --world-size 4         a technique on 4 ranks (see `run -h`)
   python -m labkit memory --model llama-3-70b    what a real model needs, by category
 """
 import argparse
 import importlib
-import os
-import platform
 import sys
 
 from .runtime.launch import LaunchError
@@ -43,7 +42,10 @@ def _main(argv):
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("doctor", help="what this machine offers the lab")
+    doctor = commands.add_parser("doctor", help="what this machine offers the lab")
+    doctor.add_argument("--launch", action="store_true",
+                        help="pre-workshop check: 4 ranks all-reduce, a plot renders; "
+                             "prints 'ready' or what to fix (exit 0 or 1)")
     run = commands.add_parser("run", help="run a technique and print its report")
     techniques = run.add_subparsers(dest="technique", required=True)
     for name, module_name in TECHNIQUES.items():
@@ -64,7 +66,8 @@ def _main(argv):
     try:
         _check_positive(args)
         if args.command == "doctor":
-            print(doctor())
+            from .doctor import doctor_command
+            return doctor_command(launch=args.launch)
         elif args.command == "run":
             print(run_technique(args))
         elif args.command == "memory":
@@ -170,25 +173,6 @@ def plan_command(args):
     if args.json:
         return json.dumps(out, indent=2)
     return planner.format_plans(out)
-
-
-def doctor():
-    import torch
-    import torch.distributed as dist
-    from .runtime.cpus import max_cpu_ranks, usable_cpus
-    lines = [f"python        {platform.python_version()} ({sys.executable})",
-             f"torch         {torch.__version__}",
-             f"cpu cores     {os.cpu_count()}, {usable_cpus()} usable by this process "
-             f"(at most {max_cpu_ranks()} simulated ranks here)",
-             f"gloo          {'yes' if dist.is_gloo_available() else 'no'}",
-             f"nccl          {'yes' if dist.is_nccl_available() else 'no'}"]
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            lines.append(f"gpu {i}         {p.name}, {p.total_memory / 2**30:.0f} GiB")
-    else:
-        lines.append("gpus          none: ranks run on the CPU with gloo (simulated devices)")
-    return "\n".join(lines)
 
 
 def memory_table(model_name, batch, seq, gpus):

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from .context import Context, STATUS_WIDTH
 from .cpus import BYTES_PER_CPU_RANK, max_cpu_ranks, usable_cpus
-from .processes import mp_context, new_store_folder, no_missing_main_file, warm_forkserver
+from .processes import (mp_context, new_store_folder, no_missing_main_file, use_loopback_for_gloo,
+                        warm_forkserver)
 
 DEFAULT_TIMEOUT_S = 120.0
 NO_TIMEOUT = timedelta(days=7)  # what torch gets when timeout_s=None ("wait as long as it takes")
@@ -293,6 +294,8 @@ def _worker(rank, world_size, backend, store_path, payload, conn, alive, boards,
         store.set_timeout(limit)
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        else:  # all ranks on this machine: gloo over the loopback unless the user chose
+            use_loopback_for_gloo()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=limit)
         ctx = Context(rank, world_size, backend, cluster=cluster, status=boards[0],

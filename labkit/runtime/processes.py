@@ -9,7 +9,9 @@ own, named after the launching process so that a later launch can remove the fol
 launches that were killed outright.
 """
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +21,7 @@ from multiprocessing import forkserver, resource_tracker, util as mp_util
 import torch.multiprocessing as mp
 
 STORE_PREFIX = "labkit-store-"
+IFF_LOOPBACK = 0x8  # <net/if.h>: the interface flag of the loopback
 _warm_forkserver_pid = None  # the forkserver known to have finished its imports
 
 
@@ -105,3 +108,30 @@ def _alive(pid):
     except PermissionError:  # another user's process
         return True
     return True
+
+
+def use_loopback_for_gloo(environ=os.environ):
+    """A launch's ranks share one machine, so gloo talks over the loopback interface. Left to
+    itself gloo takes the address the host name resolves to, which a laptop often lacks (macOS
+    on a conference Wi-Fi). A GLOO_SOCKET_IFNAME the user set is kept."""
+    if "GLOO_SOCKET_IFNAME" not in environ:
+        name = loopback_interface()
+        if name is not None:
+            environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def loopback_interface(sys_net="/sys/class/net"):
+    """The loopback's name as the system lists it (`lo` on Linux, `lo0` on macOS), or None."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (AttributeError, OSError):
+        return None
+    for name in names:  # Linux: the kernel's flags say which interface is the loopback
+        try:
+            with open(os.path.join(sys_net, name, "flags")) as f:
+                if int(f.read(), 16) & IFF_LOOPBACK:
+                    return name
+        except (OSError, ValueError):
+            continue
+    # macOS and BSDs have no /sys: their loopback is the one named lo<number>
+    return next((name for name in names if re.fullmatch(r"lo\d*", name)), None)

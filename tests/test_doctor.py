@@ -1,0 +1,45 @@
+"""`python -m labkit doctor --launch`, the pre-workshop check; the loopback launch gives gloo."""
+import os
+import socket
+import subprocess
+import sys
+
+from labkit.runtime.processes import loopback_interface, use_loopback_for_gloo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def doctor_launch(**env):
+    environ = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    return subprocess.run([sys.executable, "-m", "labkit", "doctor", "--launch"], cwd=ROOT,
+                          env={**environ, **env}, capture_output=True, text=True, timeout=300)
+
+
+def test_doctor_launch_says_ready_with_its_times_and_the_loopback():
+    run = doctor_launch()
+    ready = [line for line in run.stdout.splitlines() if line.startswith("ready: ")]
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert len(ready) == 1 and "fix:" not in run.stdout
+    assert "all-reduced" in ready[0] and "PNG" in ready[0] and " s " in ready[0]
+    assert f"over gloo on {loopback_interface()} " in ready[0]  # launch chose the loopback
+
+
+def test_a_wrong_gloo_interface_gets_a_fix_line_not_a_traceback():
+    run = doctor_launch(GLOO_SOCKET_IFNAME="nosuch0")
+    assert run.returncode == 1
+    fixes = [line for line in run.stdout.splitlines() if line.startswith("fix: ")]
+    assert fixes and "GLOO_SOCKET_IFNAME=nosuch0" in fixes[0], run.stdout
+    assert "ready:" not in run.stdout and "Traceback" not in run.stdout + run.stderr
+
+
+def test_launch_keeps_the_users_gloo_interface_and_else_picks_the_loopback():
+    own = {"GLOO_SOCKET_IFNAME": "en7"}
+    use_loopback_for_gloo(own)
+    assert own == {"GLOO_SOCKET_IFNAME": "en7"}
+    chosen = {}
+    use_loopback_for_gloo(chosen)
+    names = [name for _, name in socket.if_nameindex()]
+    assert chosen["GLOO_SOCKET_IFNAME"] in names
+    if os.path.isdir("/sys/class/net"):  # Linux: the kernel marks it as the loopback
+        with open(f"/sys/class/net/{chosen['GLOO_SOCKET_IFNAME']}/flags") as f:
+            assert int(f.read(), 16) & 0x8
