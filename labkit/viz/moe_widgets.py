@@ -6,9 +6,12 @@ redraw takes milliseconds. `load_histogram` draws measured per-expert loads (bef
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..theory import moe as tmoe
+from .live import Drawing, neighbours, prefetch
 from .plots import fmt
 from .widgets import explorer
 
@@ -39,33 +42,28 @@ def load_histogram(loads, labels, capacity=None, ax=None, title="per-expert load
     return ax
 
 
-def explorer_figure(ax, experts=8, top_k=2, capacity_factor=1.25, ep=8, skew=0.5,
-                    link="NVLink 4", tokens_per_gpu=4096, model="mixtral-8x7b"):
-    """Draw expected per-expert load against capacity (kept, dropped, padded slots); return
-    the summary line (HTML): drops, the padding's cost and the step, all modelled."""
+@functools.lru_cache(maxsize=1024)
+def expected_drops(tokens, experts, top_k, capacity_factor, skew):
+    """theory.moe.expected_tokens_dropped, remembered (a sum over every expert's overflow
+    distribution: the slowest part of a redraw)."""
+    return tmoe.expected_tokens_dropped(tokens, experts, top_k, capacity_factor, skew)
+
+
+def _moe_numbers(experts=8, top_k=2, capacity_factor=1.25, ep=8, skew=0.5, link="NVLink 4",
+                 tokens_per_gpu=4096, model="mixtral-8x7b"):
+    """Expected per-expert load against capacity, and the summary line (HTML)."""
+    capacity_factor, skew = round(capacity_factor, 4), round(skew, 4)
     tokens = tokens_per_gpu * ep                   # one routing group = the EP group's tokens
     shares = np.asarray(tmoe.skewed_shares(experts, skew))
     cap = tmoe.capacity(tokens, experts, top_k, capacity_factor)
-    drops = tmoe.expected_tokens_dropped(tokens, experts, top_k, capacity_factor, skew)
+    drops = expected_drops(tokens, experts, top_k, capacity_factor, skew)
     load = shares * tokens * top_k
     kept = np.minimum(load, cap)
-    ax.bar(range(experts), kept, color="tab:blue", label="expected assignments kept")
-    ax.bar(range(experts), np.clip(load - cap, 0, None), bottom=cap, color="tab:red",
-           alpha=0.6, hatch="//", label="dropped (over capacity)")
-    ax.bar(range(experts), cap - kept, bottom=kept, color="0.85", edgecolor="0.6",
-           label="padding (empty slots, computed and sent)")
-    ax.axhline(cap, color="k", ls="--", lw=1, label=f"capacity {cap} slots")
-    ax.set_xlabel("expert")
-    ax.set_ylabel("assignments per step (modelled)")
-    ax.set_title(f"{experts} experts, top-{top_k}, EP {ep}, {tokens} tokens per routing group",
-                 fontsize=10)
-    ax.set_ylim(0, max(load.max(), cap) * 1.45)    # room for the legend above the bars
-    ax.legend(fontsize=8, loc="upper right", ncol=2)
     shape = tmoe.with_experts(model, experts, top_k)
     common = dict(gpus=ep, ep=ep, tokens_per_gpu=tokens_per_gpu, link=link)
     step = tmoe.moe_step(shape, capacity_factor=capacity_factor, **common)
     dropless = tmoe.moe_step(shape, **common)
-    return (f"expected dropped {drops['dropped']:.0f} of {drops['assignments']} assignments "
+    text = (f"expected dropped {drops['dropped']:.0f} of {drops['assignments']} assignments "
             f"({drops['fraction']:.1%}); padding: every expert computes its {cap} slots, "
             f"{step['expert_rows'] / (tokens_per_gpu * top_k):.2f}x the assignments "
             f"(expert FLOPs and all-to-all bytes); all-to-all {fmt(step['all_to_all_s'] * 1e3)} "
@@ -73,6 +71,78 @@ def explorer_figure(ax, experts=8, top_k=2, capacity_factor=1.25, ep=8, skew=0.5
             f"{fmt(dropless['step_s'] * 1e3)} ms without a capacity); throughput "
             f"{fmt(step['tokens_per_s'])} tokens/s on {ep} GPU(s). All modelled: "
             f"{shape.display_name} shapes, H100, fixed-shape dispatch")
+    bars = dict(kept=(kept, 0), dropped=(np.clip(load - cap, 0, None), cap),
+                padding=(cap - kept, kept))
+    title = f"{experts} experts, top-{top_k}, EP {ep}, {tokens} tokens per routing group"
+    return dict(bars=bars, cap=cap, top=max(load.max(), cap) * 1.45, title=title, text=text)
+
+
+def explorer_figure(ax, **values):
+    """Draw expected per-expert load against capacity (kept, dropped, padded slots); return
+    the summary line (HTML): drops, the padding's cost and the step, all modelled."""
+    numbers = _moe_numbers(**values)
+    experts = len(numbers["bars"]["kept"][0])
+    style = dict(kept=dict(color="tab:blue", label="expected assignments kept"),
+                 dropped=dict(color="tab:red", alpha=0.6, hatch="//",
+                              label="dropped (over capacity)"),
+                 padding=dict(color="0.85", edgecolor="0.6",
+                              label="padding (empty slots, computed and sent)"))
+    ax.labkit_moe = [ax.bar(range(experts), height, bottom=bottom, **style[k])
+                     for k, (height, bottom) in numbers["bars"].items()]
+    ax.axhline(numbers["cap"], color="k", ls="--", lw=1, label=f"capacity {numbers['cap']} slots")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("assignments per step (modelled)")
+    ax.set_title(numbers["title"], fontsize=10)
+    ax.set_ylim(0, numbers["top"])    # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper right", ncol=2)
+    return numbers["text"]
+
+
+def update_explorer_figure(ax, **values):
+    """explorer_figure's artists moved to new values (the same number of experts)."""
+    numbers = _moe_numbers(**values)
+    for container, (heights, bottoms) in zip(ax.labkit_moe, numbers["bars"].values()):
+        bottoms = np.broadcast_to(bottoms, np.shape(heights))
+        for rect, h, b in zip(container, heights, bottoms):
+            rect.set_y(b)
+            rect.set_height(h)
+    ax.lines[0].set_ydata([numbers["cap"]] * 2)
+    label = f"capacity {numbers['cap']} slots"
+    ax.lines[0].set_label(label)
+    for text in ax.get_legend().get_texts():
+        if text.get_text().startswith("capacity "):
+            text.set_text(label)
+    ax.set_title(numbers["title"], fontsize=10)
+    ax.set_ylim(0, numbers["top"])
+    return numbers["text"]
+
+
+class MoeDrawing(Drawing):
+    """The MoE explorer in place: capacity, skew, link and tokens move the bars; a new number
+    of experts (or an EP degree that does not divide them) draws again."""
+
+    def shape(self, **values):
+        return values["experts"], values["experts"] % values["ep"] == 0
+
+    def build(self, fig, **values):
+        ax = fig.add_subplot()
+        if values["experts"] % values["ep"]:
+            ax.text(0.5, 0.5, "EP degree must divide the number of experts", ha="center")
+        else:
+            explorer_figure(ax, **values)
+
+    def update(self, fig, **values):
+        if values["experts"] % values["ep"]:
+            return ""
+        v = dict(values, capacity_factor=round(values["capacity_factor"], 4))
+        tokens = v["tokens_per_gpu"] * v["ep"]
+        prefetch(expected_drops, [(tokens, v["experts"], v["top_k"], round(cf, 4),
+                                   round(v["skew"], 4))
+                                  for cf in neighbours(CAPACITY_STEPS, v["capacity_factor"])])
+        return update_explorer_figure(fig.axes[0], **values)
+
+
+CAPACITY_STEPS = [round(0.5 + 0.05 * i, 4) for i in range(51)]   # the slider's values
 
 
 def moe_explorer():
@@ -92,11 +162,4 @@ def moe_explorer():
         tokens_per_gpu=w.Dropdown(options=[1, 8, 64, 512, 4096], value=4096,
                                   description="tokens per GPU", style=style),
     )
-
-    def draw(ax, **v):
-        if v["experts"] % v["ep"]:
-            ax.text(0.5, 0.5, "EP degree must divide the number of experts", ha="center")
-            return ""
-        return explorer_figure(ax, **v)
-
-    return explorer(controls, draw)
+    return explorer(controls, MoeDrawing())

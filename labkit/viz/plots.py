@@ -75,6 +75,39 @@ def _spread(values, gap):
 
 # ------------------------------------------------------------------------------- memory_stack
 
+def _stack_layout(bars, capacity, unit):
+    """What memory_stack draws, as numbers: categories, heights, totals, capacity lines."""
+    scale = UNITS[unit]
+    labels = list(bars)
+    seen = []
+    for values in bars.values():
+        seen += [k for k, v in values.items() if k not in NOT_STACKED and k not in seen and v]
+    cats = [c for c in MEMORY_ORDER if c in seen] + [c for c in seen if c not in MEMORY_ORDER]
+    heights = [[float(bars[label].get(cat) or 0) / scale for label in labels] for cat in cats]
+    bottoms, totals = [], [0.0] * len(labels)
+    for row in heights:
+        bottoms.append(totals)
+        totals = [b + h for b, h in zip(totals, row)]
+    peaks = [(xi, bars[label]["peak"] / scale) for xi, label in enumerate(labels)
+             if bars[label].get("peak") is not None]
+    top = max(totals + [p[1] for p in peaks] + [0.0])
+    by_value = {}
+    for name, cap in (capacity or {}).items():
+        by_value.setdefault(float(cap) / scale, []).append(name)
+    top = max([top] + list(by_value))
+    ys = sorted(by_value)
+    lines = [(y, ty, " / ".join(by_value[y])) for y, ty in zip(ys, _spread(ys, 0.055 * top))]
+    return dict(labels=labels, cats=cats, heights=heights, bottoms=bottoms, totals=totals,
+                peaks=peaks, top=top, lines=lines)
+
+
+def stack_shape(bars, capacity=None, unit="GB"):
+    """What decides memory_stack's artists: labels' count, categories, peaks, capacity lines.
+    Two calls with the same shape can share artists: `restack` moves them."""
+    lay = _stack_layout(bars, capacity, unit)
+    return len(lay["labels"]), tuple(lay["cats"]), len(lay["peaks"]), len(lay["lines"]), unit
+
+
 def memory_stack(bars, capacity=None, title="", unit="GB", ax=None):
     """One stacked bar per label of `bars` ({label: {category: bytes}}), dashed capacity lines.
 
@@ -82,56 +115,37 @@ def memory_stack(bars, capacity=None, title="", unit="GB", ax=None):
     left out); 'total', 'peak' and 'peak_phase' are not stacked, but a 'peak' is drawn as a
     black marker at its height.
     `capacity` is {name: bytes}, e.g. {'H100 80 GB': 80e9}; equal capacities share one line.
+    `restack(ax, ...)` moves the artists to new bytes of the same `stack_shape`.
     """
-    scale = UNITS[unit]
-    labels = list(bars)
+    lay = _stack_layout(bars, capacity, unit)
+    labels = lay["labels"]
     fig, ax = _figure(ax, (max(5.5, 1.3 * len(labels) + 4.5), 4.6))
-    seen = []
-    for values in bars.values():
-        seen += [k for k, v in values.items() if k not in NOT_STACKED and k not in seen and v]
-    cats = [c for c in MEMORY_ORDER if c in seen] + [c for c in seen if c not in MEMORY_ORDER]
-
     x = list(range(len(labels)))
-    bottoms = [0.0] * len(labels)
-    for i, cat in enumerate(cats):
-        heights = [float(bars[label].get(cat) or 0) / scale for label in labels]
+    drawn = dict(bars=[], totals=[], peaks=None, lines=[])
+    for i, cat in enumerate(lay["cats"]):
         color = MEMORY_COLORS.get(cat, EXTRA_COLORS[i % len(EXTRA_COLORS)])
-        ax.bar(x, heights, 0.6, bottom=bottoms, color=color, label=MEMORY_LABELS.get(cat, cat),
-               edgecolor="white", linewidth=0.5)
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-
-    top = max(bottoms + [0.0])
-    for xi, total in zip(x, bottoms):   # the stack's total above each bar
-        ax.text(xi, total, f"{fmt(total)} {unit}", ha="center", va="bottom", fontsize=9,
-                bbox=dict(facecolor="white", edgecolor="none", pad=1, alpha=0.8))
-    peaks = [(xi, bars[label]["peak"] / scale) for xi, label in zip(x, labels)
-             if bars[label].get("peak") is not None]
-    if peaks:
-        ax.plot([p[0] + 0.36 for p in peaks], [p[1] for p in peaks], "<", color="black",
-                markersize=7, linestyle="none", label="peak")
-        top = max([top] + [p[1] for p in peaks])
-
+        drawn["bars"].append(ax.bar(x, lay["heights"][i], 0.6, bottom=lay["bottoms"][i],
+                                    color=color, label=MEMORY_LABELS.get(cat, cat),
+                                    edgecolor="white", linewidth=0.5))
+    for xi in x:   # the stack's total above each bar
+        drawn["totals"].append(ax.text(xi, 0, "", ha="center", va="bottom", fontsize=9,
+                               bbox=dict(facecolor="white", edgecolor="none", pad=1,
+                                         alpha=0.8)))
+    if lay["peaks"]:
+        drawn["peaks"], = ax.plot([], [], "<", color="black", markersize=7, linestyle="none",
+                                  label="peak")
     right = len(labels) - 0.5           # capacity lines end here; their names sit to the right
-    if capacity:
-        by_value = {}
-        for name, cap in capacity.items():
-            by_value.setdefault(float(cap) / scale, []).append(name)
-        top = max([top] + list(by_value))
-        ys = sorted(by_value)
-        for y, ty in zip(ys, _spread(ys, 0.055 * top)):
-            ax.plot([-0.6, right], [y, y], color="0.35", linestyle="--", linewidth=1)
-            ax.plot([right, right + 0.12], [y, ty], color="0.35", linewidth=0.7)
-            ax.text(right + 0.14, ty, " / ".join(by_value[y]), va="center", fontsize=8,
-                    color="0.2")
-        ax.set_xlim(-0.6, len(labels) + 0.9)
-    else:
-        ax.set_xlim(-0.6, right + 0.1)
-    ax.set_ylim(0, top * 1.12 if top > 0 else 1)
+    for _ in lay["lines"]:
+        drawn["lines"].append((ax.plot([-0.6, right], [0, 0], color="0.35", linestyle="--",
+                                       linewidth=1)[0],
+                               ax.plot([right, right + 0.12], [0, 0], color="0.35",
+                                       linewidth=0.7)[0],
+                               ax.text(right + 0.14, 0, "", va="center", fontsize=8,
+                                       color="0.2")))
+    ax.set_xlim(-0.6, len(labels) + 0.9 if lay["lines"] else right + 0.1)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1000
                                                else f"{v:g}"))
-    ax.set_xticks(x, labels)
     ax.set_ylabel(f"memory ({UNIT_NOTES[unit]})")
-    ax.set_title(title)
     entries = list(zip(*ax.get_legend_handles_labels()))
     stack = [e for e in entries if e[1] != "peak"][::-1]   # top of the stack first, like the bars
     if stack:
@@ -139,8 +153,34 @@ def memory_stack(bars, capacity=None, title="", unit="GB", ax=None):
         ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
                   frameon=False)
     ax.grid(axis="y", alpha=0.3)
+    ax.labkit_stack = drawn
+    restack(ax, bars, capacity, title, unit)
     fig.tight_layout()
     return fig
+
+
+def restack(ax, bars, capacity=None, title="", unit="GB"):
+    """Set memory_stack's artists on `ax` to new bytes (same `stack_shape`): bar heights,
+    totals, peaks, capacity lines, limits, tick labels and title."""
+    lay, drawn = _stack_layout(bars, capacity, unit), ax.labkit_stack
+    for container, heights, bottoms in zip(drawn["bars"], lay["heights"], lay["bottoms"]):
+        for rect, h, b in zip(container, heights, bottoms):
+            rect.set_y(b)
+            rect.set_height(h)
+    for text, total in zip(drawn["totals"], lay["totals"]):
+        text.set_y(total)
+        text.set_text(f"{fmt(total)} {unit}")
+    if drawn["peaks"] is not None:
+        drawn["peaks"].set_data([p[0] + 0.36 for p in lay["peaks"]], [p[1] for p in lay["peaks"]])
+    for (line, link, name), (y, ty, words) in zip(drawn["lines"], lay["lines"]):
+        line.set_ydata([y, y])
+        link.set_ydata([y, ty])
+        name.set_y(ty)
+        name.set_text(words)
+    top = lay["top"]
+    ax.set_ylim(0, top * 1.12 if top > 0 else 1)
+    ax.set_xticks(range(len(lay["labels"])), lay["labels"])
+    ax.set_title(title)
 
 
 # ---------------------------------------------------------------------------------------- gantt
@@ -294,34 +334,59 @@ TIME_COLORS = {"compute": "#2ca02c", "exposed_comm": "#9467bd", "bubble": "#dcdc
 TIME_LABELS = {"exposed_comm": "exposed comm"}
 
 
+def _time_layout(rows, unit):
+    scale = TIME_UNITS[unit]
+    labels = list(rows)
+    seen = []
+    for parts in rows.values():
+        seen += [k for k in parts if k != "total" and k not in seen]
+    cats = [c for c in TIME_ORDER if c in seen] + [c for c in seen if c not in TIME_ORDER]
+    widths, lefts, ends = [], [], [0.0] * len(labels)
+    for cat in cats:
+        widths.append([float(rows[label].get(cat) or 0) / scale for label in labels])
+        lefts.append(ends)
+        ends = [a + w for a, w in zip(ends, widths[-1])]
+    return dict(labels=labels, cats=cats, widths=widths, lefts=lefts, ends=ends)
+
+
+def time_shape(rows):
+    """What decides time_split's artists (rows' count, categories): `retime` keeps them."""
+    lay = _time_layout(rows, "s")
+    return len(lay["labels"]), tuple(lay["cats"])
+
+
 def time_split(rows, ax=None, title="", unit="ms", colors=None):
     """Stacked horizontal bars per label ({label: {compute, exposed_comm, bubble, other}}, s).
 
     Keys other than those four (except 'total') are stacked after them; `colors` ({key:
     colour}) colours them. Say 'modelled' or 'measured' in the labels or title.
+    `retime(ax, ...)` moves the bars to new times of the same `time_shape`.
     """
     colors = dict(TIME_COLORS, **(colors or {}))
-    scale = TIME_UNITS[unit]
-    labels = list(rows)
-    fig, ax = _figure(ax, (7.5, 0.6 * len(labels) + 2))
-    seen = []
-    for parts in rows.values():
-        seen += [k for k in parts if k != "total" and k not in seen]
-    cats = [c for c in TIME_ORDER if c in seen] + [c for c in seen if c not in TIME_ORDER]
-    y = [-i for i in range(len(labels))]
-    lefts = [0.0] * len(labels)
-    for i, cat in enumerate(cats):
-        widths = [float(rows[label].get(cat) or 0) / scale for label in labels]
+    lay = _time_layout(rows, unit)
+    fig, ax = _figure(ax, (7.5, 0.6 * len(lay["labels"]) + 2))
+    y = [-i for i in range(len(lay["labels"]))]
+    ax.labkit_split = [
         ax.barh(y, widths, 0.6, left=lefts, label=TIME_LABELS.get(cat, cat),
                 color=colors.get(cat, EXTRA_COLORS[i % len(EXTRA_COLORS)]),
                 edgecolor="white", linewidth=0.5)
-        lefts = [a + w for a, w in zip(lefts, widths)]
-    ax.set_yticks(y, labels)
-    ax.set_xlabel(f"time per step ({unit})")
-    ax.set_xlim(0, max(lefts + [0.0]) * 1.05 or 1)
-    ax.set_title(title)
+        for i, (cat, widths, lefts) in enumerate(zip(lay["cats"], lay["widths"], lay["lefts"]))]
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
+    retime(ax, rows, title, unit)
     fig.tight_layout()
     return fig
 
+
+def retime(ax, rows, title="", unit="ms"):
+    """Set time_split's bars on `ax` to new times (same `time_shape`), with labels, unit,
+    limits and title."""
+    lay = _time_layout(rows, unit)
+    for container, widths, lefts in zip(ax.labkit_split, lay["widths"], lay["lefts"]):
+        for rect, w, left in zip(container, widths, lefts):
+            rect.set_x(left)
+            rect.set_width(w)
+    ax.set_yticks([-i for i in range(len(lay["labels"]))], lay["labels"])
+    ax.set_xlabel(f"time per step ({unit})")
+    ax.set_xlim(0, max(lay["ends"] + [0.0]) * 1.05 or 1)
+    ax.set_title(title)

@@ -91,12 +91,11 @@ def tp_explorer():
         link.options = [k for k in LINKS if change["new"] <= 8 or k in ACROSS_NODES]
         link.value = chosen if chosen in link.options else link.options[0]
 
-    controls["tp"].observe(on_tp, names="value")  # registered first: runs before the redraw
 
     def draw(ax, link, **values):
         return tp_panels(ax.figure, link=LINKS[link], **values)
 
-    return explorer(controls, draw, figsize=(14, 4.4))
+    return explorer(controls, draw, figsize=(14, 4.4), linked=[("tp", on_tp)])
 
 
 def tp_figure(**kwargs):

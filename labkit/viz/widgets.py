@@ -1,55 +1,41 @@
 """Interactive explorers for the notebooks: sliders and dropdowns over `labkit.theory`.
 
-An explorer is a set of ipywidgets controls and a `draw(ax, **values)` function that fills one
-matplotlib axes and returns a line of text. `explorer(controls, draw)` wires them together: on
-every change one figure is cleared and redrawn inside an Output widget (theory is instant, so
-this takes milliseconds). Later lessons add their own explorers here the same way.
+An explorer is a set of ipywidgets controls and a drawing: a `draw(ax, **values)` function that
+fills one matplotlib axes and returns a line of text, or a `live.Drawing` that builds its artists
+once and then moves them. `explorer(controls, draw)` wires them together: on every change the one
+figure is updated and its PNG bytes go to an Image widget (`labkit.viz.live`: a slider step
+costs tens of milliseconds). Later lessons add their own explorers here the same way.
 """
 from __future__ import annotations
 
 import math
 
-import matplotlib.pyplot as plt
-
 from ..theory import catalog, hardware
 from ..theory import memory as tm
-from .plots import fmt, memory_stack
+from .live import Drawing, explorer_box
+from .plots import fmt, memory_stack, restack, stack_shape
 
 # ------------------------------------------------------------------------------ the explorer
 
-def explorer(controls, draw, figsize=(8, 4.6)):
-    """A VBox of `controls` ({name: widget}), a text line and a figure redrawn on each change.
+def explorer(controls, draw, figsize=(8, 4.6), linked=()):
+    """A VBox of `controls` ({name: widget}), a text line and a picture redrawn on each change.
 
-    `draw(ax, **{name: widget.value})` draws on `ax` and returns the text line (HTML allowed).
+    `draw(ax, **{name: widget.value})` draws on `ax` and returns the text line (HTML allowed);
+    or `draw` is a `live.Drawing` (built once per shape, then updated in place).
     """
-    return figure_explorer(controls, lambda fig, **values: draw(fig.add_subplot(), **values),
-                           figsize)
+    if not isinstance(draw, Drawing):
+        draw = _on_one_axes(draw)
+    return figure_explorer(controls, draw, figsize, linked)
 
 
-def figure_explorer(controls, draw, figsize=(8, 4.6)):
+def _on_one_axes(draw):
+    return lambda fig, **values: draw(fig.add_subplot(), **values)
+
+
+def figure_explorer(controls, draw, figsize=(8, 4.6), linked=()):
     """Like `explorer`, but `draw(fig, **values)` gets the whole (cleared) figure, for
-    explorers with several panels."""
-    import ipywidgets as widgets
-    from IPython.display import display
-
-    out = widgets.Output()
-    text = widgets.HTML()
-    fig = plt.figure(figsize=figsize)
-    plt.close(fig)  # keep it out of pyplot's list: only the Output widget shows it
-
-    def redraw(_change=None):
-        fig.clf()
-        text.value = draw(fig, **{name: w.value for name, w in controls.items()}) or ""
-        with out:
-            out.clear_output(wait=True)
-            display(fig)
-
-    for w in controls.values():
-        w.observe(redraw, names="value")
-    redraw()
-    rows = list(controls.values())
-    boxes = [widgets.HBox(rows[i:i + 3]) for i in range(0, len(rows), 3)]
-    return widgets.VBox(boxes + [text, out])
+    explorers with several panels. See `labkit.viz.live` for what makes a step fast."""
+    return explorer_box(controls, draw, figsize, linked)
 
 
 # -------------------------------------------------------------------------- memory explorer
@@ -101,23 +87,54 @@ def _describe(mode, precision, optimizer):
     return f"training, {precision}, {optimizer}"
 
 
+def _memory_view(model, mode, precision, optimizer, batch, seq):
+    """memory_stack's arguments for one choice, and the summary line."""
+    m = catalog.model(model)
+    parts = memory_breakdown(m, mode, precision, optimizer, batch, seq)
+    n = gpus_needed(parts["total"])
+    label = f"{m.display_name}\n{_describe(mode, precision, optimizer)}"
+    title = (f"modelled memory on one GPU: batch {batch}, {seq} tokens\n"
+             f"{fmt(parts['total'] / 1e9)} GB: needs {n:,} x H100 just to hold this")
+    summary = (f"{m.display_name}: {fmt(parts['total'] / 1e9)} GB modelled "
+               f"&rarr; needs <b>{n:,} x H100</b> (80 GB) just to hold this")
+    unit = "TB" if parts["total"] >= 10e12 else "GB"
+    return dict(bars={label: parts}, capacity=capacities(), title=title, unit=unit), summary
+
+
 def memory_explorer_figure(model, mode, precision, optimizer="Adam", batch=1, seq=4096,
                            ax=None):
     """The explorer's figure for one choice: a modelled memory stack against GPU capacities.
 
     The "needs N x H100" line is in the title and in `fig.labkit_summary`.
     """
-    m = catalog.model(model)
-    parts = memory_breakdown(m, mode, precision, optimizer, batch, seq)
-    n = gpus_needed(parts["total"])
-    unit = "TB" if parts["total"] >= 10e12 else "GB"
-    label = f"{m.display_name}\n{_describe(mode, precision, optimizer)}"
-    title = (f"modelled memory on one GPU: batch {batch}, {seq} tokens\n"
-             f"{fmt(parts['total'] / 1e9)} GB: needs {n:,} x H100 just to hold this")
-    fig = memory_stack({label: parts}, capacity=capacities(), title=title, unit=unit, ax=ax)
-    fig.labkit_summary = (f"{m.display_name}: {fmt(parts['total'] / 1e9)} GB modelled "
-                          f"&rarr; needs <b>{n:,} x H100</b> (80 GB) just to hold this")
+    stack, summary = _memory_view(model, mode, precision, optimizer, batch, seq)
+    fig = memory_stack(ax=ax, **stack)
+    fig.labkit_summary = summary
     return fig
+
+
+class MemoryDrawing(Drawing):
+    """The memory explorer in place: a new batch or length moves the bars and texts."""
+
+    def shape(self, model, mode, precision, optimizer, batch, seq):
+        if precision not in (TRAINING_PRECISIONS if mode == "training"
+                             else INFERENCE_PRECISIONS):
+            self.view = None   # between the mode change and the precision reset
+            return None
+        self.view = _memory_view(model, mode, precision, optimizer, batch, seq)
+        return stack_shape(self.view[0]["bars"], self.view[0]["capacity"],
+                           self.view[0]["unit"])
+
+    def build(self, fig, **values):
+        if self.view:
+            memory_stack(ax=fig.add_subplot(), **self.view[0])
+
+    def update(self, fig, **values):
+        if not self.view:
+            return ""
+        stack, summary = self.view
+        restack(fig.axes[0], **stack)
+        return summary
 
 
 def memory_explorer():
@@ -145,13 +162,5 @@ def memory_explorer():
         controls["precision"].value = options[0]
         controls["optimizer"].disabled = not training
 
-    controls["mode"].observe(on_mode, names="value")  # registered first: runs before redraw
 
-    def draw(ax, model, mode, precision, optimizer, batch, seq):
-        if precision not in (TRAINING_PRECISIONS if mode == "training"
-                             else INFERENCE_PRECISIONS):
-            return ""  # between the mode change and the precision reset
-        fig = memory_explorer_figure(model, mode, precision, optimizer, batch, seq, ax=ax)
-        return fig.labkit_summary
-
-    return explorer(controls, draw)
+    return explorer(controls, MemoryDrawing(), linked=[("mode", on_mode)])

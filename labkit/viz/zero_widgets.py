@@ -11,8 +11,9 @@ from matplotlib.patches import Patch
 
 from ..theory import catalog, hardware
 from ..theory import memory as tm
+from .live import Drawing
 from .plots import (MEMORY_COLORS, MEMORY_LABELS, TIME_UNITS, UNITS, fmt, gantt, memory_stack,
-                    pick_time_unit)
+                    pick_time_unit, restack, stack_shape)
 
 STAGE_LABELS = ["baseline DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
 STATE_CATEGORIES = ("params", "grads", "optimizer")
@@ -38,12 +39,8 @@ def measured_beside_predicted(reports, keys=STATE_CATEGORIES + ("activations",))
     return bars
 
 
-def zero_fit_figure(model, gpus, gpu="H100 SXM", mixed_precision=True, ax=None):
-    """Model-state bytes per GPU for baseline and ZeRO 1-3 against one GPU's capacity.
-
-    Activations and buffers are left out (they come on top); the summary line in
-    `fig.labkit_summary` says which stages fit.
-    """
+def _zero_view(model, gpus, gpu="H100 SXM", mixed_precision=True):
+    """memory_stack's arguments for zero_fit_figure, and its summary line."""
     m = catalog.model(model)
     g = hardware.gpu(gpu)
     bars = stage_bars(m.param_count(), gpus, mixed_precision)
@@ -52,13 +49,40 @@ def zero_fit_figure(model, gpus, gpu="H100 SXM", mixed_precision=True, ax=None):
     fits = [k for k, t in totals.items() if t <= g.memory_bytes]
     title = (f"{m.display_name} on {gpus} x {g.name}: model states per GPU (modelled, "
              f"{'bf16 mixed' if mixed_precision else 'fp32'} Adam)")
-    fig = memory_stack(bars, capacity={f"{g.name} {fmt(g.memory_bytes / 1e9)} GB":
-                                       g.memory_bytes}, title=title, unit=unit, ax=ax)
     verdict = ", ".join(fits) if fits else "none"
-    fig.labkit_summary = (f"{m.display_name}, {m.param_count() / 1e9:.1f}B params on {gpus} GPUs:"
-                          f" model states fit in {fmt(g.memory_bytes / 1e9)} GB for "
-                          f"<b>{verdict}</b> (before activations)")
+    summary = (f"{m.display_name}, {m.param_count() / 1e9:.1f}B params on {gpus} GPUs:"
+               f" model states fit in {fmt(g.memory_bytes / 1e9)} GB for "
+               f"<b>{verdict}</b> (before activations)")
+    capacity = {f"{g.name} {fmt(g.memory_bytes / 1e9)} GB": g.memory_bytes}
+    return dict(bars=bars, capacity=capacity, title=title, unit=unit), summary
+
+
+def zero_fit_figure(model, gpus, gpu="H100 SXM", mixed_precision=True, ax=None):
+    """Model-state bytes per GPU for baseline and ZeRO 1-3 against one GPU's capacity.
+
+    Activations and buffers are left out (they come on top); the summary line in
+    `fig.labkit_summary` says which stages fit.
+    """
+    stack, summary = _zero_view(model, gpus, gpu, mixed_precision)
+    fig = memory_stack(ax=ax, **stack)
+    fig.labkit_summary = summary
     return fig
+
+
+class ZeroDrawing(Drawing):
+    """zero_fit_figure in place: another GPU count or model moves the bars."""
+
+    def shape(self, model, gpu, gpus, precision):
+        self.view = _zero_view(model, gpus, gpu, precision == "bf16 mixed")
+        stack = self.view[0]
+        return stack_shape(stack["bars"], stack["capacity"], stack["unit"])
+
+    def build(self, fig, **values):
+        memory_stack(ax=fig.add_subplot(), **self.view[0])
+
+    def update(self, fig, **values):
+        restack(fig.axes[0], **self.view[0])
+        return self.view[1]
 
 
 def zero_explorer():
@@ -66,6 +90,7 @@ def zero_explorer():
     import ipywidgets as widgets
 
     from .widgets import explorer
+
     names = [mm.display_name for mm in catalog.models()]
     controls = dict(
         model=widgets.Dropdown(options=names, value="Llama 3 70B" if "Llama 3 70B" in names
@@ -77,12 +102,7 @@ def zero_explorer():
         precision=widgets.Dropdown(options=["bf16 mixed", "fp32"], value="bf16 mixed",
                                    description="precision"),
     )
-
-    def draw(ax, model, gpu, gpus, precision):
-        fig = zero_fit_figure(model, gpus, gpu, precision == "bf16 mixed", ax=ax)
-        return fig.labkit_summary
-
-    return explorer(controls, draw, figsize=(9, 4.6))
+    return explorer(controls, ZeroDrawing(), figsize=(9, 4.6))
 
 
 def step_memory_figure(step_memory, ax=None, title="", unit="MB"):

@@ -1,0 +1,211 @@
+"""The explorers' live figure: one figure per explorer, redrawn in place, sent as PNG bytes.
+
+A slider step costs what the figure costs to change and to paint, nothing more:
+- the figure is made once (no pyplot, an Agg canvas of its own) and never replaced;
+- a `Drawing` keeps its artists while its `shape` stays the same and only moves them
+  (set_height, set_data, set_text, axis limits); a new shape clears and builds again;
+- the plot helpers' many `tight_layout` calls during a build collapse into one;
+- the picture is painted once (no `bbox_inches="tight"`, which paints twice) and encoded
+  straight to PNG into an `ipywidgets.Image`, whose bytes travel as one binary buffer
+  (an Output widget re-sends a base64 display message and re-lays out its output area);
+- sliders send their value when released (`continuous_update=False`), and a control that
+  resets another (`linked`) causes one redraw, not one per reset.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+DPI = 100          # the inline backend's default: the pictures keep their size and look
+PNG_LEVEL = 1      # zlib level: 6 (the default) is 30-40% slower for a few % fewer bytes
+
+
+class Drawing:
+    """A figure drawn once per shape, then updated in place.
+
+    `shape(**values)` is a key for what artists the figure holds (how many bars, panels,
+    legend entries); `build(fig, **values)` creates them; `update(fig, **values)` sets
+    their data for `values` and returns the explorer's text line (HTML). While the key stays
+    the same, only `update` runs.
+    """
+
+    relayout = True   # re-run tight_layout after an update (cheap once texts are measured)
+
+    def shape(self, **values):
+        return None
+
+    def build(self, fig, **values):
+        raise NotImplementedError
+
+    def update(self, fig, **values):
+        raise NotImplementedError
+
+
+class Redraw(Drawing):
+    """A plain `draw(fig, **values)` function as a Drawing that builds on every change."""
+
+    relayout = False
+
+    def __init__(self, draw):
+        self.draw = draw
+        self.text = ""
+
+    def shape(self, **values):
+        return object()   # never equal: every change clears and draws again
+
+    def build(self, fig, **values):
+        self.text = self.draw(fig, **values) or ""
+
+    def update(self, fig, **values):
+        return self.text
+
+
+def live_figure(figsize, dpi=DPI):
+    """A Figure outside pyplot with its own Agg canvas (nothing to close, no display hook)."""
+    fig = Figure(figsize=figsize, dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+@contextlib.contextmanager
+def one_tight_layout(fig):
+    """Collect the tight_layout calls made inside (each plot helper makes its own, and each
+    measures every text) and make one at the end, with the last call's arguments."""
+    asked = []
+    fig.tight_layout = lambda *args, **kwargs: asked.append((args, kwargs))
+    try:
+        yield asked
+    finally:
+        del fig.tight_layout
+    if asked:
+        args, kwargs = asked[-1]
+        fig.tight_layout(*args, **kwargs)
+
+
+def png_bytes(fig):
+    """Paint `fig` once on its Agg canvas and encode the pixels as PNG (RGB, fast zlib)."""
+    from PIL import Image
+    canvas = fig.canvas
+    canvas.draw()
+    width, height = canvas.get_width_height(physical=True)
+    pixels = Image.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+    out = io.BytesIO()
+    pixels.convert("RGB").save(out, format="png", compress_level=PNG_LEVEL)
+    return out.getvalue()
+
+
+class LiveFigure:
+    """A Drawing on one figure: `render(values)` returns (text, png bytes)."""
+
+    def __init__(self, drawing, figsize, dpi=DPI):
+        self.drawing = drawing if isinstance(drawing, Drawing) else Redraw(drawing)
+        self.fig = live_figure(figsize, dpi)
+        self._shape = self._unset = object()
+        self.builds = 0      # how many times the figure was cleared and built (tests, benches)
+        self._tight = False
+
+    def render(self, values):
+        key = self.drawing.shape(**values)
+        if self._shape is self._unset or key != self._shape:
+            self.fig.clf()
+            with one_tight_layout(self.fig) as asked:
+                self.drawing.build(self.fig, **values)
+                text = self.drawing.update(self.fig, **values)
+            self._tight = bool(asked)   # laid out tight after a build: so after updates
+            self._shape = key
+            self.builds += 1
+        else:
+            text = self.drawing.update(self.fig, **values)
+            if self.drawing.relayout and self._tight:
+                self.fig.tight_layout()
+        return text or "", png_bytes(self.fig)
+
+
+def continuous_off(controls):
+    """Sliders send their value when released, not at every pixel of a drag."""
+    for w in controls.values():
+        if "continuous_update" in w.trait_names():
+            w.continuous_update = False
+
+
+def explorer_box(controls, drawing, figsize, linked=(), dpi=DPI):
+    """The widget: rows of `controls`, the text line and the picture (an ipywidgets.Image).
+
+    `linked` holds (control name, handler) pairs: a handler that changes other controls
+    (options, disabled) runs first and the redraw waits until it is done.
+    The VBox carries `.figure`, `.image`, `.text`, `.live` and `.redraw` for tests and benches.
+    """
+    import ipywidgets as widgets
+
+    live = LiveFigure(drawing, figsize, dpi)
+    text = widgets.HTML()
+    width, _ = live.fig.canvas.get_width_height()
+    image = widgets.Image(format="png", layout=widgets.Layout(max_width="100%",
+                                                              width=f"{width}px"))
+    hold = [0]
+
+    def redraw(_change=None):
+        if hold[0]:
+            return
+        line, png = live.render({name: w.value for name, w in controls.items()})
+        text.value = line
+        image.value = png
+
+    def held(handler):
+        def run(change):
+            hold[0] += 1
+            try:
+                handler(change)
+            finally:
+                hold[0] -= 1
+        return run
+
+    for name, handler in linked:   # registered first: they run before the redraw
+        controls[name].observe(held(handler), names="value")
+    continuous_off(controls)
+    for w in controls.values():
+        w.observe(redraw, names="value")
+    redraw()
+    rows = list(controls.values())
+    boxes = [widgets.HBox(rows[i:i + 3]) for i in range(0, len(rows), 3)]
+    box = widgets.VBox(boxes + [text, image])
+    box.figure, box.image, box.text, box.live, box.redraw = live.fig, image, text, live, redraw
+    return box
+
+
+# ------------------------------------------------------------------------------- prefetching
+
+_generation = [0]
+
+
+def prefetch(fn, calls):
+    """Call `fn(*args)` for each args tuple of `calls` in a background thread, so that an
+    lru_cached theory function has the values a slider is likely to take next ready before
+    it takes them. A newer prefetch stops an older one between calls."""
+    import threading
+    _generation[0] += 1
+    mine = _generation[0]
+
+    def work():
+        for args in calls:
+            if _generation[0] != mine:
+                return
+            try:
+                fn(*args)
+            except Exception:   # noqa: BLE001 - a value the explorer would report, not warm
+                pass
+    threading.Thread(target=work, daemon=True, name="labkit-prefetch").start()
+
+
+def neighbours(options, value, reach=2):
+    """The options up to `reach` steps either side of `value`, nearest first."""
+    options = list(options)
+    i = options.index(value) if value in options else min(
+        range(len(options)), key=lambda j: abs(options[j] - value))
+    out = []
+    for step in range(1, reach + 1):
+        out += [options[j] for j in (i + step, i - step) if 0 <= j < len(options)]
+    return out
