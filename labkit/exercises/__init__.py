@@ -46,8 +46,10 @@ def _unit_mistakes(expected, unit):
     """Wrong answers any number in `unit` invites: bits, a wrong prefix, a percent."""
     if unit == "bytes":
         return [Mistake(8 * expected, "bits", "that is bits; a byte is 8 bits, give bytes"),
-                Mistake(expected / 1e9, "units", "that is GB; give bytes (1 GB = 1e9 bytes)"),
-                Mistake(expected / 1e6, "units", "that is MB; give bytes (1 MB = 1e6 bytes)")]
+                Mistake(expected / 1e9, "units", "the right number in GB; give it in bytes "
+                                                 "(1 GB = 1e9 bytes)"),
+                Mistake(expected / 1e6, "units", "the right number in MB; give it in bytes "
+                                                 "(1 MB = 1e6 bytes)")]
     if unit == "GB":
         return [Mistake(expected * 1e9, "units", "that is bytes; give GB (1 GB = 1e9 bytes)"),
                 Mistake(expected * 8, "bits", "that is gigabits; a byte is 8 bits"),
@@ -109,6 +111,7 @@ def check_number(answer, expected, *, what, hint, unit="", mistakes=(), exact=Fa
             return say(Check(False, mistake.problem, (
                 f"Not quite: {_format(value, unit)} is {_factor(value, expected)}: "
                 f"{mistake.why}" + ("" if mistake.why[-1] in ".?!" else "."))), verbose)
-    side = "too large" if value > expected else "too small"
+    side = "more" if value > expected else "less"
     return say(Check(False, "wrong value", (
-        f"Not quite: {_format(value, unit)} is {side} for {what}. Hint: {hint}")), verbose)
+        f"Not quite: {_format(value, unit)} is {side} than expected for {what}. Hint: {hint}")),
+        verbose)

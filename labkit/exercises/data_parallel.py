@@ -122,7 +122,7 @@ def _short(t, k=8):
     return f"[{values}{', ...' if t.numel() > k else ''}]"
 
 
-RING_BYTES_MODEL, RING_BYTES_GPUS = "gpt2-small", 8
+RING_BYTES_MODEL, RING_BYTES_GPUS = "gpt2-small", 16
 
 
 def check_ring_bytes(answer, model=RING_BYTES_MODEL, world_size=RING_BYTES_GPUS, verbose=True):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ..parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from ..theory import pipeline as schedules
 from ..theory.time import bubble_fraction, bubble_over_ideal
-from . import Check, Mistake, check_number
+from . import Check, Mistake, check_number, say
 
 WIDTH, BATCH, LR = 16, 8, 0.1
 
@@ -67,11 +67,20 @@ def _reference(stages):
     return {k: q.detach() for k, q in model.named_parameters()}
 
 
-def check_stage_order(my_ops, stage=0, stages=4, microbatches=8, timeout_s=60):
+def check_stage_order(my_ops, stage=0, stages=4, microbatches=8, timeout_s=60, verbose=True):
     """The learner's order of ops for `stage`, the other stages running 1F1B: malformed,
-    deadlock, wrong result, right but holding more than 1F1B, or right (and 1F1B?)."""
+    deadlock, wrong result, right but holding more than 1F1B, or right (and 1F1B?). Prints
+    the feedback (`say`) and returns the Check."""
+    return say(_stage_order(my_ops, stage, stages, microbatches, timeout_s), verbose)
+
+
+def _stage_order(my_ops, stage, stages, microbatches, timeout_s):
     from ..runtime.launch import LaunchError, launch
     p, m = stages, microbatches
+    if my_ops is None:
+        return Check(False, "no answer", f"No answer yet: write stage {stage}'s ops in order, "
+                     "like ['F0', 'F1', 'B0', ...]. Hint: 1F1B runs P - 1 - stage warm-up "
+                     "forwards, then alternates one F and one B, then drains the Bs.")
     try:
         ops = parse_ops(my_ops)
     except (ValueError, TypeError, IndexError) as error:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import labkit
 from labkit import PipelineSchedule, PipelineStage, split_into_stages
-from labkit.exercises.pipeline import check_stage_order
+from labkit.exercises.pipeline import check_gpipe_bubble, check_stage_order
 from labkit.runs import pipeline as run_pp, reference
 from labkit.theory import catalog, hardware, memory as tm, pipeline as sched, time as tt
 from labkit.viz.pipeline_widgets import pipeline_explorer, run_gantts, stage0_memory_plot
@@ -313,27 +313,6 @@ sliders are greyed out, and the caption names the formula that holds for the sch
 pipeline_explorer()
 """),
     md(r"""
-## 9 · Exercise: write the 1F1B order for one stage
-
-Below, `my_stage0` is the order of ops on **stage 0** of a 4-stage pipeline with 8
-micro-batches; the other stages run labkit's 1F1B. `check_stage_order` first checks the
-schedule the way the executor does (every op once, each F before its B, no deadlock: replayed by
-the simulator), then runs it for real on 4 ranks and compares the parameters with one device,
-and says how many micro-batches' activations the stage holds. GPipe's order (all eight F,
-then all eight B) gives the right result, but stage 0 holds all 8: try it first. Then write 1F1B
-for P = 4 and M = 8 (section 1 shows the rule on 3 stages). Try also putting `B0` right after
-`F0`: the executor refuses it, naming the ops that would wait forever.
-"""),
-    code(r"""
-my_stage0 = ["F0", "F1", "F2",                  # warm-up: P - 1 - stage = 3 forwards
-             "F3", "B0", "F4", "B1", "F5", "B2", "F6", "B3", "F7", "B4",   # one F, one B
-             "B5", "B6", "B7"]                  # drain
-""", tags=("solution",)),
-    code(r"""
-check = check_stage_order(my_stage0, stage=0, stages=4, microbatches=8)
-print(check.message)
-"""),
-    md(r"""
 ## Takeaways
 
 - `split_into_stages`, `PipelineStage` and `PipelineSchedule` pipeline any `nn.Sequential`
@@ -348,6 +327,40 @@ print(check.message)
   and more in-flight activations. Recomputation trades a forward per backward for memory.
 - The source article's "half the memory on two GPUs" holds for the per-GPU memory; "some
   execution speed" is really idle GPUs for a single batch, which micro-batches win back.
+"""),
+    md(r"""
+## Exercises
+
+Two exercises; each answer goes in its own cell (in the student edition it raises
+`NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+
+**1 · Write the 1F1B order for one stage.** Below, `my_stage0` is the order of ops on stage
+0 of a 4-stage pipeline with 8 micro-batches; the other stages run labkit's 1F1B.
+`check_stage_order` first checks the schedule the way the executor does (every op once, each F
+before its B, no deadlock: replayed by the simulator), then runs it for real on 4 ranks and
+compares the parameters with one device, and says how many micro-batches' activations the stage
+holds. GPipe's order (all eight F, then all eight B) gives the right result, but stage 0 holds
+all 8: try it first. Then write 1F1B for P = 4 and M = 8 (section 1 shows the rule on 3 stages).
+Try also putting `B0` right after `F0`: the executor refuses it, naming the ops that would wait forever.
+"""),
+    code(r"""
+my_stage0 = ["F0", "F1", "F2",                  # warm-up: P - 1 - stage = 3 forwards
+             "F3", "B0", "F4", "B1", "F5", "B2", "F6", "B3", "F7", "B4",   # one F, one B
+             "B5", "B6", "B7"]                  # drain
+""", tags=("solution",)),
+    code(r"""
+check = check_stage_order(my_stage0, stage=0, stages=4, microbatches=8)
+"""),
+    md(r"""
+**2 · GPipe's bubble.** A GPipe pipeline has P = 6 equal stages and runs M = 20 micro-batches
+per step, messages free. What fraction of the step's time does each stage sit idle? Write it
+as an expression that shows the derivation.
+"""),
+    code(r"""
+gpipe_bubble = (6 - 1) / (20 + 6 - 1)   # idle slots (P-1) over the step's M + P - 1 slots
+""", tags=("solution",)),
+    code(r"""
+check_gpipe_bubble(gpipe_bubble);
 """),
 ]
 

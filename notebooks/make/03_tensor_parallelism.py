@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import labkit
-from labkit.exercises.tensor_parallel import check_row_parallel, row_parallel_forward
+from labkit.exercises.tensor_parallel import check_block_bytes, check_row_parallel
 from labkit.parallel import tensor_parallel as tp
 from labkit.runs import tensor_parallel as run_tp
 from labkit.runs.reference import RunConfig, build_model
@@ -352,24 +352,6 @@ activations down.
 tp_explorer()
 """),
     md(r"""
-## Exercise: the row-parallel forward
-
-Write the forward of a row-parallel linear. You get this rank's slice of the input features
-`x_shard` (4 × 8/t), the matching columns of the weight `weight_shard` (6 × 8/t), the full
-`bias` (6), the `group`, and `ctx`. Return the full output (4 × 6), the same on every rank.
-Where does the all-reduce go, and where the bias? (`tp.reduce_from_tp(y, group)` is g;
-`ctx.comm.all_reduce(y, group=group)` sums in place.) `check_row_parallel` runs your function
-on 2 ranks and says what is wrong, if anything (it returns a `Check`: `.ok`, `.problem`).
-"""),
-    code(r"""
-def my_row_parallel_forward(ctx, x_shard, weight_shard, bias, group):
-    partial = F.linear(x_shard, weight_shard)               # this rank's share of every output
-    return tp.reduce_from_tp(partial, group, "exercise") + bias   # sum over ranks, bias once
-""", tags=("solution",)),
-    code(r"""
-check = check_row_parallel(my_row_parallel_forward)
-"""),
-    md(r"""
 ## Against PyTorch
 
 `bench/tensor_parallel.py` runs `labkit.parallelize` beside PyTorch's `parallelize_module` with
@@ -399,6 +381,41 @@ latest[["metric", "labkit", "torch", "labkit_over_torch", "spread_min", "spread_
   table above). So TP stays inside a node; data and pipeline parallelism span the nodes
   (combining them: lesson 06, coming).
 - For serving, TP divides the weights and the KV cache across the GPUs of a node.
+"""),
+    md(r"""
+## Exercises
+
+Two exercises; each answer goes in its own cell (in the student edition it raises
+`NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+
+**1 · The row-parallel forward.** Write the forward of a row-parallel linear. You get this
+rank's slice of the input features `x_shard` (4 × 8/t), the matching columns of the weight `weight_shard` (6 × 8/t), the full
+`bias` (6), the `group`, and `ctx`. Return the full output (4 × 6), the same on every rank.
+Where does the all-reduce go, and where the bias? (`tp.reduce_from_tp(y, group)` is g;
+`ctx.comm.all_reduce(y, group=group)` sums in place.) `check_row_parallel` runs your function
+on 2 ranks and says what is wrong, if anything (it returns a `Check`: `.ok`, `.problem`).
+"""),
+    code(r"""
+def my_row_parallel_forward(ctx, x_shard, weight_shard, bias, group):
+    partial = F.linear(x_shard, weight_shard)               # this rank's share of every output
+    return tp.reduce_from_tp(partial, group, "exercise") + bias   # sum over ranks, bias once
+""", tags=("solution",)),
+    code(r"""
+check = check_row_parallel(my_row_parallel_forward)
+"""),
+    md(r"""
+**2 · The bytes of one block.** Llama 3 70B (hidden size h = 8,192) is trained with TP = 8
+inside a node, one sequence of s = 4,096 tokens per micro-batch (b = 1), bf16 activations, no
+sequence parallelism. How many bytes does **each GPU send** for one transformer block and one
+micro-batch, forward and backward together, with ring collectives? Write it as an expression
+that shows the derivation.
+"""),
+    code(r"""
+S = 1 * 4096 * 8192 * 2                            # one b x s x h activation in bf16, bytes
+block_bytes_per_gpu = 4 * 2 * (8 - 1) / 8 * S      # 2 all-reduces forward + 2 backward
+""", tags=("solution",)),
+    code(r"""
+check_block_bytes(block_bytes_per_gpu);
 """),
 ]
 
