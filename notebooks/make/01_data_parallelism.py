@@ -525,13 +525,13 @@ dp_widgets.dp_explorer()
 Two exercises; each answer goes in its own cell (in the student edition it raises
 `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
 
-**1 · Write the ring all-reduce.** Fill in `my_ring_all_reduce` using only
-`ctx.comm.send(t, dst, async_op=True)` (returns a handle with `.wait()`) and `ctx.comm.recv(t, src)`: cut the tensor into N chunks
-(`torch.tensor_split(tensor.view(-1), n)` gives views, so writing a chunk writes the tensor), run
-N−1 reduce-scatter steps to the right neighbour, then N−1 all-gather steps. Then run the
-checking cell: `check_ring_all_reduce` runs it on 4 ranks with different data, and tells you
-in words what is wrong: a wrong sum, chunks in the wrong place, a deadlock (every rank waiting
-in recv), or more bytes sent than the ring's 2(N−1)/N·S.
+**1 · Write the ring all-reduce.** Fill in `my_ring_all_reduce` using only `ctx.comm.send(t,
+dst, async_op=True)` (returns a handle with `.wait()`) and `ctx.comm.recv(t, src)`: cut the
+tensor into N chunks (`torch.tensor_split(tensor.view(-1), n)` gives views, so writing a chunk
+writes the tensor), run N−1 reduce-scatter steps to the right neighbour, then N−1 all-gather
+steps. Then run the checking cell: `check_ring_all_reduce` runs it on 4 ranks with different
+data, and tells you in words what is wrong: a wrong sum, chunks in the wrong place, a deadlock
+(every rank waiting in recv), or more bytes sent than the ring's 2(N−1)/N·S.
 """),
     code(r"""
 def my_ring_all_reduce(ctx, tensor):
@@ -578,12 +578,13 @@ print()
 _ = check_ring_all_reduce(receives_first, timeout_s=3)
 """),
     md(r"""
-**2 · The bytes of one all-reduce.** Eight GPUs train GPT-2 small (124,439,808 parameters)
-with data parallelism and bf16 gradients. How many bytes does **each GPU send** in the ring
-all-reduce of one step's gradients? Write it as an expression that shows the derivation.
+**2 · The bytes of one all-reduce.** Sixteen GPUs (two nodes) train GPT-2 small (124,439,808
+parameters) with data parallelism and bf16 gradients. How many bytes does **each GPU send** in
+the ring all-reduce of one step's gradients? Write it as an expression that shows the
+derivation.
 """),
     code(r"""
-ring_bytes_per_gpu = 2 * (8 - 1) / 8 * (2 * 124_439_808)   # 2(N-1)/N x S, S = 2 bytes x params
+ring_bytes_per_gpu = 2 * (16 - 1) / 16 * (2 * 124_439_808)   # 2(N-1)/N x S, S: bf16 grads
 """, tags=("solution",)),
     code(r"""
 check_ring_bytes(ring_bytes_per_gpu);

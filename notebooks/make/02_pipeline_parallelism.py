@@ -334,14 +334,15 @@ pipeline_explorer()
 Two exercises; each answer goes in its own cell (in the student edition it raises
 `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
 
-**1 · Write the 1F1B order for one stage.** Below, `my_stage0` is the order of ops on stage
-0 of a 4-stage pipeline with 8 micro-batches; the other stages run labkit's 1F1B.
-`check_stage_order` first checks the schedule the way the executor does (every op once, each F
-before its B, no deadlock: replayed by the simulator), then runs it for real on 4 ranks and
-compares the parameters with one device, and says how many micro-batches' activations the stage
-holds. GPipe's order (all eight F, then all eight B) gives the right result, but stage 0 holds
-all 8: try it first. Then write 1F1B for P = 4 and M = 8 (section 1 shows the rule on 3 stages).
-Try also putting `B0` right after `F0`: the executor refuses it, naming the ops that would wait forever.
+**1 · Write the 1F1B order for one stage.** Below, `my_stage0` is the order of ops on stage 0 of
+a 4-stage pipeline with 8 micro-batches; the other stages run labkit's 1F1B. `check_stage_order`
+first checks the schedule the way the executor does (every op once, each F before its B, no
+deadlock: replayed by the simulator), then runs it for real on 4 ranks and compares the
+parameters with one device, and says how many micro-batches' activations the stage holds.
+GPipe's order (all eight F, then all eight B) gives the right result, but stage 0 holds all 8:
+try it first. Then write 1F1B for P = 4 and M = 8 (section 1 shows the rule on 3 stages). Try
+also putting `B0` right after `F0`: the executor refuses it, naming the ops that would wait
+forever.
 """),
     code(r"""
 my_stage0 = ["F0", "F1", "F2",                  # warm-up: P - 1 - stage = 3 forwards

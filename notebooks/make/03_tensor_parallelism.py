@@ -389,11 +389,12 @@ Two exercises; each answer goes in its own cell (in the student edition it raise
 `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
 
 **1 · The row-parallel forward.** Write the forward of a row-parallel linear. You get this
-rank's slice of the input features `x_shard` (4 × 8/t), the matching columns of the weight `weight_shard` (6 × 8/t), the full
-`bias` (6), the `group`, and `ctx`. Return the full output (4 × 6), the same on every rank.
-Where does the all-reduce go, and where the bias? (`tp.reduce_from_tp(y, group)` is g;
-`ctx.comm.all_reduce(y, group=group)` sums in place.) `check_row_parallel` runs your function
-on 2 ranks and says what is wrong, if anything (it returns a `Check`: `.ok`, `.problem`).
+rank's slice of the input features `x_shard` (4 × 8/t), the matching columns of the weight
+`weight_shard` (6 × 8/t), the full `bias` (6), the `group`, and `ctx`. Return the full output (4
+× 6), the same on every rank. Where does the all-reduce go, and where the bias?
+(`tp.reduce_from_tp(y, group)` is g; `ctx.comm.all_reduce(y, group=group)` sums in place.)
+`check_row_parallel` runs your function on 2 ranks and says what is wrong, if anything (it
+returns a `Check`: `.ok`, `.problem`).
 """),
     code(r"""
 def my_row_parallel_forward(ctx, x_shard, weight_shard, bias, group):
