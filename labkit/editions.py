@@ -121,8 +121,8 @@ WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 class WidgetSnapshots(Preprocessor):
     """After each widget output, a static picture of its last state: the text of its HTML
-    widgets and the images of its Output widgets, read from the widget state saved in the
-    notebook. The live widget needs ipywidgets' renderer from a CDN and, to redraw, a kernel;
+    widgets and the pictures of its Image widgets (PNG bytes saved as a base64 buffer) and
+    Output widgets, read from the widget state saved in the notebook. The live widget needs ipywidgets' renderer from a CDN and, to redraw, a kernel;
     the snapshot shows the explorer's last drawing also offline."""
 
     def preprocess(self, nb, resources):
@@ -153,6 +153,12 @@ class WidgetSnapshots(Preprocessor):
         state, parts = model.get("state", {}), []
         if model.get("model_name") == "HTMLModel" and state.get("value"):
             parts.append(f"<p>{state['value']}</p>")
+        if model.get("model_name") == "ImageModel":
+            png = next((b["data"] for b in model.get("buffers", [])
+                        if b.get("path") == ["value"] and b.get("encoding") == "base64"), None)
+            kind = state.get("format", "png")
+            if png:
+                parts.append(f'<img src="data:image/{kind};base64,{png}">')
         for output in state.get("outputs", []):
             png = output.get("data", {}).get("image/png")
             if png:

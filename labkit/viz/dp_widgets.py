@@ -14,7 +14,8 @@ import math
 from ..theory import catalog, hardware
 from ..theory import time as tt
 from ..theory.memory import dtype_bytes, model_state_bytes
-from .plots import TIME_COLORS, fmt, pick_time_unit, TIME_UNITS
+from .live import Drawing, one_tight_layout
+from .plots import TIME_COLORS, TIME_UNITS, fmt, pick_time_unit
 
 # label -> (cluster name pattern for n nodes of 8, note)
 LINKS = {
@@ -93,87 +94,143 @@ def scaling_plot(ax, curves, gpus, link=next(iter(LINKS)), bucket_mb=25, title="
     ax.legend(fontsize=7, loc="upper left")
 
 
-def draw(fig, model, gpus, tokens, bucket_mb, link):
-    """Fill `fig` with the three panels; return the summary line (HTML)."""
+def _dp_numbers(model, gpus, tokens, bucket_mb, link):
+    """Everything the three panels show for one choice (modelled), and the summary line."""
     m = catalog.model(model)
     n_params = m.param_count()
     grad_bytes = n_params * dtype_bytes("bf16")
-    ax_split, ax_speed, ax_comm = fig.subplots(1, 3, gridspec_kw=dict(width_ratios=[1.1, 1, 1]))
-    # 1. the step split, with and without overlap
     on = step_split(m, gpus, tokens, bucket_mb, link, True)
     off = step_split(m, gpus, tokens, bucket_mb, link, False)
     unit = pick_time_unit(max(off["total"], 1e-12))
     scale = TIME_UNITS[unit]
-    labels = ["overlap", "no overlap"]
-    comp = [on["compute"] / scale, off["compute"] / scale]
-    exposed = [on["exposed_comm"] / scale, off["exposed_comm"] / scale]
-    hidden = [(on["comm"] - on["exposed_comm"]) / scale, 0.0]
-    ax_split.barh(labels, comp, color=TIME_COLORS["compute"], label="compute")
-    ax_split.barh(labels, exposed, left=comp, color=TIME_COLORS["exposed_comm"],
-                  label="exposed comm")
-    ax_split.barh([labels[0]], [hidden[0]], left=[comp[0] - hidden[0]], height=0.25,
-                  color="#c5b0d5", label="comm hidden under backward")
-    ax_split.set_ylim(1.5, -1.3)   # room above the bars for the legend
-    ax_split.set_xlabel(f"modelled step time ({unit})")
-    ax_split.set_title(f"one step on {gpus} GPU{'s' if gpus > 1 else ''}", fontsize=10)
-    ax_split.legend(fontsize=7, loc="upper right", ncol=2)
-    ax_split.grid(axis="x", alpha=0.3)
-    # 2. speedup
     ns = [n for n in GPU_CHOICES if n <= max(64, gpus)]
     s_on = speedups(m, ns, tokens, bucket_mb, link, True)
-    s_off = speedups(m, ns, tokens, bucket_mb, link, False)
-    ax_speed.plot(ns, ns, "k--", lw=1, label="ideal")
-    ok = fits(m, link)
-    hollow = dict(mfc=None if ok else "white")
-    ax_speed.plot(ns, s_on, "o-", ms=3, label="modelled, overlap", **hollow)
-    ax_speed.plot(ns, s_off, "s-", ms=3, label="modelled, no overlap", **hollow)
-    here = s_on[ns.index(gpus)]
-    ax_speed.plot([gpus], [here], "o", ms=9, mfc="none", mec="red")
-    ax_speed.set_xscale("log", base=2)
-    ax_speed.set_yscale("log", base=2)
-    ax_speed.set_xticks(ns, [str(n) for n in ns], fontsize=7)
-    ax_speed.set_yticks(ns, [str(n) for n in ns], fontsize=7)
-    ax_speed.minorticks_off()
-    ax_speed.axvline(8.5, color="grey", lw=0.8, ls=":")
-    ax_speed.text(9, 1.05, "> 1 node", fontsize=7, color="grey")
-    ax_speed.set_xlabel("GPUs")
-    ax_speed.set_ylabel("speedup over 1 GPU")
-    ax_speed.set_title("strong scaling, fixed global batch" + ("" if ok else
-                       "\n(hollow: its model states do not fit one GPU)"), fontsize=10)
-    ax_speed.legend(fontsize=7)
-    ax_speed.grid(alpha=0.3)
-    # 3. bytes each GPU sends per step
     ns2 = [n for n in ns if n > 1]
     wire = [tt.wire_bytes_per_rank("all_reduce", grad_bytes, n) / 1e9 for n in ns2]
-    ax_comm.plot(ns2, wire, "o-", color="#9467bd", ms=3, label="2(N-1)/N x gradients")
-    ax_comm.axhline(2 * grad_bytes / 1e9, color="k", ls="--", lw=1, label="2 x gradients (limit)")
-    if gpus > 1:
-        ax_comm.plot([gpus], [wire[ns2.index(gpus)]], "o", ms=9, mfc="none", mec="red")
-    ax_comm.set_xscale("log", base=2)
-    ax_comm.set_xticks(ns2, [str(n) for n in ns2], fontsize=7)
-    ax_comm.minorticks_off()
-    ax_comm.set_ylim(0, 2.2 * grad_bytes / 1e9)
-    ax_comm.set_xlabel("GPUs")
-    ax_comm.set_ylabel("GB sent per GPU per step")
-    ax_comm.set_title("all-reduce traffic per GPU", fontsize=10)
-    ax_comm.legend(fontsize=7, loc="lower right")
-    ax_comm.grid(alpha=0.3)
-    fig.suptitle(f"{m.display_name} ({n_params / 1e9:.2f}B params, bf16 grads "
-                 f"{grad_bytes / 1e9:.1f} GB), {tokens:,} tokens per step, modelled on "
-                 f"{cluster_for(gpus, link).name}", fontsize=10)
-    fig.tight_layout()
-    eff = here / gpus
+    ok = fits(m, link)
+    here = s_on[ns.index(gpus)]
     states = state_bytes_per_gpu(m) / 1e9
     memory = cluster_for(1, link).gpu.memory_bytes / 1e9
     fit = (f"each replica's model states: {states:,.0f} GB "
            + ("fit" if ok else f"<b>do not fit</b> a {memory:.0f} GB GPU: plain data "
               "parallelism cannot train it (ZeRO, lesson 04, shards them)"))
-    return (f"{fit}<br><b>{gpus} GPUs</b>: step {fmt(on['total'] / scale)} {unit} (compute "
+    text = (f"{fit}<br><b>{gpus} GPUs</b>: step {fmt(on['total'] / scale)} {unit} (compute "
             f"{fmt(on['compute'] / scale)}, exposed comm {fmt(on['exposed_comm'] / scale)}; "
             f"without overlap {fmt(off['total'] / scale)}) &middot; speedup {here:.1f}x "
-            f"({eff:.0%} efficiency) &middot; each GPU sends "
+            f"({here / gpus:.0%} efficiency) &middot; each GPU sends "
             f"{tt.wire_bytes_per_rank('all_reduce', grad_bytes, gpus) / 1e9:.2f} GB per step "
             f"&middot; <i>modelled</i>")
+    return dict(
+        gpus=gpus, ok=ok, unit=unit, ns=ns, ns2=ns2, s_on=s_on, here=here, wire=wire,
+        s_off=speedups(m, ns, tokens, bucket_mb, link, False), grad_gb=grad_bytes / 1e9,
+        comp=[on["compute"] / scale, off["compute"] / scale],
+        exposed=[on["exposed_comm"] / scale, off["exposed_comm"] / scale],
+        hidden=(on["comm"] - on["exposed_comm"]) / scale, text=text,
+        suptitle=(f"{m.display_name} ({n_params / 1e9:.2f}B params, bf16 grads "
+                  f"{grad_bytes / 1e9:.1f} GB), {tokens:,} tokens per step, modelled on "
+                  f"{cluster_for(gpus, link).name}"))
+
+
+class DpDrawing(Drawing):
+    """The three panels, built once per (GPU range, fits or not, one GPU or more); every
+    other change moves the bars, lines and markers in place."""
+
+    def shape(self, **values):
+        self.d = _dp_numbers(**values)
+        return len(self.d["ns"]), self.d["ok"], self.d["gpus"] > 1
+
+    def build(self, fig, **values):
+        d = self.d
+        ax_split, ax_speed, ax_comm = fig.subplots(1, 3,
+                                                   gridspec_kw=dict(width_ratios=[1.1, 1, 1]))
+        labels = ["overlap", "no overlap"]
+        # 1. the step split, with and without overlap
+        self.split = [ax_split.barh(labels, [0, 0], color=TIME_COLORS["compute"],
+                                    label="compute"),
+                      ax_split.barh(labels, [0, 0], color=TIME_COLORS["exposed_comm"],
+                                    label="exposed comm"),
+                      ax_split.barh([labels[0]], [0], height=0.25, color="#c5b0d5",
+                                    label="comm hidden under backward")]
+        ax_split.set_ylim(1.5, -1.3)   # room above the bars for the legend
+        ax_split.legend(fontsize=7, loc="upper right", ncol=2)
+        ax_split.grid(axis="x", alpha=0.3)
+        # 2. speedup
+        ns = d["ns"]
+        ax_speed.plot(ns, ns, "k--", lw=1, label="ideal")
+        hollow = dict(mfc=None if d["ok"] else "white")
+        self.speed = [ax_speed.plot(ns, ns, "o-", ms=3, label="modelled, overlap", **hollow)[0],
+                      ax_speed.plot(ns, ns, "s-", ms=3, label="modelled, no overlap",
+                                    **hollow)[0],
+                      ax_speed.plot([1], [1], "o", ms=9, mfc="none", mec="red")[0]]
+        ax_speed.set_xscale("log", base=2)
+        ax_speed.set_yscale("log", base=2)
+        ax_speed.set_xticks(ns, [str(n) for n in ns], fontsize=7)
+        ax_speed.set_yticks(ns, [str(n) for n in ns], fontsize=7)
+        ax_speed.minorticks_off()
+        ax_speed.axvline(8.5, color="grey", lw=0.8, ls=":")
+        ax_speed.text(9, 1.05, "> 1 node", fontsize=7, color="grey")
+        ax_speed.set_xlabel("GPUs")
+        ax_speed.set_ylabel("speedup over 1 GPU")
+        ax_speed.set_title("strong scaling, fixed global batch" + ("" if d["ok"] else
+                           "\n(hollow: its model states do not fit one GPU)"), fontsize=10)
+        ax_speed.legend(fontsize=7)
+        ax_speed.grid(alpha=0.3)
+        # 3. bytes each GPU sends per step
+        ns2 = d["ns2"]
+        self.comm = [ax_comm.plot(ns2, ns2, "o-", color="#9467bd", ms=3,
+                                  label="2(N-1)/N x gradients")[0],
+                     ax_comm.axhline(1, color="k", ls="--", lw=1, label="2 x gradients (limit)")]
+        if d["gpus"] > 1:
+            self.comm.append(ax_comm.plot([2], [1], "o", ms=9, mfc="none", mec="red")[0])
+        ax_comm.set_xscale("log", base=2)
+        ax_comm.set_xticks(ns2, [str(n) for n in ns2], fontsize=7)
+        ax_comm.minorticks_off()
+        ax_comm.set_xlabel("GPUs")
+        ax_comm.set_ylabel("GB sent per GPU per step")
+        ax_comm.set_title("all-reduce traffic per GPU", fontsize=10)
+        ax_comm.legend(fontsize=7, loc="lower right")
+        ax_comm.grid(alpha=0.3)
+        fig.tight_layout()
+
+    def update(self, fig, **values):
+        d = self.d
+        ax_split, ax_speed, ax_comm = fig.axes[:3]
+        compute, exposed, hidden = self.split
+        for i, rect in enumerate(compute):
+            rect.set_width(d["comp"][i])
+        for i, rect in enumerate(exposed):
+            rect.set_x(d["comp"][i])
+            rect.set_width(d["exposed"][i])
+        hidden[0].set_x(d["comp"][0] - d["hidden"])
+        hidden[0].set_width(d["hidden"])
+        ax_split.set_xlim(0, 1.05 * max(c + e for c, e in zip(d["comp"], d["exposed"])))
+        ax_split.set_xlabel(f"modelled step time ({d['unit']})")
+        ax_split.set_title(f"one step on {d['gpus']} GPU{'s' if d['gpus'] > 1 else ''}",
+                           fontsize=10)
+        self.speed[0].set_ydata(d["s_on"])
+        self.speed[1].set_ydata(d["s_off"])
+        self.speed[2].set_data([d["gpus"]], [d["here"]])
+        ax_speed.relim()
+        ax_speed.autoscale_view()
+        self.comm[0].set_ydata(d["wire"])
+        self.comm[1].set_ydata([2 * d["grad_gb"]] * 2)
+        if d["gpus"] > 1:
+            self.comm[2].set_data([d["gpus"]], [d["wire"][d["ns2"].index(d["gpus"])]])
+        ax_comm.set_ylim(0, 2.2 * d["grad_gb"])
+        fig.suptitle(d["suptitle"], fontsize=10)
+        return d["text"]
+
+
+def draw(fig, model, gpus, tokens, bucket_mb, link):
+    """Fill `fig` with the three panels; return the summary line (HTML)."""
+    drawing = DpDrawing()
+    values = dict(model=model, gpus=gpus, tokens=tokens, bucket_mb=bucket_mb, link=link)
+    with one_tight_layout(fig):   # the panels' helpers each ask for one: make it once
+        drawing.shape(**values)
+        drawing.build(fig, **values)
+        text = drawing.update(fig, **values)
+        fig.tight_layout()
+    return text
 
 
 def dp_explorer(model="Llama 3 8B", gpus=16, tokens=2 ** 20, bucket_mb=25):
@@ -196,4 +253,4 @@ def dp_explorer(model="Llama 3 8B", gpus=16, tokens=2 ** 20, bucket_mb=25):
         link=widgets.Dropdown(options=list(LINKS), description="links", style=style,
                               layout=widgets.Layout(width="420px")),
     )
-    return figure_explorer(controls, draw, figsize=(12, 3.8))
+    return figure_explorer(controls, DpDrawing(), figsize=(12, 3.8))

@@ -9,7 +9,8 @@ import functools
 import matplotlib.pyplot as plt
 
 from ..theory import catalog, planner
-from .plots import memory_stack, time_split
+from .live import Drawing, neighbours, prefetch
+from .plots import memory_stack, restack, retime, stack_shape, time_shape, time_split
 
 BREAKDOWN_LABELS = {"compute": "compute", "recompute": "recompute (incl. FlashAttention's)",
                     "tp_comm": "TP comm", "cp_comm": "CP ring (exposed)",
@@ -47,24 +48,74 @@ def plan_table(out, k=8):
     return pd.DataFrame(rows)
 
 
-def plan_figure(out, k=4, fig=None):
-    """Left: memory per GPU of the top `k` plans against the usable memory; right: their
-    modelled step time split. Returns the figure."""
+def _plan_panels(out, k=4):
+    """memory_stack's and time_split's arguments for the top `k` plans of `out`."""
     plans = out["plans"][:k]
-    fig = fig or plt.figure(figsize=(12, 4.4))
-    left, right = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[1, 1.3]))
     bars = {f"#{i + 1}": {c: v for c, v in p["memory_bytes"].items() if c != "total"}
             for i, p in enumerate(plans)}
-    usable = out["cluster"]["usable_bytes"]
-    memory_stack(bars, capacity={f"{out['cluster']['gpu']} usable": usable}, ax=left,
-                 title="memory per GPU, worst stage (modelled)")
     used = [c for c in BREAKDOWN_LABELS if any(p["breakdown_s"].get(c) for p in plans)]
     rows = {f"#{i + 1} {plan_label(p)}": {BREAKDOWN_LABELS[c]: p["breakdown_s"][c] for c in used}
             for i, p in enumerate(plans)}
-    time_split(rows, ax=right, unit="s", title="step time (modelled)", colors=BREAKDOWN_COLORS)
+    return (dict(bars=bars, capacity={f"{out['cluster']['gpu']} usable":
+                                      out["cluster"]["usable_bytes"]},
+                 title="memory per GPU, worst stage (modelled)", unit="GB"),
+            dict(rows=rows, unit="s", title="step time (modelled)"))
+
+
+def plan_figure(out, k=4, fig=None):
+    """Left: memory per GPU of the top `k` plans against the usable memory; right: their
+    modelled step time split. Returns the figure."""
+    stack, split = _plan_panels(out, k)
+    fig = fig or plt.figure(figsize=(12, 4.4))
+    left, right = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[1, 1.3]))
+    memory_stack(ax=left, **stack)
+    time_split(ax=right, colors=BREAKDOWN_COLORS, **split)
     right.tick_params(axis="y", labelsize=8)
     fig.tight_layout()
     return fig
+
+
+class PlannerDrawing(Drawing):
+    """plan_figure built once per shape (how many plans, which categories); a new GPU count
+    or batch with the same shape moves the bars. The planner's search is cached, and the
+    GPU counts next to the chosen one are searched in the background."""
+
+    def shape(self, model, gpus, gpu, tokens, seq):
+        prefetch(cached_plan, [(model, n, gpu, tokens, seq)
+                               for n in neighbours(EXPLORER_GPU_COUNTS, gpus)])
+        try:
+            self.out = cached_plan(model, gpus, gpu, tokens, seq)
+        except ValueError as error:
+            self.out = error
+            return str(error)
+        self.panels = _plan_panels(self.out)
+        stack, split = self.panels
+        return (stack_shape(stack["bars"], stack["capacity"], stack["unit"]),
+                time_shape(split["rows"]))
+
+    def build(self, fig, **values):
+        if isinstance(self.out, ValueError):
+            fig.text(0.5, 0.5, str(self.out), ha="center", wrap=True)
+        else:
+            plan_figure(self.out, fig=fig)
+
+    def update(self, fig, **values):
+        out = self.out
+        if isinstance(out, ValueError):
+            return f"<b>no plan</b>: {out}"
+        stack, split = self.panels
+        restack(fig.axes[0], **stack)
+        retime(fig.axes[1], **split)
+        best = out["plans"][0]
+        if not best["fits"]:
+            return (f"{out['considered']} legal plans, <b>none fits</b>: the smallest "
+                    f"{best['reason']}")
+        return (f"{out['considered']} legal plans; best (modelled): "
+                f"{plan_label(best, ' · ')}, MFU {best['mfu']:.1%}, "
+                f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU")
+
+
+EXPLORER_GPU_COUNTS = [2 ** k for k in range(3, 15)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -80,7 +131,7 @@ def planner_explorer():
     names = [m.display_name for m in catalog.models() if m.arch != "unet"]
     controls = dict(
         model=widgets.Dropdown(options=names, value="Llama 3 70B", description="model"),
-        gpus=widgets.SelectionSlider(options=[2 ** k for k in range(3, 15)], value=64,
+        gpus=widgets.SelectionSlider(options=EXPLORER_GPU_COUNTS, value=64,
                                      description="GPUs"),
         gpu=widgets.Dropdown(options=list(EXPLORER_GPUS), value="H100 SXM",
                              description="GPU"),
@@ -90,22 +141,7 @@ def planner_explorer():
         seq=widgets.Dropdown(options=[2048, 4096, 8192, 32768, 131072], value=4096,
                              description="sequence"))
 
-    def draw(fig, model, gpus, gpu, tokens, seq):
-        try:
-            out = cached_plan(model, gpus, gpu, tokens, seq)
-        except ValueError as error:
-            fig.text(0.5, 0.5, str(error), ha="center", wrap=True)
-            return f"<b>no plan</b>: {error}"
-        plan_figure(out, fig=fig)
-        best = out["plans"][0]
-        if not best["fits"]:
-            return (f"{out['considered']} legal plans, <b>none fits</b>: the smallest "
-                    f"{best['reason']}")
-        return (f"{out['considered']} legal plans; best (modelled): "
-                f"{plan_label(best, ' · ')}, MFU {best['mfu']:.1%}, "
-                f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU")
-
-    return figure_explorer(controls, draw, figsize=(12, 4.4))
+    return figure_explorer(controls, PlannerDrawing(), figsize=(12, 4.4))
 
 
 def mesh_layout(table, gpus_per_node=8, title="", ax=None):
