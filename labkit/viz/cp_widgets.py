@@ -11,7 +11,9 @@ import matplotlib.pyplot as plt
 
 from ..theory import catalog, hardware, planner
 from ..theory import context_parallel as tcp
-from .plots import fmt, gantt, memory_stack
+from .live import Drawing, one_tight_layout
+from .plots import (TIME_UNITS, fmt, gantt, memory_stack, pick_time_unit, restack,
+                    stack_shape)
 from .widgets import explorer_models, figure_explorer
 
 SEQ_CHOICES = [2 ** k for k in range(13, 21)]      # 8K ... 1M tokens
@@ -83,31 +85,89 @@ def ring_gantt(ax, model="Llama 3 8B", seq=131072, cp=8, layout="zigzag", overla
     return sched
 
 
-def cp_panels(fig, model="Llama 3 8B", seq=131072, cp=8, layout="zigzag"):
-    """The explorer's three modelled panels on `fig`; returns the summary line (HTML)."""
-    fig.clf()
-    grid = fig.add_gridspec(2, 2, height_ratios=[1, 1.1])
-    mem_ax, work_ax, gantt_ax = (fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]),
-                                 fig.add_subplot(grid[1, :]))
+def _cp_numbers(model="Llama 3 8B", seq=131072, cp=8, layout="zigzag"):
+    """The memory bars, plans and forward ring for one choice (modelled), and the summary."""
     if seq % (2 * cp):
-        return f"{seq} tokens do not split into 2 x {cp} chunks"
+        return None
     bars, plans = {}, {}
     for label, rc in (("no recompute", "none"), ("full recompute", "full")):
         bars[f"CP={cp}\n{label}"], plans[rc] = cp_memory(model, seq, cp, rc)
-    gpu = hardware.gpu("H100")
-    memory_stack(bars, capacity={"H100 80 GB": gpu.memory_bytes}, unit="GB", ax=mem_ax,
-                 title=f"memory per GPU, {seq // 1024}K tokens (modelled)")
-    mem_ax.legend(fontsize=7, loc="upper right")
-    work_bars(work_ax, cp, layout)
-    sched = ring_gantt(gantt_ax, model, seq, cp, layout)
-    fig.tight_layout()
+    m = catalog.model(model)
+    link = "NVLink 4" if cp <= 8 else "InfiniBand NDR"
+    sched = tcp.ring_schedule(1, m.heads, seq, m.hidden // m.heads, cp, layout,
+                              kv_heads=m.kv_heads, link=link, overlap=True)
     fits = [rc for rc, p in plans.items() if p["fits"]]
     total = {rc: sum(b.values()) / 1e9 for rc, b in zip(plans, bars.values())}
-    return (f"{model}, {seq // 1024}K tokens on CP={cp} ({layout}): "
-            f"{fmt(total['none'])} GB per GPU without recompute, {fmt(total['full'])} GB with "
-            f"full recompute (modelled; fits an H100 with: {', '.join(fits) or 'neither'}); "
-            f"one layer's forward attention {fmt(sched['time_s'] * 1e3)} ms, the slowest rank "
-            f"does <b>{tcp.imbalance(tcp.causal_work(cp, layout)):.2f}x</b> the mean work")
+    gpu = hardware.gpu("H100")
+    return dict(
+        stack=dict(bars=bars, capacity={"H100 80 GB": gpu.memory_bytes}, unit="GB",
+                   title=f"memory per GPU, {seq // 1024}K tokens (modelled)"),
+        sched=sched, title=(f"one attention layer's forward ring, {layout}, {seq // 1024}K "
+                            f"tokens, CP={cp} (H100, {link}, modelled)"),
+        text=(f"{model}, {seq // 1024}K tokens on CP={cp} ({layout}): "
+              f"{fmt(total['none'])} GB per GPU without recompute, {fmt(total['full'])} GB "
+              f"with full recompute (modelled; fits an H100 with: "
+              f"{', '.join(fits) or 'neither'}); one layer's forward attention "
+              f"{fmt(sched['time_s'] * 1e3)} ms, the slowest rank does "
+              f"<b>{tcp.imbalance(tcp.causal_work(cp, layout)):.2f}x</b> the mean work"))
+
+
+def regantt(ax, events, title):
+    """Move `plots.gantt`'s bars on `ax` (one per event, in order) to new times of the
+    same events: bars, time unit, limits and title."""
+    t_max = max([float(e["end"]) for e in events] + [0.0])
+    unit = pick_time_unit(t_max)
+    scale = TIME_UNITS[unit]
+    bars = [rect for container in ax.containers for rect in container]
+    for rect, e in zip(bars, events):
+        rect.set_x(float(e["start"]) / scale)
+        rect.set_width((float(e["end"]) - float(e["start"])) / scale)
+    ax.relim()
+    ax.autoscale_view(scaley=False)
+    ax.set_xlabel(f"modelled time ({unit})")
+    ax.set_title(title)
+
+
+class CpDrawing(Drawing):
+    """cp_panels built once per (model, CP degree, layout, categories); a new sequence
+    length moves the memory bars and the ring's bars in place."""
+
+    def shape(self, model, seq, cp, layout):
+        self.d = _cp_numbers(model, seq, cp, layout)
+        if self.d is None:
+            return "does not split"
+        stack = self.d["stack"]
+        return (model, cp, layout, len(self.d["sched"]["events"]),
+                stack_shape(stack["bars"], stack["capacity"], stack["unit"]))
+
+    def build(self, fig, model, seq, cp, layout):
+        grid = fig.add_gridspec(2, 2, height_ratios=[1, 1.1])
+        mem_ax, work_ax, gantt_ax = (fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]),
+                                     fig.add_subplot(grid[1, :]))
+        if self.d is None:
+            return
+        memory_stack(ax=mem_ax, **self.d["stack"])
+        mem_ax.legend(fontsize=7, loc="upper right")
+        work_bars(work_ax, cp, layout)
+        gantt(self.d["sched"]["events"], ax=gantt_ax, title=self.d["title"])
+        fig.tight_layout()
+
+    def update(self, fig, model, seq, cp, layout):
+        if self.d is None:
+            return f"{seq} tokens do not split into 2 x {cp} chunks"
+        restack(fig.axes[0], **self.d["stack"])
+        regantt(fig.axes[2], self.d["sched"]["events"], self.d["title"])
+        return self.d["text"]
+
+
+def cp_panels(fig, model="Llama 3 8B", seq=131072, cp=8, layout="zigzag"):
+    """The explorer's three modelled panels on `fig`; returns the summary line (HTML)."""
+    fig.clf()
+    drawing, values = CpDrawing(), dict(model=model, seq=seq, cp=cp, layout=layout)
+    with one_tight_layout(fig):   # the panels' helpers each ask for one: make it once
+        drawing.shape(**values)
+        drawing.build(fig, **values)
+        return drawing.update(fig, **values)
 
 
 def cp_explorer(model="Llama 3 8B"):
@@ -121,8 +181,7 @@ def cp_explorer(model="Llama 3 8B"):
         layout=widgets.ToggleButtons(options=["contiguous", "zigzag"], value="zigzag",
                                      description="layout"),
     )
-    return figure_explorer(controls, lambda fig, **values: cp_panels(fig, **values),
-                           figsize=(13, 8))
+    return figure_explorer(controls, CpDrawing(), figsize=(13, 8))
 
 
 def cp_figure(**kwargs):
