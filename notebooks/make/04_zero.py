@@ -48,7 +48,7 @@ import torch
 from IPython.display import Markdown, display
 
 from labkit import FullyShard
-from labkit.exercises.zero import check_stage_memory_answer
+from labkit.exercises.zero import check_gradient_shard, check_stage_memory_answer
 from labkit.runs import data_parallel as dp
 from labkit.runs import zero
 from labkit.runs.reference import RunConfig, build_model
@@ -513,19 +513,6 @@ stage stays within 1e-4 of the reference, and that offload changes nothing, bit 
 against the same run without it.)
 '''))
 """),
-    md(r"""
-## Exercise: stage 2 for Llama 3 8B on 8 GPUs
-
-How many bytes of model states does each GPU hold when Llama 3 8B (8.03B parameters) is trained
-with mixed-precision Adam and ZeRO stage 2 on 8 GPUs? Replace `None` with your answer in bytes
-(a number or an expression). The checker says what is wrong, if anything.
-"""),
-    code(r"""
-llama_params = 8.03e9
-my_answer = None   # TODO: bytes per GPU for ZeRO stage 2, N = 8
-
-check_stage_memory_answer(my_answer, params=llama_params, world_size=8, stage=2);
-"""),
     code(r"""
 ratio = per_step("ZeRO-3", runs["ZeRO-3"]) / dp_bytes
 display(Markdown(f'''
@@ -547,6 +534,38 @@ display(Markdown(f'''
   against Megatron-LM, not a general speed-up: below that scale ZeRO-2 moves the same bytes as
   DP.
 '''))
+"""),
+    md(r"""
+## Exercises
+
+Two exercises; each answer goes in its own cell (in the student edition it raises
+`NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+
+**1 · A ZeRO-2 gradient shard.** After backward every rank holds the gradient of its own part
+of the batch, the whole flat vector. ZeRO-2 keeps only this rank's 1/N slice of the *averaged*
+gradient, and moves no more bytes than it needs. Write `my_gradient_shard(ctx, grad)`: return
+this rank's slice (slice r of dim 0 on rank r) of the gradient averaged over all ranks.
+`ctx.comm` has `all_reduce`, `reduce_scatter` and `all_gather`. The checker runs it on 4 ranks,
+each with a different gradient of 16 values.
+"""),
+    code(r"""
+def my_gradient_shard(ctx, grad):
+    mine = ctx.comm.reduce_scatter(grad)   # sum over ranks; rank r keeps slice r of dim 0
+    return mine / ctx.world_size           # each rank's loss is a mean: average, not sum
+""", tags=("solution",)),
+    code(r"""
+check_gradient_shard(my_gradient_shard);
+"""),
+    md(r"""
+**2 · Stage 2 for Llama 3 8B on 8 GPUs.** How many bytes of model states does each GPU hold
+when Llama 3 8B (8.03B parameters) is trained with mixed-precision Adam and ZeRO stage 2 on 8
+GPUs? Write it as an expression that shows the derivation, in bytes.
+"""),
+    code(r"""
+zero2_bytes_per_gpu = (2 + (2 + 12) / 8) * 8.03e9   # bf16 weights whole; grads + Adam state / N
+""", tags=("solution",)),
+    code(r"""
+check_stage_memory_answer(zero2_bytes_per_gpu, params=8.03e9, world_size=8, stage=2);
 """),
 ]
 

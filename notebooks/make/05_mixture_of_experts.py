@@ -38,7 +38,7 @@ import torch
 from IPython.display import Markdown, display
 
 import labkit
-from labkit.exercises.moe import check_top_k_routing, reference_top_k_routing
+from labkit.exercises.moe import check_capacity_answer, check_top_k_routing
 from labkit.models import MoEConfig, MoELayer
 from labkit.runs import moe
 from labkit.runs.reference import RunConfig
@@ -137,7 +137,8 @@ for skew in (0.0, 0.5, 1.0):
         drops = []
         for _ in range(trials):
             gumbel = -torch.log(-torch.log(torch.rand(tokens, experts, generator=gen)))
-            drops.append(int((~reference_top_k_routing(share.log() + gumbel, 1, cap)[2]).sum()))
+            load = torch.bincount((share.log() + gumbel).argmax(-1), minlength=experts)
+            drops.append(int((load - cap).clamp(min=0).sum()))   # top-1: past capacity
         theory = tmoe.expected_tokens_dropped(tokens, experts, 1, cf, skew)["dropped"]
         rows.append(dict(skew=skew, capacity_factor=cf, measured=np.mean(drops), theory=theory))
 drops = pd.DataFrame(rows)
@@ -270,35 +271,6 @@ Mixtral-like shapes, H100).
 moe_explorer()
 """),
     md(r"""
-## 8 · Exercise: top-k routing with capacity
-
-Write `route(logits, k, capacity)` for logits of shape (T, E). Return `expert` (T, k: each
-token's k experts with the highest softmax probability, best first), `weight` (T, k: for k = 1
-the probability, for k = 2 the two probabilities divided by their sum) and `kept` (T, k: False
-for assignments past an expert's capacity, filling each expert with all first choices in token
-order before any second choice). `check_top_k_routing` compares your function with labkit's
-routing on several cases and says what is wrong (a router that never drops is the usual first
-try).
-"""),
-    code(r"""
-def route(logits, k, capacity):
-    probs = logits.softmax(dim=-1)
-    weight, expert = probs.topk(k, dim=-1)
-    if k > 1:
-        weight = weight / weight.sum(dim=-1, keepdim=True)
-    kept = torch.zeros_like(expert, dtype=torch.bool)
-    used = [0] * logits.shape[-1]                 # slots taken, per expert
-    for choice in range(k):                       # all first choices before any second choice
-        for t in range(logits.shape[0]):          # in token order
-            e = int(expert[t, choice])
-            kept[t, choice] = used[e] < capacity
-            used[e] += int(kept[t, choice])
-    return expert, weight, kept
-""", tags=("solution",)),
-    code(r"""
-check_top_k_routing(route);
-"""),
-    md(r"""
 ## Takeaway
 
 - An MoE layer holds E experts but runs k per token: Mixtral 8x7B holds 46.7B parameters and
@@ -320,6 +292,51 @@ ratio = "labkit_over_torch" if "labkit_over_torch" in bench else "ratio"
 bench[(bench.benchmark == "moe") & (bench.labkit_impl == "ExpertParallel")].drop_duplicates(
     ["world_size", "metric"], keep="last")[["world_size", "metric", "labkit", "torch", ratio,
                                             "date"]]
+"""),
+    md(r"""
+## Exercises
+
+Two exercises; each answer goes in its own cell (in the student edition it raises
+`NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+
+**1 · Top-k routing with capacity.** Write `route(logits, k, capacity)` for logits of shape (T,
+E). Return `expert` (T, k: each token's k experts with the highest softmax probability, best
+first), `weight` (T, k: for k = 1 the probability, for k = 2 the two probabilities divided by
+their sum) and `kept` (T, k: False for assignments past an expert's capacity, filling each
+expert with all first choices in token order before any second choice). `check_top_k_routing`
+compares your function with labkit's routing on several cases and says what is wrong (a router
+that never drops is the usual first try).
+"""),
+    code(r"""
+def route(logits, k, capacity):
+    probs = logits.softmax(dim=-1)
+    weight, expert = probs.topk(k, dim=-1)
+    if k > 1:
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+    kept = torch.zeros_like(expert, dtype=torch.bool)
+    used = [0] * logits.shape[-1]                 # slots taken, per expert
+    for choice in range(k):                       # all first choices before any second choice
+        for t in range(logits.shape[0]):          # in token order
+            e = int(expert[t, choice])
+            kept[t, choice] = used[e] < capacity
+            used[e] += int(kept[t, choice])
+    return expert, weight, kept
+""", tags=("solution",)),
+    code(r"""
+check_top_k_routing(route);
+"""),
+    md(r"""
+**2 · Capacity in tokens.** A layer routes a batch of T = 6,000 tokens to E = 64 experts with
+top-k = 2 and a capacity factor of 1.25. How many slots (tokens) does each expert get? Write it
+as an expression that shows the derivation.
+"""),
+    code(r"""
+import math
+
+slots_per_expert = math.ceil(1.25 * 2 * 6000 / 64)   # factor x k x T / E, rounded up
+""", tags=("solution",)),
+    code(r"""
+check_capacity_answer(slots_per_expert);
 """),
 ]
 

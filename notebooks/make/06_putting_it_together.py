@@ -33,7 +33,8 @@ from labkit.runs import hybrid, reference
 from labkit.theory import planner
 from labkit.viz.planner_widgets import (mesh_layout, plan_figure, plan_label, plan_table,
                                         planner_explorer)
-from labkit.exercises.hybrid import EXERCISE, check_layout
+from labkit.exercises.hybrid import (EXERCISE, check_dp_average, check_hybrid_memory,
+                                     check_layout)
 
 pd.set_option("display.precision", 3)
 pd.set_option("display.width", 120)
@@ -291,20 +292,6 @@ Markdown(
     f"communication grow, but the runtime does not rise with the number of GPUs.")
 """),
     md(r"""
-## Exercise
-
-A layout for Llama 3 70B on 64 H100s (a batch of 256 sequences of 4,096 tokens) that **fits**
-and reaches a modelled **MFU of at least 45%**. Give at least `dp`, `tp` and `pp` (their product
-is 64); you may fix `v`, `micro_batch_size`, `zero_stage`, `recompute` and `sequence_parallel`
-too (the planner searches what you leave out). `check_layout` answers in words.
-"""),
-    code(r"""
-my_layout = dict(dp=16, tp=4, pp=1)     # TP inside a node, ZeRO and the rest left to the planner
-""", tags=("solution",)),
-    code(r"""
-check = check_layout(my_layout)
-"""),
-    md(r"""
 ## Takeaways
 
 - Each technique alone hits a wall: DP copies everything, ZeRO-3's traffic crosses slow links,
@@ -317,6 +304,52 @@ check = check_layout(my_layout)
   absolute MFU within the errors shown.
 - First make it fit (shard states, layers or activations), then make it fast (the largest
   overhead says what to change).
+"""),
+    md(r"""
+## Exercises
+
+Three exercises; each answer goes in its own cell (in the student edition it raises
+`NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+
+**1 · Average over the right group.** On a mesh, a gradient must be averaged over the ranks
+that hold copies of the *same* weights, and only those. Write `my_dp_average(ctx, mesh, grad)`
+for a dp = 2 × tp = 2 mesh (4 ranks, TP innermost): return `grad` averaged over this rank's
+data-parallel group. `mesh["dp"]` and `mesh["tp"]` are this rank's groups (`.size`, `.ranks`);
+every collective takes `group=`. The checker gives each rank a different gradient.
+"""),
+    code(r"""
+def my_dp_average(ctx, mesh, grad):
+    ctx.comm.all_reduce(grad, group=mesh["dp"])   # the replicas of my TP shard, nobody else
+    return grad / mesh["dp"].size
+""", tags=("solution",)),
+    code(r"""
+check_dp_average(my_dp_average);
+"""),
+    md(r"""
+**2 · A layout that fits and is fast.** Llama 3 70B on 96 H100s (12 nodes of 8), a batch
+of 384 sequences of 4,096 tokens: give a layout that **fits** and reaches a modelled **MFU
+of at least 45%**. Give at least `dp`, `tp` and `pp` (their product is 96); you may fix `v`,
+`micro_batch_size`, `zero_stage`, `recompute` and `sequence_parallel` too (the planner searches
+what you leave out). `check_layout` answers in words.
+"""),
+    code(r"""
+my_layout = dict(dp=24, tp=4, pp=1)     # TP inside a node, ZeRO and the rest left to the planner
+""", tags=("solution",)),
+    code(r"""
+check = check_layout(my_layout)
+"""),
+    md(r"""
+**3 · Memory per GPU of a hybrid layout.** Llama 3 70B (70.55 B parameters) on 64 GPUs as
+dp = 2 × tp = 8 × pp = 4, mixed-precision Adam, ZeRO-1 over the data-parallel group. How many
+GB of model states does each GPU hold (equal stages; activations aside)? Write it as an
+expression that shows the derivation.
+"""),
+    code(r"""
+local_params = 70.55e9 / (8 * 4)                        # TP x PP split every parameter
+hybrid_gb_per_gpu = (2 + 2 + 12 / 2) * local_params / 1e9   # ZeRO-1: Adam state / dp
+""", tags=("solution",)),
+    code(r"""
+check_hybrid_memory(hybrid_gb_per_gpu);
 """),
 ]
 

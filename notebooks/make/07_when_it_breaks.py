@@ -42,7 +42,7 @@ from IPython.display import Markdown, display
 
 import labkit
 from labkit import data
-from labkit.exercises.when_it_breaks import check_gradient_sync
+from labkit.exercises.when_it_breaks import check_gradient_sync, check_mfu_answer
 from labkit.parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from labkit.runs import reference
 from labkit.runtime.launch import LaunchError
@@ -363,24 +363,6 @@ explorer({"zero_stage": widgets.IntSlider(0, 0, 3, description="ZeRO stage"),
                                         description="recompute")}, draw, figsize=(8, 2.6))
 """),
     md(r"""
-## 8 · Exercise: fix the summed gradients
-
-Write `my_gradient_sync(ctx, model)`: it is called on every rank right after `backward()`, and
-must leave in every parameter's `.grad` the gradient of the *whole* batch's mean loss, the same
-on every rank. `check_gradient_sync` trains a small MLP on 2 ranks with it, compares the
-parameters with one device, and says what is wrong: not synchronised (the replicas drift
-apart), summed (updates N times too large), a hang, or some other difference.
-"""),
-    code(r"""
-def my_gradient_sync(ctx, model):
-    for p in model.parameters():
-        ctx.comm.all_reduce(p.grad, tag="gradients")
-        p.grad /= ctx.world_size
-""", tags=("solution",)),
-    code(r"""
-check = check_gradient_sync(my_gradient_sync)
-"""),
-    md(r"""
 ## Takeaway
 
 - A **hang** is ranks in different collectives: give runs a timeout and read where each rank
@@ -393,6 +375,42 @@ check = check_gradient_sync(my_gradient_sync)
 - **MFU** uses the dense peak of the GPU you ran on and the model's FLOPs, not recomputed ones.
 - A **silent bug** trains: only a comparison with the single-device reference on the same
   batches shows it, and the size of the error (here N×) points at its cause.
+"""),
+    md(r"""
+## Exercises
+
+Two exercises; each answer goes in its own cell (in the student edition it raises
+`NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+
+**1 · Fix the summed gradients.** Write `my_gradient_sync(ctx, model)`: it is called on every
+rank right after `backward()`, and must leave in every parameter's `.grad` the gradient of the
+*whole* batch's mean loss, the same on every rank. `check_gradient_sync` trains a small MLP on 2
+ranks with it, compares the parameters with one device, and says what is wrong: not synchronised
+(the replicas drift apart), summed (updates N times too large), a hang, or some other
+difference.
+"""),
+    code(r"""
+def my_gradient_sync(ctx, model):
+    for p in model.parameters():
+        ctx.comm.all_reduce(p.grad, tag="gradients")
+        p.grad /= ctx.world_size
+""", tags=("solution",)),
+    code(r"""
+check = check_gradient_sync(my_gradient_sync)
+"""),
+    md(r"""
+**2 · Check an MFU.** A run trains Llama 3 8B (8.03 B parameters) on 64 H100s and processes
+600,000 tokens per second, all GPUs together (measured). What is its MFU, as a fraction? Count
+6 FLOPs per parameter and token (attention aside) and use the H100's dense bf16 peak from
+the hardware table, `hardware.gpu("H100").bf16_flops`. Write it as an expression that shows
+the derivation.
+"""),
+    code(r"""
+h100_peak = hardware.gpu("H100").bf16_flops                 # dense bf16, FLOP/s per GPU
+run_mfu = 6 * 8.03e9 * 600_000 / (64 * h100_peak)           # model FLOP/s over all GPUs' peak
+""", tags=("solution",)),
+    code(r"""
+check_mfu_answer(run_mfu);
 """),
 ]
 

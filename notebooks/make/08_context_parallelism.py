@@ -51,7 +51,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import labkit
-from labkit.exercises.context_parallel import check_merge
+from labkit.exercises.context_parallel import (check_merge, check_ring_attention,
+                                               check_ring_bytes, partial_attention)
 from labkit.parallel import context_parallel as cp
 from labkit.runs import context_parallel as run_cp
 from labkit.runs.reference import RunConfig
@@ -65,16 +66,16 @@ pd.set_option("display.precision", 3)
 pd.set_option("display.width", 120)
 """),
     md(r"""
-## The merge, and which blocks a rank computes
+## Which blocks a rank computes
 
-The whole forward is this merge, once per ring step. `_block_plan` says what rank `me` does with
+The whole forward is the merge above, once per ring step (you write it, and a ring around
+it, in the exercises at the end). `_block_plan` says what rank `me` does with
 the block of rank `src`: with a causal mask and the contiguous layout a block from a *later*
 rank is entirely hidden (skipped); in the zigzag layout every off-diagonal block costs exactly
 half a block: all my queries against the early half of an earlier rank's block, or only my late
 chunk against a later rank's whole block.
 """),
     code(r"""
-print(inspect.getsource(cp.merge_partials))
 print(inspect.getsource(cp._block_plan))
 """),
     md(r"""
@@ -324,35 +325,6 @@ each rank's share of the causal work, and one attention layer's forward ring.
 cp_explorer()
 """),
     md(r"""
-## Exercise: the log-sum-exp merge
-
-Write `merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the attention of the same queries over
-the keys of block a *and* block b, from the two partial results (out: (batch, queries, d), lse:
-(batch, queries)). The checker builds the parts from real attention and tries three cases:
-ordinary scores, scores of a few hundred (where `exp(lse)` overflows float32), and a query
-that has seen no key yet (lse = −inf on both sides, as a causal mask makes at the start of the
-ring). Replace the body below with your answer.
-"""),
-    code(r"""
-def merge(out_a, lse_a, out_b, lse_b):
-    # a first try that is wrong: each block's output is normalised over its own keys only
-    return (out_a + out_b) / 2, torch.maximum(lse_a, lse_b)
-
-
-check_merge(merge)
-"""),
-    md(r"""
-<details><summary>One answer</summary>
-
-```python
-def merge(out_a, lse_a, out_b, lse_b):
-    lse = torch.logaddexp(lse_a, lse_b)
-    w_a = torch.exp(lse_a - lse).nan_to_num(0.0).unsqueeze(-1)
-    w_b = torch.exp(lse_b - lse).nan_to_num(0.0).unsqueeze(-1)
-    return w_a * out_a + w_b * out_b, lse
-```
-</details>
-
 ## Takeaways
 
 - CP splits **every** layer's tokens, attention included: activation memory per GPU falls as
@@ -365,6 +337,70 @@ def merge(out_a, lse_a, out_b, lse_b):
 - A causal mask with contiguous chunks makes the last rank do ~2x the average: use **zigzag**
   (2N chunks, r and 2N−1−r). And shard the inputs: a wrapped module fed the whole sequence
   does not fail, it is silently wrong.
+"""),
+    md(r"""
+## Exercises
+
+Three exercises; each answer goes in its own cell (in the student edition it raises
+`NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+
+**1 · The log-sum-exp merge.** Write `merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the
+attention of the same queries over the keys of block a *and* block b, from the two partial
+results (out: (batch, queries, d), lse: (batch, queries)), with the formula at the top of the
+lesson. The checker builds the parts from real attention and tries three cases: ordinary
+scores, scores of a few hundred (where `exp(lse)` overflows float32), and a query that has seen
+no key yet (lse = −inf on both sides, as a causal mask makes at the start of the ring). A first
+try that averages the two outputs is wrong: each is normalised over its own keys only.
+"""),
+    code(r"""
+def merge(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)                        # never exp() of an lse itself
+    w_a = torch.exp(lse_a - lse).nan_to_num(0.0).unsqueeze(-1)  # <= 1; a key-less side: 0
+    w_b = torch.exp(lse_b - lse).nan_to_num(0.0).unsqueeze(-1)
+    return w_a * out_a + w_b * out_b, lse
+""", tags=("solution",)),
+    code(r"""
+check_merge(merge);
+"""),
+    md(r"""
+**2 · A ring of your own.** Write `my_ring_attention(ctx, q, k, v)`: each rank holds its
+contiguous quarter of a sequence (q, k, v of shape (batch, s/N, d)) and returns its queries'
+attention over the **whole** sequence (no mask). Start from `partial_attention(q, k, v)`
+(returns out and lse for these keys only); then pass the K and V blocks around the ring with
+`ctx.comm.send(t, dst, async_op=True)` (a handle with `.wait()`) and `ctx.comm.recv(t, src)`,
+and merge each block's partial result into yours with your `merge`. The checker runs it on 4
+ranks against attention on one device, and counts the bytes each rank sends.
+"""),
+    code(r"""
+def my_ring_attention(ctx, q, k, v):
+    n, r = ctx.world_size, ctx.rank
+    out, lse = partial_attention(q, k, v)                  # my own block first
+    for _ in range(n - 1):                                 # N-1 passes: every block visits
+        k_in, v_in = torch.empty_like(k), torch.empty_like(v)
+        sends = [ctx.comm.send(t, (r + 1) % n, async_op=True) for t in (k, v)]
+        ctx.comm.recv(k_in, (r - 1) % n)                   # the left neighbour's block
+        ctx.comm.recv(v_in, (r - 1) % n)
+        for handle in sends:
+            handle.wait()
+        k, v = k_in, v_in                                  # pass it on at the next step
+        out, lse = merge(out, lse, *partial_attention(q, k, v))
+    return out
+""", tags=("solution",)),
+    code(r"""
+check_ring_attention(my_ring_attention);
+"""),
+    md(r"""
+**3 · The bytes of the forward ring.** Llama 3 70B (64 query heads, 8 KV heads, head_dim
+d = 128) runs one sequence (b = 1) of s = 65,536 tokens with context parallelism over CP = 16
+GPUs, K and V in bf16. How many bytes does **each rank send** in the forward ring of one
+attention layer? Write it as an expression that shows the derivation.
+"""),
+    code(r"""
+kv_block = 2 * 1 * 8 * (65536 // 16) * 128 * 2   # K and V of s/N tokens, 8 KV heads, bf16
+ring_forward_bytes = (16 - 1) * kv_block         # N-1 passes bring every other block
+""", tags=("solution",)),
+    code(r"""
+check_ring_bytes(ring_forward_bytes);
 """),
 ]
 
