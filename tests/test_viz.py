@@ -13,7 +13,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from labkit import launch  # noqa: E402
 from labkit.theory import catalog  # noqa: E402
 from labkit.viz import comm_bars, gantt, memory_stack, speedup_curve, time_split  # noqa: E402
-from labkit.viz import widgets  # noqa: E402
+from labkit.viz import cp_widgets, dp_widgets, widgets  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -208,3 +208,46 @@ def test_memory_explorer_widget_redraws():
     assert time.perf_counter() - t0 < 1.0
     assert "x H100" in text.value
     assert plt.get_fignums() == []   # the explorer's figure is not left in pyplot
+
+
+@pytest.mark.parametrize("make", [widgets.memory_explorer, dp_widgets.dp_explorer,
+                                  cp_widgets.cp_explorer])
+def test_a_slider_step_updates_the_picture_in_place(make, monkeypatch):
+    box = make()
+    slider = next(w for row in box.children[:-2] for w in row.children
+                  if "Slider" in type(w).__name__)
+    figure, before, builds = box.figure, box.image.value, box.live.builds
+    made = []
+    init = Figure.__init__
+    monkeypatch.setattr(Figure, "__init__", lambda self, *a, **k: (made.append(self),
+                                                                   init(self, *a, **k))[1])
+    if hasattr(slider, "options"):
+        values = [o[1] if isinstance(o, tuple) else o for o in slider.options]
+        slider.value = values[values.index(slider.value) - 1]
+    else:
+        slider.value += slider.step
+    assert box.image.value != before and bytes(box.image.value[:4]) == b"\x89PNG"
+    assert box.figure is figure and made == [] and box.live.builds == builds
+    assert plt.get_fignums() == []
+
+
+def test_site_snapshot_reads_an_image_widget_buffer():
+    import base64
+
+    import nbformat
+
+    from labkit import editions
+    png = base64.b64encode(b"\x89PNG fake").decode()
+    state = {"box": {"model_name": "VBoxModel", "state": {"children": ["IPY_MODEL_t",
+                                                                        "IPY_MODEL_i"]}},
+             "t": {"model_name": "HTMLModel", "state": {"value": "needs <b>2 x H100</b>"}},
+             "i": {"model_name": "ImageModel", "state": {"format": "png"},
+                   "buffers": [{"data": png, "encoding": "base64", "path": ["value"]}]}}
+    nb = nbformat.v4.new_notebook(metadata={"widgets": {editions.WIDGET_STATE:
+                                                        {"state": state}}})
+    cell = nbformat.v4.new_code_cell("explorer()", outputs=[nbformat.v4.new_output(
+        "display_data", {editions.WIDGET_VIEW: {"model_id": "box"}})])
+    nb.cells.append(cell)
+    nb, _ = editions.WidgetSnapshots(enabled=True)(nb, {})
+    html = nb.cells[0].outputs[-1]["data"]["text/html"]
+    assert f'<img src="data:image/png;base64,{png}">' in html and "2 x H100" in html
