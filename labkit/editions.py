@@ -122,8 +122,9 @@ WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 class WidgetSnapshots(Preprocessor):
     """After each widget output, a static picture of its last state: the text of its HTML
     widgets and the pictures of its Image widgets (PNG bytes saved as a base64 buffer) and
-    Output widgets, read from the widget state saved in the notebook. The live widget needs ipywidgets' renderer from a CDN and, to redraw, a kernel;
-    the snapshot shows the explorer's last drawing also offline."""
+    Output widgets, read from the widget state saved in the notebook. The live widget needs
+    ipywidgets' renderer from a CDN and, to redraw, a kernel; the snapshot shows the
+    explorer's last drawing also offline."""
 
     def preprocess(self, nb, resources):
         self.state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
