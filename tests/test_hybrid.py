@@ -69,7 +69,10 @@ def test_bad_layouts_are_one_line(capsys, argv, message):
 
 
 def test_layout_exercise_says_what_is_wrong():
+    from functools import partial
+
     from labkit.exercises.hybrid import check_layout
+    check_layout = partial(check_layout, gpus=64, global_batch=256)   # the lesson's 64 H100s
     assert not check_layout("tp=8", verbose=False)
     no_fit = check_layout(dict(dp=64, tp=1, pp=1, zero_stage=0), verbose=False)
     assert no_fit.problem == "does not fit" and "GB per GPU" in no_fit.message

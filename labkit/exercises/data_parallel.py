@@ -67,6 +67,11 @@ def check_ring_all_reduce(user_fn, world_size=4, numel=16, timeout_s=20.0, verbo
 
 
 def _failed_run(text, timeout_s):
+    if "NotImplementedError" in text:
+        return Check(False, "not written", "NOT WRITTEN YET: your function raised "
+                     "NotImplementedError. Hint: cut the tensor into N chunks, run N-1 "
+                     "reduce-scatter steps to the right neighbour (send one chunk, receive one, "
+                     "add it), then N-1 all-gather steps (send, receive, copy).")
     if "timed out" in text:
         waits = "\n".join(line for line in text.splitlines() if line.startswith("  rank"))
         return Check(False, "deadlock", (

@@ -1,0 +1,163 @@
+"""Every lesson's exercises, as the two editions give them: each answer cell (tagged `solution`)
+is followed by the cell that checks it; the instructor's answer passes its checker, the student
+edition's stub fails it with the message a learner should read; and each number checker names
+the likely wrong answers (a forgotten factor, bits for bytes, GB for bytes, percent).
+
+Checker cells are run as the notebook runs them (the lesson's import cell, then its answer
+cells, then the checking cell's last expression), with the feedback printing silenced."""
+import ast
+import contextlib
+import io
+import math
+
+import nbformat
+import pytest
+
+from labkit import editions
+from labkit.theory import catalog
+
+LESSONS = ["00", "01", "02", "03", "04", "05", "06", "07", "08"]
+
+# What the student edition's stub of each exercise must make its checker say, in order.
+STUB_SAYS = {
+    "00": ["NOT WRITTEN YET", "No answer yet", "No answer yet"],
+    "01": ["NOT WRITTEN YET", "No answer yet"],
+    "02": ["No answer yet", "No answer yet"],
+    "03": ["NOT WRITTEN YET", "No answer yet"],
+    "04": ["NOT WRITTEN YET", "No answer yet"],
+    "05": ["NOT WRITTEN YET", "No answer yet"],
+    "06": ["NOT WRITTEN YET", "Give a dict with at least dp, tp and pp", "No answer yet"],
+    "07": ["NOT WRITTEN YET", "No answer yet"],
+    "08": ["NOT WRITTEN YET", "NOT WRITTEN YET", "No answer yet"],
+}
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    out = tmp_path_factory.mktemp("student")
+    with contextlib.redirect_stdout(io.StringIO()):
+        editions.build_student(out)
+    return out
+
+
+def read(folder, prefix):
+    path = next(p for p in editions.lessons(folder) if p.name.startswith(prefix + "_"))
+    return nbformat.read(path, as_version=4)
+
+
+def exercises(nb):
+    """(answer cell, checking cell) pairs: each solution cell and the code cell after it."""
+    cells = nb.cells
+    return [(cell, cells[i + 1]) for i, cell in enumerate(cells)
+            if "solution" in cell.metadata.get("tags", [])]
+
+
+def run_checks(nb):
+    """The Check of every exercise, run as the notebook runs: imports, answers, checker."""
+    ns, checks = {}, []
+    imports = next(c for c in nb.cells if c.cell_type == "code")
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(imports.source, ns)
+        for answer, checker in exercises(nb):
+            exec(answer.source, ns)
+            tree = ast.parse(checker.source)
+            *before, last = tree.body
+            exec(compile(ast.Module(before, []), "checker", "exec"), ns)
+            if isinstance(last, ast.Assign):
+                exec(compile(ast.Module([last], []), "checker", "exec"), ns)
+                checks.append(ns[last.targets[0].id])
+            else:
+                checks.append(eval(compile(ast.Expression(last.value), "checker", "eval"), ns))
+    return checks
+
+
+@pytest.mark.parametrize("prefix", LESSONS)
+def test_lesson_ends_with_exercises_checked_in_the_next_cell(prefix):
+    nb = read(editions.NOTEBOOKS, prefix)
+    pairs = exercises(nb)
+    assert 1 <= len(pairs) <= 3 and len(pairs) == len(STUB_SAYS[prefix])
+    first = nb.cells.index(pairs[0][0])
+    assert any(c.cell_type == "markdown" and "## Exercises" in c.source
+               for c in nb.cells[first - 3:first])
+    assert all(checker.cell_type == "code" and "check" in checker.source
+               for _, checker in pairs)
+    later = nb.cells[first:]
+    assert not any("## " in c.source for c in later if c.cell_type == "markdown"), \
+        "no new section after the exercises"
+
+
+@pytest.mark.parametrize("prefix", LESSONS)
+def test_solutions_pass_and_stubs_fail_with_their_message(student, prefix):
+    on_solution = run_checks(read(editions.NOTEBOOKS, prefix))
+    on_stub = run_checks(read(student, prefix))
+    for check, says in zip(on_solution, STUB_SAYS[prefix]):
+        assert check.ok, check.message
+    for check, says in zip(on_stub, STUB_SAYS[prefix]):
+        assert not check.ok and says in check.message, check.message
+        assert "False" != check.message.strip()
+
+
+# ------------------------------------------------------------ number checkers name the mistake
+
+def _gpt2_bf16_grads():
+    return 2 * catalog.model("gpt2-small").param_count()
+
+
+def _llama(name):
+    return catalog.model(name).param_count()
+
+
+def _wrong_answers():
+    """(checker, likely wrong answer, the problem it must be named as, words in the message)."""
+    from labkit.exercises import context_parallel as cp, data_parallel as dp, hybrid
+    from labkit.exercises import moe, pipeline, tensor_parallel as tp, when_it_breaks as wib
+    from labkit.exercises import why_parallelism as why
+    from labkit.theory import hardware
+    s, n = _gpt2_bf16_grads(), 16
+    act = 1 * 4096 * 8192 * 2
+    kv = 2 * 8 * (65536 // 16) * 128 * 2
+    psi8, psi70 = _llama("llama-3-8b"), _llama("llama-3-70b")
+    mfu = 6 * psi8 * 600_000 / (64 * hardware.gpu("H100").bf16_flops)
+    return [
+        (why.check_gb_no_zero, 2 * psi8 / 1e9, "weights only", "2 bytes per parameter"),
+        (why.check_gb_no_zero, 16 * psi8, "units", "1 GB = 1e9 bytes"),
+        (why.check_fewest_gpus_zero3, 1, "does not fit", "more than an H100"),
+        (dp.check_ring_bytes, (n - 1) / n * s, "one phase", "once in reduce-scatter and once"),
+        (dp.check_ring_bytes, 2 * s, "factor (N-1)/N", "(N-1)/N"),
+        (dp.check_ring_bytes, 2 * (n - 1) / n * s * 8, "bits", "8 bits"),
+        (dp.check_ring_bytes, 2 * (n - 1) / n * 2 * s, "fp32", "bf16"),
+        (pipeline.check_gpipe_bubble, 5 / 20, "over ideal", "(P-1)/(M+P-1)"),
+        (pipeline.check_gpipe_bubble, 100 * 5 / 25, "percent", "fraction"),
+        (tp.check_block_bytes, 2 * 2 * 7 / 8 * act, "half the calls", "forward and backward"),
+        (tp.check_block_bytes, 4 * act, "payload", "2(t-1)/t"),
+        (moe.check_capacity_answer, math.floor(1.25 * 2 * 6000 / 64), "rounded down", "round up"),
+        (moe.check_capacity_answer, math.ceil(1.25 * 6000 / 64), "forgot k", "k = 2"),
+        (hybrid.check_hybrid_memory, 16 * psi70 / 32 / 1e9, "no ZeRO", "ZeRO-1"),
+        (hybrid.check_hybrid_memory, 16 * psi70 / 8 / 1e9, "forgot pp", "tp x pp"),
+        (wib.check_mfu_answer, mfu / 2, "sparse peak", "dense"),
+        (wib.check_mfu_answer, mfu / 3, "forward only", "6 x params"),
+        (wib.check_mfu_answer, mfu * 100, "percent", "fraction"),
+        (cp.check_ring_bytes, 16 * kv, "one pass too many", "N-1"),
+        (cp.check_ring_bytes, 15 * kv * 64 / 8, "query heads", "KV heads"),
+        (cp.check_ring_bytes, 15 * kv, "", "Correct"),
+    ]
+
+
+@pytest.mark.parametrize("checker, answer, problem, words", _wrong_answers(),
+                         ids=lambda v: v.__name__ if callable(v) else None)
+def test_number_checkers_name_the_likely_mistake(checker, answer, problem, words):
+    check = checker(answer, verbose=False)
+    assert check.problem == problem and words in check.message, check.message
+    if problem:
+        assert "Not quite" in check.message and not check.ok
+
+
+def test_a_number_checker_never_raises_and_hints_when_it_cannot_diagnose():
+    from labkit.exercises import check_number
+    for answer in ("lots", float("nan"), [1, 2]):
+        assert check_number(answer, 10.0, what="x", hint="h", verbose=False).problem \
+            == "not a number"
+    far = check_number(1234.5, 10.0, what="the bytes", hint="count twice", unit="bytes",
+                       verbose=False)
+    assert far.problem == "wrong value" and "more than expected" in far.message
+    assert "Hint: count twice" in far.message
