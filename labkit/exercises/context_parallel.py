@@ -21,15 +21,6 @@ from ..theory import context_parallel as tcp
 from . import Check, Mistake, check_number, say
 
 
-def merge(out_a, lse_a, out_b, lse_b):
-    """One answer: weights exp(lse_x - lse) with lse = logaddexp(lse_a, lse_b) (never exp of
-    a large number), a key-less side (lse = -inf) weighing 0."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    w_a = torch.exp(lse_a - lse).nan_to_num(0.0).unsqueeze(-1)
-    w_b = torch.exp(lse_b - lse).nan_to_num(0.0).unsqueeze(-1)
-    return w_a * out_a + w_b * out_b, lse
-
-
 def partial_attention(q, k, v, mask=None):
     """softmax(q k^T / sqrt(d)) v over these keys only, and each query's log-sum-exp."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])

@@ -24,12 +24,6 @@ DP_HINT = ("Hint: ctx.comm.all_reduce(grad, group=mesh['dp']) sums over this ran
            "(its replicas); then divide by mesh['dp'].size.")
 
 
-def dp_average(ctx, mesh, grad):
-    """One answer: sum over my DP group (the replicas of my shard), divide by its size."""
-    ctx.comm.all_reduce(grad, group=mesh["dp"])
-    return grad / mesh["dp"].size
-
-
 def _mesh_input(rank):
     return torch.full((4,), 10.0 ** rank)      # 1, 10, 100, 1000: every sum tells its ranks
 
@@ -52,7 +46,8 @@ def check_dp_average(fn, timeout_s=30.0, verbose=True):
         text = str(error)
         if "NotImplementedError" in text:
             return say(Check(False, "not written", "NOT WRITTEN YET: your function raised "
-                             f"NotImplementedError. {DP_HINT}"), verbose)
+                             "NotImplementedError. Hint: every collective takes group=; which "
+                             "of the mesh's groups holds copies of the same weights?"), verbose)
         last = [line for line in text.splitlines() if line.strip()][-1].strip()
         return say(Check(False, "raised", f"YOUR CODE RAISED (or hung) on a rank: {last}. "
                          f"{DP_HINT}"), verbose)

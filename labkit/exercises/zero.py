@@ -19,11 +19,6 @@ SHARD_HINT = ("Hint: out = ctx.comm.reduce_scatter(grad) sums over the ranks and
               "rank's 1/N slice of dim 0; divide it by ctx.world_size and return it.")
 
 
-def gradient_shard(ctx, grad):
-    """One answer: reduce-scatter (sum, keep my slice), then divide by N: my averaged shard."""
-    return ctx.comm.reduce_scatter(grad) / ctx.world_size
-
-
 def _shard_input(rank, numel):
     """Distinct, exactly summable values per rank."""
     return torch.arange(numel, dtype=torch.float32) + 64.0 * rank
@@ -46,7 +41,9 @@ def check_gradient_shard(fn, world_size=4, numel=16, timeout_s=20.0, verbose=Tru
         text = str(error)
         if "NotImplementedError" in text:
             return say(Check(False, "not written", "NOT WRITTEN YET: your function raised "
-                             f"NotImplementedError. {SHARD_HINT}"), verbose)
+                             "NotImplementedError. Hint: one collective both sums over the "
+                             "ranks and leaves each rank only its slice; each rank's loss is a "
+                             "mean."), verbose)
         if "timed out" in text:
             return say(Check(False, "hang", "HANG: the ranks did not call the same collectives. "
                              f"{SHARD_HINT}"), verbose)
