@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-labkit
 
-.PHONY: install lab test bench notebooks html student clean
+.PHONY: install lab test test-browser bench notebooks html student clean
 
 install: $(STAMP)
 
@@ -50,6 +50,20 @@ lab: install
 
 test: install
 	$(PY) -m pytest tests notebooks --nbval-lax -p no:cacheprovider
+
+# Every lesson run in JupyterLab in headless Chromium (browser_tests/): no error output, every
+# widget rendered, the explorer's slider changes the plot; run and redraw times reported in
+# build/browser-report.{json,md}, screenshots in build/screens/. Debian's chromium (installed
+# here when root with apt-get), driven by the playwright package; no browser download.
+CHROMIUM ?= /usr/bin/chromium
+test-browser: install
+	$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install -q -e ".[test,browser]"
+	@if [ ! -x "$(CHROMIUM)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
+	@if [ ! -x "$(CHROMIUM)" ]; then \
+	  echo "test-browser: SKIPPED: no Chromium at $(CHROMIUM) and it cannot be installed here" \
+	       "(needs root and apt-get; or: make test-browser CHROMIUM=/path/to/chromium)"; \
+	else CHROMIUM="$(CHROMIUM)" $(PY) -m pytest browser_tests -p no:cacheprovider -rs; fi
 
 bench: install
 	for b in bench/*.py; do $(PY) $$b || exit 1; done
