@@ -12,7 +12,8 @@ from matplotlib.figure import Figure  # noqa: E402
 from labkit import launch  # noqa: E402
 from labkit.theory import catalog  # noqa: E402
 from labkit.viz import comm_bars, gantt, memory_stack, speedup_curve, time_split  # noqa: E402
-from labkit.viz import cp_widgets, dp_widgets, widgets  # noqa: E402
+from labkit.viz import agg_text, cp_widgets, dp_widgets, pipeline_widgets  # noqa: E402
+from labkit.viz import tp_widgets, widgets  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -206,7 +207,7 @@ def test_memory_explorer_widget_redraws():
 
 
 @pytest.mark.parametrize("make", [widgets.memory_explorer, dp_widgets.dp_explorer,
-                                  cp_widgets.cp_explorer])
+                                  cp_widgets.cp_explorer, pipeline_widgets.pipeline_explorer])
 def test_a_slider_step_updates_the_picture_in_place(make, monkeypatch):
     box = make()
     slider = next(w for row in box.children[:-2] for w in row.children
@@ -224,6 +225,50 @@ def test_a_slider_step_updates_the_picture_in_place(make, monkeypatch):
     assert box.image.value != before and bytes(box.image.value[:4]) == b"\x89PNG"
     assert box.figure is figure and made == [] and box.live.builds == builds
     assert plt.get_fignums() == []
+
+
+def test_pipeline_explorer_pools_follow_the_stages():
+    box = pipeline_widgets.pipeline_explorer()
+    stages = next(w for row in box.children[:-2] for w in row.children
+                  if w.description == "stages P")
+    gantt_ax, mem_ax = box.figure.axes
+    for p in (8, 3):
+        stages.value = p
+        ranks = [t.get_text() for t in gantt_ax.get_yticklabels()]
+        assert ranks == [f"rank {r}" for r in range(p)]
+        assert sum(bar.get_visible() for bar in mem_ax.patches) == p
+    # P = 3, M = 8: every forward and backward bar is wide enough for its micro-batch number;
+    # the numbers P = 8 needed more of are hidden, not removed
+    numbers = [t.get_text() for t in gantt_ax.texts if t.get_visible()]
+    assert sorted(numbers) == sorted([str(mb) for mb in range(8)] * 2 * 3)
+    assert len(gantt_ax.texts) > len(numbers) and box.live.builds == 1
+
+
+def test_cached_text_paints_the_pixels_plain_agg_paints():
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = Figure(figsize=(3, 2), dpi=100)
+    ax = fig.add_subplot()
+    ax.set_title("GB = 10⁹ bytes, fi ffl")
+    ax.set_ylabel("rotated\nlabel")
+    ax.text(0.3, 0.4, "1,234 x H100", fontsize=7, rotation=30)
+    pictures = []
+    for canvas in (FigureCanvasAgg, agg_text.CachedTextCanvas, agg_text.CachedTextCanvas):
+        canvas(fig).draw()   # the second cached draw takes every glyph from the cache
+        pictures.append(np.asarray(fig.canvas.buffer_rgba()).copy())
+    assert all(np.array_equal(pictures[0], p) for p in pictures[1:])
+
+
+def test_an_update_puts_back_a_layout_made_before():
+    box = tp_widgets.tp_explorer()   # TP 8 <-> 16 changes the link's name in the y labels
+    tp = next(w for row in box.children[:-2] for w in row.children if w.description == "TP degree")
+    for value in (16, 8):
+        tp.value = value
+    runs = box.live.layout.runs
+    for value in (16, 8, 16):
+        tp.value = value
+    assert box.live.layout.runs == runs and box.live.builds == 1
 
 
 def test_site_snapshot_reads_an_image_widget_buffer():

@@ -122,7 +122,10 @@ def regantt(ax, events, title):
     for rect, e in zip(bars, events):
         rect.set_x(float(e["start"]) / scale)
         rect.set_width((float(e["end"]) - float(e["start"])) / scale)
-    ax.relim()
+    # the bars' span is the data's x extent (what relim would find, without measuring
+    # every patch again); autoscale adds gantt's margins
+    ax.dataLim.intervalx = (min(float(e["start"]) for e in events) / scale,
+                            max(float(e["end"]) for e in events) / scale)
     ax.autoscale_view(scaley=False)
     ax.set_xlabel(f"modelled time ({unit})")
     ax.set_title(title)

@@ -4,7 +4,11 @@ A slider step costs what the figure costs to change and to paint, nothing more:
 - the figure is made once (no pyplot, an Agg canvas of its own) and never replaced;
 - a `Drawing` keeps its artists while its `shape` stays the same and only moves them
   (set_height, set_data, set_text, axis limits); a new shape clears and builds again;
-- the plot helpers' many `tight_layout` calls during a build collapse into one;
+- the plot helpers' many `tight_layout` calls during a build collapse into one, and an
+  in-place update lays the figure out again only when a text that decides the margins
+  changed size (`Layout`: tick labels' lengths, lines of titles and axis labels), and
+  puts back a layout it made before for the same texts;
+- text is painted from cached glyph layouts and bitmaps (`agg_text`: the same pixels);
 - the picture is painted once (no `bbox_inches="tight"`, which paints twice) and encoded
   straight to PNG into an `ipywidgets.Image`, whose bytes travel as one binary buffer
   (an Output widget re-sends a base64 display message and re-lays out its output area);
@@ -16,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import io
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from .agg_text import CachedTextCanvas
 
 DPI = 100          # the inline backend's default: the pictures keep their size and look
 PNG_LEVEL = 1      # zlib level: 6 (the default) is 30-40% slower for a few % fewer bytes
@@ -32,7 +37,7 @@ class Drawing:
     the same, only `update` runs.
     """
 
-    relayout = True   # re-run tight_layout after an update (cheap once texts are measured)
+    relayout = True   # lay out again after an update when `layout_key` says it may move
 
     def shape(self, **values):
         return None
@@ -66,8 +71,69 @@ class Redraw(Drawing):
 def live_figure(figsize, dpi=DPI):
     """A Figure outside pyplot with its own Agg canvas (nothing to close, no display hook)."""
     fig = Figure(figsize=figsize, dpi=dpi)
-    FigureCanvasAgg(fig)
+    CachedTextCanvas(fig)
     return fig
+
+
+def layout_texts(fig):
+    """The texts whose sizes decide tight_layout's margins, read without measuring any: per
+    axes its y and x tick labels, title and axis labels; the suptitle."""
+    texts = [fig._suptitle.get_text() if fig._suptitle is not None else ""]
+    for ax in fig.axes:
+        if ax.get_visible():
+            texts.append((tuple(t.get_text() for t in ax.yaxis.get_ticklabels()),
+                          tuple(t.get_text() for t in ax.xaxis.get_ticklabels()),
+                          tuple(t.get_text() if t.get_visible() else "" for t in
+                                (ax.title, ax._left_title, ax._right_title, ax.xaxis.label,
+                                 ax.yaxis.label))))
+    return texts
+
+
+def margins_key(texts):
+    """What of `layout_texts` moves the margins: the character counts of the y tick labels
+    (their width sets the left margin) and of the first and last x tick labels (they
+    overhang the sides), the lines of titles and labels. Digits are equally wide, so ticks
+    0 ... 250 GB -> 0 ... 300 GB move no margin and -> 0 ... 1,250 GB do."""
+    key = [texts[0].count("\n")]
+    for ys, xs, words in texts[1:]:
+        lengths = [len(x) for x in xs]
+        key.append((max(map(len, ys), default=0), tuple(lengths[:1] + lengths[-1:]),
+                    tuple(w.count("\n") + bool(w) for w in words)))
+    return key
+
+
+class Layout:
+    """tight_layout for a figure updated in place, run only when it may move something.
+
+    The margins are kept by `margins_key`: while it holds, the layout stays. When it changes,
+    a layout made before for the very same texts is put back (a slider stepping back and
+    forth), else tight_layout runs and its subplot parameters are remembered."""
+
+    PARAMS = ("left", "right", "bottom", "top", "wspace", "hspace")
+
+    def __init__(self, fig, args=(), kwargs=None):
+        self.fig, self.args, self.kwargs = fig, args, kwargs or {}
+        self.made = {}
+        self.key = None
+        self.runs = 0    # tight_layout runs after the first (tests, benches)
+        self._remember(layout_texts(fig))
+
+    def _remember(self, texts):
+        self.key = margins_key(texts)
+        self.made[repr(texts)] = {p: getattr(self.fig.subplotpars, p) for p in self.PARAMS}
+
+    def refresh(self):
+        texts = layout_texts(self.fig)
+        if margins_key(texts) == self.key:
+            return
+        known = self.made.get(repr(texts))
+        if known is not None:
+            self.fig.subplots_adjust(**known)
+            self.key = margins_key(texts)
+            return
+        self.fig.tight_layout(*self.args, **self.kwargs)
+        self.runs += 1
+        self._remember(layout_texts(self.fig))   # ticks may change with the axes' sizes
 
 
 @contextlib.contextmanager
@@ -105,7 +171,7 @@ class LiveFigure:
         self.fig = live_figure(figsize, dpi)
         self._shape = self._unset = object()
         self.builds = 0      # how many times the figure was cleared and built (tests, benches)
-        self._tight = False
+        self.layout = None   # a Layout after a build that asked for tight_layout
 
     def render(self, values):
         key = self.drawing.shape(**values)
@@ -114,13 +180,13 @@ class LiveFigure:
             with one_tight_layout(self.fig) as asked:
                 self.drawing.build(self.fig, **values)
                 text = self.drawing.update(self.fig, **values)
-            self._tight = bool(asked)   # laid out tight after a build: so after updates
+            self.layout = Layout(self.fig, *asked[-1]) if asked else None   # and updates
             self._shape = key
             self.builds += 1
         else:
             text = self.drawing.update(self.fig, **values)
-            if self.drawing.relayout and self._tight:
-                self.fig.tight_layout()
+            if self.drawing.relayout and self.layout is not None:
+                self.layout.refresh()
         return text or "", png_bytes(self.fig)
 
 

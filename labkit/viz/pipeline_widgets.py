@@ -8,12 +8,17 @@ backward 2 ms (twice the FLOPs), a message 1 ms / (compute/comm ratio).
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.collections import PolyCollection
+from matplotlib.patches import Patch
 
 from ..theory import pipeline as pp
-from .plots import GANTT_COLORS, fmt, gantt
+from .live import Drawing, one_tight_layout
+from .plots import (GANTT_COLORS, GANTT_LABELS, TIME_UNITS, _gantt_style, fmt, gantt,
+                    pick_time_unit)
 
 T_FORWARD = 1e-3  # modelled seconds for one stage's forward of one micro-batch (an assumption)
-MANY_BARS = 300   # above this, draw the Gantt chart as one bar collection per rank and kind
+MANY_BARS = 300   # above this, the Gantt bars carry no micro-batch numbers, thinner edges
 
 
 def simulated_timeline(stages, microbatches, schedule="1f1b", virtual=1, ratio=float("inf")):
@@ -30,8 +35,8 @@ def memory_per_stage(ops, virtual=1):
     return [pp.microbatches_in_flight(rank_ops) / virtual for rank_ops in ops]
 
 
-def draw_pipeline(fig, stages, microbatches, schedule, virtual, ratio):
-    """Gantt chart (top) and activation memory per stage (bottom) on `fig`; returns a line."""
+def _pipeline_numbers(stages, microbatches, schedule, virtual, ratio):
+    """The simulated timeline, the activations held per rank, the title and the text line."""
     if schedule == "interleaved" and microbatches % stages:
         microbatches = stages * max(1, round(microbatches / stages))
         note = f" (interleaved needs M a multiple of P: M = {microbatches})"
@@ -41,47 +46,139 @@ def draw_pipeline(fig, stages, microbatches, schedule, virtual, ratio):
         microbatches = 1
     v = virtual if schedule == "interleaved" else 1
     ops, timeline = simulated_timeline(stages, microbatches, schedule, v, ratio)
-    grid = fig.add_gridspec(2, 1, height_ratios=[2.2, 1])
-    ax_gantt, ax_mem = fig.add_subplot(grid[0]), fig.add_subplot(grid[1])
-    title = (f"{schedule}, P={stages}, M={microbatches}" + (f", V={v}" if v > 1 else "")
-             + " (simulated, modelled times)")
-    if len(timeline) <= MANY_BARS:
-        gantt(timeline, ax=ax_gantt, title=title)
-    else:
-        quick_gantt(timeline, ax_gantt, title)
-    _pad(ax_gantt)
-    held = memory_per_stage(ops, v)
-    ax_mem.bar(range(stages), held, color="#c44e52")
-    ax_mem.set_xticks(range(stages), [f"rank {r}" for r in range(stages)])
-    ax_mem.set_ylabel("activations held\n(micro-batch x stage)")
-    ax_mem.set_title("peak activation memory per stage (from the schedule)", fontsize=10)
-    for r, h in enumerate(held):
-        ax_mem.text(r, h, fmt(h), ha="center", va="bottom", fontsize=8)
-    ax_mem.set_ylim(0, max(held) * 1.3)
-    fig.tight_layout()
     simulated = pp.timeline_bubble_fraction(timeline)
     formula = pp.bubble_formula(stages, microbatches, v)
-    return (f"bubble (simulated): <b>{simulated:.3f}</b> &nbsp; formula "
-            f"{pp.bubble_formula_text(schedule, v)} = {formula:.3f} (no comm time); step "
-            f"{max(e['end'] for e in timeline) * 1e3:.1f} ms modelled{note}")
+    return dict(
+        stages=stages, timeline=timeline, held=memory_per_stage(ops, v),
+        title=(f"{schedule}, P={stages}, M={microbatches}" + (f", V={v}" if v > 1 else "")
+               + " (simulated, modelled times)"),
+        text=(f"bubble (simulated): <b>{simulated:.3f}</b> &nbsp; formula "
+              f"{pp.bubble_formula_text(schedule, v)} = {formula:.3f} (no comm time); step "
+              f"{max(e['end'] for e in timeline) * 1e3:.1f} ms modelled{note}"))
 
 
-def quick_gantt(timeline, ax, title):
-    """plots.gantt's look without per-bar labels, one broken_barh per rank and kind: fast for
-    thousands of ops."""
-    ranks = sorted({e["rank"] for e in timeline})
-    for r in ranks:
-        for key in ("forward", "backward", "idle"):
-            bars = [(e["start"] * 1e3, (e["end"] - e["start"]) * 1e3) for e in timeline
-                    if e["rank"] == r and (e["name"] == key if key != "idle"
-                                           else e["kind"] == "idle")]
-            ax.broken_barh(bars, (-r - 0.25, 0.5), facecolors=GANTT_COLORS[key],
-                           edgecolor="white", linewidth=0.3, label=key if r == 0 else None)
-    ax.set_yticks([-r for r in ranks], [f"rank {r}" for r in ranks])
-    ax.set_xlabel("modelled time (ms)")
-    ax.set_title(title)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    ax.grid(axis="x", alpha=0.3)
+class PipelineDrawing(Drawing):
+    """The Gantt chart (top) and activation memory per stage (bottom), built once and moved in
+    place: the Gantt bars are one PolyCollection whose rectangles are replaced, the
+    micro-batch numbers and memory bars come from pools that grow to the most ever shown
+    and hide what a step does not use. The figure is built again only when the legend
+    changes: which kinds of bars, and above MANY_BARS bars (no numbers, thinner edges)."""
+
+    def shape(self, **values):
+        self.d = _pipeline_numbers(**values)
+        used = {_gantt_style(e) for e in self.d["timeline"]}
+        self.key = len(self.d["timeline"]) > MANY_BARS, tuple(k for k in GANTT_COLORS
+                                                               if k in used)
+        return self.key
+
+    def build(self, fig, **values):
+        many, used = self.key
+        grid = fig.add_gridspec(2, 1, height_ratios=[2.2, 1])
+        ax_gantt, ax_mem = fig.add_subplot(grid[0]), fig.add_subplot(grid[1])
+        self.bars = PolyCollection([], edgecolors="white", linewidths=0.3 if many else 0.4)
+        ax_gantt.add_collection(self.bars, autolim=False)
+        self.numbers, self.mem_bars, self.mem_texts = [], [], []
+        if many:   # quick_gantt's legend: no numbers on the bars, no comm lane
+            handles = [Patch(facecolor=GANTT_COLORS[k], edgecolor="white", linewidth=0.3,
+                             label=k) for k in used]
+        else:      # plots.gantt's legend
+            handles = [Patch(color=GANTT_COLORS[k], label=GANTT_LABELS[k]) for k in used]
+            handles.append(Patch(color="none", label="thin bar: comm lane (async)"))
+        ax_gantt.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                        fontsize=8, frameon=False)
+        ax_gantt.grid(axis="x", alpha=0.3)
+        ax_mem.set_ylabel("activations held\n(micro-batch x stage)")
+        ax_mem.set_title("peak activation memory per stage (from the schedule)", fontsize=10)
+        fig.tight_layout()
+
+    def update(self, fig, **values):
+        d = self.d
+        ax_gantt, ax_mem = fig.axes[:2]
+        self._gantt(ax_gantt, d["timeline"], d["stages"], d["title"])
+        self._memory(ax_mem, d["held"])
+        return d["text"]
+
+    def _gantt(self, ax, timeline, stages, title):
+        """plots.gantt's bars, numbers, ticks and limits (then _pad) for `timeline`."""
+        t_max = max([e["end"] for e in timeline] + [0.0])
+        t_min = min([e["start"] for e in timeline] + [0.0])
+        unit = pick_time_unit(t_max)
+        scale = TIME_UNITS[unit]
+        span = max(t_max - t_min, 1e-30) / scale
+        labelled = len(timeline) <= MANY_BARS
+        verts, colors, numbers = np.empty((len(timeline), 4, 2)), [], []
+        for i, e in enumerate(timeline):
+            key = _gantt_style(e)
+            y, height = ((-e["rank"] - 0.38, 0.16) if e.get("lane", "compute") == "comm"
+                         else (-e["rank"], 0.5))
+            left, width = e["start"] / scale, (e["end"] - e["start"]) / scale
+            bottom, top = y - height / 2, y + height / 2
+            verts[i] = ((left, bottom), (left + width, bottom), (left + width, top),
+                        (left, top))
+            colors.append(GANTT_COLORS[key])
+            mb = (e.get("meta") or {}).get("microbatch")
+            if labelled and mb is not None and width > 0.025 * span and height > 0.3:
+                numbers.append((left + width / 2, y, str(mb),
+                                "white" if key in ("forward", "comm") else "black"))
+        self.bars.set_verts(verts)
+        self.bars.set_facecolors(colors)
+        while len(self.numbers) < len(numbers):
+            self.numbers.append(ax.text(0, 0, "", ha="center", va="center", fontsize=7))
+        for text, (x, y, words, color) in zip(self.numbers, numbers):
+            text.set_position((x, y))
+            text.set_text(words)
+            text.set_color(color)
+            text.set_visible(True)
+        for text in self.numbers[len(numbers):]:
+            text.set_visible(False)
+        ax.set_yticks([-r for r in range(stages)], [f"rank {r}" for r in range(stages)])
+        # barh's limits: no margin left of the first bar (a sticky edge), 5% right of the
+        # last; the y limits as gantt sets them (quick_gantt's: autoscaled, 5% margins)
+        lo, hi = verts[:, 0, 0].min(), verts[:, 1, 0].max()
+        margin = ax.margins()[0] * (hi - lo)
+        if labelled:
+            ax.set_xlim(lo, hi + margin)
+            ax.set_ylim(-stages + 0.4, 0.5)
+        else:
+            ax.set_xlim(lo - margin, hi + margin)
+            margin = ax.margins()[1] * (stages - 0.5)
+            ax.set_ylim(-stages + 0.75 - margin, 0.25 + margin)
+        ax.set_xlabel(f"modelled time ({unit})")
+        ax.set_title(title)
+        _pad(ax)
+
+    def _memory(self, ax, held):
+        """The bar per rank of activations held, with its number on top."""
+        while len(self.mem_bars) < len(held):
+            r = len(self.mem_bars)
+            self.mem_bars.append(ax.bar([r], [0], color="#c44e52")[0])
+            self.mem_texts.append(ax.text(r, 0, "", ha="center", va="bottom", fontsize=8))
+        for r, (bar, text) in enumerate(zip(self.mem_bars, self.mem_texts)):
+            shown = r < len(held)
+            bar.set_visible(shown)
+            text.set_visible(shown)
+            if shown:
+                bar.set_height(held[r])
+                text.set_y(held[r])
+                text.set_text(fmt(held[r]))
+        ax.set_xticks(range(len(held)), [f"rank {r}" for r in range(len(held))])
+        # ax.bar's autoscaled x limits for these bars (width 0.8, 5% margins)
+        margin = ax.margins()[0] * (len(held) - 0.2)
+        ax.set_xlim(-0.4 - margin, len(held) - 0.6 + margin)
+        ax.set_ylim(0, max(held) * 1.3)
+
+
+def draw_pipeline(fig, stages, microbatches, schedule, virtual, ratio):
+    """Gantt chart (top) and activation memory per stage (bottom) on `fig`; returns a line."""
+    drawing = PipelineDrawing()
+    values = dict(stages=stages, microbatches=microbatches, schedule=schedule,
+                  virtual=virtual, ratio=ratio)
+    drawing.shape(**values)
+    with one_tight_layout(fig):
+        drawing.build(fig, **values)
+        text = drawing.update(fig, **values)
+        fig.tight_layout()
+    return text
 
 
 def pipeline_explorer():
@@ -109,7 +206,7 @@ def pipeline_explorer():
 
     controls["schedule"].observe(grey_out, names="value")
     grey_out()
-    return figure_explorer(controls, draw_pipeline, figsize=(10, 6))
+    return figure_explorer(controls, PipelineDrawing(), figsize=(10, 6))
 
 
 def run_gantts(timeline, title=""):
