@@ -154,21 +154,22 @@ def launch_check():
     except (LaunchError, ValueError, OSError) as error:
         return _launch_fix(str(error), loopback_interface()), None
     seconds = time.perf_counter() - start
-    sums = [total for total, _ in results]
+    sums = [total for total, _, _ in results]
     if any(total != expected for total in sums):
         return (f"the all-reduce of {RANKS} ranks gave {sums}, expected {expected:g} on each: "
                 f"torch's gloo is broken here; reinstall torch (`make clean install`)"), None
-    interface = results[0][1] or "gloo's default"
+    backend, interface = results[0][1:]
+    over = f"over gloo on {interface or 'the default interface'}" if backend == "gloo" \
+        else f"over {backend}"
     return None, (f"{RANKS} ranks started and all-reduced ({expected:g} on each, as expected) "
-                  f"over gloo on {interface} in {seconds:.1f} s (first launch, forkserver start "
-                  f"included)")
+                  f"{over} in {seconds:.1f} s (first launch, forkserver start included)")
 
 
 def _all_reduce_rank(ctx):
     import torch
-    t = torch.full((4,), float(ctx.rank + 1))
+    t = torch.full((4,), float(ctx.rank + 1), device=ctx.device)  # a GPU's under NCCL
     ctx.comm.all_reduce(t)
-    return t[0].item(), os.environ.get("GLOO_SOCKET_IFNAME")
+    return t[0].item(), ctx.backend, os.environ.get("GLOO_SOCKET_IFNAME")
 
 
 def _launch_fix(message, loopback):

@@ -1,8 +1,12 @@
-"""`python -m labkit doctor --launch`, the pre-workshop check; the loopback launch gives gloo."""
+"""`python -m labkit doctor --launch`, the pre-workshop check; the loopback launch gives gloo;
+where `make install` takes torch from."""
 import os
+import shutil
 import socket
 import subprocess
 import sys
+
+import pytest
 
 from labkit.runtime.processes import loopback_interface, use_loopback_for_gloo
 
@@ -43,3 +47,18 @@ def test_launch_keeps_the_users_gloo_interface_and_else_picks_the_loopback():
     if os.path.isdir("/sys/class/net"):  # Linux: the kernel marks it as the loopback
         with open(f"/sys/class/net/{chosen['GLOO_SOCKET_IFNAME']}/flags") as f:
             assert int(f.read(), 16) & 0x8
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
+def test_make_takes_torch_from_the_cpu_index_on_linux_without_a_gpu(tmp_path):
+    """Where torch comes from, read off `make -n` (nothing runs): TORCH_INDEX=auto is the CPU
+    index exactly on Linux without nvidia-smi."""
+    def planned(choice):
+        return subprocess.run(["make", "-n", "install", f"VENV={tmp_path}/venv",
+                               f"TORCH_INDEX={choice}"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout
+    cpu_index = "https://download.pytorch.org/whl/cpu"
+    assert cpu_index in planned("cpu") and cpu_index not in planned("default")
+    assert "https://example.org/simple" in planned("https://example.org/simple")
+    no_gpu_linux = sys.platform.startswith("linux") and shutil.which("nvidia-smi") is None
+    assert (cpu_index in planned("auto")) == no_gpu_linux
