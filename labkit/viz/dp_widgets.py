@@ -132,12 +132,12 @@ def _dp_numbers(model, gpus, tokens, bucket_mb, link):
 
 
 class DpDrawing(Drawing):
-    """The three panels, built once per (GPU range, fits or not, one GPU or more); every
-    other change moves the bars, lines and markers in place."""
+    """The three panels, built once per model that fits or not (hollow markers, a longer
+    title); every other change moves the bars, lines, markers and ticks in place."""
 
     def shape(self, **values):
         self.d = _dp_numbers(**values)
-        return len(self.d["ns"]), self.d["ok"], self.d["gpus"] > 1
+        return self.d["ok"]
 
     def build(self, fig, **values):
         d = self.d
@@ -156,7 +156,7 @@ class DpDrawing(Drawing):
         ax_split.grid(axis="x", alpha=0.3)
         # 2. speedup
         ns = d["ns"]
-        ax_speed.plot(ns, ns, "k--", lw=1, label="ideal")
+        self.ideal = ax_speed.plot(ns, ns, "k--", lw=1, label="ideal")[0]
         hollow = dict(mfc=None if d["ok"] else "white")
         self.speed = [ax_speed.plot(ns, ns, "o-", ms=3, label="modelled, overlap", **hollow)[0],
                       ax_speed.plot(ns, ns, "s-", ms=3, label="modelled, no overlap",
@@ -164,8 +164,7 @@ class DpDrawing(Drawing):
                       ax_speed.plot([1], [1], "o", ms=9, mfc="none", mec="red")[0]]
         ax_speed.set_xscale("log", base=2)
         ax_speed.set_yscale("log", base=2)
-        ax_speed.set_xticks(ns, [str(n) for n in ns], fontsize=7)
-        ax_speed.set_yticks(ns, [str(n) for n in ns], fontsize=7)
+        ax_speed.tick_params(labelsize=7)
         ax_speed.minorticks_off()
         ax_speed.axvline(8.5, color="grey", lw=0.8, ls=":")
         ax_speed.text(9, 1.05, "> 1 node", fontsize=7, color="grey")
@@ -179,11 +178,10 @@ class DpDrawing(Drawing):
         ns2 = d["ns2"]
         self.comm = [ax_comm.plot(ns2, ns2, "o-", color="#9467bd", ms=3,
                                   label="2(N-1)/N x gradients")[0],
-                     ax_comm.axhline(1, color="k", ls="--", lw=1, label="2 x gradients (limit)")]
-        if d["gpus"] > 1:
-            self.comm.append(ax_comm.plot([2], [1], "o", ms=9, mfc="none", mec="red")[0])
+                     ax_comm.axhline(1, color="k", ls="--", lw=1, label="2 x gradients (limit)"),
+                     ax_comm.plot([2], [1], "o", ms=9, mfc="none", mec="red")[0]]
         ax_comm.set_xscale("log", base=2)
-        ax_comm.set_xticks(ns2, [str(n) for n in ns2], fontsize=7)
+        ax_comm.tick_params(axis="x", labelsize=7)
         ax_comm.minorticks_off()
         ax_comm.set_xlabel("GPUs")
         ax_comm.set_ylabel("GB sent per GPU per step")
@@ -207,15 +205,23 @@ class DpDrawing(Drawing):
         ax_split.set_xlabel(f"modelled step time ({d['unit']})")
         ax_split.set_title(f"one step on {d['gpus']} GPU{'s' if d['gpus'] > 1 else ''}",
                            fontsize=10)
-        self.speed[0].set_ydata(d["s_on"])
-        self.speed[1].set_ydata(d["s_off"])
+        ns, ns2 = d["ns"], d["ns2"]
+        self.ideal.set_data(ns, ns)
+        self.speed[0].set_data(ns, d["s_on"])
+        self.speed[1].set_data(ns, d["s_off"])
         self.speed[2].set_data([d["gpus"]], [d["here"]])
+        ax_speed.set_xticks(ns, [str(n) for n in ns])
+        ax_speed.set_yticks(ns, [str(n) for n in ns])
         ax_speed.relim()
         ax_speed.autoscale_view()
-        self.comm[0].set_ydata(d["wire"])
+        self.comm[0].set_data(ns2, d["wire"])
         self.comm[1].set_ydata([2 * d["grad_gb"]] * 2)
+        self.comm[2].set_visible(d["gpus"] > 1)   # one GPU sends nothing: no marker
         if d["gpus"] > 1:
-            self.comm[2].set_data([d["gpus"]], [d["wire"][d["ns2"].index(d["gpus"])]])
+            self.comm[2].set_data([d["gpus"]], [d["wire"][ns2.index(d["gpus"])]])
+        ax_comm.set_xticks(ns2, [str(n) for n in ns2])
+        ax_comm.dataLim.intervalx = (ns2[0], ns2[-1])   # the line's span (axhline spans any)
+        ax_comm.autoscale_view(scaley=False)
         ax_comm.set_ylim(0, 2.2 * d["grad_gb"])
         fig.suptitle(d["suptitle"], fontsize=10)
         return d["text"]
