@@ -133,7 +133,9 @@ class Layout:
             return
         self.fig.tight_layout(*self.args, **self.kwargs)
         self.runs += 1
-        self._remember(layout_texts(self.fig))   # ticks may change with the axes' sizes
+        after = layout_texts(self.fig)   # ticks may change with the axes' sizes
+        self._remember(after)
+        self.made[repr(texts)] = self.made[repr(after)]   # the texts it was asked for too
 
 
 @contextlib.contextmanager
