@@ -118,8 +118,12 @@ class Layout:
         self.runs = 0    # tight_layout runs after the first (tests, benches)
         self._remember(layout_texts(fig))
 
+    KEPT = 256   # layouts kept (a few per slider value; a long session starts over)
+
     def _remember(self, texts):
         self.key = margins_key(texts)
+        if len(self.made) >= self.KEPT:
+            self.made.clear()
         self.made[repr(texts)] = {p: getattr(self.fig.subplotpars, p) for p in self.PARAMS}
 
     def refresh(self):
