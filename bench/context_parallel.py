@@ -141,7 +141,8 @@ def main():
                                labkit_over_torch=f"{saved / r0['saved']['torch']:.2f}",
                                notes="what autograd keeps for backward (MemoryTracker)")]
             print(f"  {impl}: step {float(row['labkit']) * 1e3:.1f} ms vs "
-                  f"{float(row['torch']) * 1e3:.1f} ms on one device; labkit_over_torch {row['labkit_over_torch']} "
+                  f"{float(row['torch']) * 1e3:.1f} ms on one device; "
+                  f"labkit_over_torch {row['labkit_over_torch']} "
                   f"({row['spread_min']}-{row['spread_max']}); saved for backward {saved} B per "
                   f"rank vs {r0['saved']['torch']} B ({saved / r0['saved']['torch']:.2f})")
         if r0["torch_cp"]:
