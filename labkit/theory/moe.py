@@ -12,7 +12,6 @@ import math
 from dataclasses import replace
 
 import numpy as np
-import torch
 
 from . import catalog, hardware
 from .time import collective_time, wire_bytes_per_rank
@@ -35,18 +34,16 @@ def skewed_shares(experts, skew=0.0) -> list:
 
 
 def _binomial_pmf(n, p, upto):
-    """P(X = i) for i = 0 .. upto, X ~ Binomial(n, p), through log-gamma (no overflow)."""
-    i = np.arange(upto + 1, dtype=np.float64)
+    """P(X = i) for i = 0 .. upto, X ~ Binomial(n, p), in logs (no overflow), vectorised.
+
+    log P(i + 1) - log P(i) = log(n - i) - log(i + 1) + log(p / (1 - p)): a cumulative sum.
+    """
     if p <= 0 or p >= 1:
-        return (i == (0 if p <= 0 else n)).astype(np.float64)
-    log_pmf = (math.lgamma(n + 1) - _lgamma(i + 1) - _lgamma(n - i + 1)
-               + i * math.log(p) + (n - i) * math.log1p(-p))
+        return (np.arange(upto + 1) == (0 if p <= 0 else n)).astype(np.float64)
+    i = np.arange(upto, dtype=np.float64)
+    steps = np.log(n - i) - np.log1p(i) + math.log(p) - math.log1p(-p)
+    log_pmf = n * math.log1p(-p) + np.concatenate(([0.0], np.cumsum(steps)))
     return np.exp(log_pmf)
-
-
-def _lgamma(x):
-    """log Gamma of every element (one vectorised call: the explorer sweeps thousands)."""
-    return torch.lgamma(torch.from_numpy(x)).numpy()
 
 
 def expected_overflow(assignments, share, cap) -> float:
