@@ -56,9 +56,10 @@ def _plan_panels(out, k=4):
     used = [c for c in BREAKDOWN_LABELS if any(p["breakdown_s"].get(c) for p in plans)]
     rows = {f"#{i + 1} {plan_label(p)}": {BREAKDOWN_LABELS[c]: p["breakdown_s"][c] for c in used}
             for i, p in enumerate(plans)}
-    return (dict(bars=bars, capacity={f"{out['cluster']['gpu']} usable":
-                                      out["cluster"]["usable_bytes"]},
-                 title="memory per GPU, worst stage (modelled)", unit="GB"),
+    # a short capacity name: it sits between the bars and the legend; the GPU is in the title
+    return (dict(bars=bars, capacity={"usable": out["cluster"]["usable_bytes"]},
+                 title=f"memory per {out['cluster']['gpu']} (modelled)\nworst pipeline stage",
+                 unit="GB"),
             dict(rows=rows, unit="s", title="step time (modelled)"))
 
 
