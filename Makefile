@@ -45,8 +45,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# As root (a container, a fresh cloud VM) JupyterLab refuses to start without --allow-root.
 lab: install
-	$(PY) -m jupyter lab --notebook-dir=notebooks
+	$(PY) -m jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: install
 	$(PY) -m pytest tests notebooks --nbval-lax -p no:cacheprovider
