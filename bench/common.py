@@ -114,6 +114,17 @@ def slowest_rank_rounds(results, side, rounds):
     return per_round
 
 
+def side_steps(results, sides, rounds):
+    """Per side: the median over rounds of `slowest_rank_rounds`, those rounds, and rank 0's
+    peak bytes of its first round ({"peak": ...} in each round's dict)."""
+    out = {}
+    for side in sides:
+        per_round = slowest_rank_rounds(results, side, rounds)
+        out[side] = dict(step=statistics.median(per_round), rounds=per_round,
+                         peak=results[0][side][0]["peak"])
+    return out
+
+
 def summary(labkit_values, torch_values):
     """Medians of both sides and the per-round ratio labkit / torch: median, min, max."""
     if len(labkit_values) != len(torch_values) or not labkit_values:

@@ -19,7 +19,6 @@ labkit_over_torch = labkit / torch (below 1: labkit is faster or smaller).
 Run: python bench/data_parallel.py [world sizes...]   (rows are appended to data/bench.csv)
 """
 import os
-import statistics
 import sys
 import time
 
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from common import replace_rows, slowest_rank_rounds  # noqa: E402
+from common import replace_rows, side_steps  # noqa: E402
 from labkit import data  # noqa: E402
 from labkit.parallel.data_parallel import DataParallel  # noqa: E402
 from labkit.runs import reference  # noqa: E402
@@ -87,11 +86,7 @@ def rounds(ctx, cfg):
 
 def summarise(results):
     """Per side: the median over rounds of the per-round median step (slowest rank each step)."""
-    out = {}
-    for side in SIDES:
-        per_round = slowest_rank_rounds(results, side, ROUNDS)
-        out[side] = dict(step=statistics.median(per_round), rounds=per_round,
-                         peak=results[0][side][0]["peak"])
+    out = side_steps(results, SIDES, ROUNDS)
     torch_rounds = out["torch"]["rounds"]
     for side in SIDES[:2]:
         ratios = [a / b for a, b in zip(out[side]["rounds"], torch_rounds)]

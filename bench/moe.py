@@ -20,7 +20,6 @@ Run: python bench/moe.py [world sizes...]   (rows are appended to data/bench.csv
 """
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from common import replace_rows, slowest_rank_rounds  # noqa: E402
+from common import replace_rows, side_steps  # noqa: E402
 from labkit.models import MoEConfig, MoELayer  # noqa: E402
 from labkit.parallel.moe import ExpertParallel  # noqa: E402
 from labkit.runtime.memory import MemoryTracker  # noqa: E402
@@ -147,11 +146,7 @@ def rounds(ctx):
 
 
 def summarise(results):
-    out = {}
-    for side in SIDES:
-        per_round = slowest_rank_rounds(results, side, ROUNDS)
-        out[side] = dict(step=statistics.median(per_round), rounds=per_round,
-                         peak=results[0][side][0]["peak"])
+    out = side_steps(results, SIDES, ROUNDS)
     ratios = [a / b for a, b in zip(out["labkit"]["rounds"], out["torch"]["rounds"])]
     out["spread"] = (min(ratios), max(ratios))
     out["diff"] = max((r["labkit"][-1]["params"][k] - r["torch"][-1]["params"][k]).abs().max()
