@@ -291,3 +291,35 @@ def test_site_snapshot_reads_an_image_widget_buffer():
     nb, _ = editions.WidgetSnapshots(enabled=True)(nb, {})
     html = nb.cells[0].outputs[-1]["data"]["text/html"]
     assert f'<img src="data:image/png;base64,{png}">' in html and "2 x H100" in html
+
+
+def test_prefetch_waits_while_a_figure_renders():
+    """The background prefetch makes no call while a live figure draws a step."""
+    import threading
+
+    from labkit.viz import live
+    done = threading.Event()
+    live._idle.clear()   # as LiveFigure.render does
+    try:
+        live.prefetch(lambda: done.set(), [()])
+        assert not done.wait(0.2)
+    finally:
+        live._idle.set()
+    assert done.wait(5)
+
+
+def test_zero_categories_hide_without_a_new_shape():
+    """A pooled category that is zero everywhere keeps the shape, its bars and legend entry
+    hidden; nonzero, they show."""
+    from labkit.viz.plots import restack, stack_shape
+    pool = ("params", "activations")
+    bars = {"a": {"params": 1e9, "activations": 0}}
+    more = {"a": {"params": 1e9, "activations": 2e9}}
+    assert stack_shape(bars, keep=pool) == stack_shape(more, keep=pool)
+    ax = memory_stack(bars, keep=pool).axes[0]
+    entries = [e for column in ax.get_legend()._legend_handle_box.get_children()
+               for e in column.get_children()]
+    assert sorted(e.get_visible() for e in entries) == [False, True]
+    restack(ax, more, keep=pool)
+    assert all(e.get_visible() for e in entries)
+    plt.close("all")

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import sys
+import threading
 
 from matplotlib.figure import Figure
 
@@ -180,6 +182,13 @@ class LiveFigure:
         self.layout = None   # a Layout after a build that asked for tight_layout
 
     def render(self, values):
+        _idle.clear()   # background prefetching waits while a step is drawn
+        try:
+            return self._render(values)
+        finally:
+            _idle.set()
+
+    def _render(self, values):
         key = self.drawing.shape(**values)
         if self._shape is self._unset or key != self._shape:
             self.fig.clf()
@@ -251,17 +260,27 @@ def explorer_box(controls, drawing, figsize, linked=(), dpi=DPI):
 # ------------------------------------------------------------------------------- prefetching
 
 _generation = [0]
+_idle = threading.Event()   # clear while a LiveFigure renders
+_idle.set()
+
+
+def _wait_while_drawing(frame, event, arg):
+    """The prefetch thread's trace function: at every Python call it waits (not holding the
+    GIL) while a step is being drawn. Two threads sharing the GIL hand it over every 5 ms,
+    which would make the step itself up to twice as slow as without the prefetch."""
+    _idle.wait()
 
 
 def prefetch(fn, calls):
     """Call `fn(*args)` for each args tuple of `calls` in a background thread, so that an
     lru_cached theory function has the values a slider is likely to take next ready before
-    it takes them. A newer prefetch stops an older one between calls."""
-    import threading
+    it takes them. The thread pauses while any live figure renders (it runs between steps,
+    never against one). A newer prefetch stops an older one between calls."""
     _generation[0] += 1
     mine = _generation[0]
 
     def work():
+        sys.settrace(_wait_while_drawing)   # this thread only
         for args in calls:
             if _generation[0] != mine:
                 return

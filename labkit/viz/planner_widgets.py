@@ -20,6 +20,9 @@ BREAKDOWN_COLORS = {"compute": "#2ca02c", "recompute (incl. FlashAttention's)": 
                     "TP comm": "#9467bd", "CP ring (exposed)": "#e377c2",
                     "pipeline bubble": "#dcdcdc", "PP sends": "#c5b0d5",
                     "DP/ZeRO comm (exposed)": "#d62728", "optimizer step": "#8c564b"}
+# every memory category the planner reports: a fixed pool of bars, hidden while zero, keeps the
+# figure's shape (and its artists) when the top plans' categories change
+MEMORY_POOL = ("params", "grads", "optimizer", "activations", "buffers")
 EXPLORER_GPUS = {"H100 SXM": "H100", "H200 SXM": "H200", "A100 SXM 80GB": "A100", "B200": "B200"}
 
 
@@ -53,14 +56,15 @@ def _plan_panels(out, k=4):
     plans = out["plans"][:k]
     bars = {f"#{i + 1}": {c: v for c, v in p["memory_bytes"].items() if c != "total"}
             for i, p in enumerate(plans)}
-    used = [c for c in BREAKDOWN_LABELS if any(p["breakdown_s"].get(c) for p in plans)]
-    rows = {f"#{i + 1} {plan_label(p)}": {BREAKDOWN_LABELS[c]: p["breakdown_s"][c] for c in used}
+    # every category, zero ones hidden (time_split's hide_zero): the shape stays
+    rows = {f"#{i + 1} {plan_label(p)}": {BREAKDOWN_LABELS[c]: p["breakdown_s"].get(c, 0.0)
+                                          for c in BREAKDOWN_LABELS}
             for i, p in enumerate(plans)}
     # a short capacity name: it sits between the bars and the legend; the GPU is in the title
     return (dict(bars=bars, capacity={"usable": out["cluster"]["usable_bytes"]},
                  title=f"memory per {out['cluster']['gpu']} (modelled)\nworst pipeline stage",
-                 unit="GB"),
-            dict(rows=rows, unit="s", title="step time (modelled)"))
+                 unit="GB", keep=MEMORY_POOL),
+            dict(rows=rows, unit="s", title="step time (modelled)", hide_zero=True))
 
 
 def plan_figure(out, k=4, fig=None):
@@ -77,8 +81,8 @@ def plan_figure(out, k=4, fig=None):
 
 
 class PlannerDrawing(Drawing):
-    """plan_figure built once per shape (how many plans, which categories); a new GPU count
-    or batch with the same shape moves the bars. The planner's search is cached, and the
+    """plan_figure built once per shape (how many plans; the categories are a fixed pool, zero
+    ones hidden); a new GPU count or batch with the same shape moves the bars. The planner's search is cached, and the
     GPU counts next to the chosen one are searched in the background."""
 
     def shape(self, model, gpus, gpu, tokens, seq):
@@ -91,7 +95,7 @@ class PlannerDrawing(Drawing):
             return str(error)
         self.panels = _plan_panels(self.out)
         stack, split = self.panels
-        return (stack_shape(stack["bars"], stack["capacity"], stack["unit"]),
+        return (stack_shape(stack["bars"], stack["capacity"], stack["unit"], stack["keep"]),
                 time_shape(split["rows"]))
 
     def build(self, fig, **values):

@@ -75,11 +75,12 @@ def _spread(values, gap):
 
 # ------------------------------------------------------------------------------- memory_stack
 
-def _stack_layout(bars, capacity, unit):
-    """What memory_stack draws, as numbers: categories, heights, totals, capacity lines."""
+def _stack_layout(bars, capacity, unit, keep=()):
+    """What memory_stack draws, as numbers: categories, heights, totals, capacity lines
+    (categories in `keep` are drawn even where zero everywhere: `restack` hides them)."""
     scale = UNITS[unit]
     labels = list(bars)
-    seen = []
+    seen = [k for k in keep]
     for values in bars.values():
         seen += [k for k, v in values.items() if k not in NOT_STACKED and k not in seen and v]
     cats = [c for c in MEMORY_ORDER if c in seen] + [c for c in seen if c not in MEMORY_ORDER]
@@ -101,23 +102,38 @@ def _stack_layout(bars, capacity, unit):
                 peaks=peaks, top=top, lines=lines)
 
 
-def stack_shape(bars, capacity=None, unit="GB"):
+def stack_shape(bars, capacity=None, unit="GB", keep=()):
     """What decides memory_stack's artists: labels' count, categories, peaks, capacity lines.
-    Two calls with the same shape can share artists: `restack` moves them."""
-    lay = _stack_layout(bars, capacity, unit)
+    Two calls with the same shape can share artists: `restack` moves them. A fixed pool of
+    categories (`keep`) keeps the shape while the nonzero categories change."""
+    lay = _stack_layout(bars, capacity, unit, keep)
     return len(lay["labels"]), tuple(lay["cats"]), len(lay["peaks"]), len(lay["lines"]), unit
 
 
-def memory_stack(bars, capacity=None, title="", unit="GB", ax=None):
+def show_legend_entries(ax, shown):
+    """Show or hide `ax`'s legend entries by label ({label: bool}); a hidden entry leaves no
+    gap (the legend packs its visible entries only)."""
+    legend = ax.get_legend()
+    if legend is None:
+        return
+    for column in legend._legend_handle_box.get_children():
+        for entry in column.get_children():
+            label = entry.get_children()[-1]._text.get_text()
+            if label in shown and entry.get_visible() != shown[label]:
+                entry.set_visible(shown[label])
+
+
+def memory_stack(bars, capacity=None, title="", unit="GB", ax=None, keep=()):
     """One stacked bar per label of `bars` ({label: {category: bytes}}), dashed capacity lines.
 
     Categories stack in MEMORY_ORDER (unknown ones after, in the order met; zero everywhere:
     left out); 'total', 'peak' and 'peak_phase' are not stacked, but a 'peak' is drawn as a
     black marker at its height.
     `capacity` is {name: bytes}, e.g. {'H100 80 GB': 80e9}; equal capacities share one line.
-    `restack(ax, ...)` moves the artists to new bytes of the same `stack_shape`.
+    `restack(ax, ...)` moves the artists to new bytes of the same `stack_shape`; categories
+    in `keep` get bars and a legend entry, hidden while zero everywhere.
     """
-    lay = _stack_layout(bars, capacity, unit)
+    lay = _stack_layout(bars, capacity, unit, keep)
     labels = lay["labels"]
     fig, ax = _figure(ax, (max(5.5, 1.3 * len(labels) + 4.5), 4.6))
     x = list(range(len(labels)))
@@ -154,19 +170,26 @@ def memory_stack(bars, capacity=None, title="", unit="GB", ax=None):
                   frameon=False)
     ax.grid(axis="y", alpha=0.3)
     ax.labkit_stack = drawn
-    restack(ax, bars, capacity, title, unit)
+    restack(ax, bars, capacity, title, unit, keep)
     fig.tight_layout()
     return fig
 
 
-def restack(ax, bars, capacity=None, title="", unit="GB"):
+def restack(ax, bars, capacity=None, title="", unit="GB", keep=()):
     """Set memory_stack's artists on `ax` to new bytes (same `stack_shape`): bar heights,
-    totals, peaks, capacity lines, limits, tick labels and title."""
-    lay, drawn = _stack_layout(bars, capacity, unit), ax.labkit_stack
-    for container, heights, bottoms in zip(drawn["bars"], lay["heights"], lay["bottoms"]):
+    totals, peaks, capacity lines, limits, tick labels and title; a kept category that is
+    zero everywhere is hidden, bars and legend entry."""
+    lay, drawn = _stack_layout(bars, capacity, unit, keep), ax.labkit_stack
+    shown = {}
+    for cat, container, heights, bottoms in zip(lay["cats"], drawn["bars"], lay["heights"],
+                                                lay["bottoms"]):
+        shown[MEMORY_LABELS.get(cat, cat)] = visible = any(heights)
         for rect, h, b in zip(container, heights, bottoms):
             rect.set_y(b)
             rect.set_height(h)
+            rect.set_visible(visible)
+    if keep:
+        show_legend_entries(ax, shown)
     for text, total in zip(drawn["totals"], lay["totals"]):
         text.set_y(total)
         text.set_text(f"{fmt(total)} {unit}")
@@ -358,12 +381,14 @@ def time_shape(rows):
     return len(lay["labels"]), tuple(lay["cats"])
 
 
-def time_split(rows, ax=None, title="", unit="ms", colors=None):
+def time_split(rows, ax=None, title="", unit="ms", colors=None, hide_zero=False):
     """Stacked horizontal bars per label ({label: {compute, exposed_comm, bubble, other}}, s).
 
     Keys other than those four (except 'total') are stacked after them; `colors` ({key:
     colour}) colours them. Say 'modelled' or 'measured' in the labels or title.
-    `retime(ax, ...)` moves the bars to new times of the same `time_shape`.
+    `retime(ax, ...)` moves the bars to new times of the same `time_shape`. `hide_zero`:
+    a category zero in every row is hidden (bars and legend entry), so a fixed pool of
+    categories keeps the shape.
     """
     colors = dict(TIME_COLORS, **(colors or {}))
     lay = _time_layout(rows, unit)
@@ -376,19 +401,25 @@ def time_split(rows, ax=None, title="", unit="ms", colors=None):
         for i, (cat, widths, lefts) in enumerate(zip(lay["cats"], lay["widths"], lay["lefts"]))]
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
-    retime(ax, rows, title, unit)
+    retime(ax, rows, title, unit, hide_zero)
     fig.tight_layout()
     return fig
 
 
-def retime(ax, rows, title="", unit="ms"):
+def retime(ax, rows, title="", unit="ms", hide_zero=False):
     """Set time_split's bars on `ax` to new times (same `time_shape`), with labels, unit,
     limits and title."""
     lay = _time_layout(rows, unit)
-    for container, widths, lefts in zip(ax.labkit_split, lay["widths"], lay["lefts"]):
+    shown = {}
+    for cat, container, widths, lefts in zip(lay["cats"], ax.labkit_split, lay["widths"],
+                                             lay["lefts"]):
+        shown[TIME_LABELS.get(cat, cat)] = visible = any(widths) or not hide_zero
         for rect, w, left in zip(container, widths, lefts):
             rect.set_x(left)
             rect.set_width(w)
+            rect.set_visible(visible)
+    if hide_zero:
+        show_legend_entries(ax, shown)
     ax.set_yticks([-i for i in range(len(lay["labels"]))], lay["labels"])
     ax.set_xlabel(f"time per step ({unit})")
     ax.set_xlim(0, max(lay["ends"] + [0.0]) * 1.05 or 1)
