@@ -323,3 +323,20 @@ def test_zero_categories_hide_without_a_new_shape():
     restack(ax, more, keep=pool)
     assert all(e.get_visible() for e in entries)
     plt.close("all")
+
+
+def test_layout_keeps_margins_for_slightly_longer_x_ticks_only():
+    """An x tick label a digit longer keeps the layout; a wider y tick label lays out again."""
+    from labkit.viz import live
+    fig = live.live_figure((4, 3))
+    ax = fig.subplots()
+    ax.set_xticks([0, 1], ["0", "9"])
+    ax.set_yticks([0, 1], ["a", "b"])
+    fig.tight_layout()
+    layout = live.Layout(fig)
+    ax.set_xticks([0, 1], ["0", "99"])
+    layout.refresh()
+    assert layout.runs == 0
+    ax.set_yticks([0, 1], ["a", "a much longer label"])
+    layout.refresh()
+    assert layout.runs == 1
