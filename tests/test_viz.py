@@ -258,6 +258,7 @@ def test_cached_text_paints_the_pixels_plain_agg_paints():
         canvas(fig).draw()   # the second cached draw takes every glyph from the cache
         pictures.append(np.asarray(fig.canvas.buffer_rgba()).copy())
     assert all(np.array_equal(pictures[0], p) for p in pictures[1:])
+    assert agg_text._heights   # the layouts' font metrics came from the renderer's cache
 
 
 def test_an_update_puts_back_a_layout_made_before():

@@ -23,6 +23,7 @@ GLYPHS_KEPT = 50_000    # glyph bitmaps of ~100-400 bytes each
 
 _layouts = {}
 _glyphs = {}
+_heights = {}   # {(font properties, dpi): (ascent, descent, line gap)}
 
 
 def _supported():
@@ -65,6 +66,31 @@ class CachedTextRenderer(RendererAgg):
             glyphs = _remember(_layouts, LAYOUTS_KEPT, key,
                                [(i.ft_object, i.glyph_index, i.x, i.y) for i in items])
         self._draw_glyphs(gc, x, y, angle, prop.get_size_in_points(), glyphs)
+
+    def _get_font_height_metrics(self, prop):
+        """Text._get_layout's font-wide ascent, descent and line gap (the font's OS/2 or hhea
+        table, as Matplotlib reads it), remembered per font and size: every text's layout
+        asks, and finding the font and reading its tables is most of a short label's cost.
+        (None, None, None) leaves it to Matplotlib."""
+        key = (hash(prop), self.dpi)
+        hit = _heights.get(key)
+        if hit is None:
+            from matplotlib.font_manager import fontManager, get_font
+            font = get_font(fontManager._find_fonts_by_props(prop))
+            hit = (None, None, None)
+            for table_name, gap, ascent, descent in (
+                    ("OS/2", "sTypoLineGap", "sTypoAscender", "sTypoDescender"),
+                    ("hhea", "lineGap", "ascent", "descent")):
+                table = font.get_sfnt_table(table_name)
+                if table is None:
+                    continue
+                # Matplotlib's very expression (the same floating-point rounding)
+                scale = (1 / font.get_sfnt_table("head")["unitsPerEm"]
+                         * prop.get_size_in_points() * self.dpi / 72)
+                hit = (table[ascent] * scale, -table[descent] * scale, table[gap] * scale)
+                break
+            _remember(_heights, LAYOUTS_KEPT, key, hit)
+        return hit
 
     def _draw_glyphs(self, gc, x, y, angle, size, glyphs):
         """RendererAgg._draw_text_glyphs_and_boxes for plain text (no slant, no stretch, no
