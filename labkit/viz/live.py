@@ -77,9 +77,19 @@ def live_figure(figsize, dpi=DPI):
     return fig
 
 
+def legend_labels(ax):
+    """The labels of `ax`'s legend entries that are shown (an entry can be hidden)."""
+    legend = ax.get_legend()
+    if legend is None:
+        return ()
+    return tuple(entry.get_children()[-1]._text.get_text()
+                 for column in legend._legend_handle_box.get_children()
+                 for entry in column.get_children() if entry.get_visible())
+
+
 def layout_texts(fig):
     """The texts whose sizes decide tight_layout's margins, read without measuring any: per
-    axes its y and x tick labels, title and axis labels; the suptitle."""
+    axes its y and x tick labels, title and axis labels, legend entries; the suptitle."""
     texts = [fig._suptitle.get_text() if fig._suptitle is not None else ""]
     for ax in fig.axes:
         if ax.get_visible():
@@ -87,21 +97,23 @@ def layout_texts(fig):
                           tuple(t.get_text() for t in ax.xaxis.get_ticklabels()),
                           tuple(t.get_text() if t.get_visible() else "" for t in
                                 (ax.title, ax._left_title, ax._right_title, ax.xaxis.label,
-                                 ax.yaxis.label))))
+                                 ax.yaxis.label)),
+                          legend_labels(ax)))
     return texts
 
 
 def margins_key(texts):
     """What of `layout_texts` moves the margins: the longest line of the y tick labels
     (their width sets the left margin) and of the first and last x tick labels (they
-    overhang the sides), the lines of titles and labels. Digits are equally wide, so ticks
+    overhang the sides), the lines of titles and labels, the legend's shown entries (a
+    legend beside the axes is as wide as its longest). Digits are equally wide, so ticks
     0 ... 250 GB -> 0 ... 300 GB move no margin and -> 0 ... 1,250 GB do."""
     key = [texts[0].count("\n")]
-    for ys, xs, words in texts[1:]:
+    for ys, xs, words, legend in texts[1:]:
         lengths = [len(x) for x in xs]
         widest = max((len(line) for y in ys for line in y.split("\n")), default=0)
         key.append((widest, tuple(lengths[:1] + lengths[-1:]),
-                    tuple(w.count("\n") + bool(w) for w in words)))
+                    tuple(w.count("\n") + bool(w) for w in words), legend))
     return key
 
 
@@ -139,8 +151,8 @@ class Layout:
         X_SLACK characters of those the layout was made for (or shrink)."""
         if len(key) != len(self.key) or key[0] != self.key[0]:
             return False
-        for (y, xs, words), (y0, xs0, words0) in zip(key[1:], self.key[1:]):
-            if y != y0 or words != words0 or len(xs) != len(xs0):
+        for (y, xs, words, legend), (y0, xs0, words0, legend0) in zip(key[1:], self.key[1:]):
+            if y != y0 or words != words0 or legend != legend0 or len(xs) != len(xs0):
                 return False
             if any(n > n0 + self.X_SLACK for n, n0 in zip(xs, xs0)):
                 return False
