@@ -87,6 +87,19 @@ def legend_labels(ax):
                  for entry in column.get_children() if entry.get_visible())
 
 
+def show_legend_entries(ax, shown):
+    """Show or hide `ax`'s legend entries by label ({label: bool}); a hidden entry leaves no
+    gap (the legend packs its visible entries only)."""
+    legend = ax.get_legend()
+    if legend is None:
+        return
+    for column in legend._legend_handle_box.get_children():
+        for entry in column.get_children():
+            label = entry.get_children()[-1]._text.get_text()
+            if label in shown and entry.get_visible() != shown[label]:
+                entry.set_visible(shown[label])
+
+
 def layout_texts(fig):
     """The texts whose sizes decide tight_layout's margins, read without measuring any: per
     axes its y and x tick labels, title and axis labels, legend entries; the suptitle."""

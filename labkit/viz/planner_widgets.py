@@ -82,8 +82,9 @@ def plan_figure(out, k=4, fig=None):
 
 class PlannerDrawing(Drawing):
     """plan_figure built once per shape (how many plans; the categories are a fixed pool, zero
-    ones hidden); a new GPU count or batch with the same shape moves the bars. The planner's search is cached, and the
-    GPU counts next to the chosen one are searched in the background."""
+    ones hidden); a new GPU count or batch with the same shape moves the bars. The planner's
+    search is cached, and the GPU counts next to the chosen one are searched in the
+    background, between steps."""
 
     def shape(self, model, gpus, gpu, tokens, seq):
         prefetch(cached_plan, [(model, n, gpu, tokens, seq)

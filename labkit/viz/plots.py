@@ -11,6 +11,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
+from .live import show_legend_entries
+
 # --------------------------------------------------------------------------------- shared bits
 
 UNITS = {"TB": 1e12, "GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1.0}
@@ -108,19 +110,6 @@ def stack_shape(bars, capacity=None, unit="GB", keep=()):
     categories (`keep`) keeps the shape while the nonzero categories change."""
     lay = _stack_layout(bars, capacity, unit, keep)
     return len(lay["labels"]), tuple(lay["cats"]), len(lay["peaks"]), len(lay["lines"]), unit
-
-
-def show_legend_entries(ax, shown):
-    """Show or hide `ax`'s legend entries by label ({label: bool}); a hidden entry leaves no
-    gap (the legend packs its visible entries only)."""
-    legend = ax.get_legend()
-    if legend is None:
-        return
-    for column in legend._legend_handle_box.get_children():
-        for entry in column.get_children():
-            label = entry.get_children()[-1]._text.get_text()
-            if label in shown and entry.get_visible() != shown[label]:
-                entry.set_visible(shown[label])
 
 
 def memory_stack(bars, capacity=None, title="", unit="GB", ax=None, keep=()):
