@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 
 from ..theory import catalog, hardware, planner
 from ..theory import context_parallel as tcp
-from .live import Drawing, one_tight_layout
+from .live import Drawing
 from .plots import (TIME_UNITS, fmt, gantt, memory_stack, pick_time_unit, restack,
                     stack_shape)
 from .widgets import explorer_models, figure_explorer
@@ -166,11 +166,7 @@ class CpDrawing(Drawing):
 def cp_panels(fig, model="Llama 3 8B", seq=131072, cp=8, layout="zigzag"):
     """The explorer's three modelled panels on `fig`; returns the summary line (HTML)."""
     fig.clf()
-    drawing, values = CpDrawing(), dict(model=model, seq=seq, cp=cp, layout=layout)
-    with one_tight_layout(fig):   # the panels' helpers each ask for one: make it once
-        drawing.shape(**values)
-        drawing.build(fig, **values)
-        return drawing.update(fig, **values)
+    return CpDrawing().draw_on(fig, tight=False, model=model, seq=seq, cp=cp, layout=layout)
 
 
 def cp_explorer(model="Llama 3 8B"):

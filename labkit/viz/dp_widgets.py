@@ -14,7 +14,7 @@ import math
 from ..theory import catalog, hardware
 from ..theory import time as tt
 from ..theory.memory import dtype_bytes, model_state_bytes
-from .live import Drawing, one_tight_layout
+from .live import Drawing
 from .plots import TIME_COLORS, TIME_UNITS, fmt, pick_time_unit
 
 # label -> (cluster name pattern for n nodes of 8, note)
@@ -229,14 +229,8 @@ class DpDrawing(Drawing):
 
 def draw(fig, model, gpus, tokens, bucket_mb, link):
     """Fill `fig` with the three panels; return the summary line (HTML)."""
-    drawing = DpDrawing()
-    values = dict(model=model, gpus=gpus, tokens=tokens, bucket_mb=bucket_mb, link=link)
-    with one_tight_layout(fig):   # the panels' helpers each ask for one: make it once
-        drawing.shape(**values)
-        drawing.build(fig, **values)
-        text = drawing.update(fig, **values)
-        fig.tight_layout()
-    return text
+    return DpDrawing().draw_on(fig, model=model, gpus=gpus, tokens=tokens,
+                               bucket_mb=bucket_mb, link=link)
 
 
 def dp_explorer(model="Llama 3 8B", gpus=16, tokens=2 ** 20, bucket_mb=25):

@@ -50,6 +50,17 @@ class Drawing:
     def update(self, fig, **values):
         raise NotImplementedError
 
+    def draw_on(self, fig, tight=True, **values):
+        """Build and fill `fig` once, outside an explorer (a lesson's static figure, a test);
+        one layout at the end, however many the panels' helpers ask for. Returns the text."""
+        with one_tight_layout(fig):
+            self.shape(**values)
+            self.build(fig, **values)
+            text = self.update(fig, **values)
+            if tight:
+                fig.tight_layout()
+        return text
+
 
 class Redraw(Drawing):
     """A plain `draw(fig, **values)` function as a Drawing that builds on every change."""

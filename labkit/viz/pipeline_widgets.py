@@ -13,7 +13,7 @@ from matplotlib.collections import PolyCollection
 from matplotlib.patches import Patch
 
 from ..theory import pipeline as pp
-from .live import Drawing, one_tight_layout
+from .live import Drawing
 from .plots import (GANTT_COLORS, GANTT_LABELS, TIME_UNITS, _gantt_style, fmt, gantt,
                     pick_time_unit)
 
@@ -170,15 +170,8 @@ class PipelineDrawing(Drawing):
 
 def draw_pipeline(fig, stages, microbatches, schedule, virtual, ratio):
     """Gantt chart (top) and activation memory per stage (bottom) on `fig`; returns a line."""
-    drawing = PipelineDrawing()
-    values = dict(stages=stages, microbatches=microbatches, schedule=schedule,
-                  virtual=virtual, ratio=ratio)
-    drawing.shape(**values)
-    with one_tight_layout(fig):
-        drawing.build(fig, **values)
-        text = drawing.update(fig, **values)
-        fig.tight_layout()
-    return text
+    return PipelineDrawing().draw_on(fig, stages=stages, microbatches=microbatches,
+                                     schedule=schedule, virtual=virtual, ratio=ratio)
 
 
 def pipeline_explorer():

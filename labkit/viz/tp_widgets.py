@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 
 from ..theory import catalog, hardware
 from ..theory import tensor_parallel as ttp
-from .live import Drawing, one_tight_layout
+from .live import Drawing
 from .plots import fmt, memory_stack, restack, retime, stack_shape, time_shape, time_split
 from .widgets import explorer, explorer_models
 
@@ -95,13 +95,7 @@ def tp_panels(fig, **values):
     """Draw the three modelled panels on `fig` (cleared first); return a one-line summary
     (HTML). Arguments: model, tp, sequence_parallel, link, batch, seq."""
     fig.clf()
-    drawing = TpDrawing()
-    with one_tight_layout(fig):   # the panels' helpers each ask for one: make it once
-        drawing.shape(**values)
-        drawing.build(fig, **values)
-        text = drawing.update(fig, **values)
-        fig.tight_layout()
-    return text
+    return TpDrawing().draw_on(fig, **values)
 
 
 def tp_explorer():
