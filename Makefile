@@ -69,9 +69,10 @@ test-browser: install
 bench: install
 	for b in bench/*.py; do $(PY) $$b || exit 1; done
 
-# Rebuild every notebook from its generator (notebooks/make/*.py) and save it executed.
+# Build each lesson whose source changed (notebooks/src/NN_name.py, jupytext py:percent) into
+# notebooks/NN_name.ipynb, executed, with stable cell ids (notebooks/build.py; FORCE=1: all).
 notebooks: install
-	for g in notebooks/make/*.py; do $(PY) $$g || exit 1; done
+	$(PY) notebooks/build.py $(if $(FORCE),--force)
 
 # The executed lessons as static HTML in site/ (index.html links them), and the student edition
 # in student/ (solution cells stubbed, outputs cleared): nbconvert, see labkit/editions.py.

@@ -1,29 +1,36 @@
-"""Build notebooks/06_putting_it_together.ipynb from the cells below, then execute it in place.
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-Run from anywhere: `.venv/bin/python notebooks/make/06_putting_it_together.py`. Edit the lesson
-here, not in the .ipynb: the notebook is regenerated (with its outputs) from this list.
-"""
-from nbmake import code, md, write_and_execute
+# %% [markdown]
+# # 06 · Putting it together: a DP × TP × PP mesh, and a planner
+#
+# Each technique of lessons 01-05 hits a wall on its own. Data parallelism copies the whole model
+# to every GPU. ZeRO shards the model states but every GPU still runs every layer, and its
+# all-gathers cross the slow links between nodes. Tensor parallelism needs NVLink-class links, so
+# it stops at one node (8 GPUs). Pipeline parallelism leaves GPUs idle in the bubble unless there
+# are many micro-batches per stage. Real runs combine them: Llama 3.1 405B trained with TP 8
+# inside each node, PP 16 across nodes and data parallelism over the rest (Dubey et al. 2024).
+#
+# The source article ends by saying that, depending on the bottleneck, you can cut memory or
+# time by "combining these techniques". This lesson does it:
+# 1. trains the tiny GPT on a **2 × 2 × 2 mesh** (8 CPU ranks: DP × TP × PP, each dimension one
+#    of the building blocks of `labkit.parallel`) and checks it against one device;
+# 2. asks a **planner** (`labkit.theory.planner`) which layouts of a real model fit a real cluster
+#    and how fast each would go (modelled), calibrated on a published table of runs.
 
-CELLS = [
-    md(r"""
-# 06 · Putting it together: a DP × TP × PP mesh, and a planner
-
-Each technique of lessons 01-05 hits a wall on its own. Data parallelism copies the whole model
-to every GPU. ZeRO shards the model states but every GPU still runs every layer, and its
-all-gathers cross the slow links between nodes. Tensor parallelism needs NVLink-class links, so
-it stops at one node (8 GPUs). Pipeline parallelism leaves GPUs idle in the bubble unless there
-are many micro-batches per stage. Real runs combine them: Llama 3.1 405B trained with TP 8
-inside each node, PP 16 across nodes and data parallelism over the rest (Dubey et al. 2024).
-
-The source article ends by saying that, depending on the bottleneck, you can cut memory or
-time by "combining these techniques". This lesson does it:
-1. trains the tiny GPT on a **2 × 2 × 2 mesh** (8 CPU ranks: DP × TP × PP, each dimension one
-   of the building blocks of `labkit.parallel`) and checks it against one device;
-2. asks a **planner** (`labkit.theory.planner`) which layouts of a real model fit a real cluster
-   and how fast each would go (modelled), calibrated on a published table of runs.
-"""),
-    code(r"""
+# %%
 import pandas as pd
 import matplotlib.pyplot as plt
 from IPython.display import Markdown
@@ -39,15 +46,15 @@ from labkit.exercises.hybrid import (EXERCISE, check_dp_average, check_hybrid_me
 pd.set_option("display.precision", 3)
 pd.set_option("display.width", 120)
 GB = 1e9
-"""),
-    md(r"""
-## 1 · The walls of each technique alone (modelled)
 
-Llama 3 70B, a batch of 256 sequences of 4,096 tokens, on 64 H100s (8 nodes of 8). The planner
-holds the layout each technique allows on its own and searches the rest (micro-batch size,
-recompute, ...). `fits` compares the worst GPU's bytes with what an 80 GB H100 leaves usable.
-"""),
-    code(r"""
+# %% [markdown]
+# ## 1 · The walls of each technique alone (modelled)
+#
+# Llama 3 70B, a batch of 256 sequences of 4,096 tokens, on 64 H100s (8 nodes of 8). The planner
+# holds the layout each technique allows on its own and searches the rest (micro-batch size,
+# recompute, ...). `fits` compares the worst GPU's bytes with what an 80 GB H100 leaves usable.
+
+# %%
 WALLS = {"data parallel only": "dp=64,tp=1,pp=1,zero_stage=0",
          "ZeRO-3 only": "dp=64,tp=1,pp=1,zero_stage=3",
          "tensor parallel only (TP 64)": "dp=1,tp=64,pp=1",
@@ -64,8 +71,8 @@ pd.DataFrame({name: {"GB per GPU": p["memory_bytes"]["total"] / GB, "fits": p["f
                      "largest overhead": max((k for k in p["breakdown_s"] if k != "compute"),
                                              key=lambda k: p["breakdown_s"][k])}
               for name, p in walls.items()}).T
-"""),
-    code(r"""
+
+# %%
 best_alone = max((p for n, p in walls.items() if p["fits"] and "x" not in n),
                  key=lambda p: p["mfu"], default=None)
 combined = walls["TP 8 x PP 2 x DP 4"]
@@ -77,19 +84,19 @@ Markdown(
     f"{walls['pipeline only (PP 64)']['breakdown_s']['pp_bubble'] / walls['pipeline only (PP 64)']['step_s']:.0%}"
     f" of the step in the bubble. The best single technique that fits reaches "
     f"{best_alone['mfu']:.1%} MFU; TP 8 × PP 2 × DP 4 reaches {combined['mfu']:.1%}.")
-"""),
-    md(r"""
-## 2 · Run it: the tiny GPT on a 2 × 2 × 2 mesh
 
-`labkit.runs.hybrid.report` starts 8 ranks and lays them out as a mesh (`labkit.Mesh`):
-**TP innermost** (ranks 0-1 share a TP group), then DP, then PP outermost. Each rank builds the
-same GPT, keeps its pipeline stage (`split_into_stages`), splits that stage's matrices over its
-TP group (`parallelize`), runs the 1F1B schedule with its stage neighbours (`PipelineSchedule`),
-and after the pipeline flush averages its gradients with the other replica of its stage (one
-all-reduce over the DP group). All of it is `labkit.parallel.hybrid.HybridParallel`, composed
-from the blocks of lessons 01-03. The modelled cluster is 2 nodes of 4 H100s.
-"""),
-    code(r"""
+# %% [markdown]
+# ## 2 · Run it: the tiny GPT on a 2 × 2 × 2 mesh
+#
+# `labkit.runs.hybrid.report` starts 8 ranks and lays them out as a mesh (`labkit.Mesh`):
+# **TP innermost** (ranks 0-1 share a TP group), then DP, then PP outermost. Each rank builds the
+# same GPT, keeps its pipeline stage (`split_into_stages`), splits that stage's matrices over its
+# TP group (`parallelize`), runs the 1F1B schedule with its stage neighbours (`PipelineSchedule`),
+# and after the pipeline flush averages its gradients with the other replica of its stage (one
+# all-reduce over the DP group). All of it is `labkit.parallel.hybrid.HybridParallel`, composed
+# from the blocks of lessons 01-03. The modelled cluster is 2 nodes of 4 H100s.
+
+# %%
 cfg = reference.RunConfig(steps=3)   # Adam, as every lesson's reference run
 run = hybrid.report(cfg=cfg, dp=2, tp=2, pp=2, microbatches=2, cluster="2x4xH100-IB")
 print(f"loss per step:      {[round(x, 5) for x in run['loss']]}")
@@ -98,28 +105,28 @@ print(f"largest parameter difference after {cfg.steps} steps: "
       f"{run['max_param_diff_vs_reference']:.2e}")
 fig = mesh_layout(run["mesh_table"], gpus_per_node=4,
                   title="2 x 2 x 2 mesh on 2 modelled nodes: colour = stage, shade = TP shard")
-"""),
-    md(r"""
-Same losses, same parameters: the difference is float rounding of sums taken in another
-order, which Adam magnifies where a gradient is almost exactly zero (with SGD it stays at
-rounding level; `tests/test_hybrid.py` checks both). The communication, by the mesh dimension it ran in (payloads measured; wire bytes are
-the ring model's, not measured on gloo; seconds are modelled on the 2-node cluster):
-"""),
-    code(r"""
+
+# %% [markdown]
+# Same losses, same parameters: the difference is float rounding of sums taken in another
+# order, which Adam magnifies where a gradient is almost exactly zero (with SGD it stays at
+# rounding level; `tests/test_hybrid.py` checks both). The communication, by the mesh dimension it ran in (payloads measured; wire bytes are
+# the ring model's, not measured on gloo; seconds are modelled on the 2-node cluster):
+
+# %%
 comm = pd.DataFrame(run["comm_by_dim"]).rename(columns={
     "bytes": "payload bytes (measured)", "wire_bytes": "ring-model bytes (modelled)",
     "modelled_s": "seconds (modelled)"})
 comm
-"""),
-    md(r"""
-TP moves the most (4 collectives per layer and micro-batch, on the critical path): that is why
-it sits innermost, on NVLink. PP sends one activation per micro-batch and stage boundary; DP
-reduces each stage's gradients once per step.
 
-**The wrong order.** Put TP outermost instead (`order=("tp", "pp", "dp", "cp")`): ranks 0 and 4
-form a TP group, on different nodes. Same numbers, a slower modelled step:
-"""),
-    code(r"""
+# %% [markdown]
+# TP moves the most (4 collectives per layer and micro-batch, on the critical path): that is why
+# it sits innermost, on NVLink. PP sends one activation per micro-batch and stage boundary; DP
+# reduces each stage's gradients once per step.
+#
+# **The wrong order.** Put TP outermost instead (`order=("tp", "pp", "dp", "cp")`): ranks 0 and 4
+# form a TP group, on different nodes. Same numbers, a slower modelled step:
+
+# %%
 wrong = hybrid.report(cfg=cfg, dp=2, tp=2, pp=2, microbatches=2, cluster="2x4xH100-IB",
                       order="tp,pp,dp,cp")
 tp_time = {name: sum(r["modelled_s"] for r in rep["comm_by_dim"] if r["dim"] == "tp")
@@ -130,15 +137,15 @@ for name, rep in (("TP inside a node", run), ("TP across nodes", wrong)):
           f"step {rep['modelled_step_s'] * 1e6:7.1f} us (modelled)")
 fig = mesh_layout(wrong["mesh_table"], gpus_per_node=4,
                   title="TP outermost: each TP group spans both nodes (rank r and r + 4)")
-"""),
-    md(r"""
-## 3 · Measured memory beside the planner's
 
-The planner predicts the memory of any layout from the model's shape. Given the tiny GPT's shape
-and this run's settings (fp32 Adam, no dropout, the softmax stored), it should land near what
-the ranks measured. Stage 0 (ranks 0-3) holds the embeddings, stage 1 the head.
-"""),
-    code(r"""
+# %% [markdown]
+# ## 3 · Measured memory beside the planner's
+#
+# The planner predicts the memory of any layout from the model's shape. Given the tiny GPT's shape
+# and this run's settings (fp32 Adam, no dropout, the softmax stored), it should land near what
+# the ranks measured. Stage 0 (ranks 0-3) holds the embeddings, stage 1 the head.
+
+# %%
 tiny = "layers=2,hidden=64,heads=4,ffn=256,vocab=128,seq=32,arch=gpt,tied=false"
 predicted = planner.plan(tiny, 8, "H100", global_batch=cfg.global_batch, seq=32,
                          precision="fp32", dropout=False, flash_attention=False,
@@ -152,19 +159,19 @@ mem.columns = [f"{c} (KB)" for c in cats]
 worst = {c: max(run["memory"][r][c] for r in (0, 4)) for c in cats}
 mem.loc["planner / worst measured"] = [predicted["memory_bytes"][c] / worst[c] for c in cats]
 mem
-"""),
-    md(r"""
-## 4 · The planner on real models (modelled)
 
-For a model, a cluster and a batch the planner enumerates every legal layout (dp, tp, pp,
-interleaving v, micro-batch size, ZeRO stage, recompute, sequence parallelism; cp and ep where
-they apply), predicts memory per GPU on the worst pipeline stage and the step time in seven
-parts, and ranks the plans that fit. Its physics is in `labkit/theory/planner.py`: FLOPs from
-the shapes (`theory/transformer.py`), collectives from the alpha-beta ring model, the bubble of
-each schedule, DP communication hidden under the last backward except one bucket. The command
-line gives the same: `python -m labkit plan --model llama-3-70b --gpus 64 --global-batch 256`.
-"""),
-    code(r"""
+# %% [markdown]
+# ## 4 · The planner on real models (modelled)
+#
+# For a model, a cluster and a batch the planner enumerates every legal layout (dp, tp, pp,
+# interleaving v, micro-batch size, ZeRO stage, recompute, sequence parallelism; cp and ep where
+# they apply), predicts memory per GPU on the worst pipeline stage and the step time in seven
+# parts, and ranks the plans that fit. Its physics is in `labkit/theory/planner.py`: FLOPs from
+# the shapes (`theory/transformer.py`), collectives from the alpha-beta ring model, the bubble of
+# each schedule, DP communication hidden under the last backward except one bucket. The command
+# line gives the same: `python -m labkit plan --model llama-3-70b --gpus 64 --global-batch 256`.
+
+# %%
 CASES = [("llama-3-8b", 8, 512), ("llama-3-70b", 64, 256), ("llama-3-70b", 512, 1024),
          ("llama-3.1-405b", 16384, 2048), ("mixtral-8x7b", 64, 512)]
 best_rows = []
@@ -179,23 +186,23 @@ for name, gpus, batch in CASES:
                       "step (s)": round(p["step_s"], 2), "MFU": f"{p['mfu']:.1%}",
                       "tokens/s/GPU": round(p["tokens_per_s_per_gpu"])})
 pd.DataFrame(best_rows)
-"""),
-    code(r"""
+
+# %%
 out70 = planner.plan("llama-3-70b", 64, "H100", global_batch=256, seq=4096, top=4)
 fig = plan_figure(out70)
 plan_table(out70, 4)
-"""),
-    md(r"""
-## 5 · How good is the model? Published runs
 
-The planner has two fitted constants, both fitted on **one** published table (Narayanan et
-al. 2021, Table 1: GPT models from 1.7B to 1T parameters on 32 to 3,072 A100s, with their
-layouts): the fraction of peak that large matrix multiplies reach, and how many times the
-element-wise kernels read and write each activation byte. Every other number is physics or a
-datasheet. Then it predicts runs it was **not** fitted on: Llama 3.1 405B on H100s (Dubey et
-al. 2024, Table 4).
-"""),
-    code(r"""
+# %% [markdown]
+# ## 5 · How good is the model? Published runs
+#
+# The planner has two fitted constants, both fitted on **one** published table (Narayanan et
+# al. 2021, Table 1: GPT models from 1.7B to 1T parameters on 32 to 3,072 A100s, with their
+# layouts): the fraction of peak that large matrix multiplies reach, and how many times the
+# element-wise kernels read and write each activation byte. Every other number is physics or a
+# datasheet. Then it predicts runs it was **not** fitted on: Llama 3.1 405B on H100s (Dubey et
+# al. 2024, Table 4).
+
+# %%
 rows = []
 for use in ("calibration", "check"):
     for r in planner.published_check(planner.published_runs(use)):
@@ -211,30 +218,30 @@ print(f"fitted constants: achievable {planner.ACHIEVABLE:.2f} of peak, "
 print(f"mean absolute error: calibration rows {sum(errors['calibration']) / 10:.1%}, "
       f"out-of-sample rows {sum(errors['check']) / len(errors['check']):.1%}")
 published
-"""),
-    md(r"""
-What the model leaves out, so the errors can be read: kernel-launch and framework overheads,
-imperfect overlap, communication overlapped with TP (Megatron's tp-comm-overlap), network
-contention between groups that share links, stragglers and load imbalance between MoE
-experts. It is good enough to rank layouts and to say which part of a step dominates; the
-out-of-sample rows show how far to trust an absolute MFU.
 
-## 6 · Explore
+# %% [markdown]
+# What the model leaves out, so the errors can be read: kernel-launch and framework overheads,
+# imperfect overlap, communication overlapped with TP (Megatron's tp-comm-overlap), network
+# contention between groups that share links, stragglers and load imbalance between MoE
+# experts. It is good enough to rank layouts and to say which part of a step dominates; the
+# out-of-sample rows show how far to trust an absolute MFU.
+#
+# ## 6 · Explore
+#
+# Pick a model, the number and kind of GPUs, the batch (tokens) and the sequence length: the
+# four best plans, their memory per GPU and their modelled step.
 
-Pick a model, the number and kind of GPUs, the batch (tokens) and the sequence length: the
-four best plans, their memory per GPU and their modelled step.
-"""),
-    code(r"""
+# %%
 planner_explorer()
-"""),
-    md(r"""
-## 7 · Memory-bound or time-bound: what to add next
 
-The source article's closing advice, made concrete: first make it **fit** (memory-bound), then
-make it **fast** (time-bound). For Llama 3 70B on 64 H100s, each row below allows one more
-technique than the row above and takes the planner's best plan:
-"""),
-    code(r"""
+# %% [markdown]
+# ## 7 · Memory-bound or time-bound: what to add next
+#
+# The source article's closing advice, made concrete: first make it **fit** (memory-bound), then
+# make it **fast** (time-bound). For Llama 3 70B on 64 H100s, each row below allows one more
+# technique than the row above and takes the planner's best plan:
+
+# %%
 LADDER = [("DP", "tp=1,pp=1,zero_stage=0"), ("+ ZeRO", "tp=1,pp=1"),
           ("+ TP inside the node", "pp=1"), ("+ PP", "")]
 ladder = []
@@ -248,21 +255,21 @@ for name, fix in LADDER:
                                              key=lambda k: p["breakdown_s"][k])
                    if p["fits"] else p["reason"]})
 pd.DataFrame(ladder)
-"""),
-    md(r"""
-Read it as a decision chart: **does not fit** → shard the model states (ZeRO) or the layers
-(TP inside a node, PP across nodes), or keep fewer activations (recompute, sequence
-parallelism). **Fits but slow** → look at the largest overhead: exposed DP/ZeRO traffic
-(fewer replicas across slow links, ZeRO-1 rather than 3), TP traffic (keep TP inside a node),
-the bubble (more micro-batches, interleaving), recomputation (recompute less once it fits).
 
-## 8 · The source article's claim 3, revisited
+# %% [markdown]
+# Read it as a decision chart: **does not fit** → shard the model states (ZeRO) or the layers
+# (TP inside a node, PP across nodes), or keep fewer activations (recompute, sequence
+# parallelism). **Fits but slow** → look at the largest overhead: exposed DP/ZeRO traffic
+# (fewer replicas across slow links, ZeRO-1 rather than 3), TP traffic (keep TP inside a node),
+# the bubble (more micro-batches, interleaving), recomputation (recompute less once it fits).
+#
+# ## 8 · The source article's claim 3, revisited
+#
+# The source article says that with model parallelism "the runtime compared to single GPU
+# training tends to increase by a similar magnitude to the number of GPUs used". With a fixed
+# global batch the planner says (modelled):
 
-The source article says that with model parallelism "the runtime compared to single GPU
-training tends to increase by a similar magnitude to the number of GPUs used". With a fixed
-global batch the planner says (modelled):
-"""),
-    code(r"""
+# %%
 scaling = []
 for gpus in (8, 16, 32, 64, 128, 256):
     best = planner.plan("llama-3-70b", gpus, "H100", global_batch=256, seq=4096,
@@ -290,69 +297,65 @@ Markdown(
     f"parallelism alone (ideal scaling: 1.00x). So the claim holds only as a statement about "
     f"efficiency, and only weakly: each GPU does less useful work as the bubble and the "
     f"communication grow, but the runtime does not rise with the number of GPUs.")
-"""),
-    md(r"""
-## Takeaways
 
-- Each technique alone hits a wall: DP copies everything, ZeRO-3's traffic crosses slow links,
-  TP stops at the node, PP idles in the bubble. Combined on a mesh (TP innermost, PP across
-  nodes, DP outermost) they fit models none fits alone.
-- The mesh is the blocks of lessons 01-03 composed, nothing more, and it trains exactly what one
-  device trains.
-- The planner turns "which layout?" into arithmetic. Its two fitted constants come from one
-  published table and it is checked on runs it was not fitted to: trust its ranking, and its
-  absolute MFU within the errors shown.
-- First make it fit (shard states, layers or activations), then make it fast (the largest
-  overhead says what to change).
-"""),
-    md(r"""
-## Exercises
 
-Three exercises; each answer goes in its own cell (in the student edition it raises
-`NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# %% [markdown]
+# ## Takeaways
+#
+# - Each technique alone hits a wall: DP copies everything, ZeRO-3's traffic crosses slow links,
+#   TP stops at the node, PP idles in the bubble. Combined on a mesh (TP innermost, PP across
+#   nodes, DP outermost) they fit models none fits alone.
+# - The mesh is the blocks of lessons 01-03 composed, nothing more, and it trains exactly what one
+#   device trains.
+# - The planner turns "which layout?" into arithmetic. Its two fitted constants come from one
+#   published table and it is checked on runs it was not fitted to: trust its ranking, and its
+#   absolute MFU within the errors shown.
+# - First make it fit (shard states, layers or activations), then make it fast (the largest
+#   overhead says what to change).
 
-**1 · Average over the right group.** On a mesh, a gradient must be averaged over the ranks
-that hold copies of the *same* weights, and only those. Write `my_dp_average(ctx, mesh, grad)`
-for a dp = 2 × tp = 2 mesh (4 ranks, TP innermost): return `grad` averaged over this rank's
-data-parallel group. `mesh["dp"]` and `mesh["tp"]` are this rank's groups (`.size`, `.ranks`);
-every collective takes `group=`. The checker gives each rank a different gradient.
-"""),
-    code(r"""
+# %% [markdown]
+# ## Exercises
+#
+# Three exercises; each answer goes in its own cell (in the student edition it raises
+# `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+#
+# **1 · Average over the right group.** On a mesh, a gradient must be averaged over the ranks
+# that hold copies of the *same* weights, and only those. Write `my_dp_average(ctx, mesh, grad)`
+# for a dp = 2 × tp = 2 mesh (4 ranks, TP innermost): return `grad` averaged over this rank's
+# data-parallel group. `mesh["dp"]` and `mesh["tp"]` are this rank's groups (`.size`, `.ranks`);
+# every collective takes `group=`. The checker gives each rank a different gradient.
+
+# %% tags=["solution"]
 def my_dp_average(ctx, mesh, grad):
     ctx.comm.all_reduce(grad, group=mesh["dp"])   # the replicas of my TP shard, nobody else
     return grad / mesh["dp"].size
-""", tags=("solution",)),
-    code(r"""
+
+
+# %%
 check_dp_average(my_dp_average);
-"""),
-    md(r"""
-**2 · A layout that fits and is fast.** Llama 3 70B on 96 H100s (12 nodes of 8), a batch
-of 384 sequences of 4,096 tokens: give a layout that **fits** and reaches a modelled **MFU
-of at least 45%**. Give at least `dp`, `tp` and `pp` (their product is 96); you may fix `v`,
-`micro_batch_size`, `zero_stage`, `recompute` and `sequence_parallel` too (the planner searches
-what you leave out). `check_layout` answers in words.
-"""),
-    code(r"""
+
+# %% [markdown]
+# **2 · A layout that fits and is fast.** Llama 3 70B on 96 H100s (12 nodes of 8), a batch
+# of 384 sequences of 4,096 tokens: give a layout that **fits** and reaches a modelled **MFU
+# of at least 45%**. Give at least `dp`, `tp` and `pp` (their product is 96); you may fix `v`,
+# `micro_batch_size`, `zero_stage`, `recompute` and `sequence_parallel` too (the planner searches
+# what you leave out). `check_layout` answers in words.
+
+# %% tags=["solution"]
 my_layout = dict(dp=24, tp=4, pp=1)     # TP inside a node, ZeRO and the rest left to the planner
-""", tags=("solution",)),
-    code(r"""
+
+# %%
 check = check_layout(my_layout)
-"""),
-    md(r"""
-**3 · Memory per GPU of a hybrid layout.** Llama 3 70B (70.55 B parameters) on 64 GPUs as
-dp = 2 × tp = 8 × pp = 4, mixed-precision Adam, ZeRO-1 over the data-parallel group. How many
-GB of model states does each GPU hold (equal stages; activations aside)? Write it as an
-expression that shows the derivation.
-"""),
-    code(r"""
+
+# %% [markdown]
+# **3 · Memory per GPU of a hybrid layout.** Llama 3 70B (70.55 B parameters) on 64 GPUs as
+# dp = 2 × tp = 8 × pp = 4, mixed-precision Adam, ZeRO-1 over the data-parallel group. How many
+# GB of model states does each GPU hold (equal stages; activations aside)? Write it as an
+# expression that shows the derivation.
+
+# %% tags=["solution"]
 local_params = 70.55e9 / (8 * 4)                        # TP x PP split every parameter
 hybrid_gb_per_gpu = (2 + 2 + 12 / 2) * local_params / 1e9   # ZeRO-1: Adam state / dp
-""", tags=("solution",)),
-    code(r"""
+
+# %%
 check_hybrid_memory(hybrid_gb_per_gpu);
-"""),
-]
-
-
-if __name__ == "__main__":
-    write_and_execute(CELLS, "06_putting_it_together.ipynb")

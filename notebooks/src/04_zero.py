@@ -1,44 +1,50 @@
-"""Build notebooks/04_zero.ipynb from the cells below, then execute it in place.
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-Run from anywhere: `.venv/bin/python notebooks/make/04_zero.py`. Edit the lesson here, not in
-the .ipynb: the notebook is regenerated (with its outputs) from this list. Numbers a run
-produces are printed by code (f-strings, Markdown built from variables), never typed in prose.
-"""
-from nbmake import code, md, write_and_execute
+# %% [markdown]
+# # 04 · ZeRO: data parallelism without the redundant copies
+#
+# **The idea** (Rajbhandari et al. 2020, *ZeRO: Memory Optimizations Toward Training Trillion
+# Parameter Models*, arXiv 1910.02054). Data parallelism (lesson 01) keeps a *full* copy of the
+# model states on each of the N GPUs. With Ψ parameters and mixed-precision Adam that is 2Ψ bytes
+# of bf16 weights, 2Ψ of bf16 gradients and KΨ of optimizer state, K = 12 (the fp32 master
+# weights, momentum and variance, 4 + 4 + 4): **(2 + 2 + K)Ψ = 16Ψ bytes per GPU, N times over**.
+# Each GPU only *updates* 1/N of the parameters if the work is split, so most of that memory is
+# redundant. ZeRO cuts the states into N shards, one per GPU, in three stages:
+#
+# | | per GPU | 7.5B params, N = 64 |
+# |---|---|---|
+# | baseline DP | (2 + 2 + K)Ψ | 120 GB |
+# | stage 1: shard the optimizer state | 2Ψ + 2Ψ + KΨ/N | 31.4 GB |
+# | stage 2: ... and the gradients | 2Ψ + (2 + K)Ψ/N | 16.6 GB |
+# | stage 3: ... and the parameters | (2 + 2 + K)Ψ/N | 1.9 GB |
+#
+# (in fp32 without mixed precision the 2s become 4s and K = 8: momentum and variance only).
+#
+# **Communication.** DP all-reduces the gradients: a ring all-reduce sends 2(N−1)/N·Ψ elements
+# per GPU, ≈ 2Ψ. Stage 2 replaces it by a *reduce-scatter* of the gradients (each GPU gets the
+# average of its own shard, Ψ) and, after each GPU has updated its shard, an *all-gather* of the
+# new weights (Ψ): **the same ≈ 2Ψ as DP**. Stage 1 as PyTorch's `ZeroRedundancyOptimizer` runs
+# it keeps DP's all-reduce (2Ψ: every rank gets every gradient, though it steps only its share)
+# and then sends the updated weights out (Ψ): **3Ψ**; the paper's stage 1 reduce-scatters
+# instead, and costs 2Ψ like stage 2. Stage 3 has no full weights anywhere, so it all-gathers
+# each layer just before its forward and again before its backward (2Ψ) besides the
+# reduce-scatter: **3Ψ, 1.5× DP**. This lesson runs all three stages on 4 CPU ranks, measures the
+# memory and the bytes, and checks them against these formulas.
 
-CELLS = [
-    md(r"""
-# 04 · ZeRO: data parallelism without the redundant copies
-
-**The idea** (Rajbhandari et al. 2020, *ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models*, arXiv 1910.02054). Data parallelism (lesson 01) keeps a *full* copy of the
-model states on each of the N GPUs. With Ψ parameters and mixed-precision Adam that is 2Ψ bytes
-of bf16 weights, 2Ψ of bf16 gradients and KΨ of optimizer state, K = 12 (the fp32 master
-weights, momentum and variance, 4 + 4 + 4): **(2 + 2 + K)Ψ = 16Ψ bytes per GPU, N times over**.
-Each GPU only *updates* 1/N of the parameters if the work is split, so most of that memory is
-redundant. ZeRO cuts the states into N shards, one per GPU, in three stages:
-
-| | per GPU | 7.5B params, N = 64 |
-|---|---|---|
-| baseline DP | (2 + 2 + K)Ψ | 120 GB |
-| stage 1: shard the optimizer state | 2Ψ + 2Ψ + KΨ/N | 31.4 GB |
-| stage 2: ... and the gradients | 2Ψ + (2 + K)Ψ/N | 16.6 GB |
-| stage 3: ... and the parameters | (2 + 2 + K)Ψ/N | 1.9 GB |
-
-(in fp32 without mixed precision the 2s become 4s and K = 8: momentum and variance only).
-
-**Communication.** DP all-reduces the gradients: a ring all-reduce sends 2(N−1)/N·Ψ elements
-per GPU, ≈ 2Ψ. Stage 2 replaces it by a *reduce-scatter* of the gradients (each GPU gets the
-average of its own shard, Ψ) and, after each GPU has updated its shard, an *all-gather* of the
-new weights (Ψ): **the same ≈ 2Ψ as DP**. Stage 1 as PyTorch's `ZeroRedundancyOptimizer` runs
-it keeps DP's all-reduce (2Ψ: every rank gets every gradient, though it steps only its share)
-and then sends the updated weights out (Ψ): **3Ψ**; the paper's stage 1 reduce-scatters
-instead, and costs 2Ψ like stage 2. Stage 3 has no full weights anywhere, so it all-gathers
-each layer just before its forward and again before its backward (2Ψ) besides the
-reduce-scatter: **3Ψ, 1.5× DP**. This lesson runs all three stages on 4 CPU ranks, measures the
-memory and the bytes, and checks them against these formulas.
-"""),
-    code(r"""
+# %%
 import inspect
 import math
 
@@ -58,46 +64,46 @@ from labkit.viz import zero_widgets as zw
 
 pd.set_option("display.precision", 3)
 pd.set_option("display.width", 120)
-"""),
-    md(r"""
-## How it is built
 
-Three building blocks, each usable on your own `nn.Module` in your own training loop (lesson 01
-has a plain `nn.Sequential` trained with `FullyShard` against one device):
+# %% [markdown]
+# ## How it is built
+#
+# Three building blocks, each usable on your own `nn.Module` in your own training loop (lesson 01
+# has a plain `nn.Sequential` trained with `FullyShard` against one device):
+#
+# - **stage 1**: `DataParallel(model)` averages the gradients, and
+#   `ShardedOptimizer(model.parameters(), torch.optim.Adam, stage=1)` (like PyTorch's
+#   `ZeroRedundancyOptimizer`) gives each rank whole tensors worth about 1/N of the bytes: it
+#   keeps optimizer state for those only, steps them, and broadcasts them to the others.
+# - **stage 2**: `ShardedOptimizer(..., stage=2)` packs the parameters into flat buckets padded to
+#   a multiple of N; backward hooks reduce-scatter each bucket's gradient as soon as it is
+#   complete, and each rank keeps only its slice (`labkit/parallel/zero.py`).
+# - **stage 3**: `FullyShard(model)` (like PyTorch's `fully_shard`, FSDP2) cuts the model into
+#   units (here: its layers), lays each unit's parameters out in one flat buffer padded to a
+#   multiple of N, and keeps only this rank's slice: `model.parameters()` *are* the shards, so an
+#   ordinary optimizer steps them (`labkit/parallel/fully_shard.py`). A unit's full weights exist
+#   only while it computes. The hook that runs before each unit's forward, and the gather it calls:
 
-- **stage 1**: `DataParallel(model)` averages the gradients, and
-  `ShardedOptimizer(model.parameters(), torch.optim.Adam, stage=1)` (like PyTorch's
-  `ZeroRedundancyOptimizer`) gives each rank whole tensors worth about 1/N of the bytes: it
-  keeps optimizer state for those only, steps them, and broadcasts them to the others.
-- **stage 2**: `ShardedOptimizer(..., stage=2)` packs the parameters into flat buckets padded to
-  a multiple of N; backward hooks reduce-scatter each bucket's gradient as soon as it is
-  complete, and each rank keeps only its slice (`labkit/parallel/zero.py`).
-- **stage 3**: `FullyShard(model)` (like PyTorch's `fully_shard`, FSDP2) cuts the model into
-  units (here: its layers), lays each unit's parameters out in one flat buffer padded to a
-  multiple of N, and keeps only this rank's slice: `model.parameters()` *are* the shards, so an
-  ordinary optimizer steps them (`labkit/parallel/fully_shard.py`). A unit's full weights exist
-  only while it computes. The hook that runs before each unit's forward, and the gather it calls:
-"""),
-    code(r"""
+# %%
 print(inspect.getsource(FullyShard._pre_forward))
 print(inspect.getsource(FullyShard._gather))
-"""),
-    md(r"""
-## Run it: baseline and three stages on 4 ranks, against one device
 
-Four runs of the tiny GPT, 2 steps of a global batch of 8 sequences split over 4 ranks. The
-**baseline** is lesson 01's data parallelism (`labkit.runs.data_parallel`): a full replica per
-rank, measured the same way.
+# %% [markdown]
+# ## Run it: baseline and three stages on 4 ranks, against one device
+#
+# Four runs of the tiny GPT, 2 steps of a global batch of 8 sequences split over 4 ranks. The
+# **baseline** is lesson 01's data parallelism (`labkit.runs.data_parallel`): a full replica per
+# rank, measured the same way.
+#
+# We train with **fp32 Adam** (K = 8): ZeRO is about the optimizer state, so plain SGD (K = 0)
+# would leave stage 1 nothing to shard. Adam's update divides by √v, which can amplify a rounding
+# difference in a gradient that is pure noise: the attention *key* bias has a true gradient of 0
+# (softmax ignores a constant shift of a row of scores). `labkit.runs.reference.build_optimizer`
+# uses eps = 1e-6 instead of 1e-8 so that this noise stays ~1e-6 of the learning rate; then every
+# parameter, the key bias included, agrees with the single-device reference to float32 rounding.
+# Each report runs that reference itself.
 
-We train with **fp32 Adam** (K = 8): ZeRO is about the optimizer state, so plain SGD (K = 0)
-would leave stage 1 nothing to shard. Adam's update divides by √v, which can amplify a rounding
-difference in a gradient that is pure noise: the attention *key* bias has a true gradient of 0
-(softmax ignores a constant shift of a row of scores). `labkit.runs.reference.build_optimizer`
-uses eps = 1e-6 instead of 1e-8 so that this noise stays ~1e-6 of the learning rate; then every
-parameter, the key bias included, agrees with the single-device reference to float32 rounding.
-Each report runs that reference itself.
-"""),
-    code(r"""
+# %%
 cfg = RunConfig(steps=2, global_batch=8, optimizer="adam")
 N = 4
 runs = {"baseline DP": dp.report(N, cfg)}
@@ -109,24 +115,24 @@ for label, r in runs.items():
     print(f"{label:12s} loss {[round(x, 4) for x in r['loss']]}  reference "
           f"{[round(x, 4) for x in r['reference_loss']]}  max |param - reference| "
           f"{r['max_param_diff_vs_reference']:.1e}")
-"""),
-    code(r"""
+
+# %%
 # NBVAL_CHECK_OUTPUT
 for label, r in runs.items():
     same = all(abs(a - b) < 1e-5 for a, b in zip(r["loss"], r["reference_loss"]))
     print(f"{label:12s} losses equal the reference: {same}; parameters equal the "
           f"reference's (< 1e-5): {r['max_param_diff_vs_reference'] < 1e-5}")
-"""),
-    md(r"""
-## Measure it: bytes per rank, against the paper's formulas
 
-Each rank's memory tracker counts what it holds: the parameters (full, or the shards in
-stage 3), the gradients (full in stage 1, the reduced shard in 2 and 3), the optimizer state
-(Adam's two moments of what this rank steps), and what autograd saves for backward. The formula
-column is `labkit.theory.memory.model_state_bytes` in fp32: 4Ψ + 4Ψ + 8Ψ divided as the stage
-says.
-"""),
-    code(r"""
+# %% [markdown]
+# ## Measure it: bytes per rank, against the paper's formulas
+#
+# Each rank's memory tracker counts what it holds: the parameters (full, or the shards in
+# stage 3), the gradients (full in stage 1, the reduced shard in 2 and 3), the optimizer state
+# (Adam's two moments of what this rank steps), and what autograd saves for backward. The formula
+# column is `labkit.theory.memory.model_state_bytes` in fp32: 4Ψ + 4Ψ + 8Ψ divided as the stage
+# says.
+
+# %%
 rows = []
 for stage, (label, r) in enumerate(runs.items()):
     formula = tm.model_state_bytes(psi, mixed_precision=False, zero_stage=stage, world_size=N)
@@ -141,14 +147,14 @@ memory_table[("states, MB", "")] = memory_table["measured"].sum(axis=1) / 1e6
 memory_table[("activations, MB", "")] = [r["memory"][0]["activations"] / 1e6
                                          for r in runs.values()]
 memory_table
-"""),
-    code(r"""
+
+# %%
 fig = memory_stack(zw.measured_beside_predicted(runs), unit="MB",
                    title=f"tiny GPT, fp32 Adam, {N} ranks: memory of rank 0 (measured beside "
                    "modelled)")
 plt.show()
-"""),
-    code(r"""
+
+# %%
 states = {label: sum(r["memory"][0][c] for c in zw.STATE_CATEGORIES) / 1e6
           for label, r in runs.items()}
 act = runs["ZeRO-3"]["memory"][0]["activations"] / 1e6
@@ -168,14 +174,14 @@ Stage 1's ratio is not exactly 1: it hands out *whole tensors*, largest first to
 least-loaded rank, so the ranks' optimizer bytes are {", ".join(f"{b:,}" for b in stage1_opt)}
 against {8 * psi / N:,.0f} for an exact quarter (balanced to within one tensor).
 '''))
-"""),
-    md(r"""
-**Padding.** Stages 2 and 3 cut flat buffers (stage 2: gradient buckets; stage 3: one buffer per
-layer) into N equal slices, so each buffer is padded up to a multiple of N: fewer than N extra
-elements per buffer. A small MLP with layers of 33·65+65, 65·31+31 and 31·7+7 parameters does
-not divide by 4, and shows the remainder:
-"""),
-    code(r"""
+
+# %% [markdown]
+# **Padding.** Stages 2 and 3 cut flat buffers (stage 2: gradient buckets; stage 3: one buffer per
+# layer) into N equal slices, so each buffer is padded up to a multiple of N: fewer than N extra
+# elements per buffer. A small MLP with layers of 33·65+65, 65·31+31 and 31·7+7 parameters does
+# not divide by 4, and shows the remainder:
+
+# %%
 odd_cfg = RunConfig(model="mlp", steps=2, global_batch=8, optimizer="adam",
                     model_kwargs=dict(dims=(33, 65, 31, 7)))
 odd = zero.report(N, odd_cfg, stage=3)
@@ -186,8 +192,9 @@ odd_formula = tm.model_state_bytes(sum(layers), mixed_precision=False, zero_stag
                                    world_size=N)
 print(pd.DataFrame({"measured": {c: odd["memory"][0][c] for c in zw.STATE_CATEGORIES},
                     "formula (unpadded Ψ)": {c: odd_formula[c] for c in zw.STATE_CATEGORIES}}))
-"""),
-    code(r"""
+
+
+# %%
 # NBVAL_CHECK_OUTPUT
 def padded_layout_bytes(padded, n, stage, w=4, k=8):
     # what the flat layout holds: full buffers (stage 2) or shards (stage 3) of padded elements
@@ -210,8 +217,8 @@ print("odd MLP, ZeRO-3: equal to the padded layout:",
       all(odd["memory"][0][c] == exact[c] for c in zw.STATE_CATEGORIES))
 print("padding elements in the odd MLP:", odd["config"]["padded_param_count"] - sum(layers),
       "=", [-u % N for u in layers])
-"""),
-    code(r"""
+
+# %%
 pad = odd["config"]["padded_param_count"] - sum(layers)
 display(Markdown(f'''
 {pad} padding elements on {sum(layers):,} parameters: the measured stage-3 bytes are
@@ -220,16 +227,17 @@ per rank instead of {sum(layers) / N:,.0f}). For a real model the remainder is u
 per buffer against millions: invisible. The tiny GPT's stage-3 layers carry
 {runs["ZeRO-3"]["config"]["padded_param_count"] - psi} padding elements.
 '''))
-"""),
-    md(r"""
-## Communication per step: the comm log against 2Ψ and 3Ψ
 
-Every collective goes through `ctx.comm` and is logged with its payload; the wire bytes are the
-ring model's (N−1)/N per all-gather, reduce-scatter or broadcast and 2(N−1)/N per all-reduce
-(modelled from the payloads: gloo does not report its own). DataParallel's one broadcast of the
-weights when it is built is set-up, not a training step, and is left out of the per-step bytes.
-"""),
-    code(r"""
+
+# %% [markdown]
+# ## Communication per step: the comm log against 2Ψ and 3Ψ
+#
+# Every collective goes through `ctx.comm` and is logged with its payload; the wire bytes are the
+# ring model's (N−1)/N per all-gather, reduce-scatter or broadcast and 2(N−1)/N per all-reduce
+# (modelled from the payloads: gloo does not report its own). DataParallel's one broadcast of the
+# weights when it is built is set-up, not a training step, and is left out of the per-step bytes.
+
+# %%
 def wire_per_step(report, ops=None):
     return sum(row["wire_bytes_per_rank"] for row in report["comm"]
                if ops is None or row["op"] in ops) / report["steps"]
@@ -253,8 +261,8 @@ fig = zw.comm_per_step_figure(comm_rows, title=f"tiny GPT, fp32, {N} ranks: byte
                               "and step (ring model)")
 plt.show()
 pd.DataFrame(table).set_index("run")
-"""),
-    code(r"""
+
+# %%
 # NBVAL_CHECK_OUTPUT
 dp_bytes = per_step("baseline DP", runs["baseline DP"])
 for label in ("ZeRO-1", "ZeRO-2", "ZeRO-3"):
@@ -262,8 +270,8 @@ for label in ("ZeRO-1", "ZeRO-2", "ZeRO-3"):
     logged = sum(row["wire_bytes_per_rank"] for row in r["comm"])
     print(f"{label}: bytes / DP's = {per_step(label, r) / dp_bytes:.3f}; log equals the "
           f"per-buffer plan: {logged == r['predicted_comm_bytes_per_rank']}")
-"""),
-    code(r"""
+
+# %%
 extra = per_step("ZeRO-3", runs["ZeRO-3"]) - per_step("ZeRO-2", runs["ZeRO-2"])
 display(Markdown(f'''
 Stage 2 moves DP's bytes, {per_step("ZeRO-2", runs["ZeRO-2"]) / dp_bytes:.3f}× (a ring
@@ -276,17 +284,17 @@ dp_bytes:.2f}× DP: the extra Ψ is the second gather of every layer before its 
 costs {extra / 1e6:.2f} MB per rank and step (ring model); on a real model the price is paid only
 if the gathers cannot hide behind compute, which is what the prefetch is for.
 '''))
-"""),
-    md(r"""
-## The peak over a step, not only the steady state
 
-The table above is what a rank holds *between* steps. During a step there is more: activations
-build up in forward and drain in backward; stage 3 holds the layer it is computing *gathered*,
-the next one already arriving (prefetch), and the full gradient of a layer until its
-reduce-scatter lands (the gradient bucket). The tracker samples memory whenever one of these
-buffers comes or goes (rank 0, the last step of ZeRO-3):
-"""),
-    code(r"""
+# %% [markdown]
+# ## The peak over a step, not only the steady state
+#
+# The table above is what a rank holds *between* steps. During a step there is more: activations
+# build up in forward and drain in backward; stage 3 holds the layer it is computing *gathered*,
+# the next one already arriving (prefetch), and the full gradient of a layer until its
+# reduce-scatter lands (the gradient bucket). The tracker samples memory whenever one of these
+# buffers comes or goes (rank 0, the last step of ZeRO-3):
+
+# %%
 fig = zw.step_memory_compare({"ZeRO-3": runs["ZeRO-3"]["step_memory"][0]}, unit="KB")
 plt.show()
 for name in ("ZeRO-2", "ZeRO-3"):
@@ -298,8 +306,8 @@ for name in ("ZeRO-2", "ZeRO-3"):
     print(f"{name}: measured peak {r['memory'][0]['peak']:,} bytes at "
           f"'{r['memory'][0]['peak_phase']}'; largest transient buffers {buffers:,} bytes"
           + modelled)
-"""),
-    code(r"""
+
+# %%
 # NBVAL_CHECK_OUTPUT
 samples = runs["ZeRO-3"]["step_memory"][0]
 block = sum(p.numel() for p in build_model(cfg).blocks[0].parameters())
@@ -311,8 +319,8 @@ print("stage 3's measured peak includes transient buffers:",
                                                  for c in zw.STATE_CATEGORIES))
 print("nothing transient left after the step:",
       all(r["memory"][0]["buffers"] == 0 for name, r in runs.items() if name != "baseline DP"))
-"""),
-    code(r"""
+
+# %%
 three = runs["ZeRO-3"]
 forward = samples[:[phase for phase, _ in samples].index("after forward")]
 backward = samples[len(forward):]
@@ -335,37 +343,37 @@ Stage 2 counts its transient full-gradient buckets as gradients: after backward 
 {after_backward / 1e3:.0f} KB of them against {runs["ZeRO-2"]["memory"][0]["grads"] / 1e3:.0f}
 KB once the last bucket's reduce-scatter has landed.
 '''))
-"""),
-    md(r"""
-## Real models: the paper's 7.5B on 64 GPUs
 
-The same formulas for a 7.5B-parameter model, mixed-precision Adam, 64 GPUs, against the 32 GB
-of the V100s the paper used:
-"""),
-    code(r"""
+# %% [markdown]
+# ## Real models: the paper's 7.5B on 64 GPUs
+#
+# The same formulas for a 7.5B-parameter model, mixed-precision Adam, 64 GPUs, against the 32 GB
+# of the V100s the paper used:
+
+# %%
 # NBVAL_CHECK_OUTPUT
 paper = tm.zero_stage_table(7.5e9, 64, mixed_precision=True)
 print("GB per GPU of model states, 7.5B params, 64 GPUs, mixed-precision Adam (K = 12):")
 print((paper[["params", "grads", "optimizer", "total"]] / 1e9).round(2).to_string())
-"""),
-    code(r"""
+
+# %%
 fig = memory_stack(zw.stage_bars(7.5e9, 64), capacity={"32 GB (V100)": 32e9}, unit="GB",
                    title="7.5B params on 64 GPUs, mixed-precision Adam: model states per GPU "
                    "(modelled)")
 plt.show()
-"""),
-    md(r"""
-120 GB → 31.4 → 16.6 → 1.9 GB: the paper's Figure 1. Without ZeRO the model states alone are
-almost four times a 32 GB GPU; stage 1 gets them just under it (with no room for activations),
-stage 2 leaves half the GPU free, stage 3 leaves nearly all of it.
 
-## Explore: which stages fit?
+# %% [markdown]
+# 120 GB → 31.4 → 16.6 → 1.9 GB: the paper's Figure 1. Without ZeRO the model states alone are
+# almost four times a 32 GB GPU; stage 1 gets them just under it (with no room for activations),
+# stage 2 leaves half the GPU free, stage 3 leaves nearly all of it.
+#
+# ## Explore: which stages fit?
+#
+# Pick a model from the catalog, a GPU and the number of data-parallel GPUs. The bars are model
+# states only (activations come on top), modelled by `labkit.theory.memory`. The slider offers
+# powers of two; the smallest GPU counts that fit are computed below.
 
-Pick a model from the catalog, a GPU and the number of data-parallel GPUs. The bars are model
-states only (activations come on top), modelled by `labkit.theory.memory`. The slider offers
-powers of two; the smallest GPU counts that fit are computed below.
-"""),
-    code(r"""
+# %%
 h100 = hardware.gpu("H100 SXM")
 
 
@@ -398,30 +406,30 @@ stage 3 {say(fewest_gpus(l70.name, 3))}; stages 1 and 2 {say(fewest_gpus(l70.nam
 replicated bf16 weights alone are {2 * l70.param_count() / 1e9:.0f} GB). Llama 3.1 405B with
 stage 3: {say(fewest_gpus(l405.name, 3))}, before activations.
 '''))
-"""),
-    code(r"""
+
+# %%
 zw.zero_explorer()
-"""),
-    md(r"""
-## The source article's "tenfold"
 
-The source article says of ZeRO that "the authors demonstrated tenfold increases in training
-efficiency over state-of-the-art methods". What the paper reports: its implementation (stages
-1 and 2, "ZeRO-100B") trained models of over 100B parameters on 400 GPUs, with "an 8x increase
-in model size and 10x increase in achievable performance over state-of-the-art", the baseline
-being Megatron-LM model parallelism. So the claim holds in the sense the paper measured:
-throughput for 100B-parameter models on that cluster. It is not a tenfold gain in general:
-at sizes that already fit with plain data parallelism, ZeRO-2 sends the same bytes as DP
-(measured above) and does not make a step faster (at best the freed memory allows a larger
-batch per GPU); the speed-up comes from *not* having to split a large model across nodes with
-tensor parallelism, whose communication on the critical path is slow over InfiniBand
-(lesson 03).
+# %% [markdown]
+# ## The source article's "tenfold"
+#
+# The source article says of ZeRO that "the authors demonstrated tenfold increases in training
+# efficiency over state-of-the-art methods". What the paper reports: its implementation (stages
+# 1 and 2, "ZeRO-100B") trained models of over 100B parameters on 400 GPUs, with "an 8x increase
+# in model size and 10x increase in achievable performance over state-of-the-art", the baseline
+# being Megatron-LM model parallelism. So the claim holds in the sense the paper measured:
+# throughput for 100B-parameter models on that cluster. It is not a tenfold gain in general:
+# at sizes that already fit with plain data parallelism, ZeRO-2 sends the same bytes as DP
+# (measured above) and does not make a step faster (at best the freed memory allows a larger
+# batch per GPU); the speed-up comes from *not* having to split a large model across nodes with
+# tensor parallelism, whose communication on the critical path is slow over InfiniBand
+# (lesson 03).
+#
+# What the memory saving buys is easier to state: the largest model whose states fit. Per GPU,
+# mixed-precision Adam needs 16 bytes per parameter in DP, 4 + 12/N in stage 1, 2 + 14/N in
+# stage 2, 16/N in stage 3:
 
-What the memory saving buys is easier to state: the largest model whose states fit. Per GPU,
-mixed-precision Adam needs 16 bytes per parameter in DP, 4 + 12/N in stage 1, 2 + 14/N in
-stage 2, 16/N in stage 3:
-"""),
-    code(r"""
+# %%
 # NBVAL_CHECK_OUTPUT
 counts = (1, 8, 64, 1024)
 largest = pd.DataFrame({f"{n} GPUs": [tm.largest_trainable_params(h100, n, s) / 1e9
@@ -431,34 +439,34 @@ print(f"largest model (billions of parameters) whose states fit in an {h100.name
 print(largest.round(1).to_string())
 print("stage 2 / DP as N grows:", round(tm.largest_trainable_params(h100, 10**6, 2)
                                        / tm.largest_trainable_params(h100, 1, 0), 2))
-"""),
-    code(r"""
+
+# %%
 fig = zw.largest_model_figure("H100 SXM", gpu_counts=(1, 4, 16, 64, 256, 1024))
 plt.show()
-"""),
-    md(r"""
-DP stays at the same size however many GPUs are added. Stages 1 and 2 approach a limit of 4×
-and 8× that (the replicated 4 or 2 bytes per parameter remain, against DP's 16); only stage 3
-grows with N without limit (the table above). The paper's "8x increase in model size" is a
-different quantity: the largest model ZeRO-100B trained against the largest the
-state-of-the-art system (Megatron-LM) trained on the same 400-GPU cluster, two systems measured
-side by side. That it equals the stage-2 ceiling 16/2 here is a coincidence: the ceiling is a
-per-GPU bound as N → ∞ for model states alone, the paper's ratio a measurement at one N with
-activations, buffers and a different baseline. So "tenfold" is the right order for the paper's
-throughput measurement at 100B parameters; for the memory it is too little for stage 3 at
-scale and too much for stage 1.
 
-## Offload: the shards in host memory
+# %% [markdown]
+# DP stays at the same size however many GPUs are added. Stages 1 and 2 approach a limit of 4×
+# and 8× that (the replicated 4 or 2 bytes per parameter remain, against DP's 16); only stage 3
+# grows with N without limit (the table above). The paper's "8x increase in model size" is a
+# different quantity: the largest model ZeRO-100B trained against the largest the
+# state-of-the-art system (Megatron-LM) trained on the same 400-GPU cluster, two systems measured
+# side by side. That it equals the stage-2 ceiling 16/2 here is a coincidence: the ceiling is a
+# per-GPU bound as N → ∞ for model states alone, the paper's ratio a measurement at one N with
+# activations, buffers and a different baseline. So "tenfold" is the right order for the paper's
+# throughput measurement at 100B parameters; for the memory it is too little for stage 3 at
+# scale and too much for stage 1.
+#
+# ## Offload: the shards in host memory
+#
+# ZeRO-Offload (Ren et al. 2021) keeps the fp32 master weights and the Adam moments in CPU memory
+# and runs the optimizer step there. `FullyShard(..., offload=True)` does this for stage 3: the
+# shards the optimizer steps, their gradients, and so the optimizer's state live in host memory;
+# each step copies every shard to the device before its two gathers (in bf16) and every gradient
+# shard back. **On this CPU-only machine host and device are the same memory**: the split below
+# is modelled (what would be on the GPU), and so are the PCIe times on the clock. One stage-3 run
+# in mixed precision (K = 12) with `offload=True`:
 
-ZeRO-Offload (Ren et al. 2021) keeps the fp32 master weights and the Adam moments in CPU memory
-and runs the optimizer step there. `FullyShard(..., offload=True)` does this for stage 3: the
-shards the optimizer steps, their gradients, and so the optimizer's state live in host memory;
-each step copies every shard to the device before its two gathers (in bf16) and every gradient
-shard back. **On this CPU-only machine host and device are the same memory**: the split below
-is modelled (what would be on the GPU), and so are the PCIe times on the clock. One stage-3 run
-in mixed precision (K = 12) with `offload=True`:
-"""),
-    code(r"""
+# %%
 off = zero.report(N, cfg, stage=3, mixed_precision=True, offload=True)
 mem = off["memory"][0]
 padded = off["config"]["padded_param_count"]
@@ -478,8 +486,8 @@ pcie = [e for e in off["timeline"] if e["rank"] == 0 and e["name"].startswith("o
 pcie_s = sum(e["end"] - e["start"] for e in pcie) / cfg.steps
 print(f"modelled PCIe copies per step: {pcie_s * 1e6:.1f} µs of a "
       f"{off['modelled_step_s'] * 1e6:.1f} µs step (modelled, 8xH100 node)")
-"""),
-    code(r"""
+
+# %%
 # NBVAL_CHECK_OUTPUT
 units = len(off["flat_numels"])   # FullyShard's units: the GPT's layers
 print("params, grads and optimizer bytes on the device:",
@@ -487,13 +495,13 @@ print("params, grads and optimizer bytes on the device:",
 print("host bytes = 16 x padded Ψ / N:", off["offloaded_bytes"] == 16 * padded // N)
 print("PCIe copies on the timeline per rank = 3 per layer and step:",
       len(pcie) == 3 * units * cfg.steps)
-"""),
-    code(r"""
+
+# %%
 fig = zw.offload_gantt(off["timeline"], ranks=(0, 1),
                        title="ZeRO-3 + offload, ranks 0 and 1 of 4, 2 steps, modelled 8xH100 node")
 plt.show()
-"""),
-    code(r"""
+
+# %%
 display(Markdown(f'''
 The PCIe copies (pink, on the compute lane: the step waits for them) sit before each gather of a
 layer (its bf16 shard down to the device) and after backward (each gradient shard up to the
@@ -512,8 +520,8 @@ give steps of different size or sign. (The tests check the same algorithm with S
 stage stays within 1e-4 of the reference, and that offload changes nothing, bit for bit,
 against the same run without it.)
 '''))
-"""),
-    code(r"""
+
+# %%
 ratio = per_step("ZeRO-3", runs["ZeRO-3"]) / dp_bytes
 display(Markdown(f'''
 ## Takeaways
@@ -534,41 +542,37 @@ display(Markdown(f'''
   against Megatron-LM, not a general speed-up: below that scale ZeRO-2 moves the same bytes as
   DP.
 '''))
-"""),
-    md(r"""
-## Exercises
 
-Two exercises; each answer goes in its own cell (in the student edition it raises
-`NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
 
-**1 · A ZeRO-2 gradient shard.** After backward every rank holds the gradient of its own part
-of the batch, the whole flat vector. ZeRO-2 keeps only this rank's 1/N slice of the *averaged*
-gradient, and moves no more bytes than it needs. Write `my_gradient_shard(ctx, grad)`: return
-this rank's slice (slice r of dim 0 on rank r) of the gradient averaged over all ranks.
-`ctx.comm` has `all_reduce`, `reduce_scatter` and `all_gather`. The checker runs it on 4 ranks,
-each with a different gradient of 16 values.
-"""),
-    code(r"""
+# %% [markdown]
+# ## Exercises
+#
+# Two exercises; each answer goes in its own cell (in the student edition it raises
+# `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+#
+# **1 · A ZeRO-2 gradient shard.** After backward every rank holds the gradient of its own part
+# of the batch, the whole flat vector. ZeRO-2 keeps only this rank's 1/N slice of the *averaged*
+# gradient, and moves no more bytes than it needs. Write `my_gradient_shard(ctx, grad)`: return
+# this rank's slice (slice r of dim 0 on rank r) of the gradient averaged over all ranks.
+# `ctx.comm` has `all_reduce`, `reduce_scatter` and `all_gather`. The checker runs it on 4 ranks,
+# each with a different gradient of 16 values.
+
+# %% tags=["solution"]
 def my_gradient_shard(ctx, grad):
     mine = ctx.comm.reduce_scatter(grad)   # sum over ranks; rank r keeps slice r of dim 0
     return mine / ctx.world_size           # each rank's loss is a mean: average, not sum
-""", tags=("solution",)),
-    code(r"""
+
+
+# %%
 check_gradient_shard(my_gradient_shard);
-"""),
-    md(r"""
-**2 · Stage 2 for Llama 3 8B on 8 GPUs.** How many bytes of model states does each GPU hold
-when Llama 3 8B (8.03B parameters) is trained with mixed-precision Adam and ZeRO stage 2 on 8
-GPUs? Write it as an expression that shows the derivation, in bytes.
-"""),
-    code(r"""
+
+# %% [markdown]
+# **2 · Stage 2 for Llama 3 8B on 8 GPUs.** How many bytes of model states does each GPU hold
+# when Llama 3 8B (8.03B parameters) is trained with mixed-precision Adam and ZeRO stage 2 on 8
+# GPUs? Write it as an expression that shows the derivation, in bytes.
+
+# %% tags=["solution"]
 zero2_bytes_per_gpu = (2 + (2 + 12) / 8) * 8.03e9   # bf16 weights whole; grads + Adam state / N
-""", tags=("solution",)),
-    code(r"""
+
+# %%
 check_stage_memory_answer(zero2_bytes_per_gpu, params=8.03e9, world_size=8, stage=2);
-"""),
-]
-
-
-if __name__ == "__main__":
-    write_and_execute(CELLS, "04_zero.ipynb")

@@ -1,40 +1,45 @@
-"""Build notebooks/01_data_parallelism.ipynb from the cells below, then execute it in place.
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-Run from anywhere: `.venv/bin/python notebooks/make/01_data_parallelism.py`. Edit the lesson
-here, not in the .ipynb: the notebook is regenerated (with its outputs) from this list.
-Numbers a run produces are printed by code (f-strings, Markdown built from variables), never
-typed into the prose.
-"""
-from nbmake import code, md, write_and_execute
+# %% [markdown]
+# # 01 · Data parallelism: replicas, an all-reduce, and hiding it under backward
+#
+# **The idea.** Put a full copy of the model on each of N GPUs. Split every global batch into N
+# equal shards; each replica runs forward and backward on its own shard. The loss is a mean over
+# examples, so the *average* of the N shard gradients is exactly the full-batch gradient. One
+# collective, an **all-reduce** that averages the gradients across the replicas, therefore makes
+# every replica take the same optimizer step a single GPU would take on the whole batch: the same
+# numbers, with 1/N of the compute per GPU.
+#
+# **The price.** The all-reduce moves data every step. The ring algorithm cuts the S gradient
+# bytes into N chunks and passes them around a ring twice (reduce-scatter, then all-gather), so
+# each GPU sends
+#
+# $$\text{bytes per GPU per step} = \frac{2(N-1)}{N}\,S \;<\; 2S \quad\text{whatever } N.$$
+#
+# The traffic per GPU does not grow with N, but it does not shrink either, while the compute per
+# GPU does: with enough GPUs the step is all communication. PyTorch's `DistributedDataParallel`
+# fights this by **overlapping**: gradients are grouped into buckets and each bucket's all-reduce
+# starts while backward is still computing the earlier layers (Li et al. 2020).
+#
+# This lesson runs labkit's `DataParallel` on CPU ranks (gloo), checks it against one device,
+# puts it on a model and a training loop of your own, measures the traffic, builds the ring from
+# `send`/`recv`, shows the overlap on a modelled H100 timeline, and checks two claims of the
+# source article.
 
-CELLS = [
-    md(r"""
-# 01 · Data parallelism: replicas, an all-reduce, and hiding it under backward
-
-**The idea.** Put a full copy of the model on each of N GPUs. Split every global batch into N
-equal shards; each replica runs forward and backward on its own shard. The loss is a mean over
-examples, so the *average* of the N shard gradients is exactly the full-batch gradient. One
-collective, an **all-reduce** that averages the gradients across the replicas, therefore makes
-every replica take the same optimizer step a single GPU would take on the whole batch: the same
-numbers, with 1/N of the compute per GPU.
-
-**The price.** The all-reduce moves data every step. The ring algorithm cuts the S gradient
-bytes into N chunks and passes them around a ring twice (reduce-scatter, then all-gather), so
-each GPU sends
-
-$$\text{bytes per GPU per step} = \frac{2(N-1)}{N}\,S \;<\; 2S \quad\text{whatever } N.$$
-
-The traffic per GPU does not grow with N, but it does not shrink either, while the compute per
-GPU does: with enough GPUs the step is all communication. PyTorch's `DistributedDataParallel`
-fights this by **overlapping**: gradients are grouped into buckets and each bucket's all-reduce
-starts while backward is still computing the earlier layers (Li et al. 2020).
-
-This lesson runs labkit's `DataParallel` on CPU ranks (gloo), checks it against one device,
-puts it on a model and a training loop of your own, measures the traffic, builds the ring from
-`send`/`recv`, shows the overlap on a modelled H100 timeline, and checks two claims of the
-source article.
-"""),
-    code(r"""
+# %%
 import inspect
 import os
 import statistics
@@ -58,24 +63,24 @@ from labkit.viz import dp_widgets
 
 pd.set_option("display.precision", 3)
 pd.set_option("display.width", 120)
-"""),
-    md(r"""
-## 1 · Run it: four replicas against one device
 
-`dp.train` (`labkit/runs/data_parallel.py`) builds the tiny GPT on every rank, wraps it in
-`labkit.DataParallel` (the building block, `labkit/parallel/data_parallel.py`), takes its shard
-of each batch with `data.shard(batch, rank, N)`, runs forward and backward, and steps. The
-wrapper is the technique: when it is built, rank 0 broadcasts its weights so that every replica
-starts equal; during backward a hook on each parameter copies its gradient into a flat
-**bucket**, and a full bucket's all-reduce (average) starts at once, asynchronously; when
-backward ends it waits for them and leaves the averaged gradients in `.grad`.
+# %% [markdown]
+# ## 1 · Run it: four replicas against one device
+#
+# `dp.train` (`labkit/runs/data_parallel.py`) builds the tiny GPT on every rank, wraps it in
+# `labkit.DataParallel` (the building block, `labkit/parallel/data_parallel.py`), takes its shard
+# of each batch with `data.shard(batch, rank, N)`, runs forward and backward, and steps. The
+# wrapper is the technique: when it is built, rank 0 broadcasts its weights so that every replica
+# starts equal; during backward a hook on each parameter copies its gradient into a flat
+# **bucket**, and a full bucket's all-reduce (average) starts at once, asynchronously; when
+# backward ends it waits for them and leaves the averaged gradients in `.grad`.
+#
+# We use plain SGD for this check, so the comparison is about the parallelism only. (With Adam,
+# one tensor, the attention *key* bias, has a true gradient of exactly 0 that softmax cancels; its
+# computed gradient is float noise, which Adam rescales to full-size steps, so it differs between
+# *any* two summation orders. The tests check Adam with a larger eps.)
 
-We use plain SGD for this check, so the comparison is about the parallelism only. (With Adam,
-one tensor, the attention *key* bias, has a true gradient of exactly 0 that softmax cancels; its
-computed gradient is float noise, which Adam rescales to full-size steps, so it differs between
-*any* two summation orders. The tests check Adam with a larger eps.)
-"""),
-    code(r"""
+# %%
 cfg = RunConfig(steps=3, global_batch=8, optimizer="sgd")   # the tiny GPT, 8 sequences of 32
 
 
@@ -90,34 +95,35 @@ results = labkit.launch(train_and_log, 4, cfg, bucket_mb=0.25)
 reference = train(cfg)
 loss = dp.global_loss(results)   # the mean over ranks of each shard's loss = full-batch loss
 print(pd.DataFrame({"4 ranks (mean of shard losses)": loss, "one device": reference["loss"]}))
-"""),
-    code(r"""
+
+# %%
 # NBVAL_CHECK_OUTPUT
 diff = max_param_diff(results[0]["params"], reference["params"])
 print(f"largest |parameter difference| after {cfg.steps} steps below 1e-6: {diff < 1e-6}")
 print("losses agree to 1e-6:", all(abs(a - b) < 1e-6 for a, b in zip(loss, reference["loss"])))
-"""),
-    md(r"""
-The two methods that do the work: the hook that backward calls once a parameter's gradient is
-complete, and the launch, which starts full buckets *in bucket order* on every rank (a
-collective is matched with the other ranks' by its place in that order, whatever order the
-hooks fired in):
-"""),
-    code(r"""
+
+# %% [markdown]
+# The two methods that do the work: the hook that backward calls once a parameter's gradient is
+# complete, and the launch, which starts full buckets *in bucket order* on every rank (a
+# collective is matched with the other ranks' by its place in that order, whatever order the
+# hooks fired in):
+
+# %%
 print(inspect.getsource(DataParallel._on_gradient))
 print(inspect.getsource(DataParallel._launch))
-"""),
-    md(r"""
-## 2 · Your own model, your own loop
 
-`labkit.DataParallel` works on any `nn.Module` in any training loop, like PyTorch's
-`DistributedDataParallel`: wrap the model, give each rank its slice of the batch, and keep the
-loop as it is. Below, a plain `nn.Sequential` regression trained with AdamW. The function runs
-on 2 ranks under `labkit.launch`; in a script of your own you would start it with `torchrun` or
-`mp.spawn` after `init_process_group`, and the wrapper finds the process group by itself. The
-reference is *the same function* on one device (rank 0 of 1: the whole batch, no wrapper).
-"""),
-    code(r"""
+
+# %% [markdown]
+# ## 2 · Your own model, your own loop
+#
+# `labkit.DataParallel` works on any `nn.Module` in any training loop, like PyTorch's
+# `DistributedDataParallel`: wrap the model, give each rank its slice of the batch, and keep the
+# loop as it is. Below, a plain `nn.Sequential` regression trained with AdamW. The function runs
+# on 2 ranks under `labkit.launch`; in a script of your own you would start it with `torchrun` or
+# `mp.spawn` after `init_process_group`, and the wrapper finds the process group by itself. The
+# reference is *the same function* on one device (rank 0 of 1: the whole batch, no wrapper).
+
+# %%
 def make_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
@@ -156,40 +162,40 @@ with_dp = labkit.launch(my_training, 2, labkit.DataParallel)[0]
 dp_diff = max_param_diff(with_dp, one_device)
 print(f"DataParallel on 2 ranks vs one device, after 5 AdamW steps: "
       f"max |parameter difference| = {dp_diff:.1e}")
-"""),
-    code(r"""
+
+# %%
 # NBVAL_CHECK_OUTPUT
 print(f"DataParallel equals one device (within 1e-6): {dp_diff < 1e-6}")
-"""),
-    md(r"""
-`labkit.FullyShard` (lesson 04's ZeRO stage 3) goes in the same place: each rank then keeps only
-its 1/N shard of every weight, gradient and optimizer state, and the weights are gathered layer
-by layer when they are needed. The loop does not change; only the wrapper does.
-"""),
-    code(r"""
+
+# %% [markdown]
+# `labkit.FullyShard` (lesson 04's ZeRO stage 3) goes in the same place: each rank then keeps only
+# its 1/N shard of every weight, gradient and optimizer state, and the weights are gathered layer
+# by layer when they are needed. The loop does not change; only the wrapper does.
+
+# %%
 with_fsdp = labkit.launch(my_training, 2, labkit.FullyShard)[0]
 fsdp_diff = max_param_diff(with_fsdp, one_device)
 print(f"FullyShard on 2 ranks vs one device, after 5 AdamW steps: "
       f"max |parameter difference| = {fsdp_diff:.1e}")
-"""),
-    code(r"""
+
+# %%
 # NBVAL_CHECK_OUTPUT
 print(f"FullyShard equals one device (within 1e-6): {fsdp_diff < 1e-6}")
-"""),
-    md(r"""
-## 3 · Measure it: the comm log against 2(N−1)/N
 
-Every collective goes through `ctx.comm`, which logs it. With 0.25 MB buckets the tiny model's
-fp32 gradients become two buckets, so each step is two all-reduces. The log also holds the
-broadcasts of the weights when the wrapper was built (one per tensor, once per run); the clock's
-8-byte time stamps are not logged.
-"""),
-    code(r"""
+# %% [markdown]
+# ## 3 · Measure it: the comm log against 2(N−1)/N
+#
+# Every collective goes through `ctx.comm`, which logs it. With 0.25 MB buckets the tiny model's
+# fp32 gradients become two buckets, so each step is two all-reduces. The log also holds the
+# broadcasts of the weights when the wrapper was built (one per tensor, once per run); the clock's
+# 8-byte time stamps are not logged.
+
+# %%
 log = results[0]["log"]
 log.loc[log.op == "all_reduce", ["op", "tag", "group_size", "bytes", "wire_bytes_per_rank",
                                  "async_op"]].head(4)
-"""),
-    code(r"""
+
+# %%
 # NBVAL_CHECK_OUTPUT
 n = 4
 grad_bytes = dp.gradient_bytes(cfg)
@@ -198,24 +204,25 @@ formula = 2 * (n - 1) / n * grad_bytes * cfg.steps
 print(f"gradient bytes per step S      = {grad_bytes:,}")
 print(f"wire bytes per rank, comm log  = {measured:,.0f}")
 print(f"2(N-1)/N x S x {cfg.steps} steps        = {formula:,.0f}")
-"""),
-    code(r"""
+
+# %%
 fig = comm_bars(results[0]["comm"], title="rank 0, 3 steps on 4 ranks (logged)")
-"""),
-    md(r"""
-## 4 · The ring all-reduce, from `send` and `recv`
 
-`dp.ring_all_reduce(ctx, tensor, group=None)` is written with nothing but point-to-point
-messages. Cut the tensor into N chunks. **Reduce-scatter:** in step s (of N−1), rank r sends
-chunk (r−s) mod N to its right neighbour and adds the chunk arriving from its left into chunk
-(r−s−1) mod N. After N−1 steps, rank r holds the complete sum of chunk (r+1) mod N.
-**All-gather:** N−1 more steps pass the finished chunks around the ring. Each step moves one
-chunk of S/N bytes per rank, so each rank sends 2(N−1)·S/N: at most 2S whatever N is, while a
-naive "everyone sends everything to everyone" would send (N−1)·S.
 
-To avoid a deadlock, each step *posts* its send (`async_op=True`), then receives, then waits.
-"""),
-    code(r"""
+# %% [markdown]
+# ## 4 · The ring all-reduce, from `send` and `recv`
+#
+# `dp.ring_all_reduce(ctx, tensor, group=None)` is written with nothing but point-to-point
+# messages. Cut the tensor into N chunks. **Reduce-scatter:** in step s (of N−1), rank r sends
+# chunk (r−s) mod N to its right neighbour and adds the chunk arriving from its left into chunk
+# (r−s−1) mod N. After N−1 steps, rank r holds the complete sum of chunk (r+1) mod N.
+# **All-gather:** N−1 more steps pass the finished chunks around the ring. Each step moves one
+# chunk of S/N bytes per rank, so each rank sends 2(N−1)·S/N: at most 2S whatever N is, while a
+# naive "everyone sends everything to everyone" would send (N−1)·S.
+#
+# To avoid a deadlock, each step *posts* its send (`async_op=True`), then receives, then waits.
+
+# %%
 # NBVAL_CHECK_OUTPUT
 def ring_vs_library(ctx, numel):
     t = torch.arange(numel, dtype=torch.float32) * (ctx.rank + 1)
@@ -232,20 +239,20 @@ for n in (2, 3, 4, 8):
                      sent_per_rank=out[0][1], formula=2 * (n - 1) / n * S,
                      naive_send_everything=(n - 1) * S))
 print(pd.DataFrame(rows).to_string(index=False))
-"""),
-    md(r"""
-## 5 · Overlap on the virtual timeline
 
-The CPU ranks also run a **modelled clock**: each compute region advances by its counted FLOPs
-at 50% of an H100's bf16 peak, each collective by its alpha-beta time on NVLink. Async
-all-reduces run on a separate *comm lane* (the thin bar under each rank), so overlap shows.
+# %% [markdown]
+# ## 5 · Overlap on the virtual timeline
+#
+# The CPU ranks also run a **modelled clock**: each compute region advances by its counted FLOPs
+# at 50% of an H100's bf16 peak, each collective by its alpha-beta time on NVLink. Async
+# all-reduces run on a separate *comm lane* (the thin bar under each rank), so overlap shows.
+#
+# On a tiny model communication dominates: the overlap can hide at most the backward pass. What
+# matters is the ratio of compute to gradient bytes, which is the number of **tokens per GPU**.
+# So this run uses a wider GPT (hidden 128, 4 layers) and a global batch of 128 sequences of 32
+# tokens (2,048 tokens per rank), 1 MB buckets, on 2 ranks.
 
-On a tiny model communication dominates: the overlap can hide at most the backward pass. What
-matters is the ratio of compute to gradient bytes, which is the number of **tokens per GPU**.
-So this run uses a wider GPT (hidden 128, 4 layers) and a global batch of 128 sequences of 32
-tokens (2,048 tokens per rank), 1 MB buckets, on 2 ranks.
-"""),
-    code(r"""
+# %%
 big = RunConfig(steps=2, global_batch=128, optimizer="sgd",
                 model_kwargs=dict(hidden=128, layers=4, ffn=512))
 print(f"{sum(p.numel() for p in build_model(big).parameters()):,} parameters, "
@@ -270,13 +277,13 @@ for ax, overlap in zip(axes, (True, False)):
     gantt(last_step(runs[overlap]), ax=ax,
           title=f"bucketed, overlap={overlap}: one step on 2 modelled H100s (NVLink)")
 fig.tight_layout()
-"""),
-    code(r"""
+
+# %%
 # NBVAL_CHECK_OUTPUT
 on, off = (runs[o][0]["modelled_step_s"][-1] for o in (True, False))
 print(f"modelled step with overlap shorter than without: {on < off}")
-"""),
-    code(r"""
+
+# %%
 print(f"modelled step time: overlap {on * 1e6:.1f} us, no overlap {off * 1e6:.1f} us "
       f"({(off - on) / off:.0%} shorter)")
 
@@ -295,8 +302,9 @@ wall = aligned_wall(runs[True])
 fig = gantt(wall, clock="wall",
             title="the same run (overlap=True), both steps, measured on this machine's CPUs")
 _ = fig.axes[0].set_xlim(0, 1.04 * max(e["wall_end"] for e in wall))   # room for the last bar
-"""),
-    code(r"""
+
+
+# %%
 def per_step(results, clock, keep, span=False):
     # seconds per step of rank 0's events matching `keep`: their sum (bars one after another)
     # or, with span=True, first start to last end (bars that overlap, like waits in a row)
@@ -340,22 +348,22 @@ the bucket's launch to the moment its wait returned, so it also covers the rest 
 the other rank catching up. Those proportions are this machine's, not an H100's: the chart is
 there to show that the modelled picture comes from a real run.
 '''))
-"""),
-    md(r"""
-## 6 · How far does it scale? Modelled on H100s, measured here
 
-`theory.time.dp_step_time` is the closed form: compute (6 FLOPs per matmul weight + 12·L·h·s for
-the attention scores) per token, tokens/N of them per GPU, at 50% of peak (lesson 03's compute
-model; the input embedding is a lookup, no FLOPs; s = 4,096 for Llama 3 8B), plus the
-all-reduce of 2Ψ bytes of bf16 gradients in 25 MB buckets, of which everything but the last
-bucket hides under backward. Within a node the ring runs on NVLink; beyond 8 GPUs it crosses
-InfiniBand, and the curve bends.
+# %% [markdown]
+# ## 6 · How far does it scale? Modelled on H100s, measured here
+#
+# `theory.time.dp_step_time` is the closed form: compute (6 FLOPs per matmul weight + 12·L·h·s for
+# the attention scores) per token, tokens/N of them per GPU, at 50% of peak (lesson 03's compute
+# model; the input embedding is a lookup, no FLOPs; s = 4,096 for Llama 3 8B), plus the
+# all-reduce of 2Ψ bytes of bf16 gradients in 25 MB buckets, of which everything but the last
+# bucket hides under backward. Within a node the ring runs on NVLink; beyond 8 GPUs it crosses
+# InfiniBand, and the curve bends.
+#
+# Memory comes first, though: every replica holds the whole model's states, 16 bytes per
+# parameter with mixed-precision Adam (bf16 weights and gradients, fp32 master weights and two
+# moments), whatever N is.
 
-Memory comes first, though: every replica holds the whole model's states, 16 bytes per
-parameter with mixed-precision Adam (bf16 weights and gradients, fp32 master weights and two
-moments), whatever N is.
-"""),
-    code(r"""
+# %%
 gpus = [1, 2, 4, 8, 16, 32, 64]
 cluster = lambda n: dp_widgets.cluster_for(n)   # 8 x H100 per node, NVLink in, IB NDR between
 hbm = cluster(1).gpu.memory_bytes
@@ -368,8 +376,9 @@ for name in ("GPT-2 small", "Llama 3 8B"):
           f"replica, {'fits' if states <= hbm else 'does NOT fit'} one 80 GB H100 "
           f"({hbm / 1e9:.1f}e9 bytes, as the driver reports it; ZeRO-2, which sends the same "
           f"bytes per step, fits from {zero2} GPU(s))")
-"""),
-    code(r"""
+
+
+# %%
 def wall_step(n, cfg):
     out = labkit.launch(dp.train, n, cfg, threads=1)   # one core's worth per rank, as 1 GPU each
     per_step = [max(ts) for ts in zip(*(r["step_wall_s"] for r in out))][1:]
@@ -386,24 +395,24 @@ speedup_curve([1, 2, 4], {"measured wall clock, CPU ranks (gloo)":
                           [wall[1] / wall[n] for n in (1, 2, 4)]},
               ax=ax2, title=f"measured on this machine ({os.cpu_count()} CPU cores)")
 fig.tight_layout()
-"""),
-    md(r"""
-The hollow Llama 3 8B curve is time modelled *as if* its states fitted (sharded ZeRO-2 style,
-lesson 04, which moves the same bytes per step as the all-reduce); plain data parallelism cannot
-run it on H100s at any GPU count.
 
-The measured curve is not the H100 story, and is not meant to be: every rank is a process on
-the same few CPU cores (one thread each), so past as many ranks as there are cores the ranks only
-split the same cores' time, and pay for gloo messages over loopback and process switching on top;
-on a shared or busy machine even the first step up is noisy. Speedup needs a processor per
-replica, which is what each GPU is.
+# %% [markdown]
+# The hollow Llama 3 8B curve is time modelled *as if* its states fitted (sharded ZeRO-2 style,
+# lesson 04, which moves the same bytes per step as the all-reduce); plain data parallelism cannot
+# run it on H100s at any GPU count.
+#
+# The measured curve is not the H100 story, and is not meant to be: every rank is a process on
+# the same few CPU cores (one thread each), so past as many ranks as there are cores the ranks only
+# split the same cores' time, and pay for gloo messages over loopback and process switching on top;
+# on a shared or busy machine even the first step up is noisy. Speedup needs a processor per
+# replica, which is what each GPU is.
+#
+# ## 7 · The article's two claims, with numbers
+#
+# **Claim 1** (source article): *"Iterating through the same training data can be up to twice as
+# fast with double the number of GPUs in use, depending on the batch size."*
 
-## 7 · The article's two claims, with numbers
-
-**Claim 1** (source article): *"Iterating through the same training data can be up to twice as
-fast with double the number of GPUs in use, depending on the batch size."*
-"""),
-    code(r"""
+# %%
 doublings = ((1, 2), (4, 8), (8, 16), (32, 64))
 token_sizes = (2**14, 2**17, 2**20, 2**22)
 speedup = {}   # (tokens, a, b) -> time(a GPUs) / time(b GPUs)
@@ -418,8 +427,9 @@ table = pd.DataFrame([{"global batch (tokens)": f"{t:,}",
 print("speedup from doubling the GPUs, Llama 3 8B, modelled (overlap on, 25 MB buckets;\n"
       "its states sharded ZeRO-2 style so that it fits: the same bytes on the wire)")
 print(table.to_string(index=False))
-"""),
-    code(r"""
+
+
+# %%
 def how_fast(s):
     if s < 1:
         return f"makes the step **slower** ({s:.2f}×)"
@@ -443,14 +453,14 @@ across nodes, 8→16 GPUs ({nvlink.name} at {nvlink.bandwidth / 1e9:.0f} GB/s to
 (At a fixed batch size per GPU instead, "weak scaling", the step time stays nearly flat and the
 throughput doubles, but each step then sees twice the data.)
 '''))
-"""),
-    md(r"""
-**Claim 2** (source article): running Stable Diffusion at 2.6 s per batch on one H100 node, a
-second node "allows you to process 2 batches in 2.6 seconds, effectively reducing the inference
-time to 1.3 seconds per batch". Inference data parallelism needs no communication at all: each
-replica serves its own batches.
-"""),
-    code(r"""
+
+# %% [markdown]
+# **Claim 2** (source article): running Stable Diffusion at 2.6 s per batch on one H100 node, a
+# second node "allows you to process 2 batches in 2.6 seconds, effectively reducing the inference
+# time to 1.3 seconds per batch". Inference data parallelism needs no communication at all: each
+# replica serves its own batches.
+
+# %%
 # NBVAL_CHECK_OUTPUT
 latency = 2.6   # seconds per batch on one node (the article's number)
 rows = []
@@ -462,8 +472,8 @@ for batches in (1, 2, 3, 10, 100):
                          latency_per_batch_s=r["latency_s"], utilisation=r["utilisation"]))
 inference = pd.DataFrame(rows)
 print(inference.to_string(index=False))
-"""),
-    code(r"""
+
+# %%
 row = lambda b, n: inference[(inference.batches == b) & (inference.nodes == n)].iloc[0]
 display(Markdown(f'''
 With a steady stream of batches the second node doubles throughput: 2 batches per
@@ -477,8 +487,8 @@ already small does not get twice as fast at half the size.
 
 The same thing on CPU ranks with the tiny GPT, on the modelled clock:
 '''))
-"""),
-    code(r"""
+
+# %%
 # NBVAL_CHECK_OUTPUT
 model = build_model(RunConfig())
 batches = [batch(model, RunConfig(), i)[0] for i in range(4)]
@@ -488,52 +498,53 @@ for n in (1, 2):
     finish = max(r["finished_s"] for r in out)
     print(f"{n} replica(s), 4 batches: all done at {finish / per_batch:.0f} x the latency of "
           f"one batch; each batch still takes 1 x")
-"""),
-    md(r"""
-## 8 · Explore: when does the all-reduce stop hiding?
 
-All modelled (theory only, so it redraws at once); the line above the panels says whether a
-replica's model states fit one GPU at all. Things to try: GPT-2 small at 16K tokens on 64 GPUs
-(communication-bound); the same at 4M tokens; 1 MB buckets (latency-bound: many small messages)
-against 1000 MB buckets (nothing left to overlap: one bucket arrives at the end of backward);
-PCIe instead of NVLink.
-"""),
-    code(r"""
+# %% [markdown]
+# ## 8 · Explore: when does the all-reduce stop hiding?
+#
+# All modelled (theory only, so it redraws at once); the line above the panels says whether a
+# replica's model states fit one GPU at all. Things to try: GPT-2 small at 16K tokens on 64 GPUs
+# (communication-bound); the same at 4M tokens; 1 MB buckets (latency-bound: many small messages)
+# against 1000 MB buckets (nothing left to overlap: one bucket arrives at the end of backward);
+# PCIe instead of NVLink.
+
+# %%
 dp_widgets.dp_explorer()
-"""),
-    md(r"""
-## Takeaways
 
-- Data parallelism copies the whole model to every GPU and averages gradients with one
-  all-reduce per step; the result equals one device on the full batch (checked above to float
-  rounding), on labkit's GPT and on a model and loop of your own, with one wrapper line.
-- A ring all-reduce sends 2(N−1)/N × the gradient bytes per GPU: under 2× whatever N, measured
-  byte-for-byte in the comm log. It does not shrink with N while compute does, so scaling is set
-  by **tokens per GPU** against gradient bytes and link bandwidth.
-- Buckets launched from gradient hooks overlap the all-reduce with backward (what PyTorch DDP
-  does); the modelled step gets shorter, and only the last bucket is always exposed.
-- "Twice as fast with twice the GPUs" holds for big batches inside a node, not for small batches
-  or across the NVLink → InfiniBand boundary; a second inference node doubles throughput, not
-  the speed of one batch.
-- Every copy still holds all parameters, gradients and optimizer state: data parallelism does
-  not help a model fit (Llama 3 8B does not fit one H100 this way). ZeRO (lesson 04) shards
-  those states across the same replicas.
-"""),
-    md(r"""
-## Exercises
 
-Two exercises; each answer goes in its own cell (in the student edition it raises
-`NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# %% [markdown]
+# ## Takeaways
+#
+# - Data parallelism copies the whole model to every GPU and averages gradients with one
+#   all-reduce per step; the result equals one device on the full batch (checked above to float
+#   rounding), on labkit's GPT and on a model and loop of your own, with one wrapper line.
+# - A ring all-reduce sends 2(N−1)/N × the gradient bytes per GPU: under 2× whatever N, measured
+#   byte-for-byte in the comm log. It does not shrink with N while compute does, so scaling is set
+#   by **tokens per GPU** against gradient bytes and link bandwidth.
+# - Buckets launched from gradient hooks overlap the all-reduce with backward (what PyTorch DDP
+#   does); the modelled step gets shorter, and only the last bucket is always exposed.
+# - "Twice as fast with twice the GPUs" holds for big batches inside a node, not for small batches
+#   or across the NVLink → InfiniBand boundary; a second inference node doubles throughput, not
+#   the speed of one batch.
+# - Every copy still holds all parameters, gradients and optimizer state: data parallelism does
+#   not help a model fit (Llama 3 8B does not fit one H100 this way). ZeRO (lesson 04) shards
+#   those states across the same replicas.
 
-**1 · Write the ring all-reduce.** Fill in `my_ring_all_reduce` using only `ctx.comm.send(t,
-dst, async_op=True)` (returns a handle with `.wait()`) and `ctx.comm.recv(t, src)`: cut the
-tensor into N chunks (`torch.tensor_split(tensor.view(-1), n)` gives views, so writing a chunk
-writes the tensor), run N−1 reduce-scatter steps to the right neighbour, then N−1 all-gather
-steps. Then run the checking cell: `check_ring_all_reduce` runs it on 4 ranks with different
-data, and tells you in words what is wrong: a wrong sum, chunks in the wrong place, a deadlock
-(every rank waiting in recv), or more bytes sent than the ring's 2(N−1)/N·S.
-"""),
-    code(r"""
+# %% [markdown]
+# ## Exercises
+#
+# Two exercises; each answer goes in its own cell (in the student edition it raises
+# `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+#
+# **1 · Write the ring all-reduce.** Fill in `my_ring_all_reduce` using only `ctx.comm.send(t,
+# dst, async_op=True)` (returns a handle with `.wait()`) and `ctx.comm.recv(t, src)`: cut the
+# tensor into N chunks (`torch.tensor_split(tensor.view(-1), n)` gives views, so writing a chunk
+# writes the tensor), run N−1 reduce-scatter steps to the right neighbour, then N−1 all-gather
+# steps. Then run the checking cell: `check_ring_all_reduce` runs it on 4 ranks with different
+# data, and tells you in words what is wrong: a wrong sum, chunks in the wrong place, a deadlock
+# (every rank waiting in recv), or more bytes sent than the ring's 2(N−1)/N·S.
+
+# %% tags=["solution"]
 def my_ring_all_reduce(ctx, tensor):
     n, r = ctx.world_size, ctx.rank
     chunks = list(torch.tensor_split(tensor.view(-1), n))   # views: writing them writes tensor
@@ -553,15 +564,17 @@ def my_ring_all_reduce(ctx, tensor):
         handle.wait()
         chunks[recv_i].copy_(incoming)                       # a finished sum: keep it
     return tensor
-""", tags=("solution",)),
-    code(r"""
+
+
+# %%
 verdict = check_ring_all_reduce(my_ring_all_reduce)
-"""),
-    md(r"""
-What the feedback looks like for two classic mistakes: forgetting that the other ranks' data
-differ, and receiving before anybody sends (this one waits 3 s for the time-out).
-"""),
-    code(r"""
+
+
+# %% [markdown]
+# What the feedback looks like for two classic mistakes: forgetting that the other ranks' data
+# differ, and receiving before anybody sends (this one waits 3 s for the time-out).
+
+# %%
 def assumes_same_data(ctx, tensor):
     return tensor * ctx.world_size
 
@@ -576,21 +589,15 @@ def receives_first(ctx, tensor):
 _ = check_ring_all_reduce(assumes_same_data)
 print()
 _ = check_ring_all_reduce(receives_first, timeout_s=3)
-"""),
-    md(r"""
-**2 · The bytes of one all-reduce.** Sixteen GPUs (two nodes) train GPT-2 small (124,439,808
-parameters) with data parallelism and bf16 gradients. How many bytes does **each GPU send** in
-the ring all-reduce of one step's gradients? Write it as an expression that shows the
-derivation.
-"""),
-    code(r"""
+
+# %% [markdown]
+# **2 · The bytes of one all-reduce.** Sixteen GPUs (two nodes) train GPT-2 small (124,439,808
+# parameters) with data parallelism and bf16 gradients. How many bytes does **each GPU send** in
+# the ring all-reduce of one step's gradients? Write it as an expression that shows the
+# derivation.
+
+# %% tags=["solution"]
 ring_bytes_per_gpu = 2 * (16 - 1) / 16 * (2 * 124_439_808)   # 2(N-1)/N x S, S: bf16 grads
-""", tags=("solution",)),
-    code(r"""
+
+# %%
 check_ring_bytes(ring_bytes_per_gpu);
-"""),
-]
-
-
-if __name__ == "__main__":
-    write_and_execute(CELLS, "01_data_parallelism.ipynb")
