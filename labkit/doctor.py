@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 
-from .runtime.cpus import BYTES_PER_CPU_RANK, max_cpu_ranks, usable_cpus
+from .runtime.cpus import BYTES_PER_CPU_RANK, available_memory, max_cpu_ranks, usable_cpus
 
 RANKS = 4  # the lessons' usual world size
 LAUNCH_TIMEOUT_S = 120.0
@@ -104,25 +104,9 @@ def cores_and_memory(fixes):
                      f"VM more memory (WSL2: memory=4GB in .wslconfig)")
     if max_cpu_ranks() < RANKS:
         fixes.append(f"labkit.launch allows at most {max_cpu_ranks()} CPU ranks here (memory "
-                     f"free now, {BYTES_PER_CPU_RANK / 1e6:.0f} MB per rank): free memory")
+                     f"available now, {BYTES_PER_CPU_RANK / 1e6:.0f} MB per rank): free memory")
     memory = "memory unknown" if available is None else f"{available / 1e9:.1f} GB available"
     return [f"{cores} usable cores", memory]
-
-
-def available_memory():
-    """Bytes the system could give us now: MemAvailable on Linux (free memory plus the caches
-    it can drop), free pages elsewhere; None when the system does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def gloo_interface_problem():

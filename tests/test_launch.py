@@ -196,7 +196,7 @@ def test_more_nccl_ranks_than_gpus_is_refused():
 
 
 def test_a_world_size_far_above_the_machine_is_refused():
-    with pytest.raises(ValueError, match="far more CPU ranks than this machine can hold"):
+    with pytest.raises(ValueError, match="more CPU ranks than this machine can hold"):
         labkit.launch(rank_and_sum, max_cpu_ranks() + 1)
 
 
@@ -431,3 +431,18 @@ def test_the_same_script_runs_under_torchrun_and_exits_cleanly(tmp_path):
         assert run.returncode == 0, err[-2000:]
         # every rank gets all results (the two ranks' prints may interleave)
         assert out.count("RESULT") == 2 and out.count("[2.0, 2.0]") == 2
+
+
+def test_rank_limit_reads_available_memory_not_free_memory(tmp_path):
+    """A machine whose page cache fills memory (MemFree 0.5 GB, MemAvailable 20 GB) holds 4
+    ranks; the refusal names the limit that binds and its numbers."""
+    from labkit.runtime.cpus import cpu_rank_limit
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:          500000 kB\n"
+                       "MemAvailable:   20000000 kB\nCached:         19000000 kB\n")
+    limit, why = cpu_rank_limit(str(meminfo))
+    assert limit >= 4
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:          500000 kB\n"
+                       "MemAvailable:    2100000 kB\n")
+    limit, why = cpu_rank_limit(str(meminfo))
+    assert limit == 5 and "2.2 GB available" in why and "400 MB per rank" in why

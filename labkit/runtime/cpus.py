@@ -8,13 +8,41 @@ import os
 BYTES_PER_CPU_RANK = 400e6  # a CPU rank (Python + torch + gloo) needs about this much memory
 
 
-def max_cpu_ranks():
-    """The most simulated ranks worth starting here: bounded by memory and by CPUs."""
+def available_memory(meminfo="/proc/meminfo"):
+    """Bytes the system could give us now: MemAvailable on Linux (free memory plus the page
+    cache and other memory it can drop), free pages elsewhere; None when the system does not say.
+    Never MemFree alone: on any machine that has run for a while the page cache fills it."""
     try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        available = 8e9
-    return max(2, min(int(available // BYTES_PER_CPU_RANK), 8 * max(2, usable_cpus())))
+        return None
+
+
+def cpu_rank_limit(meminfo="/proc/meminfo"):
+    """(most simulated ranks worth starting here, why): bounded by available memory (about
+    BYTES_PER_CPU_RANK each) and by CPUs (8 ranks per usable CPU); the reason names the limit
+    that binds, with its numbers."""
+    cpus = usable_cpus()
+    by_cpus = 8 * max(2, cpus)
+    available = available_memory(meminfo)
+    by_memory = by_cpus if available is None else int(available // BYTES_PER_CPU_RANK)
+    per_rank = f"about {BYTES_PER_CPU_RANK / 1e6:.0f} MB per rank"
+    if by_memory < by_cpus:
+        limit = max(2, by_memory)
+        return limit, f"at most {limit} ranks: {available / 1e9:.1f} GB available, {per_rank}"
+    return by_cpus, f"at most {by_cpus} ranks: {cpus} usable CPU(s), 8 ranks per CPU"
+
+
+def max_cpu_ranks(meminfo="/proc/meminfo"):
+    """The most simulated ranks worth starting here (see `cpu_rank_limit`)."""
+    return cpu_rank_limit(meminfo)[0]
 
 
 def usable_cpus(cgroup_root="/sys/fs/cgroup"):

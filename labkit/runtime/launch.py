@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .context import Context, STATUS_WIDTH
-from .cpus import BYTES_PER_CPU_RANK, max_cpu_ranks, usable_cpus
+from .cpus import cpu_rank_limit, max_cpu_ranks, usable_cpus
 from .processes import (mp_context, new_store_folder, no_missing_main_file, use_loopback_for_gloo,
                         warm_forkserver)
 
@@ -129,13 +129,12 @@ def check_launch_args(world_size, backend):
         raise ValueError(f"NCCL needs one GPU per rank: world_size={world_size} but this machine "
                          f"has {gpus} GPU(s). Use backend='gloo' to simulate ranks on the CPU.")
     if backend == "gloo":
-        limit = max_cpu_ranks()
+        limit, why = cpu_rank_limit()
         if world_size > limit:
             raise ValueError(
-                f"world_size={world_size} is far more CPU ranks than this machine can hold "
-                f"(at most {limit} here: {usable_cpus()} usable CPU(s), about "
-                f"{BYTES_PER_CPU_RANK / 1e6:.0f} MB per rank). For larger clusters use the "
-                f"modelled numbers in labkit.theory, or run under torchrun on real machines.")
+                f"world_size={world_size} is more CPU ranks than this machine can hold ({why}). "
+                f"For larger clusters use the modelled numbers in labkit.theory, or run under "
+                f"torchrun on real machines.")
     return backend
 
 
