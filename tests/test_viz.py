@@ -261,6 +261,118 @@ def test_cached_text_paints_the_pixels_plain_agg_paints():
     assert agg_text._heights   # the layouts' font metrics came from the renderer's cache
 
 
+# ------------------------------------------------------------ the private-Matplotlib guard
+
+def test_the_fast_path_is_on_for_the_pinned_matplotlib():
+    """pyproject.toml pins the Matplotlib the cached renderer was made for: on it the guard
+    finds every private name, and the explorers' canvases draw with the cached renderer."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    import numpy as np
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pins = [d for d in project["project"]["dependencies"] if re.match(r"matplotlib\b", d)]
+    assert len(pins) == 1 and "<" in pins[0], pins   # an upper bound: the tested range
+    if matplotlib.__version__ not in SpecifierSet(pins[0][len("matplotlib"):]):
+        pytest.skip(f"matplotlib {matplotlib.__version__} is outside the pin {pins[0]}")
+    assert agg_text.FAST_PATH and agg_text.fast_path()
+    box = widgets.memory_explorer()
+    assert type(box.figure.canvas.get_renderer()) is agg_text.CachedTextRenderer
+    assert np.asarray(box.figure.canvas.buffer_rgba()).any()
+
+
+def test_the_guard_probes_every_private_name_the_lab_uses():
+    """Every private attribute labkit.viz reads on an object not its own is in the guard's
+    table (agg_text.PRIVATE), and only agg_text reads any; a name the probe cannot find
+    (another Matplotlib) turns the fast path off."""
+    import ast
+    from pathlib import Path
+
+    probed = {name for _, name, _ in agg_text.PRIVATE}
+    for path in sorted(Path(agg_text.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                and n.attr.startswith("_") and not n.attr.startswith("__") and n.attr not in own
+                and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")
+                         and path.name != "agg_text.py")}
+        used -= {"_renderer_key"} if path.name == "agg_text.py" else set()   # our own slot
+        if path.name == "agg_text.py":
+            assert used <= probed, used - probed
+        else:
+            assert used == set(), (path.name, used)
+    assert "_renderer" in probed and "_layout" in probed
+    table = agg_text.PRIVATE
+    try:
+        agg_text.PRIVATE = table + (("FT2Font", "_layout_v2", "RendererAgg.draw_text"),)
+        assert not agg_text.fast_path()
+    finally:
+        agg_text.PRIVATE = table
+
+
+def _explorer_pictures(makers):
+    """{explorer: (its RGBA pixels, plain Agg's for the same figure, its renderer class)}
+    after one slider step (the step draws from the caches the first picture filled)."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    pictures = {}
+    for make in makers:
+        box = make()
+        slider = next(w for row in box.children[:-2] for w in row.children
+                      if "Slider" in type(w).__name__)
+        if hasattr(slider, "options"):
+            values = [o[1] if isinstance(o, tuple) else o for o in slider.options]
+            slider.value = values[values.index(slider.value) - 1]
+        else:
+            slider.value = slider.value + slider.step
+        live_canvas = box.figure.canvas
+        live = np.asarray(live_canvas.buffer_rgba()).copy()
+        FigureCanvasAgg(box.figure).draw()   # the same figure, plain Matplotlib
+        plain = np.asarray(box.figure.canvas.buffer_rgba()).copy()
+        pictures[make.__name__] = (live, plain, type(live_canvas.renderer))
+        box.figure.set_canvas(live_canvas)
+    return pictures
+
+
+def _save_png(pixels, name):
+    from pathlib import Path
+
+    from PIL import Image
+    out = Path(__file__).parents[1] / "build" / "test_viz"
+    out.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).convert("RGB").save(out / f"{name}.png")
+
+
+def test_the_explorers_fast_pictures_equal_plain_agg():
+    import numpy as np
+    if not agg_text.FAST_PATH:
+        pytest.skip("this Matplotlib takes the plain path (the pin test says why)")
+    from labkit.viz import moe_widgets, zero_widgets
+    makers = (widgets.memory_explorer, dp_widgets.dp_explorer, tp_widgets.tp_explorer,
+              zero_widgets.zero_explorer, moe_widgets.moe_explorer,
+              pipeline_widgets.pipeline_explorer)
+    for name, (live, plain, renderer) in _explorer_pictures(makers).items():
+        assert renderer is agg_text.CachedTextRenderer, name
+        assert live[..., :3].min() < 100 and np.array_equal(live, plain), name
+        _save_png(live, f"fast_{name}")
+
+
+def test_the_plain_fallback_draws_the_same_explorers(monkeypatch):
+    """The guard forced off: every canvas draws with plain RendererAgg, and the explorers work
+    and paint what plain Agg paints (so what the fast path paints, by the test above)."""
+    import numpy as np
+    monkeypatch.setattr(agg_text, "FAST_PATH", False)
+    makers = (widgets.memory_explorer, dp_widgets.dp_explorer, pipeline_widgets.pipeline_explorer)
+    for name, (live, reference, renderer) in _explorer_pictures(makers).items():
+        assert renderer is matplotlib.backends.backend_agg.RendererAgg, name
+        assert live[..., :3].min() < 100 and np.array_equal(live, reference), name
+        _save_png(live, f"plain_{name}")
+
+
 def test_an_update_puts_back_a_layout_made_before():
     box = tp_widgets.tp_explorer()   # TP 8 <-> 16 changes the link's name in the y labels
     tp = next(w for row in box.children[:-2] for w in row.children if w.description == "TP degree")
@@ -312,6 +424,7 @@ def test_prefetch_waits_while_a_figure_renders():
 def test_zero_categories_hide_without_a_new_shape():
     """A pooled category that is zero everywhere keeps the shape, its bars and legend entry
     hidden; nonzero, they show."""
+    from labkit.viz import live
     from labkit.viz.live import legend_labels
     from labkit.viz.plots import restack, stack_shape
     pool = ("params", "activations")
@@ -319,8 +432,7 @@ def test_zero_categories_hide_without_a_new_shape():
     more = {"a": {"params": 1e9, "activations": 2e9}}
     assert stack_shape(bars, keep=pool) == stack_shape(more, keep=pool)
     ax = memory_stack(bars, keep=pool).axes[0]
-    entries = [e for column in ax.get_legend()._legend_handle_box.get_children()
-               for e in column.get_children()]
+    entries = [entry for _, entry in live.legend_entries(ax)]
     assert sorted(e.get_visible() for e in entries) == [False, True]
     assert len(legend_labels(ax)) == 1   # what the live layout keys its margins on
     restack(ax, more, keep=pool)

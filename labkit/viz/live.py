@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import io
-import sys
 import threading
 
 from matplotlib.figure import Figure
+from matplotlib.offsetbox import HPacker, TextArea
 
 from .agg_text import CachedTextCanvas
 
@@ -88,40 +88,41 @@ def live_figure(figsize, dpi=DPI):
     return fig
 
 
-def legend_labels(ax):
-    """The labels of `ax`'s legend entries that are shown (an entry can be hidden)."""
+def legend_entries(ax):
+    """[(label, entry)] of `ax`'s legend, in order: an entry is the box packing one handle
+    with its label's TextArea, found through public get_children (the legend keeps its
+    boxes in private attributes)."""
     legend = ax.get_legend()
     if legend is None:
-        return ()
-    return tuple(entry.get_children()[-1]._text.get_text()
-                 for column in legend._legend_handle_box.get_children()
-                 for entry in column.get_children() if entry.get_visible())
+        return []
+    return [(child.get_text(), box) for box in legend.findobj(HPacker, include_self=False)
+            for child in box.get_children() if isinstance(child, TextArea)]
+
+
+def legend_labels(ax):
+    """The labels of `ax`'s legend entries that are shown (an entry can be hidden)."""
+    return tuple(label for label, entry in legend_entries(ax) if entry.get_visible())
 
 
 def show_legend_entries(ax, shown):
     """Show or hide `ax`'s legend entries by label ({label: bool}); a hidden entry leaves no
     gap (the legend packs its visible entries only)."""
-    legend = ax.get_legend()
-    if legend is None:
-        return
-    for column in legend._legend_handle_box.get_children():
-        for entry in column.get_children():
-            label = entry.get_children()[-1]._text.get_text()
-            if label in shown and entry.get_visible() != shown[label]:
-                entry.set_visible(shown[label])
+    for label, entry in legend_entries(ax):
+        if label in shown and entry.get_visible() != shown[label]:
+            entry.set_visible(shown[label])
 
 
 def layout_texts(fig):
     """The texts whose sizes decide tight_layout's margins, read without measuring any: per
     axes its y and x tick labels, title and axis labels, legend entries; the suptitle."""
-    texts = [fig._suptitle.get_text() if fig._suptitle is not None else ""]
+    texts = [fig.get_suptitle()]
     for ax in fig.axes:
         if ax.get_visible():
             texts.append((tuple(t.get_text() for t in ax.yaxis.get_ticklabels()),
                           tuple(t.get_text() for t in ax.xaxis.get_ticklabels()),
-                          tuple(t.get_text() if t.get_visible() else "" for t in
-                                (ax.title, ax._left_title, ax._right_title, ax.xaxis.label,
-                                 ax.yaxis.label)),
+                          tuple(ax.get_title(loc) for loc in ("left", "center", "right"))
+                          + tuple(t.get_text() if t.get_visible() else "" for t in
+                                  (ax.xaxis.label, ax.yaxis.label)),
                           legend_labels(ax)))
     return texts
 
@@ -321,26 +322,19 @@ _idle = threading.Event()   # clear while a LiveFigure renders
 _idle.set()
 
 
-def _wait_while_drawing(frame, event, arg):
-    """The prefetch thread's trace function: at every Python call it waits (not holding the
-    GIL) while a step is being drawn. Two threads sharing the GIL hand it over every 5 ms,
-    which would make the step itself up to twice as slow as without the prefetch. The
-    flag is read first: the check runs at every call (the prefetch runs ~2x slower)."""
-    if not _idle._flag:
-        _idle.wait()
-
-
 def prefetch(fn, calls):
     """Call `fn(*args)` for each args tuple of `calls` in a background thread, so that an
     lru_cached theory function has the values a slider is likely to take next ready before
-    it takes them. The thread pauses while any live figure renders (it runs between steps,
-    never against one). A newer prefetch stops an older one between calls."""
+    it takes them. Before each call the thread waits while any live figure renders: two
+    threads sharing the GIL hand it over every 5 ms, which would make a step up to twice as
+    slow (a call already running finishes; each is one theory function, milliseconds).
+    A newer prefetch stops an older one between calls."""
     _generation[0] += 1
     mine = _generation[0]
 
     def work():
-        sys.settrace(_wait_while_drawing)   # this thread only
         for args in calls:
+            _idle.wait()
             if _generation[0] != mine:
                 return
             try:
