@@ -68,14 +68,14 @@ class Clock:
 
     # --- compute ---------------------------------------------------------------------------
     @property
-    def flops_per_s(self):
+    def flops_per_s(self) -> float:
         return self.cluster.gpu.flops(self.compute_dtype) * self.cluster.mfu
 
-    def compute(self, name="compute", **meta):
+    def compute(self, name: str = "compute", **meta: object) -> "_ComputeRegion":
         """Context manager: count the FLOPs run inside and advance the clock by their time."""
         return _ComputeRegion(self, name, meta)
 
-    def add_compute(self, name, flops, **meta):
+    def add_compute(self, name: str, flops: float, **meta: object) -> None:
         """Advance by `flops` counted elsewhere (e.g. a formula), as a compute bar."""
         self._cut()
         dt = flops / self.flops_per_s
@@ -83,25 +83,26 @@ class Clock:
         self.t += dt
         self.flops += flops
 
-    def advance(self, seconds, kind="compute", name="", **meta):
+    def advance(self, seconds: float, kind: str = "compute", name: str = "",
+                **meta: object) -> None:
         """Advance by a modelled duration (e.g. a PCIe copy for CPU offload)."""
         self._cut()
         self._emit("compute", kind, name, self.t, self.t + seconds, meta=meta)
         self.t += seconds
 
-    def now(self):
+    def now(self) -> float:
         """This rank's modelled time, including the FLOPs of a compute region still open."""
         if self._region is None:
             return self.t
         flops = self._region.counter.flops - self._region.flops_at_cut
         return self.t + flops / self.flops_per_s
 
-    def mark_step(self):
+    def mark_step(self) -> None:
         """Call after each training step: modelled step times come from these marks."""
         self._cut()
         self.step_marks.append(self.t)
 
-    def step_times(self):
+    def step_times(self) -> list[float]:
         return [b - a for a, b in zip(self.step_marks, self.step_marks[1:])]
 
     # --- communication (called by comm.py) ----------------------------------------------------
@@ -189,7 +190,7 @@ class Clock:
         return timing.end
 
     # --- the timeline --------------------------------------------------------------------------
-    def timeline(self):
+    def timeline(self) -> list[dict]:
         """Every event of this rank as a dict (modelled start/end, wall start/end)."""
         return [e.__dict__.copy() for e in self.events]
 

@@ -19,10 +19,14 @@ hold the slots (bool, complex) exchange the stamps in an all_reduce(max) issued 
 Those bytes are logged apart, as the clock's own (tag "clock"): `summary(clock=True)` shows
 them; the technique's rows and `wire_bytes()` leave them out.
 """
+from __future__ import annotations
+
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,13 @@ import torch.distributed as dist
 from ..theory import time as theory_time
 from .stamps import (equal_splits, needed as stamp_needed, reduction_slots, unpack as
                      unpack_stamps, unpack_reduced, with_slots, with_stamp)
+
+if TYPE_CHECKING:
+    import pandas
+
+    from .context import Context, GroupLike
+
+ReduceOpName = Literal["sum", "avg", "max", "min"]   # what `op=` takes
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "avg": dist.ReduceOp.SUM}  # gloo has no AVG: sum, then divide by the group size
@@ -63,7 +74,7 @@ class Handle:
     timing: object = None           # the clock's note of when this op was issued
     done: bool = field(default=False)
 
-    def wait(self):
+    def wait(self) -> torch.Tensor:
         if not self.done:
             self._complete()
             self.comm._finished(self.record, time.perf_counter() - self.started,
@@ -91,7 +102,7 @@ KEEP_RECORDS = 10_000   # single calls kept for inspection; totals are kept for 
 
 
 class Comm:
-    def __init__(self, ctx):
+    def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.records = deque(maxlen=KEEP_RECORDS)
         self.totals = {}        # (op, group, tag) -> calls, bytes, wire bytes, seconds
@@ -100,12 +111,14 @@ class Comm:
         self._names = {}        # ranks -> group name, dtype -> name (asked on every call)
 
     # --- collectives -------------------------------------------------------------------
-    def all_reduce(self, tensor, op="sum", group=None, async_op=False, tag=""):
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum", group: GroupLike = None,
+                   async_op: bool = False, tag: str = "") -> torch.Tensor | Handle:
         """Reduce `tensor` in place over the group (sum, avg, max, min)."""
         group = self.ctx.group(group)
         return self._reduce("all_reduce", tensor, tensor, op, group, async_op, tag)
 
-    def all_gather(self, tensor, group=None, async_op=False, tag=""):
+    def all_gather(self, tensor: torch.Tensor, group: GroupLike = None, async_op: bool = False,
+                   tag: str = "") -> torch.Tensor | Handle:
         """Concatenate every rank's `tensor` along dim 0; returns a new tensor (n x larger)."""
         group = self.ctx.group(group)
         tensor = tensor.contiguous()
@@ -123,7 +136,9 @@ class Comm:
         return self._issue(record, timing, group, out, finish, async_op, lambda: (
             dist.all_gather_single(gathered, packed, group=group.pg, async_op=async_op)))
 
-    def reduce_scatter(self, tensor, op="sum", group=None, async_op=False, tag=""):
+    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOpName = "sum",
+                       group: GroupLike = None, async_op: bool = False,
+                       tag: str = "") -> torch.Tensor | Handle:
         """Reduce `tensor` over the group; this rank keeps its 1/n slice of dim 0."""
         group = self.ctx.group(group)
         tensor = tensor.contiguous()
@@ -133,7 +148,8 @@ class Comm:
         out = tensor.new_empty((tensor.shape[0] // group.size,) + tuple(tensor.shape[1:]))
         return self._reduce("reduce_scatter", tensor, out, op, group, async_op, tag)
 
-    def broadcast(self, tensor, src=0, group=None, async_op=False, tag=""):
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, group: GroupLike = None,
+                  async_op: bool = False, tag: str = "") -> torch.Tensor | Handle:
         """Copy `tensor` from the group's member `src` (a rank of the group) to every member."""
         group = self.ctx.group(group)
         root = group.global_rank(src)
@@ -142,8 +158,9 @@ class Comm:
         return self._issue(record, timing, group, tensor, finish, async_op, lambda: (
             dist.broadcast(tensor, root, group=group.pg, async_op=async_op)))
 
-    def all_to_all(self, tensor, input_splits=None, output_splits=None, group=None,
-                   async_op=False, tag=""):
+    def all_to_all(self, tensor: torch.Tensor, input_splits: Sequence[int] | None = None,
+                   output_splits: Sequence[int] | None = None, group: GroupLike = None,
+                   async_op: bool = False, tag: str = "") -> torch.Tensor | Handle:
         """Send slice i of dim 0 to rank i of the group; returns what every rank sent here.
 
         Without splits the slices are equal. With `input_splits` but no `output_splits`, the
@@ -176,7 +193,7 @@ class Comm:
                                    [b + 8 for b in send_bytes], group=group.pg,
                                    async_op=async_op)))
 
-    def barrier(self, group=None, tag=""):
+    def barrier(self, group: GroupLike = None, tag: str = "") -> None:
         group = self.ctx.group(group)
         record, timing = self._start("barrier", torch.empty(0), group, False, tag)
         if not stamp_needed(timing):
@@ -192,7 +209,8 @@ class Comm:
             dist.all_reduce(stamp, dist.ReduceOp.MAX, group=group.pg)))
 
     # --- point to point ------------------------------------------------------------------
-    def send(self, tensor, dst, group=None, async_op=False, tag=""):
+    def send(self, tensor: torch.Tensor, dst: int, group: GroupLike = None, async_op: bool = False,
+             tag: str = "") -> torch.Tensor | Handle:
         """Send `tensor` to member `dst` of the group (the world: a global rank).
 
         The sender's virtual time travels in the same message (8 bytes after the data).
@@ -211,7 +229,8 @@ class Comm:
         self._finished(record, time.perf_counter() - t0, self.ctx.clock.finish_async(timing))
         return tensor
 
-    def recv(self, tensor, src, group=None, async_op=False, tag=""):
+    def recv(self, tensor: torch.Tensor, src: int, group: GroupLike = None, async_op: bool = False,
+             tag: str = "") -> torch.Tensor | Handle:
         """Receive into `tensor` from member `src` of the group; waits (virtually) for it."""
         peer = self.ctx.group(group).global_rank(src)
         record = self._record("recv", tensor, (peer, self.ctx.rank), tag, peer)
@@ -236,12 +255,12 @@ class Comm:
         return tensor
 
     # --- the log ---------------------------------------------------------------------------
-    def dataframe(self):
+    def dataframe(self) -> pandas.DataFrame:
         """The last single calls, one row each (pandas DataFrame)."""
         import pandas as pd
         return pd.DataFrame([r.__dict__ for r in self.records])
 
-    def summary(self, by=("op", "group"), clock=False):
+    def summary(self, by: Sequence[str] = ("op", "group"), clock: bool = False) -> list[dict]:
         """Totals per op and group (or `by` any of op, group, tag): calls, payload bytes
         (measured), ring-model wire bytes per rank (modelled), wall and modelled seconds.
         `clock=True` adds the clock's own time stamps as rows tagged "clock" (they cost no
@@ -257,7 +276,7 @@ class Comm:
                 _accumulate(rows, key, by, total)["tag"] = "clock"
         return list(rows.values())
 
-    def wire_bytes(self, op=None, clock=False):
+    def wire_bytes(self, op: str | None = None, clock: bool = False) -> float:
         """Ring-model bytes this rank sent, for one op or all of them (modelled); with
         `clock=True`, those of the clock's time stamps instead."""
         if clock:
@@ -266,7 +285,7 @@ class Comm:
         return sum(t["wire_bytes_per_rank"] for (o, _, _), t in self.totals.items()
                    if op in (None, o))
 
-    def reset(self):
+    def reset(self) -> None:
         self.records.clear()
         self.totals.clear()
         self.clock_totals.clear()

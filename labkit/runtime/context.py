@@ -6,9 +6,13 @@ their process group explicitly (`group=None` means the world); `context()` finds
 context, so a building block works under `launch`, under `torchrun` and in a learner's own
 `mp.spawn` program that called `torch.distributed.init_process_group` itself.
 """
+from __future__ import annotations
+
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 import torch
 import torch.distributed as dist
@@ -18,6 +22,9 @@ from .comm import Comm
 from .memory import MemoryTracker
 from .mesh import Mesh
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 STATUS_WIDTH = 160  # bytes per rank in the shared status board the parent reads on a timeout
 
 _current = None     # this process's Context (one per rank process)
@@ -26,20 +33,20 @@ _current = None     # this process's Context (one per rank process)
 @dataclass(frozen=True)
 class Group:
     """A set of global ranks that talk together, and this rank's place in it."""
-    ranks: tuple
-    pg: object  # a torch ProcessGroup, None for the default (world) group
+    ranks: tuple[int, ...]
+    pg: ProcessGroup | None  # None for the default (world) group
     rank: int   # this process's index inside `ranks`
 
     @property
-    def size(self):
+    def size(self) -> int:
         return len(self.ranks)
 
-    def global_rank(self, group_rank):
+    def global_rank(self, group_rank: int) -> int:
         """The world rank of the group's member number `group_rank`."""
         return self.ranks[group_rank]
 
 
-def context():
+def context() -> Context:
     """This process's Context: the `ctx` of `launch`, or one made now from the default group.
 
     A program that initialised torch.distributed itself (mp.spawn, torchrun) gets a context on
@@ -59,10 +66,13 @@ def context():
 
 Mesh.find_context = staticmethod(context)   # Mesh(dp=..) without ctx= uses this process's
 
+# what every `group=` takes: None (the world), a labkit Group, or a torch ProcessGroup
+GroupLike = Union[Group, "ProcessGroup", None]
+
 
 class Context:
-    def __init__(self, rank, world_size, backend, cluster="8xH100-NVLink", status=None,
-                 progress=None, seed=0):
+    def __init__(self, rank: int, world_size: int, backend: str, cluster: str = "8xH100-NVLink",
+                 status=None, progress=None, seed: int = 0) -> None:
         global _current
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
@@ -78,7 +88,7 @@ class Context:
         _current = self
 
     # --- groups ---------------------------------------------------------------------------
-    def group(self, group=None):
+    def group(self, group: GroupLike = None) -> Group:
         """A labkit Group for `group`: None (the world), a Group, or a torch ProcessGroup."""
         if group is None:
             return self.world
@@ -92,13 +102,13 @@ class Context:
             known = self._groups[group] = Group(ranks, group, ranks.index(self.rank))
         return known
 
-    def new_group(self, ranks):
+    def new_group(self, ranks: Iterable[int]) -> Group | None:
         """One group from `ranks`. Every rank of the world must call this, in the same order."""
         ranks = tuple(sorted(ranks))
         pg = dist.new_group(list(ranks))
         return Group(ranks, pg, ranks.index(self.rank)) if self.rank in ranks else None
 
-    def split_groups(self, partition):
+    def split_groups(self, partition: Sequence[Sequence[int]]) -> Group:
         """Groups for a partition of the world (e.g. every DP or TP group of a mesh).
 
         Every rank calls it with the same list of rank lists; it gets back its own group.
@@ -112,13 +122,13 @@ class Context:
             raise ValueError(f"rank {self.rank} is in none of the groups {partition}")
         return mine
 
-    def mesh(self, **sizes):
+    def mesh(self, **sizes: int) -> Mesh:
         """A Mesh of named sub-groups, e.g. `ctx.mesh(dp=2, tp=2, pp=2)` (TP innermost)."""
         return Mesh(ctx=self, **sizes)
 
     # --- bookkeeping a training loop needs -------------------------------------------------
     @contextmanager
-    def step(self, index, total=None):
+    def step(self, index: int, total: int | None = None) -> Iterator[None]:
         """`with ctx.step(i, steps):` one training step: memory sample, clock mark, progress."""
         yield
         self.memory.sample(f"after step {index}")
@@ -127,7 +137,7 @@ class Context:
             self.progress(index + 1, total)
 
     @contextmanager
-    def off_the_record(self):
+    def off_the_record(self) -> Iterator[None]:
         """Run something (a warm-up, a check) without logging its comm or advancing the clock."""
         was = self.comm.recording, self.clock.enabled
         self.comm.recording, self.clock.enabled = False, False
@@ -144,12 +154,12 @@ class Context:
         start = self.rank * STATUS_WIDTH
         self._status[start:start + len(raw)] = raw
 
-    def progress(self, done, total):
+    def progress(self, done: int, total: int) -> None:
         """Report steps done (rank 0's numbers drive the progress bar the caller sees)."""
         if self._progress is not None and self.rank == 0:
             self._progress[1], self._progress[0] = total, done
 
-    def elapsed(self):
+    def elapsed(self) -> float:
         """Wall-clock seconds since this rank's context was made."""
         return time.perf_counter() - self.started
 

@@ -23,9 +23,11 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait as wait_for
+from typing import Any
 
 import cloudpickle
 import torch
@@ -54,8 +56,9 @@ class _Child:
     done: bool = False
 
 
-def launch(fn, world_size, *args, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
-           cluster="8xH100-NVLink", seed=0, threads=None, **kwargs):
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
+           timeout_s: float | None = DEFAULT_TIMEOUT_S, cluster: str = "8xH100-NVLink",
+           seed: int = 0, threads: int | None = None, **kwargs: Any) -> list[Any]:
     """Run `fn(ctx, *args, **kwargs)` on `world_size` ranks and return the results by rank.
 
     backend: None picks NCCL when there are at least `world_size` GPUs, else gloo on CPU.

@@ -11,11 +11,20 @@ recounted only when they can have changed (gradients change in backward, not bet
 of one forward; a backward node takes all its saved tensors back before it computes), and a
 tensor's storage size is remembered while the tensor and its data pointer stay the same.
 """
+from __future__ import annotations
+
 import weakref
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from .context import Context
+
+TensorSource = Callable[[], Iterable[torch.Tensor]]   # a category's source: returns its tensors
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 
@@ -130,7 +139,7 @@ def _modules_of(model):
 
 
 class MemoryTracker:
-    def __init__(self, ctx=None):
+    def __init__(self, ctx: Context | None = None) -> None:
         self.ctx = ctx
         self.sources = {c: (lambda: ()) for c in CATEGORIES if c != "activations"}
         self.buffers = {}          # name -> tensor: transient buffers (gathered weights, comm)
@@ -150,7 +159,10 @@ class MemoryTracker:
         self._grads_seen = None    # ... for these gradient tensors
 
     # --- what to count ----------------------------------------------------------------------
-    def watch(self, model=None, optimizer=None, params=None, grads=None, optimizer_state=None):
+    def watch(self, model: nn.Module | None = None,
+              optimizer: torch.optim.Optimizer | None = None, params: TensorSource | None = None,
+              grads: TensorSource | None = None,
+              optimizer_state: TensorSource | None = None) -> MemoryTracker:
         """Say where each category lives. Defaults: the model's parameters and their .grad,
         the optimizer's state. Pass functions returning tensors for sharded layouts."""
         if model is not None:
@@ -165,27 +177,27 @@ class MemoryTracker:
         self._forget_grads()
         return self
 
-    def add_buffer(self, name, tensor):
+    def add_buffer(self, name: str, tensor: torch.Tensor) -> None:
         """A transient tensor that is neither a parameter nor an activation (counted in peak)."""
         self.buffers[name] = tensor
         self.sample(f"+{name}")
 
-    def remove_buffer(self, name):
+    def remove_buffer(self, name: str) -> None:
         self.buffers.pop(name, None)
         self.sample(f"-{name}")
 
-    def exclude(self, tensor):
+    def exclude(self, tensor: torch.Tensor) -> None:
         """Do not count `tensor`'s storage as an activation when autograd saves it (e.g. a
         weight gathered after tracking started: it is counted as a parameter or buffer)."""
         self._exclude.add(tensor.untyped_storage().data_ptr())
 
-    def include(self, tensor):
+    def include(self, tensor: torch.Tensor) -> None:
         """Undo `exclude` (the storage may be reused for something else later)."""
         self._exclude.discard(tensor.untyped_storage().data_ptr())
 
     # --- activations ---------------------------------------------------------------------------
     @contextmanager
-    def track_activations(self):
+    def track_activations(self) -> Iterator[MemoryTracker]:
         """Count what autograd saves for backward (run forward *and* backward inside)."""
         self._exclude = {t.untyped_storage().data_ptr() for t in self.sources["params"]()}
         self._exclude |= {t.untyped_storage().data_ptr() for t in self.buffers.values()}
@@ -227,14 +239,14 @@ class MemoryTracker:
             del self.saved[key]
 
     # --- snapshots and the peak ------------------------------------------------------------------
-    def snapshot(self):
+    def snapshot(self) -> dict[str, int]:
         """Bytes by category right now."""
         out = {c: self._sizes.total(self.sources[c]()) for c in CATEGORIES
                if c != "activations"}
         out["activations"] = self.saved_bytes
         return out
 
-    def sample(self, phase=""):
+    def sample(self, phase: str = "") -> dict[str, int]:
         """Record a snapshot (call at the phase boundaries of a step) and update the peak."""
         for model in self._models:
             model.forget()
@@ -265,12 +277,12 @@ class MemoryTracker:
         if total > self.peak:
             self.peak, self.peak_phase = total, phase
 
-    def reset_peak(self):
+    def reset_peak(self) -> None:
         self.peak, self.max_saved_bytes = 0, self.saved_bytes
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 
-    def report(self):
+    def report(self) -> dict:
         """The run report's memory entry: steady state now, most activations, peak (bytes)."""
         snap = self.sample("report")
         out = dict(params=snap["params"], grads=snap["grads"], optimizer=snap["optimizer"],

@@ -13,8 +13,15 @@ same experts (their gradients are averaged).
     mesh.coords         # {"pp": 0, "dp": 1, "cp": 0, "tp": 1}
     mesh.table()        # one row per world rank: its coordinates
 """
+from __future__ import annotations
+
 import itertools
 import math
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .context import Context, Group
 
 DIMS = ("pp", "dp", "cp", "tp")   # outermost to innermost
 
@@ -22,7 +29,8 @@ DIMS = ("pp", "dp", "cp", "tp")   # outermost to innermost
 class Mesh:
     find_context = None   # set by runtime.context: how a Mesh built without ctx finds it
 
-    def __init__(self, dp=1, tp=1, pp=1, cp=1, ep=1, order=DIMS, ctx=None):
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                 order: Sequence[str] = DIMS, ctx: Context | None = None) -> None:
         ctx = ctx if ctx is not None else Mesh.find_context()
         self.ctx = ctx
         self.sizes = dict(dp=dp, tp=tp, pp=pp, cp=cp)
@@ -63,17 +71,17 @@ class Mesh:
             groups.setdefault((fixed, split(c) if split else 0), []).append(rank)
         return list(groups.values())
 
-    def __getitem__(self, name):
+    def __getitem__(self, name: str) -> Group:
         if name not in self.groups:
             raise KeyError(f"mesh has groups {sorted(self.groups)}, not {name!r}")
         return self.groups[name]
 
-    def rank_at(self, **coords):
+    def rank_at(self, **coords: int) -> int:
         """The world rank at the given coordinates (unnamed dimensions: 0)."""
         want = {d: coords.get(d, 0) for d in DIMS}
         return self._coords.index(want)
 
-    def table(self):
+    def table(self) -> list[dict[str, int]]:
         """One dict per world rank: rank, its coordinates, and its ep index."""
         return [dict(rank=r, **c, ep=c["dp"] % self.ep) for r, c in enumerate(self._coords)]
 
@@ -82,7 +90,8 @@ class Mesh:
         return f"Mesh({shape}, ep={self.ep})"
 
 
-def layouts(world_size, dims=("dp", "tp", "pp")):
+def layouts(world_size: int, dims: Sequence[str] = ("dp", "tp", "pp")
+            ) -> Iterator[dict[str, int]]:
     """Every way to write `world_size` as a product over `dims` (for explorers and planners)."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for combo in itertools.product(divisors, repeat=len(dims)):
