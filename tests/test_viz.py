@@ -295,11 +295,12 @@ def test_the_guard_probes_every_private_name_the_lab_uses():
     for path in sorted(Path(agg_text.__file__).parent.glob("*.py")):
         tree = ast.parse(path.read_text())
         own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        own |= {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                for t in n.targets if isinstance(t, ast.Name)}   # class and module attributes
         used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
                 and n.attr.startswith("_") and not n.attr.startswith("__") and n.attr not in own
                 and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")
                          and path.name != "agg_text.py")}
-        used -= {"_renderer_key"} if path.name == "agg_text.py" else set()   # our own slot
         if path.name == "agg_text.py":
             assert used <= probed, used - probed
         else:
@@ -419,6 +420,28 @@ def test_prefetch_waits_while_a_figure_renders():
     finally:
         live._idle.set()
     assert done.wait(5)
+
+
+def test_prefetch_pauses_between_calls_while_a_figure_renders():
+    """A render that starts during a prefetch call lets that call finish and holds the next
+    one until the render is over (a plain check between calls: no trace function)."""
+    import threading
+
+    from labkit.viz import live
+    calls, second = [], threading.Event()
+
+    def fn(i):
+        calls.append(i)
+        if i == 1:
+            live._idle.clear()   # a step starts drawing while call 1 runs
+        else:
+            second.set()
+    try:
+        live.prefetch(fn, [(1,), (2,)])
+        assert not second.wait(0.3) and calls == [1]
+    finally:
+        live._idle.set()
+    assert second.wait(5) and calls == [1, 2]
 
 
 def test_zero_categories_hide_without_a_new_shape():
