@@ -22,7 +22,7 @@ import io
 import threading
 
 from matplotlib.figure import Figure
-from matplotlib.offsetbox import HPacker, TextArea
+from matplotlib.offsetbox import HPacker, PackerBase, TextArea
 
 from .agg_text import CachedTextCanvas
 
@@ -90,13 +90,22 @@ def live_figure(figsize, dpi=DPI):
 
 def legend_entries(ax):
     """[(label, entry)] of `ax`'s legend, in order: an entry is the box packing one handle
-    with its label's TextArea, found through public get_children (the legend keeps its
-    boxes in private attributes)."""
+    with its label's TextArea, found through the packers' public get_children (the legend
+    keeps its boxes in private attributes)."""
     legend = ax.get_legend()
-    if legend is None:
-        return []
-    return [(child.get_text(), box) for box in legend.findobj(HPacker, include_self=False)
-            for child in box.get_children() if isinstance(child, TextArea)]
+    return [] if legend is None else list(_packed_entries(legend))
+
+
+def _packed_entries(box):
+    """Depth first through the packers only (not into each handle's drawing): an entry is an
+    HPacker with a TextArea (the title's TextArea sits in a VPacker)."""
+    for child in box.get_children():
+        if isinstance(child, PackerBase):
+            texts = [c for c in child.get_children() if isinstance(c, TextArea)]
+            if texts and isinstance(child, HPacker):
+                yield texts[0].get_text(), child
+            else:
+                yield from _packed_entries(child)
 
 
 def legend_labels(ax):
