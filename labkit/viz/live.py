@@ -336,7 +336,8 @@ def prefetch(fn, calls):
     lru_cached theory function has the values a slider is likely to take next ready before
     it takes them. Before each call the thread waits while any live figure renders: two
     threads sharing the GIL hand it over every 5 ms, which would make a step up to twice as
-    slow (a call already running finishes; each is one theory function, milliseconds).
+    slow. A call already running finishes first (one theory function: for the MoE
+    explorer's expected drops, milliseconds to a tenth of a second at the largest shapes).
     A newer prefetch stops an older one between calls."""
     _generation[0] += 1
     mine = _generation[0]
