@@ -311,6 +311,14 @@ def _matches(pattern, name):
     return len(atoms) == len(parts) and all(map(fnmatch.fnmatchcase, parts, atoms))
 
 
+def plan_for(module, plan):
+    """The entries of `plan` that name some module of `module` (e.g. a pipeline stage, which
+    holds only some of the model's layers)."""
+    names = [name for name, _ in module.named_modules() if name]
+    return {pattern: style for pattern, style in plan.items()
+            if any(_matches(pattern, name) for name in names)}
+
+
 def _fused_parts(name, module):
     leaf = name.rsplit(".", 1)[-1]
     return 3 if leaf in FUSED_QKV and module.out_features % 3 == 0 else 1
@@ -368,30 +376,35 @@ def _check_one(name, layer, style, tp, root):
                          f"({style} splits them across ranks)")
 
 
-def _build(style, layer, name, group, sequence_parallel, shared):
+def _build(style, layer, name, group, shared, sequence_parallel, regather, gather_output):
     options = dict(sequence_parallel=sequence_parallel, tag=name, shared=shared)
     if style == "rowwise":
         return RowParallelLinear(layer, group, **options)
     if isinstance(layer, nn.Embedding):
         return VocabParallelEmbedding(layer, group, **options)
     parts = _fused_parts(name, layer) if style == "colwise" else 1
-    return ColumnParallelLinear(layer, group, parts=parts, gather_output=style == "vocab",
-                                **options)
+    return ColumnParallelLinear(layer, group, parts=parts, regather=regather,
+                                gather_output=gather_output and style == "vocab", **options)
 
 
-def parallelize(module, plan, group=None, sequence_parallel=False):
+def parallelize(module, plan, group=None, sequence_parallel=False, *, regather=True,
+                gather_output=True):
     """Split the layers `plan` names ({glob: "colwise" | "rowwise" | "vocab"}) over `group`
     (None: the world), in place; returns `module`. Every rank of the group calls it on the
     same (identically initialised) module and feeds the same input (with sequence_parallel:
-    the same whole sequence to a vocab embedding, or its own sequence shard)."""
+    the same whole sequence to a vocab embedding, or its own sequence shard).
+    regather (SP): a colwise layer keeps only its input's sequence shard for backward and
+    all-gathers it again there (False: keeps the gathered input). gather_output=False: a
+    "vocab" Linear (the output layer) leaves its logits split by vocabulary, for
+    `vocab_parallel_cross_entropy`."""
     group = context().group(group)
     targets = resolve_plan(module, plan, group.size)
     shared = {}
     for name, style in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = module.get_submodule(parent_name)
-        parent._modules[leaf] = _build(style, parent._modules[leaf], name, group,
-                                       sequence_parallel, shared)
+        parent._modules[leaf] = _build(style, parent._modules[leaf], name, group, shared,
+                                       sequence_parallel, regather, gather_output)
     for name, param in module.named_parameters():
         if getattr(param, "tp_split", None) is not None:
             continue

@@ -11,12 +11,13 @@ import math
 import torch
 
 from .. import models
-from ..parallel.tensor_parallel import (ColumnParallelLinear, gather_from_tp, gather_grads,
-                                        gather_params, parallelize, resolve_plan,
+from ..parallel.tensor_parallel import (gather_from_tp, gather_grads, gather_params,
+                                        parallelize, resolve_plan,
                                         vocab_parallel_cross_entropy)
 from ..theory import memory as theory_memory
 from ..theory import tensor_parallel as theory_tp
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
+from .reference import gpt_config as reference_gpt_config, train as reference_train
 
 
 def gpt_plan(sequence_parallel=False):
@@ -35,12 +36,8 @@ def gpt_plan(sequence_parallel=False):
 
 def gpt_config(cfg):
     """The GPTConfig of a RunConfig (or a GPTConfig as is)."""
-    if isinstance(cfg, models.GPTConfig):
-        return cfg
-    if cfg.model != "gpt":
-        raise ValueError("tensor parallelism here splits the tiny GPT's matrices: use "
-                         "--model gpt (the MLP model has no heads to split)")
-    return models.GPTConfig(**cfg.model_kwargs)
+    return reference_gpt_config(cfg, "tensor parallelism here splits the tiny GPT's matrices "
+                                     "(the MLP model has no heads to split)")
 
 
 def check_tp_degree(cfg, tp, sequence_parallel=False):
@@ -66,12 +63,8 @@ def check_tp_degree(cfg, tp, sequence_parallel=False):
 def build_tp_model(cfg, group=None, sequence_parallel=False, regather=True):
     """The reference's GPT (same seed), split by `gpt_plan` over `group`; the head keeps its
     logits split by vocabulary (for `gpt_loss` and generation)."""
-    model = parallelize(build_model(cfg), gpt_plan(sequence_parallel), group, sequence_parallel)
-    for layer in model.modules():
-        if isinstance(layer, ColumnParallelLinear):
-            layer.regather = regather
-    model.head.gather_output = False
-    return model
+    return parallelize(build_model(cfg), gpt_plan(sequence_parallel), group, sequence_parallel,
+                       regather=regather, gather_output=False)
 
 
 def gpt_loss(model, x, y):
@@ -159,7 +152,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", sequence_parallel=Fa
     comm = predict_comm(cfg, world_size, sequence_parallel, regather)
     first = results[0]
     return build_report(
-        "tp", cfg, results,
+        "tp", cfg, results, reference=reference_train(cfg),
         config=dict(tp=world_size, sequence_parallel=sequence_parallel, regather=regather,
                     plan=gpt_plan(sequence_parallel)),
         predicted_memory=predict_memory(cfg, world_size, sequence_parallel, regather),
