@@ -78,6 +78,15 @@ class FlatBuffer:
         buffer = self.data if buffer is None else buffer
         return buffer[rank * n:(rank + 1) * n]
 
+    def part_views(self, rank, size, part):
+        """Each tensor's piece (1-D, maybe empty) inside `part`, member rank's slice of a
+        buffer laid out like this one: what a shard holds of each tensor (FullyShard)."""
+        lo = rank * self.padded // size
+        hi = lo + part.numel()
+        spans = [(max(self.offsets[t], lo), min(self.offsets[t] + t.numel(), hi))
+                 for t in self.tensors]
+        return [part[a - lo:max(a, b) - lo] for a, b in spans]
+
     @property
     def complete(self):
         return len(self.arrived) == len(self.tensors)

@@ -32,7 +32,8 @@ from ..runtime.memory import optimizer_state_tensors
 from .moe import ExpertParallel
 from .pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from .flat import average_gradients, unwrapped_name
-from .tensor_parallel import gather_params, parallelize, plan_for
+from .tensor_parallel import gather_params, parallelize
+from .tensor_parallel_plan import plan_for
 from .zero import ShardedOptimizer
 
 

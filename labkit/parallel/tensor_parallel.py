@@ -27,7 +27,6 @@ all-gather); activations per layer sbh(10 + 24/t + 5as/(ht)) -> sbh/t (34 + 5as/
 the group by a hook (so the whole module must run on sequence shards: a position embedding
 joins the plan as "vocab", which hands each rank the rows of its own positions).
 """
-import fnmatch
 from functools import partial
 
 import torch
@@ -35,10 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..runtime.context import context
+from .tensor_parallel_plan import fused_parts, resolve_plan
 
-STYLES = ("colwise", "rowwise", "vocab")
-FUSED_QKV = ("qkv",)        # leaf names of a fused q|k|v projection: split part by part
-HEAD_COUNTS = ("heads", "num_heads", "n_head", "num_attention_heads")
 SEQUENCE_DIM = -2           # (..., s, h): sequence parallelism splits the tokens
 
 
@@ -305,84 +302,13 @@ def vocab_parallel_cross_entropy(logits, targets, group=None, tag="loss"):
 
 # ---------------------------------------------------------------------------- the plan
 
-def _matches(pattern, name):
-    """fnmatch atom by atom ("blocks.*.mlp.fc1": * stands for one name, as in torch)."""
-    atoms, parts = pattern.split("."), name.split(".")
-    return len(atoms) == len(parts) and all(map(fnmatch.fnmatchcase, parts, atoms))
-
-
-def plan_for(module, plan):
-    """The entries of `plan` that name some module of `module` (e.g. a pipeline stage, which
-    holds only some of the model's layers)."""
-    names = [name for name, _ in module.named_modules() if name]
-    return {pattern: style for pattern, style in plan.items()
-            if any(_matches(pattern, name) for name in names)}
-
-
-def _fused_parts(name, module):
-    leaf = name.rsplit(".", 1)[-1]
-    return 3 if leaf in FUSED_QKV and module.out_features % 3 == 0 else 1
-
-
-def resolve_plan(module, plan, tp):
-    """[(name, style)] of the modules `plan` names; one ValueError for anything that cannot
-    work with a TP degree of `tp` (checked before any weight is touched)."""
-    if not isinstance(plan, dict) or not plan:
-        raise ValueError("plan must be a non-empty dict {module name glob: style}")
-    named = {name: m for name, m in module.named_modules() if name}
-    chosen = {}
-    for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"plan[{pattern!r}] = {style!r}: the style must be one of "
-                             f"{', '.join(STYLES)}")
-        hits = [name for name in named if _matches(pattern, name)]
-        if not hits:
-            raise ValueError(f"plan key {pattern!r} matches no module of "
-                             f"{type(module).__name__} (it has: {', '.join(list(named)[:12])})")
-        for name in hits:
-            if chosen.setdefault(name, style) != style:
-                raise ValueError(f"{name} is planned both {chosen[name]} and {style}")
-    for name, style in chosen.items():
-        _check_one(name, named[name], style, tp, module)
-    return list(chosen.items())
-
-
-def _check_one(name, layer, style, tp, root):
-    kinds = (nn.Linear, nn.Embedding) if style == "vocab" else (nn.Linear,)
-    if not isinstance(layer, kinds):
-        raise ValueError(f"{style!r} applies to {' or '.join('nn.' + k.__name__ for k in kinds)}"
-                         f"; {name} is of type {type(layer).__name__}")
-    parent_name = name.rpartition(".")[0]
-    for attr in HEAD_COUNTS:   # an attention module: each rank must get whole heads
-        heads = getattr(root.get_submodule(parent_name), attr, None)
-        if isinstance(heads, int) and heads % tp:
-            raise ValueError(f"TP degree {tp} does not divide {attr}={heads} of "
-                             f"{parent_name or 'the root'} (each rank computes whole heads)")
-    if isinstance(layer, nn.Embedding):
-        if layer.max_norm is not None or layer.sparse or layer.scale_grad_by_freq:
-            raise ValueError(f"'vocab' cannot split {name}: max_norm, sparse and "
-                             "scale_grad_by_freq need the whole table")
-        size, what = layer.num_embeddings, "rows (vocabulary)"
-    elif style == "rowwise":
-        size, what = layer.in_features, "input features"
-    elif style == "vocab":
-        size, what = layer.out_features, "output features (vocabulary)"
-    else:
-        parts = _fused_parts(name, layer)
-        size = layer.out_features // parts
-        what = "output features" + (" of each of q, k, v" if parts == 3 else "")
-    if size % tp:
-        raise ValueError(f"TP degree {tp} does not divide the {size} {what} of {name} "
-                         f"({style} splits them across ranks)")
-
-
 def _build(style, layer, name, group, shared, sequence_parallel, regather, gather_output):
     options = dict(sequence_parallel=sequence_parallel, tag=name, shared=shared)
     if style == "rowwise":
         return RowParallelLinear(layer, group, **options)
     if isinstance(layer, nn.Embedding):
         return VocabParallelEmbedding(layer, group, **options)
-    parts = _fused_parts(name, layer) if style == "colwise" else 1
+    parts = fused_parts(name, layer) if style == "colwise" else 1
     return ColumnParallelLinear(layer, group, parts=parts, regather=regather,
                                 gather_output=gather_output and style == "vocab", **options)
 

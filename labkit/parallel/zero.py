@@ -204,17 +204,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._gather_buckets()
         return loss
 
-    def _broadcast_owned(self, values=None):
-        """Stage 1: each owner sends its parameters (or `values[p]`) to the group, one flat
-        message per dtype; returns {param: tensor} (the parameters themselves by default)."""
+    def _broadcast_owned(self, values=None, dtype=None):
+        """Stage 1: each owner sends its parameters (or `values[p]`, of `dtype`) to the group,
+        one flat message per dtype; returns {param: tensor} (the parameters by default)."""
         out = {}
         for src in range(self.group.size):
             mine = [p for ps in self._trainable for p in ps if self.owner[p] == src]
-            for dtype, device in dict.fromkeys((p.dtype, p.device) for p in mine):
-                params = [p for p in mine if p.dtype == dtype and p.device == device]
+            for kind in dict.fromkeys((p.dtype, p.device) for p in mine):
+                params = [p for p in mine if (p.dtype, p.device) == kind]
                 targets = params if values is None else [
-                    torch.empty(p.shape, dtype=values[p].dtype, device=values[p].device)
-                    if src != self.group.rank else values[p] for p in params]
+                    values[p] if src == self.group.rank else
+                    torch.empty(p.shape, dtype=dtype or p.dtype, device=p.device)
+                    for p in params]
                 flat = FlatBuffer(targets, copy=src == self.group.rank)
                 self.ctx.comm.broadcast(flat.data, src=src, group=self.group,
                                         tag=f"params of rank {src}")
@@ -257,14 +258,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return out
 
     @torch.no_grad()
-    def gather_full(self, local):
+    def gather_full(self, local, dtype=None):
         """{param: whole tensor} on every rank from `local`, one tensor per inner-optimizer
-        tensor (what `local_part` gives, or e.g. `MasterWeights.masters`). A collective: every
-        rank calls it (inside `ctx.off_the_record()` to keep it out of the comm log)."""
+        tensor (what `local_part` gives, or e.g. `MasterWeights.masters`), of `dtype` (default:
+        local's; pass it where a rank may own nothing). A collective: every rank calls it
+        (inside `ctx.off_the_record()` to keep it out of the comm log)."""
         local = list(local)
         if self.stage == 1:
             mine = [p for g in self.optim.param_groups for p in g["params"]]
-            return self._broadcast_owned(dict(zip(mine, local)))
+            return self._broadcast_owned(dict(zip(mine, local)),
+                                         dtype or (local[0].dtype if local else None))
         out = {}
         for bucket, full in zip(self.buckets, self._gather_buckets(local)):
             out.update(zip(bucket.tensors, (v.clone() for v in bucket.views(full))))

@@ -12,8 +12,8 @@ import torch
 
 from .. import models
 from ..parallel.tensor_parallel import (gather_from_tp, gather_grads, gather_params,
-                                        parallelize, resolve_plan,
-                                        vocab_parallel_cross_entropy)
+                                        parallelize, vocab_parallel_cross_entropy)
+from ..parallel.tensor_parallel_plan import resolve_plan
 from ..theory import memory as theory_memory
 from ..theory import tensor_parallel as theory_tp
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
