@@ -15,6 +15,7 @@ ContextParallel) adds to its parameters' names, giving the single-device model's
 """
 import io
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -32,7 +33,9 @@ class FlatBuffer:
     hold the technique's bookkeeping: which gradients are in, the collective in flight.
     """
 
-    def __init__(self, tensors, *, pad_to=1, dtype=None, device=None, index=0, copy=True):
+    def __init__(self, tensors: Iterable[torch.Tensor], *, pad_to: int = 1,
+                 dtype: torch.dtype | None = None, device=None, index: int = 0,
+                 copy: bool = True):
         self.tensors, self.index = list(tensors), index
         if not self.tensors:
             raise ValueError("a FlatBuffer needs at least one tensor")
@@ -50,13 +53,13 @@ class FlatBuffer:
             self.pack(self.tensors)
         self.arrived, self.handle = set(), None
 
-    def view(self, tensor, buffer=None):
+    def view(self, tensor: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """`tensor`'s place in `buffer` (default: data), shaped like it."""
         buffer = self.data if buffer is None else buffer
         offset = self.offsets[tensor]
         return buffer[offset:offset + tensor.numel()].view(tensor.shape)
 
-    def views(self, buffer=None):
+    def views(self, buffer: torch.Tensor | None = None) -> list[torch.Tensor]:
         return [self.view(t, buffer) for t in self.tensors]
 
     @torch.no_grad()
@@ -72,7 +75,7 @@ class FlatBuffer:
         for t in self.tensors:
             t.data = self.view(t)
 
-    def part(self, rank, size, buffer=None):
+    def part(self, rank: int, size: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Member `rank`'s slice of `size` equal slices (pad_to a multiple of size)."""
         n = self.padded // size
         buffer = self.data if buffer is None else buffer
@@ -96,7 +99,8 @@ class FlatBuffer:
         return self.data.nbytes
 
 
-def bucket_params(params, cap_bytes, may_exceed=True):
+def bucket_params(params: Iterable[torch.Tensor], cap_bytes: float,
+                  may_exceed: bool = True) -> list[list[torch.Tensor]]:
     """`params` cut, in the order given, into lists of about `cap_bytes` (never mixing dtypes
     or devices). may_exceed (PyTorch DDP's rule): a bucket closes once it holds cap_bytes or
     more; otherwise (DeepSpeed's) a tensor that would take it past the cap opens the next one.
@@ -115,8 +119,8 @@ def bucket_params(params, cap_bytes, may_exceed=True):
 
 
 @torch.no_grad()
-def average_gradients(params, group=None, *, skip_unused=False, per_tensor=False,
-                      tag="grad average"):
+def average_gradients(params: Iterable[torch.Tensor], group=None, *, skip_unused: bool = False,
+                      per_tensor: bool = False, tag: str = "grad average") -> None:
     """Average the `.grad` of `params` over `group` (None: the world) in one flat all-reduce.
 
     A parameter without a gradient on this rank contributes zeros. skip_unused: one presence
@@ -167,7 +171,7 @@ def all_gather_objects(obj, group=None, tag="objects"):
             for r, n in enumerate(sizes)]
 
 
-def unwrapped_name(name):
+def unwrapped_name(name: str) -> str:
     """A parameter's name without the `.module` a wrapper adds (`blocks.0.mlp.module.router.w`
     -> `blocks.0.mlp.router.w`): the name in the unwrapped model."""
     return name.replace(".module.", ".")

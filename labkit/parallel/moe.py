@@ -256,6 +256,17 @@ class ExpertParallel(nn.Module):
                 f"local_experts={list(self.local_experts)}")
 
 
+def full_parameters(model):
+    """{name: whole tensor} of `model` by the unwrapped model's names, the experts of every
+    ExpertParallel layer gathered from its group (a collective: every rank calls it)."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, ExpertParallel)}
+    inside = tuple(f"{name}." for name in layers)
+    out = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith(inside)}
+    for name, layer in layers.items():
+        out.update({f"{name}.{k}": t for k, t in layer.full_state_dict().items()})
+    return out
+
+
 # ------------------------------------------------------------------------ the duck type
 
 def _setting(layer, name, default=...):

@@ -4,8 +4,9 @@
 [--accumulate K] --json`. Two modes: "bucketed" wraps the model in `labkit.DataParallel` (async
 bucket all-reduces started from backward hooks, what PyTorch DDP does); "naive": after
 backward, one blocking all-reduce per gradient (`average_gradients(per_tensor=True)`). Both
-end with the parameters of one device trained on the full batch. Also here, for lesson 01: `ring_all_reduce` (the ring built
-from send and recv, the exercise's model answer) and inference data parallelism (`infer`).
+end with the parameters of one device trained on the full batch. Also here, for lesson 01:
+`ring_all_reduce` (the ring built from send and recv, the exercise's model answer) and
+inference data parallelism (`infer`).
 The block: labkit/parallel/data_parallel.py; the formulas: labkit/theory/data_parallel.py.
 """
 import time

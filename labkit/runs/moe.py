@@ -21,7 +21,7 @@ import torch
 from .. import data, models
 from ..models import MoEConfig
 from ..parallel.flat import average_gradients
-from ..parallel.moe import ExpertParallel, check_expert_parallel
+from ..parallel.moe import ExpertParallel, check_expert_parallel, full_parameters
 from .reference import RunConfig, batch, build_optimizer, full_params
 from .report import build_report, rank_result
 
@@ -89,15 +89,6 @@ def average_moe_gradients(model, replicas):
                           tag="expert grads")
 
 
-def gather_params(model):
-    """Every parameter by the single-process model's name, experts gathered from their EP
-    group (a collective: every rank calls it)."""
-    out = {n: p.detach().clone() for n, p in model.named_parameters() if ".mlp." not in n}
-    for i, block in enumerate(model.blocks):
-        out.update({f"blocks.{i}.mlp.{k}": t for k, t in block.mlp.full_state_dict().items()})
-    return out
-
-
 def routing_stats(model):
     """Per layer: this rank's assignments routed to each expert (before drops), its dropped
     assignments and the rows it sent and received (for the reference: the whole batch)."""
@@ -135,7 +126,7 @@ def train(ctx, cfg=None, moe=MoEConfig(), ep=None):
                 optimizer.step()
         losses.append(loss.item())
         stats.append(routing_stats(model))
-    params = gather_params(model)
+    params = full_parameters(model)
     return rank_result(ctx, losses, params=params if ctx.rank == 0 else None, routing=stats,
                        ep=ep or ctx.world_size)
 
