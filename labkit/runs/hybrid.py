@@ -17,6 +17,7 @@ from ..runtime.mesh import DIMS
 from ..theory import pipeline as schedules
 from ..theory import planner
 from . import reference
+from .report import build_report, mean_loss, rank_result
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 GROUP_ORDER = ("tp", "pp", "ep", "dp", "ep_dp", "cp")   # a set of ranks is named by the first
@@ -87,7 +88,6 @@ def check_config(cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4,
 def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
           sequence_parallel=False, order=DIMS):
     """Train on this rank's place in the mesh; returns `rank_result` with its stages' params."""
-    from .report import rank_result
     mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, ep=ep, order=tuple(order))
     model = reference.build_model(cfg)
     batches = [reference.batch(model, cfg, step) for step in range(cfg.steps)]
@@ -127,14 +127,8 @@ def merge_results(results, dp):
     """Rank 0's entry carries the global loss (the mean of the dp replicas' last stages) and
     the whole model's parameters (the union of every rank's stages and experts)."""
     last = [r for r in results if r["is_last"] and r["coords"]["tp"] == 0]
-    per_step = zip(*[r["loss"] for r in last])
-    first = dict(results[0], loss=[sum(s) / len(s) for s in per_step])
-    params = {}
-    for r in results:
-        for k, v in r["stage_params"].items():
-            params.setdefault(k, v)
-    first["params"] = params
-    return [first] + list(results[1:])
+    params = {k: v for r in reversed(results) for k, v in r["stage_params"].items()}
+    return [dict(results[0], loss=mean_loss(last, key="loss"), params=params)] + results[1:]
 
 
 def comm_by_dim(results):
@@ -205,7 +199,6 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
            top_k=2, order=",".join(DIMS), timeout_s=180, **_):
     """Run the hybrid and return the run report of DESIGN.md (+ mesh table, comm by group)."""
     from ..runtime.launch import launch
-    from .report import build_report
     cfg = cfg or reference.RunConfig(model_kwargs=dict(layers=2))
     check_config(cfg, dp, tp, pp, ep, zero, schedule, microbatches, virtual, sequence_parallel,
                  experts, top_k)
