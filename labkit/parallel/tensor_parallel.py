@@ -300,6 +300,19 @@ def vocab_parallel_cross_entropy(logits, targets, group=None, tag="loss"):
     return _VocabParallelCrossEntropy.apply(logits, targets, context().group(group), tag)
 
 
+@torch.no_grad()
+def vocab_parallel_argmax(logits, group=None, tag="greedy"):
+    """The global argmax id of (..., V/t) local logits split by vocabulary: each rank's best
+    (value, id), all-gathered (2 numbers per row instead of V/t). Ties: the lowest id wins,
+    as with torch.argmax on the gathered logits."""
+    group, comm = context().group(group), context().comm
+    value, index = logits.max(dim=-1)
+    values = comm.all_gather(value, group=group, tag=tag).view(group.size, -1)
+    ids = comm.all_gather(index + group.rank * logits.shape[-1], group=group, tag=tag)
+    best = values.argmax(dim=0)   # the first maximum: the lowest rank, so the lowest id
+    return ids.view(group.size, -1).gather(0, best.unsqueeze(0)).squeeze(0)
+
+
 # ---------------------------------------------------------------------------- the plan
 
 def _build(style, layer, name, group, shared, sequence_parallel, regather, gather_output):

@@ -57,7 +57,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Build it after the model is on its device; the group's ranks must pass the same params.
     Also: `finish_gradient_synchronization()`, `zero_grad()`, `clip_grad_norm_(max_norm)`,
     `consolidate_state_dict(to=0)` + `state_dict()` / `load_state_dict()` in the layout of one
-    `optimizer_class` over all the params. `ctx.memory` counts what this rank holds: the params,
+    `optimizer_class` over all the params; `local_part(values)` / `gather_full(local)`: this
+    rank's part of per-parameter tensors and back (e.g. MasterWeights' fp32 masters, from
+    labkit.parallel.mixed_precision). `ctx.memory` counts what this rank holds: the params,
     the gradients (stage 2: its shards and the bucket in flight), its optimizer state.
     """
 
@@ -266,8 +268,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = list(local)
         if self.stage == 1:
             mine = [p for g in self.optim.param_groups for p in g["params"]]
-            return self._broadcast_owned(dict(zip(mine, local)),
+            full = self._broadcast_owned(dict(zip(mine, local)),
                                          dtype or (local[0].dtype if local else None))
+            return {p: t.clone() for p, t in full.items()}
         out = {}
         for bucket, full in zip(self.buckets, self._gather_buckets(local)):
             out.update(zip(bucket.tensors, (v.clone() for v in bucket.views(full))))

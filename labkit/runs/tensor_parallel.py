@@ -12,7 +12,8 @@ import torch
 
 from .. import models
 from ..parallel.tensor_parallel import (gather_from_tp, gather_grads, gather_params,
-                                        parallelize, vocab_parallel_cross_entropy)
+                                        parallelize, vocab_parallel_argmax,
+                                        vocab_parallel_cross_entropy)
 from ..parallel.tensor_parallel_plan import resolve_plan
 from ..theory import memory as theory_memory
 from ..theory import tensor_parallel as theory_tp
@@ -186,16 +187,6 @@ def _forward_cached(model, idx, caches, start):
     return model.head(model.ln_f(x))   # (b, s_new, V/t): this rank's vocabulary shard
 
 
-def _greedy_pick(ctx, head, logits):
-    """Global argmax over vocabulary shards: each rank's best (value, id), gathered."""
-    group = head.group
-    value, index = logits.max(dim=-1)
-    values = ctx.comm.all_gather(value, group=group, tag="greedy").view(group.size, -1)
-    ids = ctx.comm.all_gather(index + group.rank * logits.shape[-1], group=group, tag="greedy")
-    best = values.argmax(dim=0)  # the first maximum: the lowest id wins ties, as torch.argmax
-    return ids.view(group.size, -1).gather(0, best.unsqueeze(0)).squeeze(0)
-
-
 @torch.no_grad()
 def generate(ctx, model, prompt, new_tokens):
     """Greedy decoding with a KV cache of this rank's heads; returns (tokens, cache bytes).
@@ -210,7 +201,7 @@ def generate(ctx, model, prompt, new_tokens):
     for _ in range(new_tokens):
         logits = _forward_cached(model, step_input, caches, start)
         start += step_input.shape[1]
-        step_input = _greedy_pick(ctx, model.head, logits[:, -1]).unsqueeze(1)
+        step_input = vocab_parallel_argmax(logits[:, -1], model.head.group).unsqueeze(1)
         tokens = torch.cat([tokens, step_input], dim=1)
     return tokens, sum(t.nbytes for cache in caches for t in cache)
 
