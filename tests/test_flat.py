@@ -9,6 +9,7 @@ import labkit
 from labkit.parallel.flat import (FlatBuffer, all_gather_objects, average_gradients,
                                   bucket_params, unwrapped_name)
 from labkit.parallel.mixed_precision import MasterWeights
+from labkit.parallel.tensor_parallel import parallelize
 from labkit.parallel.zero import ShardedOptimizer
 
 
@@ -62,6 +63,11 @@ def _averaging(ctx):
     out["zeros"] = zeros.grad.tolist()
     out["calls"] = {(r["op"], r["tag"]): r["calls"] for r in ctx.comm.summary(by=("op", "tag"))}
     out["objects"] = all_gather_objects({"rank": ctx.rank}, tag="objs")
+    out["options"] = []
+    for options in (dict(), dict(regather=False, gather_output=False)):
+        net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 6))
+        parallelize(net, {"0": "colwise", "1": "vocab"}, **options)
+        out["options"].append([(m.regather, m.gather_output) for m in net])
     first_clock = ctx.clock
     ctx.reset_instruments("8xH100-NVLink")
     out["fresh"] = (ctx.comm.summary() == [] and ctx.clock is not first_clock
@@ -79,6 +85,13 @@ def test_average_gradients_on_two_ranks():
         assert out["calls"][("all_reduce", "grad average 0")] == 1
         assert out["objects"] == [{"rank": 0}, {"rank": 1}]
         assert out["fresh"]
+        assert out["options"] == [[(True, False), (True, True)],     # the head gathers logits
+                                  [(False, False), (False, False)]]  # as parallelize was told
+
+
+def test_a_group_is_named_as_the_comm_log_names_it():
+    assert labkit.Group((0, 1, 2, 3), None, 0).name == "0-3"
+    assert labkit.Group((1, 3), None, 0).name == "1,3"
 
 
 def test_master_weights_step_fp32_and_round_back():
