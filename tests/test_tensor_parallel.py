@@ -87,7 +87,7 @@ def train_case(model_name, opt, sp, group=None):
     split = tp.parallelize(build(), plan(sp), group, sequence_parallel=sp)
     frozen_before = [p.detach().clone() for p in split.parameters() if not p.requires_grad]
     opts = [_optimizer(opt, m.parameters()) for m in (ref, split)]
-    loss_diff = 0.0
+    loss_diff = loss_scale = 0.0
     for step in range(STEPS):
         losses = []
         for m, o in zip((ref, split), opts):
@@ -97,6 +97,7 @@ def train_case(model_name, opt, sp, group=None):
             o.step()
             losses.append(loss.item())
         loss_diff = max(loss_diff, abs(losses[0] - losses[1]))
+        loss_scale = max(loss_scale, abs(losses[0]))
     with ctx.off_the_record():
         full = tp.gather_params(split)
         spread = 0.0   # replicated parameters must stay identical on every rank of the group
@@ -108,7 +109,7 @@ def train_case(model_name, opt, sp, group=None):
     if set(full) != set(diffs):
         raise AssertionError(f"names differ: {sorted(set(full) ^ set(diffs))}")
     frozen_after = [p for p in split.parameters() if not p.requires_grad]
-    return dict(loss_diff=loss_diff, spread=spread, diffs=diffs,
+    return dict(loss_diff=loss_diff, loss_scale=loss_scale, spread=spread, diffs=diffs,
                 frozen_kept=all(torch.equal(a, b) for a, b in zip(frozen_before, frozen_after)),
                 tied=getattr(split, "head", None) is not None and model_name == "tied"
                 and split.head.weight is split.emb.weight,
@@ -117,7 +118,10 @@ def train_case(model_name, opt, sp, group=None):
 
 def assert_matches(result, model_name, opt):
     diffs = dict(result["diffs"])
-    assert result["loss_diff"] < 1e-6
+    # the split sums the logits' softmax in another order: a few float32 ulps of the loss,
+    # 16 over 3 steps (measured: tied + AdamW, 1.9e-6 on a loss of ~3.5, i.e. 4.6 ulps)
+    ulp = torch.finfo(torch.float32).eps * max(1.0, result["loss_scale"])
+    assert result["loss_diff"] < 16 * ulp
     assert result["spread"] == 0.0
     assert result["frozen_kept"]
     limit = 1e-6

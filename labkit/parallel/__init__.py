@@ -2,4 +2,8 @@
 
 Each block mirrors the PyTorch API a learner meets later (DDP, ZeroRedundancyOptimizer,
 fully_shard, parallelize_module, pipelining) and takes `group=None` (the world) or a sub-group.
+What they share lives in `flat.py` (FlatBuffer, bucket_params, average_gradients,
+all_gather_objects, unwrapped_name); `mixed_precision.py` has MasterWeights (fp32 masters);
+`tensor_parallel_plan.py` reads a TP plan. Techniques never import each other; hybrid.py
+composes them.
 """

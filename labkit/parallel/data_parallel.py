@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime.context import context
+from .flat import FlatBuffer, bucket_params
 
 _instances = itertools.count()   # tells the memory tracker's buffers of two wrappers apart
 
@@ -80,28 +81,13 @@ class DataParallel(nn.Module):
     def _build_buckets(self):
         """Trainable parameters in reverse order, cut into buckets of about bucket_mb MB."""
         self._params = [p for p in self.module.parameters() if p.requires_grad][::-1]
-        cap = self.bucket_mb * 1e6
-        groups, current, size = [], [], 0
-        for p in self._params:
-            if current and (size >= cap or p.dtype != current[-1].dtype
-                            or p.device != current[-1].device):
-                groups.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * p.element_size()
-        if current:
-            groups.append(current)
-        self._buckets, self._slot = [], {}
-        for i, members in enumerate(groups):
-            flat = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype,
-                               device=members[0].device)
-            offset = 0
-            for p in members:
-                self._slot[p] = (i, flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-            self._buckets.append(_Bucket(i, members, flat))
-            if not self.gradient_as_bucket_view:   # a separate copy: count it as a buffer
-                self._ctx.memory.add_buffer(self._buffer_name(i), flat)
+        groups = bucket_params(self._params, self.bucket_mb * 1e6, may_exceed=True)
+        self._buckets = [FlatBuffer(members, index=i, copy=False)
+                         for i, members in enumerate(groups)]
+        self._bucket_of = {p: b for b in self._buckets for p in b.tensors}
+        if not self.gradient_as_bucket_view:   # a separate copy: count it as a buffer
+            for b in self._buckets:
+                self._ctx.memory.add_buffer(self._buffer_name(b.index), b.data)
 
     def _buffer_name(self, i):
         first = self._name == "DataParallel 0"
@@ -110,7 +96,7 @@ class DataParallel(nn.Module):
     @property
     def bucket_sizes(self):
         """Bytes per bucket, in launch order."""
-        return [b.flat.nbytes for b in self._buckets]
+        return [b.nbytes for b in self._buckets]
 
     # --- forward and no_sync -------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -130,7 +116,8 @@ class DataParallel(nn.Module):
 
     # --- backward: fill buckets, launch full ones in order ---------------------------------------
     def _reset_round(self):
-        self._ready = set()     # parameters whose gradient arrived in this backward
+        for bucket in getattr(self, "_buckets", ()):
+            bucket.arrived, bucket.handle = set(), None   # gradients arrived in this backward
         self._next = 0          # the next bucket to launch (every rank launches in this order)
         self._collecting = False
         self._finished = False  # set by the end-of-backward callback
@@ -144,27 +131,27 @@ class DataParallel(nn.Module):
             self._collecting = True
             # Like DDP: wait for the buckets when the autograd engine finishes this backward.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        bucket_index, view = self._slot[p]
+        bucket = self._bucket_of[p]
+        view = bucket.view(p)
         if self.gradient_as_bucket_view:
             if p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
                 p.grad = view   # the bucket is the gradient from now on
         else:
             view.copy_(p.grad)
-        self._ready.add(p)
-        self._buckets[bucket_index].ready += 1
+        bucket.arrived.add(p)
         if self.overlap:
             self._launch(only_full=True)
 
     def _launch(self, only_full):
         while self._next < len(self._buckets):
             bucket = self._buckets[self._next]
-            if only_full and bucket.ready < len(bucket.params):
+            if only_full and not bucket.complete:
                 return
-            for p in bucket.params:   # no gradient on this rank: it contributes zeros
-                if p not in self._ready:
-                    self._slot[p][1].zero_()
-            bucket.handle = self._ctx.comm.all_reduce(bucket.flat, op="avg", group=self.group,
+            for p in bucket.tensors:   # no gradient on this rank: it contributes zeros
+                if p not in bucket.arrived:
+                    bucket.view(p).zero_()
+            bucket.handle = self._ctx.comm.all_reduce(bucket.data, op="avg", group=self.group,
                                                       async_op=True, tag=f"bucket {bucket.index}")
             self._next += 1
 
@@ -186,25 +173,16 @@ class DataParallel(nn.Module):
             return
         self._launch(only_full=False)
         for bucket in self._buckets:
-            bucket.handle.wait()     # the average (sum / group size) is in bucket.flat now
-            for p in bucket.params:
-                view = self._slot[p][1]
+            bucket.handle.wait()     # the average (sum / group size) is in bucket.data now
+            for p in bucket.tensors:
+                view = bucket.view(p)
                 if self.gradient_as_bucket_view or p.grad is None:
                     p.grad = view if self.gradient_as_bucket_view else view.clone()
                 else:
                     p.grad.copy_(view)
-            bucket.ready, bucket.handle = 0, None
         self._reset_round()
 
     def extra_repr(self):
         return (f"group={list(self.group.ranks)}, bucket_mb={self.bucket_mb}, "
                 f"overlap={self.overlap}, buckets={len(self._buckets)}")
 
-
-class _Bucket:
-    """One flat gradient buffer, the parameters it holds, and its all-reduce in flight."""
-    __slots__ = ("index", "params", "flat", "ready", "handle")
-
-    def __init__(self, index, params, flat):
-        self.index, self.params, self.flat = index, params, flat
-        self.ready, self.handle = 0, None

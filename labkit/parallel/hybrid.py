@@ -22,7 +22,6 @@ stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the sta
     hybrid = HybridParallel(model, mesh, loss_fn, tp_plan=plan, n_microbatches=4)
     loss = hybrid.step(x, y)                # forward, backward, DP average, optimizer step
 """
-import fnmatch
 import itertools
 
 import torch
@@ -32,19 +31,10 @@ from ..runtime.context import context
 from ..runtime.memory import optimizer_state_tensors
 from .moe import ExpertParallel
 from .pipeline import PipelineSchedule, PipelineStage, split_into_stages
+from .flat import average_gradients, unwrapped_name
 from .tensor_parallel import gather_params, parallelize
+from .tensor_parallel_plan import plan_for
 from .zero import ShardedOptimizer
-
-
-def plan_for(module, plan):
-    """The entries of a TP `plan` that name something in `module` (a stage holds only some of
-    the model's layers; keys match names atom by atom, "*" standing for one name)."""
-    names = [name.split(".") for name, _ in module.named_modules() if name]
-    def hits(pattern):
-        atoms = pattern.split(".")
-        return any(len(atoms) == len(parts) and all(map(fnmatch.fnmatchcase, parts, atoms))
-                   for parts in names)
-    return {pattern: style for pattern, style in plan.items() if hits(pattern)}
 
 
 def moe_layers(module):
@@ -121,8 +111,8 @@ class HybridParallel:
         with self.ctx.memory.track_activations():
             loss = self.pipe.step(x, target=target)
         # DP: the replicas of a stage average their gradients (one flat all-reduce each group).
-        average_gradients(self.ctx, self.dense, self.mesh["dp"], tag="dp grads")
-        average_gradients(self.ctx, self.experts, self.mesh["ep_dp"], tag="ep_dp grads")
+        average_gradients(self.dense, self.mesh["dp"], tag="dp grads")
+        average_gradients(self.experts, self.mesh["ep_dp"], tag="ep_dp grads")
         for opt in self.optimizers:
             opt.step()
         return loss
@@ -137,25 +127,5 @@ class HybridParallel:
                 out.update(gather_params(module))
             else:
                 out.update({k: p.detach().clone() for k, p in module.named_parameters()})
-        return {_unwrapped(k): v for k, v in out.items()}
+        return {unwrapped_name(k): v for k, v in out.items()}
 
-
-def average_gradients(ctx, params, group, tag):
-    """Average the gradients of `params` over `group` in one flat all-reduce (a parameter with
-    no gradient on this rank contributes zeros)."""
-    group = ctx.group(group)
-    if not params or group.size == 1:
-        return
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in params])
-    ctx.comm.all_reduce(flat, op="avg", group=group, tag=tag)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
-        offset += n
-
-
-def _unwrapped(name):
-    """Drop the `.module` a wrapper (ExpertParallel) adds to a parameter's name."""
-    return name.replace(".module.", ".")

@@ -49,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..runtime.context import context
+from .flat import FlatBuffer
 
 
 # ----------------------------------------------------------------------------------- routing
@@ -231,21 +232,19 @@ class ExpertParallel(nn.Module):
         calls it."""
         out = {k: t.detach().clone() for k, t in self.module.state_dict().items()
                if not k.startswith("experts.")}
-        mine = [t.detach().reshape(-1) for e in self.local_experts
-                for t in self.module.experts[str(e)].state_dict().values()]
-        sizes = [sum(numel for e in self._rank_experts(r) for *_, numel in self._expert_state[e])
-                 for r in range(self.group.size)]
-        flat = torch.cat(mine)     # every rank holds at least one expert
-        flat = torch.cat([flat, flat.new_zeros(max(sizes) - flat.numel())])
+        mine = FlatBuffer([t.detach() for e in self.local_experts
+                           for t in self.module.experts[str(e)].state_dict().values()])
+        layouts = [FlatBuffer([torch.empty(shape, device="meta") for e in self._rank_experts(r)
+                               for _, shape, _ in self._expert_state[e]])
+                   for r in range(self.group.size)]    # every rank holds at least one expert
+        flat = torch.cat([mine.data, mine.data.new_zeros(max(f.numel for f in layouts)
+                                                         - mine.numel)])
         everyone = context().comm.all_gather(flat[None], group=self.group,
                                              tag=f"{self.tag} gather experts")
-        for r in range(self.group.size):
-            offset = 0
-            for e in self._rank_experts(r):
-                for name, shape, numel in self._expert_state[e]:
-                    out[f"experts.{e}.{name}"] = everyone[r, offset:offset + numel] \
-                        .view(shape).clone()
-                    offset += numel
+        for r, layout in enumerate(layouts):
+            names = [f"experts.{e}.{name}" for e in self._rank_experts(r)
+                     for name, *_ in self._expert_state[e]]
+            out.update(zip(names, (v.clone() for v in layout.views(everyone[r]))))
         return out
 
     def _rank_experts(self, member):
@@ -255,6 +254,17 @@ class ExpertParallel(nn.Module):
         return (f"experts={self.num_experts}, top_k={self.top_k}, "
                 f"capacity_factor={self.capacity_factor}, group={list(self.group.ranks)}, "
                 f"local_experts={list(self.local_experts)}")
+
+
+def full_parameters(model):
+    """{name: whole tensor} of `model` by the unwrapped model's names, the experts of every
+    ExpertParallel layer gathered from its group (a collective: every rank calls it)."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, ExpertParallel)}
+    inside = tuple(f"{name}." for name in layers)
+    out = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith(inside)}
+    for name, layer in layers.items():
+        out.update({f"{name}.{k}": t for k, t in layer.full_state_dict().items()})
+    return out
 
 
 # ------------------------------------------------------------------------ the duck type

@@ -27,7 +27,6 @@ all-gather); activations per layer sbh(10 + 24/t + 5as/(ht)) -> sbh/t (34 + 5as/
 the group by a hook (so the whole module must run on sequence shards: a position embedding
 joins the plan as "vocab", which hands each rank the rows of its own positions).
 """
-import fnmatch
 from functools import partial
 
 import torch
@@ -35,10 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..runtime.context import context
+from .tensor_parallel_plan import fused_parts, resolve_plan
 
-STYLES = ("colwise", "rowwise", "vocab")
-FUSED_QKV = ("qkv",)        # leaf names of a fused q|k|v projection: split part by part
-HEAD_COUNTS = ("heads", "num_heads", "n_head", "num_attention_heads")
 SEQUENCE_DIM = -2           # (..., s, h): sequence parallelism splits the tokens
 
 
@@ -303,95 +300,50 @@ def vocab_parallel_cross_entropy(logits, targets, group=None, tag="loss"):
     return _VocabParallelCrossEntropy.apply(logits, targets, context().group(group), tag)
 
 
+@torch.no_grad()
+def vocab_parallel_argmax(logits, group=None, tag="greedy"):
+    """The global argmax id of (..., V/t) local logits split by vocabulary: each rank's best
+    (value, id), all-gathered (2 numbers per row instead of V/t). Ties: the lowest id wins,
+    as with torch.argmax on the gathered logits."""
+    group, comm = context().group(group), context().comm
+    value, index = logits.max(dim=-1)
+    values = comm.all_gather(value, group=group, tag=tag).view(group.size, -1)
+    ids = comm.all_gather(index + group.rank * logits.shape[-1], group=group, tag=tag)
+    best = values.argmax(dim=0)   # the first maximum: the lowest rank, so the lowest id
+    return ids.view(group.size, -1).gather(0, best.unsqueeze(0)).squeeze(0)
+
+
 # ---------------------------------------------------------------------------- the plan
 
-def _matches(pattern, name):
-    """fnmatch atom by atom ("blocks.*.mlp.fc1": * stands for one name, as in torch)."""
-    atoms, parts = pattern.split("."), name.split(".")
-    return len(atoms) == len(parts) and all(map(fnmatch.fnmatchcase, parts, atoms))
-
-
-def _fused_parts(name, module):
-    leaf = name.rsplit(".", 1)[-1]
-    return 3 if leaf in FUSED_QKV and module.out_features % 3 == 0 else 1
-
-
-def resolve_plan(module, plan, tp):
-    """[(name, style)] of the modules `plan` names; one ValueError for anything that cannot
-    work with a TP degree of `tp` (checked before any weight is touched)."""
-    if not isinstance(plan, dict) or not plan:
-        raise ValueError("plan must be a non-empty dict {module name glob: style}")
-    named = {name: m for name, m in module.named_modules() if name}
-    chosen = {}
-    for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"plan[{pattern!r}] = {style!r}: the style must be one of "
-                             f"{', '.join(STYLES)}")
-        hits = [name for name in named if _matches(pattern, name)]
-        if not hits:
-            raise ValueError(f"plan key {pattern!r} matches no module of "
-                             f"{type(module).__name__} (it has: {', '.join(list(named)[:12])})")
-        for name in hits:
-            if chosen.setdefault(name, style) != style:
-                raise ValueError(f"{name} is planned both {chosen[name]} and {style}")
-    for name, style in chosen.items():
-        _check_one(name, named[name], style, tp, module)
-    return list(chosen.items())
-
-
-def _check_one(name, layer, style, tp, root):
-    kinds = (nn.Linear, nn.Embedding) if style == "vocab" else (nn.Linear,)
-    if not isinstance(layer, kinds):
-        raise ValueError(f"{style!r} applies to {' or '.join('nn.' + k.__name__ for k in kinds)}"
-                         f"; {name} is of type {type(layer).__name__}")
-    parent_name = name.rpartition(".")[0]
-    for attr in HEAD_COUNTS:   # an attention module: each rank must get whole heads
-        heads = getattr(root.get_submodule(parent_name), attr, None)
-        if isinstance(heads, int) and heads % tp:
-            raise ValueError(f"TP degree {tp} does not divide {attr}={heads} of "
-                             f"{parent_name or 'the root'} (each rank computes whole heads)")
-    if isinstance(layer, nn.Embedding):
-        if layer.max_norm is not None or layer.sparse or layer.scale_grad_by_freq:
-            raise ValueError(f"'vocab' cannot split {name}: max_norm, sparse and "
-                             "scale_grad_by_freq need the whole table")
-        size, what = layer.num_embeddings, "rows (vocabulary)"
-    elif style == "rowwise":
-        size, what = layer.in_features, "input features"
-    elif style == "vocab":
-        size, what = layer.out_features, "output features (vocabulary)"
-    else:
-        parts = _fused_parts(name, layer)
-        size = layer.out_features // parts
-        what = "output features" + (" of each of q, k, v" if parts == 3 else "")
-    if size % tp:
-        raise ValueError(f"TP degree {tp} does not divide the {size} {what} of {name} "
-                         f"({style} splits them across ranks)")
-
-
-def _build(style, layer, name, group, sequence_parallel, shared):
+def _build(style, layer, name, group, shared, sequence_parallel, regather, gather_output):
     options = dict(sequence_parallel=sequence_parallel, tag=name, shared=shared)
     if style == "rowwise":
         return RowParallelLinear(layer, group, **options)
     if isinstance(layer, nn.Embedding):
         return VocabParallelEmbedding(layer, group, **options)
-    parts = _fused_parts(name, layer) if style == "colwise" else 1
-    return ColumnParallelLinear(layer, group, parts=parts, gather_output=style == "vocab",
-                                **options)
+    parts = fused_parts(name, layer) if style == "colwise" else 1
+    return ColumnParallelLinear(layer, group, parts=parts, regather=regather,
+                                gather_output=gather_output and style == "vocab", **options)
 
 
-def parallelize(module, plan, group=None, sequence_parallel=False):
+def parallelize(module, plan, group=None, sequence_parallel=False, *, regather=True,
+                gather_output=True):
     """Split the layers `plan` names ({glob: "colwise" | "rowwise" | "vocab"}) over `group`
     (None: the world), in place; returns `module`. Every rank of the group calls it on the
     same (identically initialised) module and feeds the same input (with sequence_parallel:
-    the same whole sequence to a vocab embedding, or its own sequence shard)."""
+    the same whole sequence to a vocab embedding, or its own sequence shard).
+    regather (SP): a colwise layer keeps only its input's sequence shard for backward and
+    all-gathers it again there (False: keeps the gathered input). gather_output=False: a
+    "vocab" Linear (the output layer) leaves its logits split by vocabulary, for
+    `vocab_parallel_cross_entropy`."""
     group = context().group(group)
     targets = resolve_plan(module, plan, group.size)
     shared = {}
     for name, style in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = module.get_submodule(parent_name)
-        parent._modules[leaf] = _build(style, parent._modules[leaf], name, group,
-                                       sequence_parallel, shared)
+        parent._modules[leaf] = _build(style, parent._modules[leaf], name, group, shared,
+                                       sequence_parallel, regather, gather_output)
     for name, param in module.named_parameters():
         if getattr(param, "tp_split", None) is not None:
             continue

@@ -34,46 +34,16 @@ How the work is cut:
   parameters in a backward (as with DDP); gradients accumulate over several backwards.
 Frozen parameters are left alone; a tied parameter is one tensor, stepped once.
 """
-import io
-import math
 import weakref
 
 import torch
 
 from ..runtime.context import context
 from ..runtime.memory import optimizer_state_tensors
+from .flat import FlatBuffer, all_gather_objects, bucket_params
 
 NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam", "Adafactor")
                         if hasattr(torch.optim, name))
-
-
-class _Bucket:
-    """Some trainable parameters of one param group as one flat buffer of `padded` elements.
-
-    The parameters become views into `flat`; this rank owns `shard` = flat[lo:hi]. `grad` is the
-    transient full gradient buffer (filled by the hooks, freed once reduce-scattered)."""
-
-    def __init__(self, index, group_index, params, rank, size):
-        self.index, self.group_index, self.params = index, group_index, params
-        self.offsets, numel = {}, 0
-        for p in params:
-            self.offsets[p] = (numel, p.numel())
-            numel += p.numel()
-        self.padded = math.ceil(numel / size) * size
-        shard_numel = self.padded // size
-        self.flat = torch.zeros(self.padded, dtype=params[0].dtype, device=params[0].device)
-        with torch.no_grad():
-            for p in params:
-                offset, n = self.offsets[p]
-                self.flat[offset:offset + n].copy_(p.detach().reshape(-1))
-                p.data = self.flat[offset:offset + n].view_as(p)  # the model uses the buffer
-        self.lo = rank * shard_numel
-        self.shard = self.flat[self.lo:self.lo + shard_numel]
-        self.grad, self.arrived = None, set()
-
-    def slice(self, flat, p):
-        offset, n = self.offsets[p]
-        return flat[offset:offset + n].view_as(p)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -87,7 +57,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Build it after the model is on its device; the group's ranks must pass the same params.
     Also: `finish_gradient_synchronization()`, `zero_grad()`, `clip_grad_norm_(max_norm)`,
     `consolidate_state_dict(to=0)` + `state_dict()` / `load_state_dict()` in the layout of one
-    `optimizer_class` over all the params. `ctx.memory` counts what this rank holds: the params,
+    `optimizer_class` over all the params; `local_part(values)` / `gather_full(local)`: this
+    rank's part of per-parameter tensors and back (e.g. MasterWeights' fp32 masters, from
+    labkit.parallel.mixed_precision). `ctx.memory` counts what this rank holds: the params,
     the gradients (stage 2: its shards and the bucket in flight), its optimizer state.
     """
 
@@ -156,20 +128,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return owner
 
     def _build_buckets(self):
-        """Stage 2: flat buckets per param group, in backward order, with a hook per parameter."""
+        """Stage 2: flat buckets per param group, in backward order, with a hook per parameter.
+        A bucket is a FlatBuffer padded to a multiple of N that the parameters become views of;
+        `shard` is this rank's slice, `grad` the transient full gradient, `group_index` its
+        param group."""
         for gi, params in enumerate(self._trainable):
-            current = []
-            for p in reversed(params):  # backward meets the last layers first
-                if current and (p.dtype != current[0].dtype or p.device != current[0].device
-                                or sum(q.nbytes for q in current) + p.nbytes > self.bucket_bytes):
-                    self._add_bucket(gi, current)
-                    current = []
-                current.append(p)
-            if current:
-                self._add_bucket(gi, current)
+            for members in bucket_params(params[::-1], self.bucket_bytes, may_exceed=False):
+                self._add_bucket(gi, members)
 
     def _add_bucket(self, group_index, params):
-        bucket = _Bucket(len(self.buckets), group_index, params, self.group.rank, self.group.size)
+        bucket = FlatBuffer(params, pad_to=self.group.size, index=len(self.buckets))
+        bucket.bind()                        # the model computes with the buffer
+        bucket.group_index, bucket.grad = group_index, None
+        bucket.shard = bucket.part(self.group.rank, self.group.size)
+        bucket.lo = self.group.rank * bucket.shard.numel()
         self.buckets.append(bucket)
         me = weakref.ref(self)
         for p in params:
@@ -181,11 +153,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._in_flight is not None and self._in_flight[0] is bucket:
             self._land()              # a new backward: the last one's reduction must land first
         if bucket.grad is None:       # zeros: padding, and parameters that got no gradient
-            bucket.grad = torch.zeros_like(bucket.flat)
-        bucket.slice(bucket.grad, p).add_(p.grad)  # add: gradients accumulate over backwards
+            bucket.grad = torch.zeros_like(bucket.data)
+        bucket.view(p, bucket.grad).add_(p.grad)  # add: gradients accumulate over backwards
         p.grad = None                 # the full gradient is not kept: only the reduced shard
         bucket.arrived.add(p)
-        if len(bucket.arrived) == len(bucket.params):
+        if bucket.complete:
             self._reduce(bucket)
 
     def _reduce(self, bucket):
@@ -234,30 +206,75 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._gather_buckets()
         return loss
 
-    def _broadcast_owned(self):
-        """Stage 1: each owner sends its freshly stepped parameters (one flat message a dtype)."""
+    def _broadcast_owned(self, values=None, dtype=None):
+        """Stage 1: each owner sends its parameters (or `values[p]`, of `dtype`) to the group,
+        one flat message per dtype; returns {param: tensor} (the parameters by default)."""
+        out = {}
         for src in range(self.group.size):
             mine = [p for ps in self._trainable for p in ps if self.owner[p] == src]
-            for dtype, device in dict.fromkeys((p.dtype, p.device) for p in mine):
-                params = [p for p in mine if p.dtype == dtype and p.device == device]
-                if src == self.group.rank:
-                    flat = torch.cat([p.reshape(-1) for p in params])
-                else:
-                    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device)
-                self.ctx.comm.broadcast(flat, src=src, group=self.group,
+            for kind in dict.fromkeys((p.dtype, p.device) for p in mine):
+                params = [p for p in mine if (p.dtype, p.device) == kind]
+                targets = params if values is None else [
+                    values[p] if src == self.group.rank else
+                    torch.empty(p.shape, dtype=dtype or p.dtype, device=p.device)
+                    for p in params]
+                flat = FlatBuffer(targets, copy=src == self.group.rank)
+                self.ctx.comm.broadcast(flat.data, src=src, group=self.group,
                                         tag=f"params of rank {src}")
-                if src != self.group.rank:
-                    offset = 0
-                    for p in params:
-                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                        offset += p.numel()
+                if src != self.group.rank and values is not None:
+                    flat.bind()                  # the received values, one view each
+                elif src != self.group.rank:
+                    for p, received in zip(params, flat.views()):
+                        p.copy_(received)
+                out.update(zip(params, targets))
+        return out
 
-    def _gather_buckets(self):
-        """Stage 2: every rank's stepped slice of each bucket, to every rank."""
-        for bucket in self.buckets:
-            full = self.ctx.comm.all_gather(bucket.shard, group=self.group,
+    def _gather_buckets(self, shards=None):
+        """Stage 2: every rank's slice of each bucket (its stepped `shard`, or `shards[i]`),
+        to every rank; returns the gathered flat buffers."""
+        out = []
+        for i, bucket in enumerate(self.buckets):
+            full = self.ctx.comm.all_gather(bucket.shard if shards is None else shards[i],
+                                            group=self.group,
                                             tag=f"param bucket {bucket.index}")
-            bucket.flat.copy_(full)
+            if shards is None:
+                bucket.data.copy_(full)
+            out.append(full)
+        return out
+
+    # --- this rank's part of per-parameter tensors, and back -----------------------------------
+    def local_part(self, values):
+        """This rank's part of one tensor per parameter ({param: tensor}), in the order of the
+        inner optimizer's tensors: stage 1 the values of the parameters it owns, stage 2 each
+        bucket's slice of the values packed like the parameters (padding: zeros). E.g. the
+        unrounded fp32 weights as the masters of `MasterWeights`."""
+        if self.stage == 1:
+            return [values[p] for g in self.optim.param_groups for p in g["params"]]
+        out = []
+        for bucket in self.buckets:
+            first = values[bucket.tensors[0]]
+            flat = FlatBuffer(bucket.tensors, pad_to=self.group.size, dtype=first.dtype,
+                              device=first.device, copy=False)
+            flat.pack([values[p] for p in bucket.tensors])
+            out.append(flat.part(self.group.rank, self.group.size).clone())
+        return out
+
+    @torch.no_grad()
+    def gather_full(self, local, dtype=None):
+        """{param: whole tensor} on every rank from `local`, one tensor per inner-optimizer
+        tensor (what `local_part` gives, or e.g. `MasterWeights.masters`), of `dtype` (default:
+        local's; pass it where a rank may own nothing). A collective: every rank calls it
+        (inside `ctx.off_the_record()` to keep it out of the comm log)."""
+        local = list(local)
+        if self.stage == 1:
+            mine = [p for g in self.optim.param_groups for p in g["params"]]
+            full = self._broadcast_owned(dict(zip(mine, local)),
+                                         dtype or (local[0].dtype if local else None))
+            return {p: t.clone() for p, t in full.items()}
+        out = {}
+        for bucket, full in zip(self.buckets, self._gather_buckets(local)):
+            out.update(zip(bucket.tensors, (v.clone() for v in bucket.views(full))))
+        return out
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none)
@@ -306,7 +323,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         afterwards its state_dict() is what `optimizer_class` over the same params would give."""
         local = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                  for i, s in self.optim.state_dict()["state"].items()}
-        everyone = self._all_gather_objects(local, tag="optimizer state")
+        everyone = all_gather_objects(local, self.group, tag="optimizer state")
         self._consolidated = None
         if self.group.rank != to:
             return
@@ -322,9 +339,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for key, value in everyone[0].get(j, {}).items():
                     if torch.is_tensor(value) and value.shape == bucket.shard.shape:
                         full = torch.cat([everyone[r][j][key] for r in range(self.group.size)])
-                    for p in bucket.params:
+                    for p in bucket.tensors:
                         state.setdefault(self._index[p], {})[key] = (
-                            bucket.slice(full, p).clone() if value.shape == bucket.shard.shape
+                            bucket.view(p, full).clone() if value.shape == bucket.shard.shape
                             else value.clone()) if torch.is_tensor(value) else value
         self._consolidated = dict(state=state, param_groups=_numbered(self.param_groups))
 
@@ -347,7 +364,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             local = {i: full[self._index[p]] for i, p in enumerate(mine) if self._index[p] in full}
         else:
             for j, bucket in enumerate(self.buckets):
-                saved = [p for p in bucket.params if self._index[p] in full]
+                saved = [p for p in bucket.tensors if self._index[p] in full]
                 if saved:
                     local[j] = self._shard_state(bucket, saved, full)
         self.optim.load_state_dict(dict(state=local,
@@ -365,25 +382,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     judge.dim() > 0 or key != "step"):
                 flat = torch.zeros(bucket.padded, dtype=value.dtype)
                 for p in saved:
-                    bucket.slice(flat, p).copy_(full[self._index[p]][key])
+                    bucket.view(p, flat).copy_(full[self._index[p]][key])
                 value = flat[bucket.lo:bucket.lo + bucket.shard.numel()]
             out[key] = value.clone() if torch.is_tensor(value) else value
         return out
-
-    def _all_gather_objects(self, obj, tag):
-        """Every rank's `obj` (pickled into bytes: two all_gathers, sizes then the bytes)."""
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        device = self.ctx.device
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-        sizes = self.ctx.comm.all_gather(size, group=self.group, tag=f"{tag} sizes").tolist()
-        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-        padded[:data.numel()] = data.to(device)
-        everything = self.ctx.comm.all_gather(padded, group=self.group, tag=tag).view(
-            self.group.size, -1).cpu()
-        return [torch.load(io.BytesIO(everything[r, :n].numpy().tobytes()), weights_only=False)
-                for r, n in enumerate(sizes)]
 
 
 def _numbered(groups):

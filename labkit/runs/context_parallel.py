@@ -15,24 +15,24 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from .. import models
 from ..parallel.context_parallel import (LAYOUTS, METHODS, ContextParallel, all_gather_attention,
                                          check_sequence, ring_attention, sequence_positions,
                                          shard_sequence)
+from ..parallel.flat import average_gradients, unwrapped_name
 from ..runtime.memory import MemoryTracker
 from ..theory import context_parallel as theory_cp
 from ..theory import memory as theory_memory
 from ..theory.time import wire_bytes_per_rank
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
+from .reference import gpt_config as reference_gpt_config, token_loss
+from .reference import train as reference_train
 
 ATTENTION_TAGS = ("ring attention", "all-gather attention")
 
 
 def gpt_config(cfg):
-    if cfg.model != "gpt":
-        raise ValueError("context parallelism splits the GPT's sequences: use --model gpt "
-                         "(the MLP model has no sequence)")
-    return models.GPTConfig(**cfg.model_kwargs)
+    return reference_gpt_config(cfg, "context parallelism splits the GPT's sequences (the MLP "
+                                     "model has no sequence)")
 
 
 def check_cp(cfg, cp, layout="zigzag", method="ring"):
@@ -62,22 +62,6 @@ def gpt_forward(model, ids, positions):
     return model.head(model.ln_f(x))
 
 
-def reference_names(params):
-    """Parameter names without the wrapper's `.module` (the single-device model's names)."""
-    return {name.replace("attn.module.", "attn."): p for name, p in params.items()}
-
-
-def _average_gradients(ctx, model):
-    """The weights are replicated and each rank's loss is the mean over its tokens: average."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = ctx.comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), op="avg",
-                               tag="cp gradient all-reduce")
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def train(ctx, cfg, layout="zigzag", method="ring", causal=True, check_shape=None):
     """Train the CP tiny GPT on ctx.world (the CP group), then run the attention check."""
     from .report import rank_result
@@ -95,15 +79,16 @@ def train(ctx, cfg, layout="zigzag", method="ring", causal=True, check_shape=Non
             optimizer.zero_grad(set_to_none=True)
             with ctx.memory.track_activations(), ctx.clock.compute("forward+backward"):
                 logits = gpt_forward(model, x, positions)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                loss = token_loss(logits, y)
                 loss.backward()
-            _average_gradients(ctx, model)
+            # replicated weights, each rank's loss the mean over its tokens: average
+            average_gradients(model.parameters(), tag="cp gradient all-reduce")
             with ctx.clock.compute("optimizer step"):
                 optimizer.step()
         with ctx.off_the_record():   # the whole sequence's loss: the mean of the shards'
             losses.append(ctx.comm.all_reduce(loss.detach().clone(), op="avg").item())
     comm = ctx.comm.summary()
-    params = reference_names({n: p.detach().clone() for n, p in model.named_parameters()})
+    params = {unwrapped_name(n): p.detach().clone() for n, p in model.named_parameters()}
     shape = check_shape or (2, c.heads, c.seq, c.hidden // c.heads)
     check = attention_check(ctx, shape, causal, layout, method)
     return rank_result(ctx, losses, params=params if ctx.rank == 0 else None, comm=comm,
@@ -200,7 +185,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", layout="zigzag", met
                                                                        dtype_bytes=4),
         modelled_s=max(ch["modelled_s"] for ch in checks))
     out = build_report(
-        "cp", cfg, results,
+        "cp", cfg, results, reference=reference_train(cfg),
         config=dict(cp=world_size, layout=layout, method=method, causal=causal),
         predicted_memory=predict_memory(cfg, world_size),
         predicted_comm_bytes_per_rank=predict_comm(cfg, world_size, method),

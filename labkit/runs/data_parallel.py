@@ -2,10 +2,11 @@
 
 `python -m labkit run dp --world-size N [--mode naive|bucketed] [--bucket-mb X] [--no-overlap]
 [--accumulate K] --json`. Two modes: "bucketed" wraps the model in `labkit.DataParallel` (async
-bucket all-reduces started from backward hooks, what PyTorch DDP does); "naive" is written out
-below: after backward, one blocking all-reduce per gradient. Both end with the parameters of one
-device trained on the full batch. Also here, for lesson 01: `ring_all_reduce` (the ring built
-from send and recv, the exercise's model answer) and inference data parallelism (`infer`).
+bucket all-reduces started from backward hooks, what PyTorch DDP does); "naive": after
+backward, one blocking all-reduce per gradient (`average_gradients(per_tensor=True)`). Both
+end with the parameters of one device trained on the full batch. Also here, for lesson 01:
+`ring_all_reduce` (the ring built from send and recv, the exercise's model answer) and
+inference data parallelism (`infer`).
 The block: labkit/parallel/data_parallel.py; the formulas: labkit/theory/data_parallel.py.
 """
 import time
@@ -15,12 +16,15 @@ import torch
 
 from .. import data
 from ..parallel.data_parallel import DataParallel
+from ..parallel.flat import average_gradients
 from ..theory.data_parallel import inference_throughput, ring_all_reduce_bytes
 from .reference import (RunConfig, activation_bytes, batch, build_model, build_optimizer,
-                        full_params, predict_memory as single_device_memory)
+                        full_params, predict_memory as single_device_memory,
+                        train as reference_train)
 from .report import build_report, rank_result
+from .report import mean_loss as global_loss   # the full-batch loss of shard losses
 
-__all__ = ["DEFAULT_BUCKET_MB", "MODES", "add_arguments", "all_reduce_each_gradient",
+__all__ = ["DEFAULT_BUCKET_MB", "MODES", "add_arguments",
            "check_config", "global_loss", "gradient_bytes", "infer", "inference_throughput",
            "predict_memory", "predicted_wire_bytes", "report", "ring_all_reduce", "train"]
 
@@ -80,7 +84,7 @@ def train(ctx, cfg=None, mode="bucketed", bucket_mb=DEFAULT_BUCKET_MB, overlap=T
                             loss.backward()
                     loss_sum += loss.item()
             if mode == "naive":
-                all_reduce_each_gradient(ctx, model)
+                average_gradients(model.parameters(), per_tensor=True, tag="grad")
             else:   # already done at the end of backward; kept to show where it happens
                 model.finish_gradient_synchronization()
             with ctx.clock.compute("optimizer step"):
@@ -89,21 +93,6 @@ def train(ctx, cfg=None, mode="bucketed", bucket_mb=DEFAULT_BUCKET_MB, overlap=T
             step_wall.append(time.perf_counter() - started)
     return rank_result(ctx, losses, params=full_params(replica) if ctx.rank == 0 else None,
                        local_loss=losses, step_wall_s=step_wall)
-
-
-def all_reduce_each_gradient(ctx, model, group=None):
-    """Naive: after backward, one blocking all-reduce (average) per parameter's gradient."""
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            if p.grad is None:   # every rank must join every all-reduce
-                p.grad = torch.zeros_like(p)
-            ctx.comm.all_reduce(p.grad, op="avg", group=group, tag=f"grad {name}")
-
-
-def global_loss(results):
-    """The full-batch loss per step: the mean over ranks of each rank's shard loss."""
-    per_rank = [r["local_loss"] for r in results]
-    return [sum(step) / len(step) for step in zip(*per_rank)]
 
 
 def gradient_bytes(cfg):
@@ -217,7 +206,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", bucket_mb=DEFAULT_BU
     results[0] = dict(results[0], loss=loss)
     grad_bytes = gradient_bytes(cfg)
     return build_report(
-        "dp", cfg, results,
+        "dp", cfg, results, reference=reference_train(cfg),
         config=dict(mode=mode, bucket_mb=bucket_mb, overlap=not no_overlap,
                     accumulate=accumulate, gradient_bytes=grad_bytes),
         predicted_memory=predict_memory(cfg, world_size, mode, accumulate),

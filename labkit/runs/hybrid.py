@@ -11,16 +11,13 @@ device reference trains the same function.
 """
 from dataclasses import replace
 
-import torch
-import torch.nn.functional as F
-
 from .. import data, models
 from ..parallel.hybrid import HybridParallel
-from ..runtime.comm import _group_name
 from ..runtime.mesh import DIMS
 from ..theory import pipeline as schedules
 from ..theory import planner
 from . import reference
+from .report import build_report, mean_loss, rank_result
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 GROUP_ORDER = ("tp", "pp", "ep", "dp", "ep_dp", "cp")   # a set of ranks is named by the first
@@ -88,30 +85,18 @@ def check_config(cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4,
         raise ValueError("--ep needs a mixture of experts: add --experts N")
 
 
-def optimizer_spec(cfg):
-    """The reference's optimizer as (class, options), for blocks that build their own."""
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam, dict(lr=cfg.lr, eps=1e-6, foreach=False)
-    return torch.optim.SGD, dict(lr=cfg.lr, foreach=False)
-
-
-def gpt_loss(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-
-
 def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
           sequence_parallel=False, order=DIMS):
     """Train on this rank's place in the mesh; returns `rank_result` with its stages' params."""
-    from .report import rank_result
     mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, ep=ep, order=tuple(order))
     model = reference.build_model(cfg)
     batches = [reference.batch(model, cfg, step) for step in range(cfg.steps)]
     layers = model.as_sequential()
     by_identity = {id(p): name for name, p in model.named_parameters()}
     model_name = {name: by_identity[id(p)] for name, p in layers.named_parameters()}
-    opt_class, options = optimizer_spec(cfg)
+    opt_class, options = reference.optimizer_spec(cfg)
     hybrid = HybridParallel(
-        layers, mesh, gpt_loss, tp_plan=hybrid_plan(sequence_parallel),
+        layers, mesh, reference.token_loss, tp_plan=hybrid_plan(sequence_parallel),
         sequence_parallel=sequence_parallel, schedule=schedule, n_microbatches=microbatches,
         virtual=virtual if schedule == "interleaved" else 1,
         expert_parallel=cfg.model == "moe", zero_stage=zero, optimizer_class=opt_class,
@@ -129,7 +114,7 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
     names = {}
     for dim in GROUP_ORDER:
         if dim in mesh.groups:
-            names.setdefault(_group_name(mesh[dim].ranks), dim)
+            names.setdefault(mesh[dim].name, dim)
     comm = ctx.comm.summary(by=("op", "group", "tag"))
     for row in comm:   # the DP averages say which group they use; else the group's ranks do
         tag_dim = row["tag"].split(" ")[0]
@@ -142,14 +127,8 @@ def merge_results(results, dp):
     """Rank 0's entry carries the global loss (the mean of the dp replicas' last stages) and
     the whole model's parameters (the union of every rank's stages and experts)."""
     last = [r for r in results if r["is_last"] and r["coords"]["tp"] == 0]
-    per_step = zip(*[r["loss"] for r in last])
-    first = dict(results[0], loss=[sum(s) / len(s) for s in per_step])
-    params = {}
-    for r in results:
-        for k, v in r["stage_params"].items():
-            params.setdefault(k, v)
-    first["params"] = params
-    return [first] + list(results[1:])
+    params = {k: v for r in reversed(results) for k, v in r["stage_params"].items()}
+    return [dict(results[0], loss=mean_loss(last, key="loss"), params=params)] + results[1:]
 
 
 def comm_by_dim(results):
@@ -220,7 +199,6 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
            top_k=2, order=",".join(DIMS), timeout_s=180, **_):
     """Run the hybrid and return the run report of DESIGN.md (+ mesh table, comm by group)."""
     from ..runtime.launch import launch
-    from .report import build_report
     cfg = cfg or reference.RunConfig(model_kwargs=dict(layers=2))
     check_config(cfg, dp, tp, pp, ep, zero, schedule, microbatches, virtual, sequence_parallel,
                  experts, top_k)
@@ -237,7 +215,7 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
     results = merge_results(results, dp)
     v = virtual if schedule == "interleaved" else 1
     return build_report(
-        "hybrid", run, results,
+        "hybrid", run, results, reference=reference.train(run),
         config=dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, schedule=schedule,
                     microbatches=microbatches, virtual=v, sequence_parallel=sequence_parallel,
                     experts=experts, top_k=top_k if experts else None, order=list(dims)),

@@ -20,7 +20,8 @@ import torch
 
 from .. import data, models
 from ..models import MoEConfig
-from ..parallel.moe import ExpertParallel, check_expert_parallel
+from ..parallel.flat import average_gradients
+from ..parallel.moe import ExpertParallel, check_expert_parallel, full_parameters
 from .reference import RunConfig, batch, build_optimizer, full_params
 from .report import build_report, rank_result
 
@@ -76,38 +77,16 @@ def expert_parallel_model(ctx, cfg, moe, ep=None):
     return model, replicas
 
 
-def average_gradients(ctx, model, replicas):
+def average_moe_gradients(model, replicas):
     """Dense gradients averaged over the world; expert gradients (already the EP group's mean,
-    see ExpertParallel) averaged over their replicas. One flat buffer each, with a presence
-    flag per tensor: an expert that got no token on any replica keeps grad None, as in the
-    reference, instead of an Adam step on zeros."""
+    see ExpertParallel) averaged over their replicas. An expert that got no token on any
+    replica keeps grad None, as in the reference, instead of an Adam step on zeros."""
     named = list(model.named_parameters())
-    _average(ctx, [p for n, p in named if not is_expert(n)], ctx.world, "dense grads")
+    average_gradients([p for n, p in named if not is_expert(n)], None, skip_unused=True,
+                      tag="dense grads")
     if replicas is not None:
-        _average(ctx, [p for n, p in named if is_expert(n)], replicas, "expert grads")
-
-
-def _average(ctx, params, group, tag):
-    if not params or group.size == 1:
-        return
-    parts = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
-             for p in params]
-    present = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-    flat = ctx.comm.all_reduce(torch.cat(parts + [present]), group=group, tag=tag)
-    offset, present = 0, flat[-len(params):]
-    for p, flag in zip(params, present):
-        chunk = flat[offset:offset + p.numel()].view_as(p)
-        p.grad = chunk / group.size if flag > 0 else None
-        offset += p.numel()
-
-
-def gather_params(model):
-    """Every parameter by the single-process model's name, experts gathered from their EP
-    group (a collective: every rank calls it)."""
-    out = {n: p.detach().clone() for n, p in model.named_parameters() if ".mlp." not in n}
-    for i, block in enumerate(model.blocks):
-        out.update({f"blocks.{i}.mlp.{k}": t for k, t in block.mlp.full_state_dict().items()})
-    return out
+        average_gradients([p for n, p in named if is_expert(n)], replicas, skip_unused=True,
+                          tag="expert grads")
 
 
 def routing_stats(model):
@@ -142,12 +121,12 @@ def train(ctx, cfg=None, moe=MoEConfig(), ep=None):
             with ctx.memory.track_activations(), ctx.clock.compute("forward+backward"):
                 loss = model(x, y)
                 loss.backward()
-            average_gradients(ctx, model, replicas)
+            average_moe_gradients(model, replicas)
             with ctx.clock.compute("optimizer step"):
                 optimizer.step()
         losses.append(loss.item())
         stats.append(routing_stats(model))
-    params = gather_params(model)
+    params = full_parameters(model)
     return rank_result(ctx, losses, params=params if ctx.rank == 0 else None, routing=stats,
                        ep=ep or ctx.world_size)
 

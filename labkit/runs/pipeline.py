@@ -8,7 +8,6 @@ clock's timeline (compute bars of every rank over the step's span), not measured
 import dataclasses
 
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import models
 from ..parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
@@ -30,14 +29,6 @@ def model_layers(model):
         *hidden, last = model.layers
         return nn.Sequential(*[nn.Sequential(layer, nn.GELU()) for layer in hidden], last)
     raise TypeError(f"the pipeline driver knows TinyGPT and MLP, not {type(model).__name__}")
-
-
-def loss_fn_for(cfg):
-    """The reference's loss, as the last stage's loss_fn(output, target)."""
-    if cfg.model == "gpt":
-        return lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 y.reshape(-1))
-    return F.mse_loss
 
 
 def layer_count(cfg):
@@ -84,7 +75,7 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
     batches = [reference.batch(model, cfg, step) for step in range(cfg.steps)]
     modules = split_into_stages(model_layers(model), p * virtual, balance=split or "params")
     mine = [PipelineStage(modules[s], s, p * virtual) for s in range(ctx.rank, p * virtual, p)]
-    pipe = PipelineSchedule(mine, schedule, loss_fn_for(cfg), n, recompute=recompute)
+    pipe = PipelineSchedule(mine, schedule, reference.loss_fn(cfg), n, recompute=recompute)
     stage = nn.ModuleList(s.module for s in mine)
     optimizer = reference.build_optimizer(stage.parameters(), cfg)
     ctx.memory.watch(model=stage, optimizer=optimizer)
@@ -113,14 +104,10 @@ def sweep(ctx, cfg, runs):
 
     runs: list of dicts of `train` keywords, plus optional 'cluster' (for the clock) and
     'steps'. Each run gets a fresh clock, comm log and memory tracker; one result per run."""
-    from ..runtime.clock import Clock
-    from ..runtime.comm import Comm
-    from ..runtime.memory import MemoryTracker
     out, launched_on = [], ctx.clock.cluster
     for run in runs:
         run = dict(run)
-        ctx.clock = Clock(ctx, run.pop("cluster", launched_on))
-        ctx.comm, ctx.memory = Comm(ctx), MemoryTracker(ctx)
+        ctx.reset_instruments(run.pop("cluster", launched_on))
         steps = run.pop("steps", cfg.steps)
         out.append(train(ctx, dataclasses.replace(cfg, steps=steps), **run))
     return out
@@ -252,7 +239,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", stages=None, microba
     stage0 = split_into_stages(model_layers(reference.build_model(cfg)), world_size * v,
                                balance=split or "params")[::world_size]
     return build_report(
-        "pipeline", cfg, results,
+        "pipeline", cfg, results, reference=reference.train(cfg),
         config=dict(stages=world_size, microbatches=m, schedule=schedule, virtual=v,
                     recompute=recompute),
         predicted_memory=predict_memory(cfg, world_size, schedule, m, v, recompute, split),

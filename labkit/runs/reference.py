@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, asdict
 
 import torch
+import torch.nn.functional as F
 
 from .. import data, models
 from ..runtime.memory import MemoryTracker
@@ -32,6 +33,36 @@ def build_model(cfg):
     return models.build(cfg.model, seed=cfg.seed, **cfg.model_kwargs)
 
 
+def gpt_config(cfg, needs="this technique needs the tiny GPT"):
+    """The GPTConfig of a RunConfig (a GPTConfig as is); a one-line error for the MLP."""
+    if isinstance(cfg, models.GPTConfig):
+        return cfg
+    if cfg.model != "gpt":
+        raise ValueError(f"{needs}: use --model gpt")
+    return models.GPTConfig(**cfg.model_kwargs)
+
+
+def token_loss(logits, target):
+    """The GPT's loss on its output: cross-entropy over every position."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def loss_fn(cfg):
+    """The model's own loss as loss_fn(output, target), for a block that computes the loss
+    itself (a pipeline's last stage): the GPT's cross-entropy, the MLP's mean squared error."""
+    return token_loss if cfg.model in ("gpt", "moe") else F.mse_loss
+
+
+def optimizer_spec(cfg):
+    """(class, options) of the run's optimizer, for blocks that build their own (ZeRO's
+    ShardedOptimizer, the hybrid): Adam or plain SGD, as `build_optimizer` makes it."""
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam, dict(lr=cfg.lr, eps=1e-6, foreach=False)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD, dict(lr=cfg.lr, foreach=False)
+    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {cfg.optimizer!r}")
+
+
 def build_optimizer(params, cfg):
     """Adam or plain SGD; `foreach=False` keeps the update order identical across layouts.
 
@@ -40,11 +71,8 @@ def build_optimizer(params, cfg):
     float rounding noise (~1e-10), which differs between layouts. With eps 1e-8 Adam divides
     that noise by itself and takes lr-sized steps; with 1e-6 they stay ~1e-6 of lr.
     """
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, eps=1e-6, foreach=False)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, foreach=False)
-    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {cfg.optimizer!r}")
+    optimizer_class, options = optimizer_spec(cfg)
+    return optimizer_class(params, **options)
 
 
 def batch(model, cfg, step):

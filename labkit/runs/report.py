@@ -1,7 +1,8 @@
 """The run report (DESIGN.md): one dict per run, the same for the CLI, tests and notebooks.
 
-Each rank's `fn` returns `rank_result(ctx, ...)`; `build_report` puts the ranks together, runs
-the single-device reference on the same config and adds `max_param_diff_vs_reference`.
+Each rank's `fn` returns `rank_result(ctx, ...)`; `build_report` puts the ranks together with
+the single-device reference's result it is handed (`reference.train(cfg)`, or a technique's
+own reference) and adds `max_param_diff_vs_reference`.
 """
 import json
 import math
@@ -21,12 +22,20 @@ def rank_result(ctx, loss, params=None, **extra):
     return out
 
 
-def build_report(technique, cfg, results, *, config=None, predicted_memory=None,
-                 predicted_comm_bytes_per_rank=None, reference=None, **extra):
-    """The JSON-able report of a run, plus `timeline` and `params` for notebooks."""
-    from .reference import max_param_diff, train
+def mean_loss(results, key="local_loss"):
+    """The full-batch loss per step: the mean over ranks of each rank's shard loss (equal
+    shards: the mean of the means is the mean)."""
+    per_rank = [r[key] for r in results]
+    return [sum(step) / len(step) for step in zip(*per_rank)]
+
+
+def build_report(technique, cfg, results, *, reference, config=None, predicted_memory=None,
+                 predicted_comm_bytes_per_rank=None, **extra):
+    """The JSON-able report of a run, plus `timeline` and `params` for notebooks.
+    `reference`: the single-device run's result ({loss, params}) the ranks are checked
+    against."""
+    from .reference import max_param_diff
     first = results[0]
-    reference = reference or train(cfg)
     params = first.get("params")
     step_times = first["modelled_step_s"]
     report = dict(

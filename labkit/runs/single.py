@@ -22,5 +22,6 @@ def report(world_size=1, cfg=None, cluster="8xH100-NVLink", **_):
     if world_size != 1:
         raise ValueError("the single-device reference runs on exactly one rank (--world-size 1)")
     results = launch(run, 1, cfg, cluster=cluster)
-    return build_report("single", cfg, results, predicted_memory=predict_memory(cfg),
+    return build_report("single", cfg, results, reference=train(cfg),
+                        predicted_memory=predict_memory(cfg),
                         predicted_comm_bytes_per_rank=0)

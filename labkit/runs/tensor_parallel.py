@@ -11,12 +11,14 @@ import math
 import torch
 
 from .. import models
-from ..parallel.tensor_parallel import (ColumnParallelLinear, gather_from_tp, gather_grads,
-                                        gather_params, parallelize, resolve_plan,
+from ..parallel.tensor_parallel import (gather_from_tp, gather_grads, gather_params,
+                                        parallelize, vocab_parallel_argmax,
                                         vocab_parallel_cross_entropy)
+from ..parallel.tensor_parallel_plan import resolve_plan
 from ..theory import memory as theory_memory
 from ..theory import tensor_parallel as theory_tp
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
+from .reference import gpt_config as reference_gpt_config, train as reference_train
 
 
 def gpt_plan(sequence_parallel=False):
@@ -35,12 +37,8 @@ def gpt_plan(sequence_parallel=False):
 
 def gpt_config(cfg):
     """The GPTConfig of a RunConfig (or a GPTConfig as is)."""
-    if isinstance(cfg, models.GPTConfig):
-        return cfg
-    if cfg.model != "gpt":
-        raise ValueError("tensor parallelism here splits the tiny GPT's matrices: use "
-                         "--model gpt (the MLP model has no heads to split)")
-    return models.GPTConfig(**cfg.model_kwargs)
+    return reference_gpt_config(cfg, "tensor parallelism here splits the tiny GPT's matrices "
+                                     "(the MLP model has no heads to split)")
 
 
 def check_tp_degree(cfg, tp, sequence_parallel=False):
@@ -66,12 +64,8 @@ def check_tp_degree(cfg, tp, sequence_parallel=False):
 def build_tp_model(cfg, group=None, sequence_parallel=False, regather=True):
     """The reference's GPT (same seed), split by `gpt_plan` over `group`; the head keeps its
     logits split by vocabulary (for `gpt_loss` and generation)."""
-    model = parallelize(build_model(cfg), gpt_plan(sequence_parallel), group, sequence_parallel)
-    for layer in model.modules():
-        if isinstance(layer, ColumnParallelLinear):
-            layer.regather = regather
-    model.head.gather_output = False
-    return model
+    return parallelize(build_model(cfg), gpt_plan(sequence_parallel), group, sequence_parallel,
+                       regather=regather, gather_output=False)
 
 
 def gpt_loss(model, x, y):
@@ -159,7 +153,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", sequence_parallel=Fa
     comm = predict_comm(cfg, world_size, sequence_parallel, regather)
     first = results[0]
     return build_report(
-        "tp", cfg, results,
+        "tp", cfg, results, reference=reference_train(cfg),
         config=dict(tp=world_size, sequence_parallel=sequence_parallel, regather=regather,
                     plan=gpt_plan(sequence_parallel)),
         predicted_memory=predict_memory(cfg, world_size, sequence_parallel, regather),
@@ -193,16 +187,6 @@ def _forward_cached(model, idx, caches, start):
     return model.head(model.ln_f(x))   # (b, s_new, V/t): this rank's vocabulary shard
 
 
-def _greedy_pick(ctx, head, logits):
-    """Global argmax over vocabulary shards: each rank's best (value, id), gathered."""
-    group = head.group
-    value, index = logits.max(dim=-1)
-    values = ctx.comm.all_gather(value, group=group, tag="greedy").view(group.size, -1)
-    ids = ctx.comm.all_gather(index + group.rank * logits.shape[-1], group=group, tag="greedy")
-    best = values.argmax(dim=0)  # the first maximum: the lowest id wins ties, as torch.argmax
-    return ids.view(group.size, -1).gather(0, best.unsqueeze(0)).squeeze(0)
-
-
 @torch.no_grad()
 def generate(ctx, model, prompt, new_tokens):
     """Greedy decoding with a KV cache of this rank's heads; returns (tokens, cache bytes).
@@ -217,7 +201,7 @@ def generate(ctx, model, prompt, new_tokens):
     for _ in range(new_tokens):
         logits = _forward_cached(model, step_input, caches, start)
         start += step_input.shape[1]
-        step_input = _greedy_pick(ctx, model.head, logits[:, -1]).unsqueeze(1)
+        step_input = vocab_parallel_argmax(logits[:, -1], model.head.group).unsqueeze(1)
         tokens = torch.cat([tokens, step_input], dim=1)
     return tokens, sum(t.nbytes for cache in caches for t in cache)
 

@@ -13,14 +13,19 @@ import torch
 import torch.nn as nn
 
 from .. import data
+from ..parallel.data_parallel import DataParallel
 from ..parallel.fully_shard import OFFLOAD_LINK, FullyShard
+from ..parallel.mixed_precision import MasterWeights
+from ..parallel.zero import ShardedOptimizer
 from ..runtime.memory import optimizer_state_tensors
 from ..theory import memory as theory_memory
 from ..theory import zero as theory_zero
-from .reference import RunConfig, activation_bytes, batch, build_model, build_optimizer
+from .reference import (RunConfig, activation_bytes, batch, build_model, build_optimizer,
+                        optimizer_spec, train as reference_train)
 from .report import build_report, rank_result
+from .report import mean_loss as global_loss   # the full-batch loss of shard losses
 
-__all__ = ["BUCKET_MB", "COMPUTE_DTYPE", "OFFLOAD_LINK", "STAGES", "MasterWeights", "add_arguments",
+__all__ = ["BUCKET_MB", "COMPUTE_DTYPE", "OFFLOAD_LINK", "STAGES", "add_arguments",
            "check_config", "comm_plan", "formula_wire_bytes", "global_loss", "layer_units",
            "predict_memory", "predicted_wire_bytes", "reference_mixed_precision", "report",
            "train"]
@@ -52,102 +57,7 @@ def layer_units(model):
     return units
 
 
-# ------------------------------------------------------------ mixed precision for stages 1, 2
-
-class MasterWeights(torch.optim.Optimizer):
-    """`inner` (Adam, SGD...) on fp32 copies of the low-precision tensors it is handed: the
-    gradients are cast up, the step runs in fp32, the result is rounded back (mixed precision).
-
-    `ShardedOptimizer(params, MasterWeights, inner=Adam, masters=...)` hands it this rank's
-    tensors (stage 1: whole parameters; stage 2: slices of flat buckets), so the fp32 masters
-    are sharded with the optimizer state: K = 4 + 8 bytes per parameter over N for Adam.
-    `masters(t)` gives the unrounded fp32 values for `t` (default: `t.float()`).
-    """
-
-    def __init__(self, params, inner=torch.optim.Adam, masters=None, **defaults):
-        self._state = {}
-        super().__init__(params, defaults)
-        find = masters or (lambda t: t.detach().float().clone())
-        self.inner = inner([dict(g, params=[find(p) for p in g["params"]])
-                            for g in self.param_groups], **defaults)
-
-    @property
-    def state(self):   # what memory tracking sees: the masters and the inner optimizer's state
-        if "inner" not in self.__dict__:
-            return self._state
-        out = {}
-        for group in self.inner.param_groups:
-            for m in group["params"]:
-                out[m] = dict(self.inner.state.get(m, {}), master=m)
-        return out
-
-    @state.setter
-    def state(self, value):
-        self._state = value
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update({k: v for k, v in group.items() if k != "params"})
-            for p, m in zip(group["params"], inner["params"]):
-                m.grad = None if p.grad is None else p.grad.float()
-        self.inner.step()
-        for group, inner in zip(self.param_groups, self.inner.param_groups):
-            for p, m in zip(group["params"], inner["params"]):
-                p.copy_(m)
-                m.grad = None
-
-
-def _unrounded(originals):
-    """masters(t) for MasterWeights: the fp32 values behind `t`, a parameter or a slice of a
-    flat buffer the parameters are views of (found by storage offset)."""
-    def masters(t):
-        out = t.detach().float().clone()       # padding keeps its value (zero)
-        ptr, base = t.untyped_storage().data_ptr(), t.storage_offset()
-        for p, fp32 in originals:
-            if p.untyped_storage().data_ptr() != ptr:
-                continue
-            lo = max(p.storage_offset(), base)
-            hi = min(p.storage_offset() + p.numel(), base + t.numel())
-            if lo < hi:
-                out.view(-1)[lo - base:hi - base] = \
-                    fp32.reshape(-1)[lo - p.storage_offset():hi - p.storage_offset()]
-        return out
-    return masters
-
-
-def _gather_masters(ctx, model, optimizer):
-    """{name: fp32 master} on every rank: each rank adds the masters it owns, zeros elsewhere,
-    and an all-reduce (off the record: not training traffic) puts the whole model together."""
-    full = {name: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            for name, p in model.named_parameters()}
-    params = list(model.named_parameters())
-    inner = optimizer.optim.inner
-    for group, inner_group in zip(optimizer.optim.param_groups, inner.param_groups):
-        for t, m in zip(group["params"], inner_group["params"]):
-            ptr, base = t.untyped_storage().data_ptr(), t.storage_offset()
-            for name, p in params:
-                lo = max(p.storage_offset(), base)
-                hi = min(p.storage_offset() + p.numel(), base + t.numel())
-                if p.untyped_storage().data_ptr() == ptr and lo < hi:
-                    full[name].view(-1)[lo - p.storage_offset():hi - p.storage_offset()] = \
-                        m.reshape(-1)[lo - base:hi - base]
-    with ctx.off_the_record():
-        for tensor in full.values():
-            ctx.comm.all_reduce(tensor)
-    return full
-
-
 # ------------------------------------------------------------------------------------- training
-
-def _optimizer_args(cfg):
-    """The class and options `build_optimizer` uses, for a ShardedOptimizer to build."""
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam, dict(lr=cfg.lr, eps=1e-6, foreach=False)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD, dict(lr=cfg.lr, foreach=False)
-    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {cfg.optimizer!r}")
-
 
 def _setup(ctx, cfg, stage, mixed_precision, offload, prefetch):
     """(the module to call, optimizer, the flat buffers' sizes for the comm plan)."""
@@ -161,19 +71,19 @@ def _setup(ctx, cfg, stage, mixed_precision, offload, prefetch):
         ctx.memory.watch(optimizer_state=lambda: [] if offload
                          else optimizer_state_tensors(optimizer))
         return sharded, optimizer, sharded.unit_numels
-    from ..parallel.data_parallel import DataParallel
-    from ..parallel.zero import ShardedOptimizer
-    inner, options = _optimizer_args(cfg)
+    inner, options = optimizer_spec(cfg)
     if mixed_precision:
-        originals = [(p, p.detach().clone()) for p in model.parameters()]
+        unrounded = {p: p.detach().clone() for p in model.parameters()}
         model.to(dtype)   # in place: the parameters keep their identity
-        inner, options = MasterWeights, dict(options, inner=inner, masters=_unrounded(originals))
+        inner, options = MasterWeights, dict(options, inner=inner)
     module = model
     if stage == 1:   # its first broadcast is set-up (every rank built the same weights)
         with ctx.off_the_record():
             module = DataParallel(model, bucket_mb=BUCKET_MB, gradient_as_bucket_view=True)
     optimizer = ShardedOptimizer(model.parameters(), inner, stage=stage, bucket_mb=BUCKET_MB,
                                  **options)
+    if mixed_precision:   # the masters start from the fp32 weights, not their bf16 rounding
+        optimizer.optim.load_masters(optimizer.local_part(unrounded))
     flats = [sum(p.numel() for p in model.parameters())] if stage == 1 \
         else [b.padded for b in optimizer.buckets]
     return module, optimizer, flats
@@ -218,7 +128,9 @@ def train(ctx, cfg=None, stage=1, mixed_precision=False, offload=False, prefetch
     if stage == 3:
         params = module.full_state_dict()
     elif mixed_precision:
-        params = _gather_masters(ctx, model, optimizer)
+        with ctx.off_the_record():   # set-up for the report, not training traffic
+            masters = optimizer.gather_full(optimizer.optim.masters)
+        params = {name: masters[p] for name, p in model.named_parameters()}
     else:
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
     host = (module.host_bytes() + sum(t.nbytes for t in optimizer_state_tensors(optimizer))
@@ -231,12 +143,6 @@ def train(ctx, cfg=None, stage=1, mixed_precision=False, offload=False, prefetch
                        sum(theory_zero.padded(u, ctx.world_size) for u in flats),
                        param_count=sum(p.numel() for p in build_model(cfg).parameters()),
                        offloaded_bytes=host)
-
-
-def global_loss(results):
-    """The full-batch loss per step: the mean over ranks of each rank's shard loss."""
-    per_rank = [r["local_loss"] for r in results]
-    return [sum(step) / len(step) for step in zip(*per_rank)]
 
 
 def reference_mixed_precision(cfg=None):
@@ -324,7 +230,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", stage=1, mixed_preci
     flats, psi = results[0]["flat_numels"], results[0]["param_count"]
     return build_report(
         "zero", cfg, results,
-        reference=reference_mixed_precision(cfg) if mixed_precision else None,
+        reference=reference_mixed_precision(cfg) if mixed_precision else reference_train(cfg),
         config=dict(stage=stage, mixed_precision=mixed_precision, offload=offload,
                     prefetch=not no_prefetch, param_count=psi,
                     padded_param_count=results[0]["padded_numel"],

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .clock import Clock
-from .comm import Comm
+from .comm import Comm, _group_name
 from .memory import MemoryTracker
 from .mesh import Mesh
 
@@ -44,6 +44,11 @@ class Group:
     def global_rank(self, group_rank: int) -> int:
         """The world rank of the group's member number `group_rank`."""
         return self.ranks[group_rank]
+
+    @property
+    def name(self):
+        """The group's short name in the comm log ("0-3", "1,3")."""
+        return _group_name(self.ranks)
 
 
 def context() -> Context:
@@ -82,10 +87,16 @@ class Context:
         self._status, self._progress = status, progress
         self._groups = {}      # torch ProcessGroup -> Group, for groups a user made
         self.started = time.perf_counter()
-        self.clock = Clock(self, cluster)
+        self.reset_instruments(cluster)
+        _current = self
+
+    def reset_instruments(self, cluster=None):
+        """A fresh clock (on `cluster`, default the current one), comm log and memory tracker:
+        several measured runs in one launch (a sweep: starting ranks is the slow part) each
+        get their own. Blocks find them through the context, so none holds an old one."""
+        self.clock = Clock(self, cluster or self.clock.cluster)
         self.comm = Comm(self)
         self.memory = MemoryTracker(self)
-        _current = self
 
     # --- groups ---------------------------------------------------------------------------
     def group(self, group: GroupLike = None) -> Group:
