@@ -145,7 +145,7 @@ class PipelineGenerator:
     def generate(self, prompt, new_tokens):
         """prompt: the (b, P) requests (only the first stage reads the ids, the others their
         shape). Returns the (b, new_tokens) tokens on every rank of the group (the last stage
-        broadcasts them at the end; that broadcast is tagged 'result', not serving traffic)."""
+        broadcasts them at the end, off the record: not serving traffic)."""
         comm, stage, group = context().comm, self.stage, self.group
         b, p = prompt.shape
         m_count = self.n_microbatches
@@ -186,7 +186,8 @@ class PipelineGenerator:
             pending = []
         out = (torch.cat([torch.cat(ts, dim=1) for ts in tokens]) if stage.is_last
                else torch.empty(b, new_tokens, dtype=torch.int64))
-        return comm.broadcast(out, src=last, group=group, tag="result")
+        with context().off_the_record():    # handing the result out is not serving
+            return comm.broadcast(out, src=last, group=group, tag="result")
 
     def cache_bytes(self):
         return sum(c.nbytes() for c in self.caches)
