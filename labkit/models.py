@@ -64,8 +64,9 @@ def causal_attention(q, k, v, heads):
 
 
 def token_positions(idx, kv_cache=None):
-    """Positions of the tokens `idx` (b, s): right after the ones the cache already holds."""
-    start = 0 if kv_cache is None else kv_cache.length
+    """Positions of the tokens `idx` (b, s): right after those the cache has seen (the cache
+    counts them: `kv_cache.claim_positions(s)`, once per forward, by the embedding)."""
+    start = 0 if kv_cache is None else kv_cache.claim_positions(idx.shape[1])
     return torch.arange(start, start + idx.shape[1], device=idx.device)
 
 
@@ -106,9 +107,9 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx, targets=None, positions=None, kv_cache=None):
         """Logits (or the loss with targets). Generation: pass a KV cache (e.g.
-        `labkit.parallel.serving.KVCache`: `update(layer, k, v)` and `length`); the first call
-        (the prompt, "prefill") fills it, each later call adds one token per sequence
-        ("decode"). positions: the tokens' positions (default: after those cached)."""
+        `labkit.parallel.serving.KVCache`: `update(layer, k, v)`, `claim_positions(s)`); the
+        first call (the prompt, "prefill") fills it, each later call adds one token per
+        sequence ("decode"). positions: the tokens' positions (default: after those seen)."""
         if positions is None:
             positions = token_positions(idx, kv_cache)
         x = self.tok(idx) + self.pos(positions)

@@ -42,6 +42,12 @@ class KVCache:
 
     def __init__(self):
         self.keys, self.values = {}, {}
+        self.positions_seen = 0     # the embedding's count: a stage may hold no attention
+
+    def claim_positions(self, count):
+        """The first position of the next `count` tokens (the embedding asks, once a forward)."""
+        start, self.positions_seen = self.positions_seen, self.positions_seen + count
+        return start
 
     def update(self, layer, k, v):
         """Append this step's (b, s, width) k and v for `layer`; return all of them."""
@@ -55,7 +61,7 @@ class KVCache:
     @property
     def length(self):
         """Tokens cached per sequence (0 before the prompt)."""
-        return next(iter(self.keys.values())).shape[1] if self.keys else 0
+        return next(iter(self.keys.values())).shape[1] if self.keys else self.positions_seen
 
     def nbytes(self):
         return sum(t.nbytes for t in (*self.keys.values(), *self.values.values()))
@@ -80,8 +86,8 @@ def _run(module, x, cache):
 def generate(model, prompt, new_tokens, cache=None, return_logits=False):
     """Greedy generation: (b, P) prompt ids -> (b, new_tokens) ids, prefill then decode.
 
-    cache: the KVCache to fill (default: a new one). return_logits: also the (b, new_tokens, vocab) logits each
-    token was picked from (to compare with a reference within float tolerance)."""
+    cache: the KVCache to fill (default: a new one). return_logits: also the
+    (b, new_tokens, vocab) logits each token was picked from (to compare with a reference within float tolerance)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
     cache = new_cache() if cache is None else cache

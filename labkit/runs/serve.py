@@ -173,7 +173,8 @@ def modelled(cfg, cluster):
     """TTFT and TPOT of this tiny model and layout on the modelled cluster (bf16 there)."""
     c = cfg.gpt_config()
     shape = catalog.ModelShape(   # the MoE as the nearest catalog layout (SwiGLU experts)
-        name="tiny-gpt", display_name="labkit tiny GPT", arch="mixtral" if cfg.experts else "gpt2", layers=c.layers,
+        name="tiny-gpt", display_name="labkit tiny GPT",
+        arch="mixtral" if cfg.experts else "gpt2", layers=c.layers,
         hidden=c.hidden, heads=c.heads, kv_heads=c.heads, ffn=c.ffn, vocab=c.vocab,
         experts=max(cfg.experts, 1), top_k=cfg.top_k, tied_embeddings=False, max_seq=c.seq)
     cl = hardware.cluster(cluster)
