@@ -308,3 +308,36 @@ def test_run_serve_json_and_errors():
         assert key in out
     bad = _cli("run", "serve", "--tp", "3")
     assert bad.returncode == 2 and "does not divide heads" in bad.stderr
+
+
+# -------------------------------------------------------------------------------- exercises
+
+def _no_all_reduce(ctx, x, shard, cache, group):
+    from labkit.models import causal_attention
+    q, k, v = F.linear(x, shard["w_qkv"], shard["b_qkv"]).chunk(3, dim=-1)
+    if "k" in cache:
+        k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
+    cache["k"], cache["v"] = k, v
+    out = causal_attention(q, k, v, q.shape[-1] // shard["head_dim"])
+    return F.linear(out, shard["w_proj"]) + shard["b_proj"]
+
+
+def test_the_tp_decode_checker_passes_the_answer_and_names_a_missing_all_reduce():
+    from labkit.exercises import serving as exercise
+    assert exercise.check_tp_decode_step(exercise.attention_decode_step, verbose=False)
+    check = exercise.check_tp_decode_step(_no_all_reduce, verbose=False)
+    assert not check and check.problem == "no all-reduce"
+
+
+def test_the_number_checkers_name_the_usual_mistakes():
+    from labkit.exercises import serving as exercise
+    right = 80 * 2 * 8 * 128 * 8192 * 8 * 2
+    assert exercise.check_kv_bytes(right, verbose=False)
+    assert exercise.check_kv_bytes(right * 8, verbose=False).problem == "no GQA"
+    assert exercise.check_kv_bytes(right / 2, verbose=False).problem == "forgot k or v"
+    m = catalog.model("llama-3-8b")
+    floor_ms = m.param_count() * 2 / 3.35e12 * 1e3     # H100 SXM: 3.35 TB/s
+    assert exercise.check_tpot_floor(floor_ms, verbose=False)
+    compute_ms = 2 * m.param_count() / 989e12 * 1e3
+    assert exercise.check_tpot_floor(compute_ms, verbose=False).problem == \
+        "compute, not memory"
