@@ -94,7 +94,7 @@ class ServingDrawing(Drawing):
 
     def build(self, fig, **values):
         _, labels, tpot, memory, usable = self.data
-        axes = fig.subplots(2, 2, gridspec_kw=dict(width_ratios=[1.45, 1]))
+        axes = fig.subplots(2, 2, gridspec_kw=dict(width_ratios=[1.2, 1]))
         time_split(tpot, ax=axes[0, 0], colors=TPOT_COLORS, hide_zero=True)
         memory_stack(memory, {"usable": usable}, ax=axes[0, 1], keep=MEMORY_KEEP)
         y = [-i for i in range(len(LAYOUTS))]
@@ -187,16 +187,11 @@ def roofline_figure(model="Llama 3 70B", gpus=("H100", "H200", "A100"), contexts
                 color="#1f77b4", marker="o", markersize=3,
                 label=f"decode, context {context}" if context else "decode, no cache")
     colors = ("#d62728", "#2ca02c", "#9467bd", "#8c564b")
-    for i, (g, color) in enumerate(zip(gpus, colors)):
+    for g, color in zip(gpus, colors):
         ridge = theory.ridge_intensity(g)
-        knee = theory.knee_batch(model, g)
-        ax.axhline(ridge, color=color, linestyle=":", linewidth=1)
-        below = i == len(gpus) - 1          # the last label under its line: they stay apart
-        ax.text(batches[0], ridge / 1.12 if below else ridge * 1.08,
-                f"{hardware.gpu(g).name}: compute-bound above {ridge:.0f} FLOP/B "
-                f"(knee batch {knee}, no cache)", color=color, fontsize=8,
-                va="top" if below else "bottom",
-                bbox=dict(facecolor="white", edgecolor="none", alpha=0.75, pad=1))
+        ax.axhline(ridge, color=color, linestyle=":", linewidth=1.2,
+                   label=f"{hardware.gpu(g).name} ridge: {ridge:.0f} FLOP/B "
+                         f"(knee batch {theory.knee_batch(model, g)}, no cache)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("requests decoded together (batch)")
