@@ -341,3 +341,23 @@ def test_the_number_checkers_name_the_usual_mistakes():
     compute_ms = 2 * m.param_count() / 989e12 * 1e3
     assert exercise.check_tpot_floor(compute_ms, verbose=False).problem == \
         "compute, not memory"
+
+
+# --------------------------------------------------------------------------------- explorer
+
+def test_the_explorer_moves_its_bars_without_rebuilding():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit.viz import serving_widgets
+    box = serving_widgets.serving_explorer()
+    figure_axes = list(box.figure.axes)
+    before = box.text.value
+    controls = {w.description: w for row in box.children[:2] for w in row.children}
+    controls["batch"].value = 256
+    assert box.text.value != before and list(box.figure.axes) == figure_axes
+    controls["model"].value = "Mixtral 8x7B"      # an MoE model: the EP bar appears
+    ylabels = [t.get_text() for t in box.figure.axes[3].get_yticklabels()]
+    assert "EP 8" in ylabels and list(box.figure.axes) == figure_axes
+    results = serving_widgets.compare("Mixtral 8x7B", 8, "H100 SXM", 256, 2048, "bf16")
+    tpots = {f"{t['tpot_s'] * 1e3:.1f} ms/token" for t in results.values() if t}
+    assert any(text in box.text.value for text in tpots)    # the text quotes the model's TPOT
