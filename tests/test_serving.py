@@ -75,6 +75,9 @@ def test_every_layout_gives_the_single_device_tokens(layout):
     report = serve.report(cfg=cfg)
     assert report["tokens_equal_reference"], report["tokens_differing"]
     assert report["kv_cache_bytes"] == report["predicted_kv_cache_bytes"]
+    whole = sum(p.nbytes for p in serve.build(cfg).parameters())
+    held = report["memory"][0]["params"]
+    assert held < whole if (cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1) else held == whole
     # every rank holds a share (its heads, its layers, its requests): the shares add up
     assert sum(report["kv_cache_bytes"].values()) == report["reference_kv_cache_bytes"]
     ops = {row["op"]: row for row in report["comm"]}

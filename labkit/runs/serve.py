@@ -132,14 +132,17 @@ def serve(ctx, cfg):
         tokens = pipe.generate(mine, cfg.new_tokens)
         cache_bytes = pipe.cache_bytes()
         layers_here = sum(isinstance(m, models.Block) for m in stages[index])
+        held = stages[index]
     else:
         cache = new_cache()
         tokens = generate(model, mine, cfg.new_tokens, cache)
-        cache_bytes, layers_here = cache.nbytes(), model.cfg.layers
+        cache_bytes, layers_here, held = cache.nbytes(), model.cfg.layers, model
     wall = time.perf_counter() - start
     with ctx.off_the_record():
         everyone = gather_requests(tokens, mesh["dp"])
+    params = sum(p.nbytes for p in held.parameters())   # the weights this rank serves with
     return dict(rank=ctx.rank, tokens=everyone, kv_cache_bytes=cache_bytes, wall_s=wall,
+                memory=dict(params=params, kv_cache=cache_bytes, total=params + cache_bytes),
                 layers_here=layers_here, requests_here=mine.shape[0],
                 comm=ctx.comm.summary(by=("op", "group", "tag")), backend=ctx.backend,
                 cluster=ctx.clock.cluster.name)
@@ -202,6 +205,7 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", timeout_s=300):
         cluster=cluster, config=cfg.as_dict(),
         tokens_equal_reference=equal,
         tokens_differing=int((tokens != ref["tokens"]).sum()),
+        memory={r["rank"]: r["memory"] for r in results},
         kv_cache_bytes={r["rank"]: r["kv_cache_bytes"] for r in results},
         predicted_kv_cache_bytes={r["rank"]: predicted_kv_cache_bytes(
             cfg, r["layers_here"], r["requests_here"]) for r in results},
