@@ -87,7 +87,8 @@ def generate(model, prompt, new_tokens, cache=None, return_logits=False):
     """Greedy generation: (b, P) prompt ids -> (b, new_tokens) ids, prefill then decode.
 
     cache: the KVCache to fill (default: a new one). return_logits: also the
-    (b, new_tokens, vocab) logits each token was picked from (to compare with a reference within float tolerance)."""
+    (b, new_tokens, vocab) logits each token was picked from (to compare with a reference
+    within float tolerance)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
     cache = new_cache() if cache is None else cache

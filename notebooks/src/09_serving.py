@@ -299,7 +299,8 @@ pd.DataFrame(rows).T.round(2)
 
 # %%
 sd = pd.DataFrame({f"{n} node(s)": {"latency per batch (s)": 2.6, "batches per 2.6 s": n,
-                                     "time per batch, amortised (s)": 2.6 / n} for n in (1, 2, 4)}).T
+                                     "time per batch, amortised (s)": 2.6 / n}
+                   for n in (1, 2, 4)}).T
 display(sd)
 def replica_gain(batch, prompt_len, new_tokens):
     kw = dict(gpu="H100", batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
@@ -416,6 +417,24 @@ display(Markdown(
 serving_explorer()
 
 # %% [markdown]
+# ## Takeaways
+#
+# - Serving is prefill (compute-bound, like training) then one step per token (memory-bound):
+#   a decode step reads every weight for a few rows, so batching requests is nearly free up to
+#   the roofline knee, and the KV cache, which grows with every token of every user, decides
+#   how many requests fit.
+# - The training blocks serve unchanged: `parallelize` splits heads (and so the cache), stages
+#   hold their layers and their cache, replicas split the requests, `ExpertParallel` moves
+#   tokens to experts; every layout gives exactly the single-device greedy tokens.
+# - TP lowers the time per token (each GPU reads 1/t of the weights) at 2 all-reduces per layer
+#   per token, whose latency matters at small batch; PP divides memory, not latency; replicas
+#   and micro-batched pipelines buy throughput.
+# - The source article's inference claims hold under conditions it does not state: 40 GB means
+#   4-bit weights and few users; two pipeline GPUs give 20 GB each at the same time per token;
+#   a second node doubles throughput, not latency; "eightfold" for 16 experts depends on the
+#   workload and compares compute, not GPUs.
+
+# %% [markdown]
 # ## Exercises
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
@@ -454,7 +473,8 @@ check_tp_decode_step(attention_step);
 # KV cache take? Write it as an expression.
 
 # %% tags=["solution"]
-kv_bytes = 80 * 2 * 8 * 128 * 8192 * 8 * 2    # layers x (k, v) x kv heads x head_dim x tokens x requests x bytes
+# layers x (k, v) x kv heads x head_dim x tokens x requests x bytes
+kv_bytes = 80 * 2 * 8 * 128 * 8192 * 8 * 2
 
 # %%
 check_kv_bytes(kv_bytes);
@@ -469,21 +489,3 @@ tpot_floor_ms = catalog.model("llama-3-8b").param_count() * 2 / 3.35e12 * 1e3
 
 # %%
 check_tpot_floor(tpot_floor_ms);
-
-# %% [markdown]
-# ## Takeaways
-#
-# - Serving is prefill (compute-bound, like training) then one step per token (memory-bound):
-#   a decode step reads every weight for a few rows, so batching requests is nearly free up to
-#   the roofline knee, and the KV cache, which grows with every token of every user, decides
-#   how many requests fit.
-# - The training blocks serve unchanged: `parallelize` splits heads (and so the cache), stages
-#   hold their layers and their cache, replicas split the requests, `ExpertParallel` moves
-#   tokens to experts; every layout gives exactly the single-device greedy tokens.
-# - TP lowers the time per token (each GPU reads 1/t of the weights) at 2 all-reduces per layer
-#   per token, whose latency matters at small batch; PP divides memory, not latency; replicas
-#   and micro-batched pipelines buy throughput.
-# - The source article's inference claims hold under conditions it does not state: 40 GB means
-#   4-bit weights and few users; two pipeline GPUs give 20 GB each at the same time per token;
-#   a second node doubles throughput, not latency; "eightfold" for 16 experts depends on the
-#   workload and compares compute, not GPUs.
