@@ -237,6 +237,8 @@ def parse_serve_fix(text):
 def why_not(m, gpus, plan, batch):
     """'' if a serving layout is legal, else why not."""
     tp, pp, ep, replicas = (plan[k] for k in FIX_FIELDS)
+    if gpus % (tp * pp * ep):
+        return f"tp*pp*ep = {tp * pp * ep} does not divide the {gpus} GPUs"
     if tp * pp * ep * replicas != gpus:
         return f"tp*pp*ep*replicas = {tp * pp * ep * replicas}, not the {gpus} GPUs"
     if m.heads % tp or (m.kv_heads % tp and tp % m.kv_heads):
