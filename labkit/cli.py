@@ -5,6 +5,8 @@
   python -m labkit run single --json             the single-device reference run
   python -m labkit run dp --world-size 4         a technique on 4 ranks (see `run -h`)
   python -m labkit memory --model llama-3-70b    what a real model needs, by category
+  python -m labkit run serve --tp 2 --json       generation with a KV cache on ranks
+  python -m labkit plan --serve --model llama-3-70b --gpus 8 --gpu H100 --batch 64
 """
 import argparse
 import importlib
@@ -39,6 +41,9 @@ def main(argv=None):
 
 
 def _main(argv):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"] and "--serve" in argv:
+        return serve_plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +60,7 @@ def _main(argv):
         sub = techniques.add_parser(name, help=(module.__doc__ or "").strip().split("\n")[0])
         _common_run_arguments(sub, default_world_size=1 if name == "single" else 2)
         module.add_arguments(sub)
+    _serve_run_parser(techniques)
     memory = commands.add_parser("memory", help="memory a real model needs (theory/)")
     memory.add_argument("--model", default="llama-3-70b")
     memory.add_argument("--batch", type=int, default=1)
@@ -69,7 +75,7 @@ def _main(argv):
             from .doctor import doctor_command
             return doctor_command(launch=args.launch)
         elif args.command == "run":
-            print(run_technique(args))
+            print(serve_command(args) if args.technique == "serve" else run_technique(args))
         elif args.command == "memory":
             print(memory_table(args.model, args.batch, args.seq, args.gpus))
         elif args.command == "plan":
@@ -196,3 +202,93 @@ def memory_table(model_name, batch, seq, gpus):
                      f"  optimizer {gb['optimizer']:7.1f}  activations "
                      f"{gb['activations']:7.1f}  total {gb['total']:8.1f} GB")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ serving (lesson 09)
+
+def _serve_run_parser(techniques):
+    """`run serve`: its own options (a batch of requests, not a training batch)."""
+    from .runs import serve
+    sub = techniques.add_parser("serve", help="generation with a KV cache on ranks "
+                                "(TP, PP, replicas, experts), checked against one device")
+    serve.add_arguments(sub)
+    sub.add_argument("--world-size", type=int, default=None,
+                     help="default: replicas x ep x tp x pp")
+    sub.add_argument("--seed", type=int, default=0)
+    sub.add_argument("--cluster", default="8xH100-NVLink",
+                     help="the modelled cluster for TTFT/TPOT")
+    shape = sub.add_argument_group("model shape (defaults: 4 layers, 4 heads, hidden 64)")
+    for name in ("layers", "hidden", "heads", "ffn", "vocab"):
+        shape.add_argument(f"--{name}", type=int, default=None)
+    sub.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def serve_command(args):
+    """`python -m labkit run serve`: the serving report as a table or JSON."""
+    import json
+    from .runs import serve
+    from .runs.report import _plain
+    shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "vocab")
+             if getattr(args, k) is not None}
+    for name, value in shape.items():
+        if value < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {value}")
+    cfg = serve.config_from_args(args, shape)
+    serve.check_config(cfg, args.world_size)
+    if shape:
+        from .models import GPTConfig
+        GPTConfig(**shape)
+    report = serve.report(args.world_size, cfg, cluster=args.cluster)
+    if args.json:
+        return json.dumps({k: v for k, v in report.items() if k != "tokens"}, indent=2,
+                          default=_plain)
+    return serve.format_report(report)
+
+
+def serve_plan_main(argv):
+    """`python -m labkit plan --serve ...`: the serving planner (its own parser)."""
+    import json
+    from .theory import serving
+    parser = argparse.ArgumentParser(
+        prog="python -m labkit plan --serve",
+        description="which TP x PP x EP x replicas x weight precision layouts serve a model "
+                    "on a cluster, ranked by output tokens/s per GPU (all modelled)")
+    parser.add_argument("--serve", action="store_true", required=True)
+    parser.add_argument("--model", required=True, help="a catalog name or a shape (see plan)")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpu", default="H100")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--intra-link", default=None)
+    parser.add_argument("--inter-link", default=None)
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 1024")
+    parser.add_argument("--context", type=int, default=None, help="same as --prompt-len")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1, help="requests served at once")
+    parser.add_argument("--weights", choices=serving.WEIGHTS, default=None,
+                        help="default: try each")
+    parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument("--max-tpot-ms", type=float, default=None)
+    parser.add_argument("--fix", default="", help="hold fields: tp=8,pp=1,ep=1,replicas=1")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        for name in ("gpus", "new_tokens", "batch", "prompt_len", "context", "top"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                 f"got {value}")
+        if args.max_tpot_ms is not None and not args.max_tpot_ms > 0:
+            raise ValueError(f"--max-tpot-ms must be positive, got {args.max_tpot_ms}")
+        out = serving.plan_serving(
+            args.model, args.gpus, args.gpu, prompt_len=args.prompt_len or args.context or 1024,
+            new_tokens=args.new_tokens, batch=args.batch, weights=args.weights,
+            kv_dtype=args.kv_dtype, max_tpot_ms=args.max_tpot_ms, fix=args.fix,
+            gpus_per_node=args.gpus_per_node, intra_link=args.intra_link,
+            inter_link=args.inter_link, top=args.top)
+    except (ValueError, KeyError) as error:
+        message = error.args[0] if error.args else error
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    print(json.dumps(out, indent=2) if args.json else serving.format_serving_plans(out))
+    return 0

@@ -42,21 +42,32 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
 
-    def forward(self, x):
+    def forward(self, x, kv_cache=None):
         # q|k|v by thirds, heads from the width: a tensor-parallel rank holds some whole heads
         q, k, v = self.qkv(x).chunk(3, dim=-1)
+        if kv_cache is not None:   # this step's keys and values join the cached ones
+            k, v = kv_cache.update(self, k, v)
         return self.proj(causal_attention(q, k, v, q.shape[-1] // self.head_dim))
 
 
 def causal_attention(q, k, v, heads):
-    """softmax(QK^T / sqrt(d)) V per head with a causal mask; (b, s, heads*d) in and out."""
+    """softmax(QK^T / sqrt(d)) V per head with a causal mask; (b, s, heads*d) in and out.
+    k and v may be longer than q (a KV cache): q's tokens are then the last ones."""
     b, s, width = q.shape
-    d = width // heads
-    q, k, v = (t.view(b, s, heads, d).transpose(1, 2) for t in (q, k, v))
+    d, s_k = width // heads, k.shape[1]
+    q = q.view(b, s, heads, d).transpose(1, 2)
+    k, v = (t.view(b, s_k, heads, d).transpose(1, 2) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
-    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    mask = torch.ones(s, s_k, dtype=torch.bool, device=q.device).triu(1 + s_k - s)
     probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
     return (probs @ v).transpose(1, 2).reshape(b, s, width)
+
+
+def token_positions(idx, kv_cache=None):
+    """Positions of the tokens `idx` (b, s): right after those the cache has seen (the cache
+    counts them: `kv_cache.claim_positions(s)`, once per forward, by the embedding)."""
+    start = 0 if kv_cache is None else kv_cache.claim_positions(idx.shape[1])
+    return torch.arange(start, start + idx.shape[1], device=idx.device)
 
 
 class MLPBlock(nn.Module):
@@ -77,8 +88,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.hidden)
         self.mlp = MLPBlock(cfg.hidden, cfg.ffn)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x, kv_cache=None):
+        x = x + self.attn(self.ln1(x), kv_cache=kv_cache)
         return x + self.mlp(self.ln2(x))
 
 
@@ -94,11 +105,16 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
-    def forward(self, idx, targets=None):
-        s = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(s, device=idx.device))
+    def forward(self, idx, targets=None, positions=None, kv_cache=None):
+        """Logits (or the loss with targets). Generation: pass a KV cache (e.g.
+        `labkit.parallel.serving.KVCache`: `update(layer, k, v)`, `claim_positions(s)`); the
+        first call (the prompt, "prefill") fills it, each later call adds one token per
+        sequence ("decode"). positions: the tokens' positions (default: after those seen)."""
+        if positions is None:
+            positions = token_positions(idx, kv_cache)
+        x = self.tok(idx) + self.pos(positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, kv_cache=kv_cache)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
@@ -118,8 +134,8 @@ class _Embeddings(nn.Module):
         super().__init__()
         self.tok, self.pos = tok, pos
 
-    def forward(self, idx):
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, idx, kv_cache=None):
+        return self.tok(idx) + self.pos(token_positions(idx, kv_cache))
 
 
 class _NormHead(nn.Module):
@@ -363,8 +379,8 @@ class MoEGPT(TinyGPT):
     def moe_layers(self):
         return [block.mlp for block in self.blocks]
 
-    def forward(self, idx, targets=None):
-        out = super().forward(idx, targets)
+    def forward(self, idx, targets=None, positions=None, kv_cache=None):
+        out = super().forward(idx, targets, positions, kv_cache)
         if targets is None:
             return out
         self.ce_loss = out.detach()

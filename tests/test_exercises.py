@@ -16,7 +16,7 @@ import pytest
 from labkit import editions
 from labkit.theory import catalog
 
-LESSONS = ["00", "01", "02", "03", "04", "05", "06", "07", "08"]
+LESSONS = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09"]
 
 # What the student edition's stub of each exercise must make its checker say, in order.
 STUB_SAYS = {
@@ -29,6 +29,7 @@ STUB_SAYS = {
     "06": ["NOT WRITTEN YET", "Give a dict with at least dp, tp and pp", "No answer yet"],
     "07": ["NOT WRITTEN YET", "No answer yet"],
     "08": ["NOT WRITTEN YET", "NOT WRITTEN YET", "No answer yet"],
+    "09": ["NOT WRITTEN YET", "No answer yet", "No answer yet"],
 }
 
 

@@ -39,13 +39,13 @@
 # | # | the claim, in short | checked in |
 # |---|---|---|
 # | 1 | twice the GPUs, up to twice as fast through the data | 01 data parallelism |
-# | 2 | a second node halves Stable Diffusion's time per batch (2.6 s → 1.3 s) | 01 data parallelism |
+# | 2 | a second node halves Stable Diffusion's time per batch (2.6 s → 1.3 s) | 01 data parallelism, 09 serving |
 # | 3 | model parallelism's runtime grows with the number of GPUs | 02, 03, 06 |
-# | 4 | Llama 3 70B needs "about 40GB" | 00 (below) |
-# | 5 | two GPUs of pipeline parallelism: "roughly 20GB per GPU" | 02 pipeline |
+# | 4 | Llama 3 70B needs "about 40GB" | 00 (below), 09 serving |
+# | 5 | two GPUs of pipeline parallelism: "roughly 20GB per GPU" | 02 pipeline, 09 serving |
 # | 6 | ZeRO: "tenfold increases in training efficiency" | 04 ZeRO |
 # | 7 | "Mixtral 8B" outperforms Llama 2 70B with much less compute | 05 MoE |
-# | 8 | 16 experts on 16 GPUs: inference throughput "about eightfold" | 05 MoE |
+# | 8 | 16 experts on 16 GPUs: inference throughput "about eightfold" | 05 MoE, 09 serving |
 # | 9 | Stable Diffusion "has over a billion parameters" | 00 (below) |
 #
 # **Inference.** No gradients, no optimizer: the **weights** (Ψ × bytes per weight: 2 for bf16,

@@ -1,0 +1,200 @@
+"""Serving: greedy generation with a KV cache, on one device, on replicas and through a pipeline.
+
+The idea (Pope et al. 2022, "Efficiently Scaling Transformer Inference", arXiv 2211.05102).
+Generation runs the model once on the prompt ("prefill": P tokens per request at once, the
+matmuls see b*P rows, compute-bound) and then once per new token ("decode": one row per request,
+so every weight and every cached key/value is read from memory for b rows: bandwidth-bound).
+The KV cache keeps each attention layer's keys and values, so a decode step computes only the
+new token's q, k, v: 2 x layers x b x tokens x kv_width x bytes, growing with every token of
+every request.
+
+The model is any module called `model(ids, kv_cache=cache)` -> logits (labkit's TinyGPT, or a
+decoder written with labkit's `Attention`). The layouts compose the training blocks:
+- tensor parallel: the same `generate` on a model split by `parallelize` (heads and MLP columns;
+  the cache is sharded by heads because each rank's k, v are narrower): 2 all-reduces of b x h
+  per layer per decode step (after attention and after the MLP), on the critical path;
+- replicas (data parallel): each rank generates its share of the requests (`split_requests`);
+  no communication at all while generating;
+- pipeline: `PipelineGenerator` on a stage from `split_into_stages` (duck-typed: `.module`,
+  `.stage_index`, `.num_stages`, `.group`): the requests are cut into micro-batches that follow
+  each other through the stages, each micro-batch with its own cache on every stage; the last
+  stage picks the next token and sends it back to the first: per decode step and micro-batch,
+  one b_m x h activation per stage boundary and b_m token ids around the ring;
+- experts: `generate` on a model whose MoE layers are `ExpertParallel` (requests split as for
+  replicas, attention replicated): 2 all-to-alls of the b x k routed rows per layer and step.
+"""
+import inspect
+
+import torch
+import torch.nn as nn
+
+from ..runtime.context import context
+
+
+class KVCache:
+    """The keys and values every attention layer has computed so far, so that generating one
+    more token computes only that token's q, k, v (Pope et al. 2022, arXiv 2211.05102).
+
+    Keyed by the attention module itself: a pipeline stage's cache holds its own layers only,
+    and a tensor-parallel rank's holds its own heads (its k, v are narrower), so the cache is
+    sharded the way the weights are. Bytes: 2 x layers x batch x tokens x kv width x dtype.
+    """
+
+    def __init__(self):
+        self.keys, self.values = {}, {}
+        self.positions_seen = 0     # the embedding's count: a stage may hold no attention
+
+    def claim_positions(self, count):
+        """The first position of the next `count` tokens (the embedding asks, once a forward)."""
+        start, self.positions_seen = self.positions_seen, self.positions_seen + count
+        return start
+
+    def update(self, layer, k, v):
+        """Append this step's (b, s, width) k and v for `layer`; return all of them."""
+        key = id(layer)
+        if key in self.keys:
+            k = torch.cat([self.keys[key], k], dim=1)
+            v = torch.cat([self.values[key], v], dim=1)
+        self.keys[key], self.values[key] = k, v
+        return k, v
+
+    @property
+    def length(self):
+        """Tokens cached per sequence (0 before the prompt)."""
+        return next(iter(self.keys.values())).shape[1] if self.keys else self.positions_seen
+
+    def nbytes(self):
+        return sum(t.nbytes for t in (*self.keys.values(), *self.values.values()))
+
+
+def _accepts_cache(module):
+    return "kv_cache" in inspect.signature(module.forward).parameters
+
+
+def _run(module, x, cache):
+    """Run `module` (or each layer of an nn.Sequential that does not take a cache itself)."""
+    if _accepts_cache(module):
+        return module(x, kv_cache=cache)
+    if isinstance(module, nn.Sequential):
+        for layer in module:
+            x = layer(x, kv_cache=cache) if _accepts_cache(layer) else layer(x)
+        return x
+    return module(x)
+
+
+@torch.no_grad()
+def generate(model, prompt, new_tokens, cache=None, return_logits=False):
+    """Greedy generation: (b, P) prompt ids -> (b, new_tokens) ids, prefill then decode.
+
+    cache: the KVCache to fill (default: a new one). return_logits: also the
+    (b, new_tokens, vocab) logits each token was picked from (to compare with a reference
+    within float tolerance)."""
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
+    cache = new_cache() if cache is None else cache
+    ids, tokens, logits = prompt, [], []
+    for _ in range(new_tokens):
+        out = _run(model, ids, cache)[:, -1]
+        ids = out.argmax(dim=-1, keepdim=True)
+        tokens.append(ids)
+        logits.append(out)
+    tokens = torch.cat(tokens, dim=1)
+    return (tokens, torch.stack(logits, dim=1)) if return_logits else tokens
+
+
+@torch.no_grad()
+def generate_without_cache(model, prompt, new_tokens):
+    """The same greedy tokens computed the slow way: the whole sequence again every step."""
+    ids = prompt
+    for _ in range(new_tokens):
+        ids = torch.cat([ids, model(ids)[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    return ids[:, prompt.shape[1]:]
+
+
+def new_cache():
+    return KVCache()
+
+
+def split_requests(requests, group=None):
+    """This rank's contiguous share of the (b, ...) requests (replicas, expert parallelism)."""
+    group = context().group(group)
+    if requests.shape[0] % group.size:
+        raise ValueError(f"{requests.shape[0]} requests do not split evenly over "
+                         f"{group.size} replicas")
+    return requests.chunk(group.size)[group.rank]
+
+
+def gather_requests(tokens, group=None, tag="gather tokens"):
+    """Every rank's generated tokens in request order (to check them; not part of serving)."""
+    return context().comm.all_gather(tokens.contiguous(), group=group, tag=tag)
+
+
+class PipelineGenerator:
+    """Greedy generation through the stages of a pipeline, the requests in micro-batches.
+
+    stage: this rank's stage (one per rank of `stage.group`); hidden: the width of the
+    activations between stages. Round t (t = 0 is the prefill) runs micro-batch m = 0..M-1 on
+    every stage in turn; the first stage waits for micro-batch m's token of round t-1, which the
+    last stage sent back as soon as it had it, so with M >= stages every stage is busy.
+    """
+
+    def __init__(self, stage, hidden, n_microbatches=1):
+        self.stage, self.hidden, self.n_microbatches = stage, hidden, n_microbatches
+        self.group = context().group(stage.group)
+        if stage.num_stages != self.group.size:
+            raise ValueError(f"PipelineGenerator runs one stage per rank: {stage.num_stages} "
+                             f"stages over {self.group.size} ranks")
+        if n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+        self.caches = []
+
+    @torch.no_grad()
+    def generate(self, prompt, new_tokens):
+        """prompt: the (b, P) requests (only the first stage reads the ids, the others their
+        shape). Returns the (b, new_tokens) tokens on every rank of the group (the last stage
+        broadcasts them at the end, off the record: not serving traffic)."""
+        comm, stage, group = context().comm, self.stage, self.group
+        b, p = prompt.shape
+        m_count = self.n_microbatches
+        if b % m_count:
+            raise ValueError(f"{b} requests do not split into {m_count} equal micro-batches")
+        mb = b // m_count
+        prev, nxt = stage.stage_index - 1, stage.stage_index + 1
+        first, last = 0, stage.num_stages - 1
+        self.caches = [new_cache() for _ in range(m_count)]
+        inputs = list(prompt.chunk(m_count))
+        tokens = [[] for _ in range(m_count)]
+        pending = []
+        for t in range(new_tokens):
+            for m in range(m_count):
+                seq = p if t == 0 else 1
+                if stage.is_first:
+                    x = inputs[m]
+                    if t > 0 and not stage.is_last:   # the token the last stage sent back
+                        x = comm.recv(torch.empty(mb, 1, dtype=torch.int64), last, group,
+                                      tag="token back")
+                else:
+                    x = comm.recv(torch.empty(mb, seq, self.hidden), prev, group,
+                                  tag="activation")
+                y = _run(stage.module, x, self.caches[m])
+                if not stage.is_last:
+                    pending.append(comm.send(y.contiguous(), nxt, group, async_op=True,
+                                             tag="activation"))
+                    continue
+                token = y[:, -1].argmax(dim=-1, keepdim=True)
+                tokens[m].append(token)
+                if stage.is_first:
+                    inputs[m] = token
+                elif t < new_tokens - 1:
+                    pending.append(comm.send(token, first, group, async_op=True,
+                                             tag="token back"))
+            for handle in pending:
+                handle.wait()
+            pending = []
+        out = (torch.cat([torch.cat(ts, dim=1) for ts in tokens]) if stage.is_last
+               else torch.empty(b, new_tokens, dtype=torch.int64))
+        with context().off_the_record():    # handing the result out is not serving
+            return comm.broadcast(out, src=last, group=group, tag="result")
+
+    def cache_bytes(self):
+        return sum(c.nbytes() for c in self.caches)

@@ -1,0 +1,262 @@
+"""Serving labkit's GPT on ranks: greedy generation with a KV cache, checked against one device.
+
+`python -m labkit run serve --tp 2 [--pp 2] [--replicas 2] [--experts 8 --ep 2]
+ --prompt-len 16 --new-tokens 8 --batch 8 [--json]`. The world is a mesh dp=replicas (x ep)
+by pp by tp: each replica gets its share of the requests; inside it the model is split by
+`parallelize` (heads and MLP columns) over TP, cut by `split_into_stages` over PP and run by
+`PipelineGenerator` (the requests in pp micro-batches), or, for the MoE GPT, its experts spread
+by `ExpertParallel` over EP (attention replicated, requests split). The report adds to the run
+report: tokens_equal_reference (greedy tokens of every request vs one device), kv_cache_bytes
+(measured, per rank) beside the formula, comm per generated token by group, wall tokens/s here
+and the modelled TTFT / TPOT of the same layout on the chosen cluster (labkit.theory.serving).
+"""
+import time
+from dataclasses import dataclass, field, asdict, replace
+
+import torch
+
+from .. import models
+from ..parallel.moe import ExpertParallel, check_expert_parallel
+from ..parallel.pipeline import PipelineStage, split_into_stages
+from ..parallel.serving import (PipelineGenerator, gather_requests, generate, new_cache,
+                                split_requests)
+from ..parallel.tensor_parallel import parallelize
+from ..runtime.launch import launch
+from ..theory import catalog, hardware
+from ..theory import serving as theory
+
+GPT_TP_PLAN = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
+               "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+BYTES = 4   # the tiny models run in float32
+
+
+@dataclass
+class ServeConfig:
+    """One serving run: the layout, the requests, and the model's shape."""
+    tp: int = 1
+    pp: int = 1
+    replicas: int = 1
+    experts: int = 0          # 0: the dense GPT; else the MoE GPT with this many experts
+    ep: int = 1
+    top_k: int = 1
+    batch: int = 8
+    prompt_len: int = 16
+    new_tokens: int = 8
+    seed: int = 0
+    model_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self):
+        return self.replicas * self.ep * self.tp * self.pp
+
+    def gpt_config(self):
+        shape = dict(dict(layers=4, heads=4, hidden=64, ffn=256), **self.model_kwargs)
+        shape["seq"] = max(shape.get("seq", 0), self.prompt_len + self.new_tokens)
+        return models.GPTConfig(**shape)
+
+    def moe_config(self):
+        # serving drops no token: capacity for every assignment (factor E / k)
+        return models.MoEConfig(experts=self.experts, top_k=self.top_k,
+                                capacity_factor=self.experts / self.top_k)
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def check_config(cfg, world_size=None):
+    """Everything checkable before ranks start, one line each."""
+    for name in ("tp", "pp", "replicas", "ep", "batch", "prompt_len", "new_tokens", "top_k"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+    if world_size is not None and world_size != cfg.world_size:
+        raise ValueError(f"--world-size {world_size} is not replicas x ep x tp x pp = "
+                         f"{cfg.world_size}")
+    c = cfg.gpt_config()
+    if cfg.experts:
+        if cfg.tp > 1 or cfg.pp > 1:
+            raise ValueError("the MoE GPT serves with --ep and --replicas here (not --tp/--pp)")
+        check_expert_parallel(cfg.experts, cfg.top_k, None, cfg.ep)
+    elif cfg.ep > 1:
+        raise ValueError("--ep spreads experts: give --experts E too")
+    for name, size in (("heads", c.heads), ("ffn", c.ffn)):
+        if size % cfg.tp:
+            raise ValueError(f"--tp {cfg.tp} does not divide {name}={size} (each rank holds "
+                             "whole heads and an equal share of the MLP)")
+    if cfg.pp > c.layers + 2:
+        raise ValueError(f"--pp {cfg.pp} is more stages than the {c.layers + 2} pieces of the "
+                         "model (embedding, each block, norm + head)")
+    share = cfg.replicas * cfg.ep
+    if cfg.batch % share or (cfg.batch // share) % cfg.pp:
+        raise ValueError(f"--batch {cfg.batch} must split over {share} replica(s) and then "
+                         f"into {cfg.pp} micro-batch(es)")
+
+
+def build(cfg):
+    """The single-device model (same seed on every rank)."""
+    if cfg.experts:
+        return models.build_moe(cfg.seed, moe=cfg.moe_config(), **cfg.gpt_config().as_dict())
+    return models.build("gpt", seed=cfg.seed, **cfg.gpt_config().as_dict())
+
+
+def requests(cfg):
+    """The (batch, prompt_len) prompt ids every rank and the reference see."""
+    g = torch.Generator().manual_seed(1000 + cfg.seed)
+    return torch.randint(0, cfg.gpt_config().vocab, (cfg.batch, cfg.prompt_len), generator=g)
+
+
+def reference(cfg):
+    """Greedy tokens, their logits and the KV-cache bytes on one device."""
+    cache = new_cache()
+    tokens, logits = generate(build(cfg).eval(), requests(cfg), cfg.new_tokens, cache,
+                              return_logits=True)
+    return dict(tokens=tokens, logits=logits, kv_cache_bytes=cache.nbytes())
+
+
+def serve(ctx, cfg):
+    """This rank's part of the generation; returns its tokens (all requests), cache bytes,
+    comm log and timings."""
+    mesh = ctx.mesh(dp=cfg.replicas * cfg.ep, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
+    model = build(cfg).eval()
+    if cfg.tp > 1:
+        parallelize(model, GPT_TP_PLAN, mesh["tp"])
+    if cfg.experts and cfg.ep > 1:
+        for block in model.blocks:
+            block.mlp = ExpertParallel(block.mlp, group=mesh["ep"], tag="moe")
+    mine = split_requests(requests(cfg), mesh["dp"])
+    start = time.perf_counter()
+    if cfg.pp > 1:
+        stages = split_into_stages(model, cfg.pp, balance="layers")
+        index = mesh.coords["pp"]
+        stage = PipelineStage(stages[index], index, cfg.pp, group=mesh["pp"])
+        pipe = PipelineGenerator(stage, model.cfg.hidden, n_microbatches=cfg.pp)
+        tokens = pipe.generate(mine, cfg.new_tokens)
+        cache_bytes = pipe.cache_bytes()
+        layers_here = sum(isinstance(m, models.Block) for m in stages[index])
+        held = stages[index]
+    else:
+        cache = new_cache()
+        tokens = generate(model, mine, cfg.new_tokens, cache)
+        cache_bytes, layers_here, held = cache.nbytes(), model.cfg.layers, model
+    wall = time.perf_counter() - start
+    with ctx.off_the_record():
+        everyone = gather_requests(tokens, mesh["dp"])
+    params = sum(p.nbytes for p in held.parameters())   # the weights this rank serves with
+    return dict(rank=ctx.rank, tokens=everyone, kv_cache_bytes=cache_bytes, wall_s=wall,
+                memory=dict(params=params, kv_cache=cache_bytes, total=params + cache_bytes),
+                layers_here=layers_here, requests_here=mine.shape[0],
+                comm=ctx.comm.summary(by=("op", "group", "tag")), backend=ctx.backend,
+                cluster=ctx.clock.cluster.name)
+
+
+def predicted_kv_cache_bytes(cfg, layers_here, requests_here):
+    """2 x layers on this rank x its requests x cached tokens (P + T - 1: the last token is
+    never fed back) x hidden / tp x 4 bytes."""
+    c = cfg.gpt_config()
+    tokens = cfg.prompt_len + cfg.new_tokens - 1
+    return 2 * layers_here * requests_here * tokens * (c.hidden // cfg.tp) * BYTES
+
+
+def comm_per_token(rows, new_tokens):
+    """Per group and op: calls, payload bytes and ring wire bytes per rank, per generated
+    token (payloads measured; wire bytes modelled)."""
+    out = {}
+    for row in rows:
+        key = (row["group"], row["op"])
+        acc = out.setdefault(key, dict(group=row["group"], op=row["op"], calls=0, bytes=0,
+                                       wire_bytes_per_rank=0.0))
+        for k in ("calls", "bytes", "wire_bytes_per_rank"):
+            acc[k] += row[k]
+    return [dict(r, calls_per_token=r["calls"] / new_tokens,
+                 bytes_per_token=r["bytes"] / new_tokens,
+                 wire_bytes_per_rank_per_token=r["wire_bytes_per_rank"] / new_tokens)
+            for r in out.values()]
+
+
+def modelled(cfg, cluster):
+    """TTFT and TPOT of this tiny model and layout on the modelled cluster (bf16 there)."""
+    c = cfg.gpt_config()
+    shape = catalog.ModelShape(   # the MoE as the nearest catalog layout (SwiGLU experts)
+        name="tiny-gpt", display_name="labkit tiny GPT",
+        arch="mixtral" if cfg.experts else "gpt2", layers=c.layers,
+        hidden=c.hidden, heads=c.heads, kv_heads=c.heads, ffn=c.ffn, vocab=c.vocab,
+        experts=max(cfg.experts, 1), top_k=cfg.top_k, tied_embeddings=False, max_seq=c.seq)
+    cl = hardware.cluster(cluster)
+    return theory.serving_time(shape, gpu=cl.gpu.name, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep,
+                               replicas=cfg.replicas, batch=cfg.batch,
+                               prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens,
+                               gpus_per_node=cl.gpus_per_node, intra_link=cl.intra.name,
+                               inter_link=cl.inter.name if cl.inter else None)
+
+
+def report(world_size=None, cfg=None, cluster="8xH100-NVLink", timeout_s=300):
+    """Run the serving layout, compare with one device, and return the report (a dict)."""
+    cfg = cfg or ServeConfig()
+    check_config(cfg, world_size)
+    start = time.perf_counter()
+    results = launch(serve, cfg.world_size, cfg, cluster=cluster, timeout_s=timeout_s)
+    wall = time.perf_counter() - start
+    ref = reference(cfg)
+    tokens = results[0]["tokens"]
+    equal = all(torch.equal(r["tokens"], ref["tokens"]) for r in results)
+    gen_s = max(r["wall_s"] for r in results)
+    times = modelled(cfg, cluster)
+    return dict(
+        technique="serve", world_size=cfg.world_size, backend=results[0]["backend"],
+        cluster=cluster, config=cfg.as_dict(),
+        tokens_equal_reference=equal,
+        tokens_differing=int((tokens != ref["tokens"]).sum()),
+        memory={r["rank"]: r["memory"] for r in results},
+        kv_cache_bytes={r["rank"]: r["kv_cache_bytes"] for r in results},
+        predicted_kv_cache_bytes={r["rank"]: predicted_kv_cache_bytes(
+            cfg, r["layers_here"], r["requests_here"]) for r in results},
+        reference_kv_cache_bytes=ref["kv_cache_bytes"],
+        comm=comm_per_token(results[0]["comm"], cfg.new_tokens),
+        comm_by_rank={r["rank"]: comm_per_token(r["comm"], cfg.new_tokens) for r in results},
+        wall_s=wall, generation_wall_s=gen_s,
+        wall_tokens_per_s=cfg.batch * cfg.new_tokens / gen_s,
+        wall_s_per_token=gen_s / cfg.new_tokens,
+        modelled_ttft_s=times["ttft_s"], modelled_tpot_s=times["tpot_s"],
+        modelled_tokens_per_s=times["tokens_per_s"], tokens=tokens)
+
+
+def format_report(r):
+    """What the CLI prints without --json."""
+    c = r["config"]
+    lines = [f"serve on {r['world_size']} rank(s) (tp {c['tp']}, pp {c['pp']}, replicas "
+             f"{c['replicas']}" + (f", {c['experts']} experts over ep {c['ep']}"
+                                   if c["experts"] else "") + f"), {r['backend']}",
+             f"  {c['batch']} requests x {c['prompt_len']} prompt tokens, {c['new_tokens']} "
+             f"new tokens: greedy tokens equal one device: {r['tokens_equal_reference']}",
+             "  KV cache per rank (measured / formula, bytes): " + ", ".join(
+                 f"r{k}: {v:,} / {r['predicted_kv_cache_bytes'][k]:,.0f}"
+                 for k, v in r["kv_cache_bytes"].items())]
+    for row in r["comm"]:
+        lines.append(f"  comm {row['op']:>10} {row['group']:>12}: {row['calls_per_token']:5.1f} "
+                     f"calls, {row['bytes_per_token']:9,.0f} B per token (payload, measured)")
+    lines.append(f"  here (measured): {r['wall_tokens_per_s']:.0f} tokens/s, "
+                 f"{r['wall_s_per_token'] * 1e3:.1f} ms per step")
+    lines.append(f"  on {r['cluster']} (modelled, bf16): TTFT {r['modelled_ttft_s'] * 1e6:.1f} "
+                 f"us, TPOT {r['modelled_tpot_s'] * 1e6:.2f} us")
+    return "\n".join(lines)
+
+
+def add_arguments(parser):
+    """The `run serve` options (the CLI adds the shape flags and --json)."""
+    for name, default, help_text in (
+            ("tp", 1, "tensor-parallel degree (heads and MLP split)"),
+            ("pp", 1, "pipeline stages (requests in pp micro-batches)"),
+            ("replicas", 1, "independent copies, the requests split"),
+            ("experts", 0, "serve the MoE GPT with this many experts"),
+            ("ep", 1, "expert-parallel degree (with --experts)"),
+            ("top-k", 1, "experts per token (with --experts)"),
+            ("prompt-len", 16, "prompt tokens per request"),
+            ("new-tokens", 8, "tokens generated per request"),
+            ("batch", 8, "requests")):
+        parser.add_argument(f"--{name}", type=int, default=default, help=help_text)
+
+
+def config_from_args(args, shape):
+    return ServeConfig(tp=args.tp, pp=args.pp, replicas=args.replicas, experts=args.experts,
+                       ep=args.ep, top_k=args.top_k, batch=args.batch,
+                       prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=args.seed,
+                       model_kwargs=shape)

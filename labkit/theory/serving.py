@@ -1,0 +1,338 @@
+"""Serving a model, modelled: KV cache, weights at low precision, prefill vs decode on the
+roofline, and time to first token (TTFT) and time per output token (TPOT) per layout.
+
+- KV cache per token = layers x 2 (k and v) x kv_heads x head_dim x bytes (GQA/MQA: kv_heads <
+  heads; Ainslie et al. 2023, arXiv 2305.13245). A tensor-parallel group splits it by KV heads
+  (a head is replicated once tp > kv_heads), a pipeline by layers.
+- Weights: the layers' matrices at `weights` precision, plus one bf16 scale per group of
+  weights (int4: groups of 128 as GPTQ/AWQ, Frantar et al. 2022, Lin et al. 2023; int8: one
+  per output channel, as LLM.int8(); fp8: one per tensor); embeddings, head and norms in bf16.
+  Weight-only formats compute in bf16 (weights dequantised on the fly).
+- Roofline (Williams et al. 2009; Pope et al. 2022, arXiv 2211.05102): a step takes
+  max(FLOPs / (peak x achievable), bytes / HBM bandwidth). Decode reads every weight and the
+  whole cache for b tokens: intensity ~ 2b / bytes_per_weight FLOP/byte, so it is memory-bound
+  until the knee batch b* = (peak x achievable / bandwidth) x bytes_per_weight / 2.
+- Layouts of one replica (tp x pp x ep GPUs; replicas split the requests):
+  TP: 2 all-reduces per layer of b x h values per decode step (Megatron-LM), alpha-beta ring;
+  PP: the requests in M = pp micro-batches; a token passes every stage, so
+  TPOT = max(M x t_stage, pp x (t_stage + hop)): the same latency as one GPU, pp x the memory;
+  EP: experts / ep per GPU, attention replicated with the requests split over the ep GPUs,
+  2 all-to-alls per layer of (b/ep) x k x h values (GShard, arXiv 2006.16668).
+- TTFT: the prefill of the replica's batch (through the pipeline: (M + pp - 1) stage times).
+  TPOT: averaged over the generated tokens (context P + T/2).
+
+Constants: none fitted here. Compute uses the training planner's `achievable` (fitted there on
+Narayanan et al. 2021 Table 1); HBM and links at datasheet bandwidth (links x their modelled
+efficiency, data/hardware.csv); ACTIVATION_FACTOR is an assumption (below). Left out: kernel
+launch overheads, paged-cache fragmentation, continuous batching, speculative decoding.
+"""
+from __future__ import annotations
+
+import math
+
+from . import catalog, hardware
+from .memory import dtype_bytes
+from .planner import ACHIEVABLE, RESERVED_BYTES, achievable_fraction, parse_model
+from .time import collective_time
+
+WEIGHTS = ("bf16", "fp8", "int8", "int4")
+SCALE_BYTES = 2                              # a bf16 scale per quantisation group
+SCALE_GROUP = {"bf16": None, "fp8": None, "int8": "channel", "int4": 128}
+ACTIVATION_FACTOR = 4                        # transient (b, s, h)-sized bf16 buffers in flight
+                                             # in one layer (input, norm, attention out, residual)
+
+
+# ----------------------------------------------------------------------------- bytes
+
+def kv_bytes_per_token(model, kv_dtype="bf16") -> float:
+    """KV-cache bytes one token adds: layers x 2 x kv_heads x head_dim x bytes."""
+    m = parse_model(model)
+    return m.layers * 2 * m.kv_heads * m.head_dim * dtype_bytes(kv_dtype)
+
+
+def kv_cache_bytes(model, batch, context, kv_dtype="bf16", tp=1, pp=1) -> float:
+    """KV cache on one GPU for `batch` sequences of `context` tokens (split by heads over
+    min(tp, kv_heads) and by layers over pp)."""
+    m = parse_model(model)
+    return batch * context * kv_bytes_per_token(m, kv_dtype) / (min(tp, m.kv_heads) * pp)
+
+
+def layer_param_split(model) -> dict:
+    """Parameters: `matrices` (the layers' Linear weights: quantised), `experts` (the part of
+    them in experts), `other` (embeddings, head, norms, routers: kept in bf16)."""
+    m = parse_model(model)
+    h, L = m.hidden, m.layers
+    attention = m._attention_params() if m.arch != "gpt2" else 4 * h * h
+    mlp_one = (3 if m.arch != "gpt2" else 2) * h * m.ffn
+    experts = L * m.experts * mlp_one if m.experts > 1 else 0
+    matrices = L * (attention + mlp_one * m.experts)
+    return dict(matrices=matrices, experts=experts, other=m.param_count() - matrices,
+                total=m.param_count())
+
+
+def weight_bytes(model, weights="bf16") -> dict:
+    """Bytes of the weights at a precision: {matrices, scales, other, total}."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    m = parse_model(model)
+    s = layer_param_split(m)
+    group = SCALE_GROUP[weights]
+    if group is None:
+        scales = 0 if weights == "bf16" else m.layers * 7 * SCALE_BYTES   # one per matrix
+    else:
+        size = m.hidden if group == "channel" else group
+        scales = s["matrices"] / size * SCALE_BYTES
+    matrices = s["matrices"] * dtype_bytes(weights)
+    other = s["other"] * 2
+    return dict(matrices=matrices, scales=scales, other=other, total=matrices + scales + other)
+
+
+def weights_per_gpu(model, weights="bf16", tp=1, pp=1, ep=1) -> float:
+    """A GPU's share: dense parts / (tp x pp), experts / (tp x pp x ep)."""
+    m = parse_model(model)
+    w = weight_bytes(m, weights)
+    s = layer_param_split(m)
+    per_matrix = (w["matrices"] + w["scales"]) / max(s["matrices"], 1)
+    expert_bytes = s["experts"] * per_matrix
+    return (w["total"] - expert_bytes) / (tp * pp) + expert_bytes / (tp * pp * ep)
+
+
+# ----------------------------------------------------------------------- the roofline
+
+def decode_intensity(model, batch, context=0, weights="bf16", kv_dtype="bf16") -> float:
+    """FLOP per byte of one decode step of `batch` tokens (weights + cache read once)."""
+    m = parse_model(model)
+    flops = batch * (2 * m.active_param_count() + 4 * m.layers * m.hidden * context)
+    read = weight_bytes(m, weights)["total"] + kv_cache_bytes(m, batch, context, kv_dtype)
+    return flops / read
+
+
+def ridge_intensity(gpu="H100") -> float:
+    """FLOP per byte where a GPU turns compute-bound: peak x achievable / HBM bandwidth."""
+    g = hardware.gpu(gpu)
+    return g.bf16_flops * achievable_fraction(g) / g.memory_bw
+
+
+def knee_batch(model, gpu="H100", weights="bf16", context=0, kv_dtype="bf16") -> float:
+    """Smallest decode batch at which a step is compute-bound (inf if the cache never lets
+    it: each sequence's cache is read for that sequence only)."""
+    ridge = ridge_intensity(gpu)
+    lo, hi = 1, 1
+    while decode_intensity(model, hi, context, weights, kv_dtype) < ridge:
+        hi *= 2
+        if hi > 2 ** 24:
+            return math.inf
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if decode_intensity(model, mid, context, weights, kv_dtype) >= ridge:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+# -------------------------------------------------------------- one layout, modelled
+
+def _flops(m, tokens, context, new):
+    """FLOPs for `tokens` tokens attending to `context` cached ones (prefill: new = tokens,
+    causal half of the square)."""
+    attention = 4 * m.layers * m.hidden * tokens * (context + (new + 1) / 2)
+    return 2 * m.active_param_count() * tokens + attention
+
+
+def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, prompt_len=1024,
+                 new_tokens=128, weights="bf16", kv_dtype="bf16", gpus_per_node=8,
+                 intra_link=None, inter_link=None, microbatches=None) -> dict:
+    """TTFT, TPOT and throughput of `batch` requests on `replicas` copies of a tp x pp x ep
+    layout; every number modelled (see the module docstring)."""
+    m = parse_model(model)
+    g = hardware.gpu(gpu)
+    intra = hardware.link(intra_link or g.link)
+    inter = hardware.link(inter_link or "InfiniBand NDR")
+    if m.experts <= 1 and ep > 1:
+        raise ValueError("ep > 1 needs a mixture-of-experts model")
+    b_rep = batch / replicas                  # requests per replica
+    b_gpu = b_rep / ep                        # requests whose attention runs on one GPU
+    M = microbatches or (max(1, min(pp, int(b_rep))) if pp > 1 else 1)
+    b_mb = b_gpu / M
+    flops_rate = g.bf16_flops * achievable_fraction(g)
+    tp_link = intra if tp <= gpus_per_node else inter
+    ep_link = intra if tp * ep <= gpus_per_node else inter
+    pp_link = intra if tp * ep * pp <= gpus_per_node else inter
+    w_gpu = weights_per_gpu(m, weights, tp, pp, ep)
+    layers = m.layers / pp
+    s = layer_param_split(m)
+
+    def stage_time(tokens, context, new):
+        """One micro-batch of `tokens` (b_mb x new) through one stage: roofline + comm."""
+        flops = _flops(m, tokens, context, new) / (tp * pp)
+        routed = tokens * ep                  # tokens of the whole EP group reach my experts
+        local = m.experts / ep
+        touched = (local * (1 - (1 - m.top_k / m.experts) ** routed) / local
+                   if m.experts > 1 else 1.0)
+        expert_share = s["experts"] / max(s["total"], 1)
+        read = w_gpu * (1 - expert_share + expert_share * touched) if m.experts > 1 else w_gpu
+        read += kv_cache_bytes(m, tokens / new, context + new, kv_dtype, tp, pp)
+        compute, memory = flops / flops_rate, read / g.memory_bw
+        act = tokens * m.hidden * 2
+        tp_comm = 2 * layers * collective_time("all_reduce", act, tp, tp_link) if tp > 1 else 0
+        ep_comm = (2 * layers * collective_time("all_to_all", act * m.top_k, ep, ep_link)
+                   if ep > 1 else 0.0)
+        return dict(compute=compute, memory=memory, tp_comm=tp_comm, ep_comm=ep_comm,
+                    total=max(compute, memory) + tp_comm + ep_comm,
+                    hop=collective_time("send", act, 2, pp_link) if pp > 1 else 0.0)
+
+    pre = stage_time(b_mb * prompt_len, 0, prompt_len)
+    ttft = (M + pp - 1) * pre["total"] + pp * pre["hop"] * (pp > 1)
+    decode = stage_time(b_mb, prompt_len + new_tokens / 2, 1)
+    tpot = max(M * decode["total"], pp * (decode["total"] + decode["hop"]))
+    total_s = ttft + (new_tokens - 1) * tpot
+    gpus = tp * pp * ep * replicas
+    tokens_per_s = batch * new_tokens / total_s
+    return dict(tp=tp, pp=pp, ep=ep, replicas=replicas, gpus=gpus, microbatches=M,
+                ttft_s=ttft, tpot_s=tpot, tokens_per_s=tokens_per_s,
+                tokens_per_s_per_gpu=tokens_per_s / gpus,
+                decode_bound="compute" if decode["compute"] >= decode["memory"] else "memory",
+                decode_breakdown_s={k: decode[k] * M for k in ("compute", "memory", "tp_comm",
+                                                                "ep_comm")},
+                memory_bytes=memory_per_gpu(m, tp=tp, pp=pp, ep=ep, batch_per_gpu=b_gpu,
+                                            context=prompt_len + new_tokens,
+                                            prompt_len=prompt_len / M, weights=weights,
+                                            kv_dtype=kv_dtype))
+
+
+def memory_per_gpu(model, *, tp=1, pp=1, ep=1, batch_per_gpu=1, context=4096, prompt_len=None,
+                   weights="bf16", kv_dtype="bf16") -> dict:
+    """{weights, kv_cache, activations, total} bytes on one GPU (worst case: full context).
+    activations: ACTIVATION_FACTOR (b, s, h) bf16 buffers of the prefill chunk, the MLP's
+    (b, s, ffn/tp) and the last position's fp32 logits."""
+    m = parse_model(model)
+    s = prompt_len or context
+    w = weights_per_gpu(m, weights, tp, pp, ep)
+    kv = kv_cache_bytes(m, batch_per_gpu, context, kv_dtype, tp, pp)
+    act = batch_per_gpu * s * (ACTIVATION_FACTOR * m.hidden + 2 * m.ffn / tp) * 2 \
+        + batch_per_gpu * m.vocab * 4
+    return dict(weights=w, kv_cache=kv, activations=act, total=w + kv + act)
+
+
+# ------------------------------------------------------------------- the serving planner
+
+FIX_FIELDS = ("tp", "pp", "ep", "replicas")
+
+
+def parse_serve_fix(text):
+    """'tp=8,pp=2' -> {field: int}; the serving plan's layout fields only."""
+    out = {}
+    for part in filter(None, (text or "").split(",")):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in FIX_FIELDS:
+            raise ValueError(f"--fix: unknown field {key!r}; use {', '.join(FIX_FIELDS)}")
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"--fix: {key} must be a positive integer, got {value.strip()!r}")
+        out[key] = int(value)
+    return out
+
+
+def why_not(m, gpus, plan, batch):
+    """'' if a serving layout is legal, else why not."""
+    tp, pp, ep, replicas = (plan[k] for k in FIX_FIELDS)
+    if gpus % (tp * pp * ep):
+        return f"tp*pp*ep = {tp * pp * ep} does not divide the {gpus} GPUs"
+    if tp * pp * ep * replicas != gpus:
+        return f"tp*pp*ep*replicas = {tp * pp * ep * replicas}, not the {gpus} GPUs"
+    if m.heads % tp or (m.kv_heads % tp and tp % m.kv_heads):
+        return f"tp={tp} does not split {m.heads} heads / {m.kv_heads} kv heads"
+    if pp > m.layers:
+        return f"pp={pp} > {m.layers} layers"
+    if ep > 1 and (m.experts <= 1 or m.experts % ep):
+        return f"ep={ep} must divide the experts ({m.experts})"
+    if batch % (replicas * ep):
+        return f"batch {batch} does not split over {replicas} replicas x ep={ep}"
+    return ""
+
+
+def plan_serving(model, gpus, gpu="H100", *, prompt_len=1024, new_tokens=128, batch=1,
+                 weights=None, kv_dtype="bf16", max_tpot_ms=None, fix=None, gpus_per_node=8,
+                 intra_link=None, inter_link=None, top=None) -> dict:
+    """Every TP x PP x EP x replicas x weight precision layout, modelled; plans that fit and
+    meet the TPOT bound first, by output tokens/s per GPU; then the slow ones, then those that
+    do not fit (each with its reason)."""
+    m = parse_model(model)
+    g = hardware.gpu(gpu)
+    for name, value in dict(gpus=gpus, prompt_len=prompt_len, new_tokens=new_tokens,
+                            batch=batch).items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    fix = parse_serve_fix(fix) if isinstance(fix, str) else dict(fix or {})
+    precisions = [weights] if weights else list(WEIGHTS)
+    for w in precisions:
+        if w not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {w!r}")
+    usable = g.memory_bytes - RESERVED_BYTES
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    plans, reasons = [], set()
+    for tp in [fix["tp"]] if "tp" in fix else [d for d in divisors if d <= m.heads]:
+        for pp in [fix["pp"]] if "pp" in fix else [d for d in divisors if d <= m.layers]:
+            for ep in [fix["ep"]] if "ep" in fix else [d for d in divisors
+                                                       if m.experts > 1 and m.experts % d == 0
+                                                       or d == 1]:
+                replicas = fix.get("replicas", gpus // (tp * pp * ep))
+                layout = dict(tp=tp, pp=pp, ep=ep, replicas=replicas)
+                why = why_not(m, gpus, layout, batch)
+                if why:
+                    reasons.add(why)
+                    continue
+                for w in precisions:
+                    plans.append(_serve_plan(m, g, layout, w, kv_dtype, batch, prompt_len,
+                                             new_tokens, usable, max_tpot_ms, gpus_per_node,
+                                             intra_link, inter_link))
+    if not plans:
+        raise ValueError(f"no legal serving layout for {m.display_name} on {gpus} {g.name}"
+                         + (f" with {fix}" if fix else "") + ": "
+                         + "; ".join(sorted(reasons)[:3]))
+    plans.sort(key=lambda p: (not p["fits"], bool(p["reason"]), -p["tokens_per_s_per_gpu"]))
+    return dict(model=dict(name=m.name, display_name=m.display_name, params=m.param_count(),
+                           active_params=m.active_param_count()),
+                cluster=dict(gpu=g.name, gpus=gpus, gpus_per_node=gpus_per_node,
+                             usable_bytes=usable, achievable=achievable_fraction(g)),
+                workload=dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                              kv_dtype=kv_dtype, max_tpot_ms=max_tpot_ms),
+                considered=len(plans), plans=plans[:top] if top else plans)
+
+
+def _serve_plan(m, g, layout, w, kv_dtype, batch, prompt_len, new_tokens, usable, max_tpot_ms,
+                gpus_per_node, intra_link, inter_link):
+    t = serving_time(m, gpu=g.name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                     weights=w, kv_dtype=kv_dtype, gpus_per_node=gpus_per_node,
+                     intra_link=intra_link, inter_link=inter_link, **layout)
+    mem = t["memory_bytes"]
+    fits = mem["total"] <= usable
+    reason = ""
+    if not fits:
+        big = max(("weights", "kv_cache", "activations"), key=lambda k: mem[k])
+        reason = (f"needs {mem['total'] / 1e9:.1f} GB per GPU > {usable / 1e9:.1f} GB usable "
+                  f"(mostly {big.replace('_', ' ')}: {mem[big] / 1e9:.1f} GB)")
+    elif max_tpot_ms is not None and t["tpot_s"] * 1e3 > max_tpot_ms:
+        reason = f"TPOT {t['tpot_s'] * 1e3:.1f} ms > {max_tpot_ms:g} ms"
+    return dict(layout, weights=w, kv_dtype=kv_dtype, batch_per_replica=batch // layout[
+        "replicas"], fits=fits, reason=reason, memory_bytes=mem, ttft_s=t["ttft_s"],
+        tpot_s=t["tpot_s"], tokens_per_s=t["tokens_per_s"],
+        tokens_per_s_per_gpu=t["tokens_per_s_per_gpu"], decode_bound=t["decode_bound"])
+
+
+def format_serving_plans(out):
+    """The serving ranking as text (what `plan --serve` prints); every time is modelled."""
+    c, m, w = out["cluster"], out["model"], out["workload"]
+    lines = [f"{m['display_name']} ({m['params'] / 1e9:.1f}B params) served on {c['gpus']} x "
+             f"{c['gpu']}: batch {w['batch']}, prompt {w['prompt_len']}, {w['new_tokens']} new "
+             f"tokens, KV {w['kv_dtype']}; {out['considered']} layouts, modelled",
+             f"{'tp':>3} {'pp':>3} {'ep':>3} {'repl':>4} {'weights':>7} {'GB/GPU':>7} "
+             f"{'TTFT ms':>8} {'TPOT ms':>8} {'tok/s':>9} {'tok/s/GPU':>9}  ok"]
+    for p in out["plans"]:
+        lines.append(
+            f"{p['tp']:>3} {p['pp']:>3} {p['ep']:>3} {p['replicas']:>4} {p['weights']:>7} "
+            f"{p['memory_bytes']['total'] / 1e9:7.1f} {p['ttft_s'] * 1e3:8.1f} "
+            f"{p['tpot_s'] * 1e3:8.2f} {p['tokens_per_s']:9.0f} "
+            f"{p['tokens_per_s_per_gpu']:9.0f}  {p['reason'] or 'yes'}")
+    return "\n".join(lines)
