@@ -137,6 +137,8 @@ def _wrong_answers():
         (moe.check_capacity_answer, math.ceil(1.25 * 6000 / 64), "forgot k", "k = 2"),
         (hybrid.check_hybrid_memory, 16 * psi70 / 32 / 1e9, "no ZeRO", "ZeRO-1"),
         (hybrid.check_hybrid_memory, 16 * psi70 / 8 / 1e9, "forgot pp", "tp x pp"),
+        (hybrid.check_hybrid_memory, (2 + 4 + 12 / 2) * psi70 / 32 / 1e9, "fp32 gradients",
+         "the planner's convention"),
         (wib.check_mfu_answer, mfu / 2, "sparse peak", "dense"),
         (wib.check_mfu_answer, mfu / 3, "forward only", "6 x params"),
         (wib.check_mfu_answer, mfu * 100, "percent", "fraction"),

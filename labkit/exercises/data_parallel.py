@@ -2,7 +2,8 @@
 
 `check_ring_all_reduce(fn)` runs the learner's `fn(ctx, tensor)` on every rank with different
 data and says in words what is wrong: a wrong sum, chunks in the wrong place, a deadlock (named
-by the op the ranks wait in: every rank in a blocking send, or in recv), another collective used, or more bytes sent than the ring's 2(N-1)/N x S.
+by the op the ranks wait in: every rank in a blocking send, or in recv), another collective
+used, or more bytes sent than the ring's 2(N-1)/N x S.
 `check_ring_bytes(answer)` checks the bytes each GPU sends to all-reduce GPT-2 small's bf16
 gradients on 8 GPUs against `theory.data_parallel.ring_all_reduce_bytes`.
 """

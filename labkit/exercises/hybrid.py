@@ -173,6 +173,10 @@ def check_hybrid_memory(answer, verbose=True):
         Mistake(tm.model_state_bytes(local, zero_stage=2, world_size=h["dp"])["total"] / 1e9,
                 "ZeRO-2", "that shards the gradients as well (ZeRO-2); ZeRO-1 shards only the "
                 "optimizer state"),
+        Mistake((2 + 4 + 12 / h["dp"]) * local / 1e9, "fp32 gradients", "that counts fp32 "
+                "gradients (4 bytes, 18 bytes per parameter: the planner's convention, as "
+                "Megatron-LM accumulates them); this exercise counts bf16 gradients as the ZeRO "
+                "paper does: 2 + 2 + 12 = 16 bytes per parameter"),
     ]
     return check_number(answer, expected, what=f"GB of model states per GPU (Llama 3 70B, "
                         f"dp={h['dp']} tp={h['tp']} pp={h['pp']}, ZeRO-{h['zero_stage']})",
