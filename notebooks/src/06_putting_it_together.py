@@ -99,8 +99,8 @@ pp_text = (f"PP 64 (1F1B, v = {pp64['v']}, {layers} layers over 64 stages) leave
            if "illegal" not in pp64 else f"PP 64 cannot be built: {pp64['illegal']}")
 Markdown(
     f"Plain data parallelism needs {walls['data parallel only']['memory_bytes']['total'] / GB:.0f}"
-    f" GB per GPU. ZeRO-3 alone fits, and pays most in "
-    f"{' and in '.join(f'{k} ({zero3[k]:.1f} s)' for k in zero3_costs)} of a "
+    f" GB per GPU. ZeRO-3 alone fits; its two largest overheads are "
+    f"{' and '.join(f'{k} ({zero3[k]:.1f} s)' for k in zero3_costs)} of its "
     f"{walls['ZeRO-3 only']['step_s']:.1f} s step. TP 64 spans 8 nodes: its all-reduces cross "
     f"InfiniBand and take {tp64['breakdown_s']['tp_comm']:.0f} s of a {tp64['step_s']:.0f} s "
     f"step. {pp_text}. The best single technique that fits reaches {best_alone['mfu']:.1%} MFU; "
