@@ -74,10 +74,17 @@ bench: install
 notebooks: install
 	$(PY) notebooks/build.py $(if $(FORCE),--force)
 
-# The executed lessons as static HTML in site/ (index.html links them), and the student edition
-# in student/ (solution cells stubbed, outputs cleared): nbconvert, see labkit/editions.py.
+# The reading site in site/ (open site/index.html): a Jupyter Book of the executed lessons, with
+# navigation, search and a table of contents per page; Jupyter Book 1.x (the `docs` extra) is
+# installed by this target only. HUB=https://hub.example.org adds to each page a link that opens
+# the lesson on that JupyterHub, in each user's HUB_FOLDER (where the student edition is copied).
+# And the student edition in student/ (solution cells stubbed, outputs cleared). See
+# labkit/editions.py.
+HUB ?=
+HUB_FOLDER ?= student
 html: install
-	$(PY) -m labkit.editions html site
+	$(PY) -c "import jupyter_book" 2>/dev/null || $(PY) -m pip install -q -e ".[docs]"
+	$(PY) -m labkit.editions html site $(if $(HUB),--hub "$(HUB)" --hub-folder "$(HUB_FOLDER)")
 
 student: install
 	$(PY) -m labkit.editions student student
