@@ -222,8 +222,8 @@ def build_site(out="site", folder=NOTEBOOKS, hub=None, hub_folder="student"):
     with tempfile.TemporaryDirectory(prefix="labkit-book-") as tmp:
         book = Path(tmp) / "book"
         names = book_sources(book, folder, hub, hub_folder)
-        command = [sys.executable, "-m", "jupyter_book", "build", str(book), "--path-output",
-                   tmp, "--quiet"]
+        command = [sys.executable, "-c", "from jupyter_book.cli.main import main; main()",
+                   "build", str(book), "--path-output", tmp]
         done = subprocess.run(command, capture_output=True, text=True)
         built = Path(tmp) / "_build" / "html"
         if done.returncode != 0 or not (built / "index.html").exists():
