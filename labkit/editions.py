@@ -171,6 +171,11 @@ the one saved in the lesson. To run and change them: `make lab`{hub}.
 """
 
 
+WRAP_OUTPUTS = """/* a checker's verdict is one long line: wrap it instead of scrolling sideways */
+div.cell_output pre, div.output pre { white-space: pre-wrap; word-break: break-word; }
+"""
+
+
 def launch_link(hub, hub_folder, name):
     """The URL that opens lesson `name` in JupyterLab on the hub (each user's `hub_folder`)."""
     path = "/".join(part for part in (hub_folder.strip("/"), f"{name}.ipynb") if part)
@@ -194,7 +199,7 @@ def book_sources(book, folder=NOTEBOOKS, hub=None, hub_folder="student"):
                 id=f"launch-{path.stem[:2]}"))
         nbformat.write(nb, book / path.name)
         names.append(path.stem)
-        items.append(f"{len(items)}. [{title(nb, path.stem)}]({path.name})")
+        items.append(f"- [{title(nb, path.stem)}]({path.name})")
     hub_text = f", or on [the course JupyterHub]({hub.rstrip('/')}/hub/)" if hub else ""
     (book / "intro.md").write_text(INTRO.format(title=BOOK_TITLE, hub=hub_text,
                                                 items="\n".join(items)), encoding="utf-8")
@@ -207,6 +212,8 @@ def book_sources(book, folder=NOTEBOOKS, hub=None, hub_folder="student"):
         config["html"]["announcement"] = (f'Run the lessons on <a href="{hub.rstrip("/")}/hub/">'
                                           "the course JupyterHub</a>")
     (book / "_config.yml").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    (book / "_static").mkdir(exist_ok=True)      # Jupyter Book adds _static/*.css to each page
+    (book / "_static" / "labkit.css").write_text(WRAP_OUTPUTS, encoding="utf-8")
     toc = {"format": "jb-book", "root": "intro", "chapters": [{"file": n} for n in names]}
     (book / "_toc.yml").write_text(json.dumps(toc, indent=1), encoding="utf-8")
     return names

@@ -74,7 +74,7 @@ def test_the_book_lists_each_lesson_with_its_explorer_and_a_hub_link(tmp_path):
     config = json.loads((book / "_config.yml").read_text())
     assert config["execute"]["execute_notebooks"] == "off"      # the saved outputs, not re-run
     assert f'href="{HUB}hub/"' in config["html"]["announcement"]
-    assert "1. [07 · When it breaks" in (book / "intro.md").read_text()
+    assert "- [07 · When it breaks" in (book / "intro.md").read_text()
     nb = nbformat.read(book / "07_lesson.ipynb", as_version=4)
     assert f"({HUB}hub/user-redirect/lab/tree/student/07_lesson.ipynb)" in nb.cells[0].source
     snapshots = [o["data"]["text/html"] for c in nb.cells if c.cell_type == "code"

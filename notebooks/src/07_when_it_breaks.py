@@ -232,9 +232,9 @@ print(f"plain DP: fits={oom['DP 8, no ZeRO']['fits']}: {oom['DP 8, no ZeRO']['re
 states = oom["DP 8, no ZeRO"]["memory_bytes"]
 per_param = {k: states[k] / catalog.model("llama-3-8b").param_count()
              for k in ("params", "grads", "optimizer")}
-print(f"model states per parameter, as the planner counts them: "
-      + " + ".join(f"{v:.0f} ({k})" for k, v in per_param.items())
-      + f" = {sum(per_param.values()):.0f} bytes")
+print("bytes of model states per parameter (planner): "
+      + " + ".join(f"{v:.0f} {k}" for k, v in per_param.items())
+      + f" = {sum(per_param.values()):.0f}")
 pd.DataFrame({name: {**{k: v / 1e9 for k, v in p["memory_bytes"].items()}, "fits": p["fits"]}
               for name, p in oom.items()}).T.rename(columns=lambda c: c if c == "fits"
                                                        else f"{c} (GB)")
