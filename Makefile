@@ -54,11 +54,13 @@ test: install
 
 # Every lesson run in JupyterLab in headless Chromium (browser_tests/): no error output, every
 # widget rendered, the explorer's slider changes the plot; run and redraw times reported in
-# build/browser-report.{json,md}, screenshots in build/screens/. Debian's chromium (installed
+# build/browser-report.{json,md}, screenshots in build/screens/. And the reading site (make html,
+# built into build/site): the index, a lesson page and the search (browser_tests/test_site.py). Debian's chromium (installed
 # here when root with apt-get), driven by the playwright package; no browser download.
 CHROMIUM ?= /usr/bin/chromium
 test-browser: install
-	$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install -q -e ".[test,browser]"
+	$(PY) -c "import playwright, jupyter_book" 2>/dev/null || \
+	  $(PY) -m pip install -q -e ".[test,browser,docs]"
 	@if [ ! -x "$(CHROMIUM)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
 	@if [ ! -x "$(CHROMIUM)" ]; then \
