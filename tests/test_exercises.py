@@ -212,6 +212,15 @@ def test_the_deadlock_words_follow_the_op_the_ranks_are_in():
     assert "more time" in deadlock_in_words("timed out after 5s: still computing")
 
 
+def test_a_launch_too_slow_to_start_is_not_blamed_on_the_code():
+    from labkit.exercises import SLOW, too_slow_to_start, when_it_breaks as wib
+    slow = ("timed out after 20s: still computing, no rank waits in a collective (ranks 0, 1 "
+            "are busy in fn).")
+    assert too_slow_to_start(slow) and not too_slow_to_start("timed out after 20s; ranks ...")
+    check = wib._failed_run(slow)
+    assert check.problem == "slow" and check.message == SLOW and "timeout_s=60" in SLOW
+
+
 def _second_failure_shows_code(run, code_words):
     first, second = run(), run()
     assert not first.ok and not second.ok

@@ -87,6 +87,15 @@ def reset_hints():
         hints.reset()
 
 
+def too_slow_to_start(error_text):
+    """A launch time-out before any rank reached a collective: a busy machine, not the code."""
+    return "timed out" in error_text and "no rank waits in a collective" in error_text
+
+
+SLOW = ("TIMED OUT before any rank reached a collective: the machine is busy, your code is not "
+        "to blame yet; run the check again with timeout_s=60.")
+
+
 def ranks_waiting_in(timeout_text):
     """{rank: the op it waits in ('send', 'recv', 'all_reduce', ...)} from a launch time-out."""
     where = {}

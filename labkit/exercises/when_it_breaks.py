@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from ..theory import catalog, hardware
 from ..theory.time import training_flops
-from . import Check, Hints, Mistake, Rounding, check_number, say
+from . import (SLOW, Check, Hints, Mistake, Rounding, check_number, say,
+               too_slow_to_start)
 
 DIMS, BATCH, LR, STEPS = (8, 16, 4), 8, 0.1, 3
 
@@ -100,7 +101,7 @@ def check_gradient_sync(sync_fn, world_size=2, timeout_s=60, verbose=True):
         runs = launch(train_replicas, world_size, sync_fn, timeout_s=timeout_s)
     except LaunchError as error:
         check = _failed_run(str(error))
-        if check.problem != "not written":
+        if check.problem not in ("not written", "slow"):
             check.message += " " + SYNC_HINTS.after_failure()
         return say(check, verbose)
     start = _flat(exercise_model())
@@ -138,6 +139,8 @@ def _failed_run(text):
         return Check(False, "not written", (
             "NOT WRITTEN YET: sync_fn raised NotImplementedError. Replace the raise with your "
             f"code. Hint: {SYNC_HINTS.concept}"))
+    if too_slow_to_start(text):
+        return Check(False, "slow", SLOW)
     if "timed out" in text:
         waits = "\n".join(line for line in text.splitlines() if line.startswith("  rank"))
         return Check(False, "deadlock", (

@@ -16,7 +16,7 @@ import torch
 
 from ..theory import memory as tm
 from ..theory.time import wire_bytes_per_rank
-from . import Check, Hints, Mistake, check_number, say
+from . import SLOW, Check, Hints, Mistake, check_number, say, too_slow_to_start
 
 SHARD_HINTS = Hints(
     concept="one collective both sums over the ranks and leaves each rank only its 1/N slice, "
@@ -55,9 +55,8 @@ def check_gradient_shard(fn, world_size=4, numel=16, timeout_s=20.0, verbose=Tru
         if "NotImplementedError" in text:
             return say(Check(False, "not written", "NOT WRITTEN YET: your function raised "
                              f"NotImplementedError. Hint: {SHARD_HINTS.concept}"), verbose)
-        if "timed out" in text and "no rank waits in a collective" in text:
-            return say(Check(False, "slow", "TIMED OUT before any rank reached a collective: "
-                             "the machine is busy; try again with timeout_s=60."), verbose)
+        if too_slow_to_start(text):
+            return say(Check(False, "slow", SLOW), verbose)
         if "timed out" in text:
             return say(Check(False, "hang", "HANG: the ranks did not call the same collectives. "
                              f"{SHARD_HINTS.after_failure()}"), verbose)
