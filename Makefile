@@ -54,11 +54,13 @@ test: install
 
 # Every lesson run in JupyterLab in headless Chromium (browser_tests/): no error output, every
 # widget rendered, the explorer's slider changes the plot; run and redraw times reported in
-# build/browser-report.{json,md}, screenshots in build/screens/. Debian's chromium (installed
+# build/browser-report.{json,md}, screenshots in build/screens/. And the reading site (make html,
+# built into build/site): the index, a lesson page and the search (browser_tests/test_site.py). Debian's chromium (installed
 # here when root with apt-get), driven by the playwright package; no browser download.
 CHROMIUM ?= /usr/bin/chromium
 test-browser: install
-	$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install -q -e ".[test,browser]"
+	$(PY) -c "import playwright, jupyter_book" 2>/dev/null || \
+	  $(PY) -m pip install -q -e ".[test,browser,docs]"
 	@if [ ! -x "$(CHROMIUM)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
 	@if [ ! -x "$(CHROMIUM)" ]; then \
@@ -74,10 +76,17 @@ bench: install
 notebooks: install
 	$(PY) notebooks/build.py $(if $(FORCE),--force)
 
-# The executed lessons as static HTML in site/ (index.html links them), and the student edition
-# in student/ (solution cells stubbed, outputs cleared): nbconvert, see labkit/editions.py.
+# The reading site in site/ (open site/index.html): a Jupyter Book of the executed lessons, with
+# navigation, search and a table of contents per page; Jupyter Book 1.x (the `docs` extra) is
+# installed by this target only. HUB=https://hub.example.org adds to each page a link that opens
+# the lesson on that JupyterHub, in each user's HUB_FOLDER (where the student edition is copied).
+# And the student edition in student/ (solution cells stubbed, outputs cleared). See
+# labkit/editions.py.
+HUB ?=
+HUB_FOLDER ?= student
 html: install
-	$(PY) -m labkit.editions html site
+	$(PY) -c "import jupyter_book" 2>/dev/null || $(PY) -m pip install -q -e ".[docs]"
+	$(PY) -m labkit.editions html site $(if $(HUB),--hub "$(HUB)" --hub-folder "$(HUB_FOLDER)")
 
 student: install
 	$(PY) -m labkit.editions student student

@@ -1,17 +1,20 @@
 """The numbers in docs/instructor.md, measured on the machine this runs on.
 
     .venv/bin/python docs/measure.py lessons        each lesson executed once, in turn (nbconvert)
-    .venv/bin/python docs/measure.py zero3-memory   peak memory of a 4-rank ZeRO-3 run's processes
+    .venv/bin/python docs/measure.py mesh-memory    peak memory of the largest core run's processes
+    .venv/bin/python docs/measure.py zero3-memory   the same for a 4-rank ZeRO-3 run
     .venv/bin/python docs/measure.py answers        an answer shown before its exercise?
 
 `lessons` prints a Markdown table: the measured wall time of `jupyter nbconvert --execute` per
 lesson (kernel start included), the load average around it (a shared machine runs slower), and a
 *modelled* participant time from the lesson's size: reading its prose, running and looking at its
 code cells, doing its exercises (the rates are below; adjust them to your group).
-`zero3-memory` samples the process tree of `python -m labkit run zero --stage 3 --world-size 4`
-every 50 ms and prints the peaks of the summed RSS (shared pages counted once per process), PSS
+`mesh-memory` samples the process tree of the largest run of the core agenda, lesson 06's
+DP 2 x TP 2 x PP 2 mesh on 8 ranks (`python -m labkit run hybrid --dp 2 --tp 2 --pp 2`), every
+50 ms and prints the peaks of the summed RSS (shared pages counted once per process), PSS
 (shared pages split between all processes that map them, also other programs') and USS (pages
-of these processes alone), and what that means for a shared hub (modelled).
+of these processes alone), and what that means for a shared hub (modelled); `zero3-memory`
+does the same for `python -m labkit run zero --stage 3 --world-size 4`.
 `answers` looks for each line of a lesson's `solution` cells (longer than 30 characters, not a
 comment) in the sources and outputs of the cells before its exercises: none should be there.
 """
@@ -83,9 +86,22 @@ def participant_minutes(words, code_cells, exercises):
             + exercises * MINUTES_PER_EXERCISE)
 
 
+MESH_RUN = ["hybrid", "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2",
+            "--steps", "3", "--cluster", "2x4xH100-IB"]           # lesson 06's run, 8 ranks
+ZERO3_RUN = ["zero", "--stage", "3", "--world-size", "4"]
+
+
+def mesh_memory():
+    run_memory(MESH_RUN, ranks=8)
+
+
 def zero3_memory():
+    run_memory(ZERO3_RUN, ranks=4)
+
+
+def run_memory(run, ranks):
     import psutil
-    command = [sys.executable, "-m", "labkit", "run", "zero", "--stage", "3", "--world-size", "4"]
+    command = [sys.executable, "-m", "labkit", "run", *run]
     parent = psutil.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL)
     peak = {"rss": 0, "pss": 0, "uss": 0}
     most_processes = 0
@@ -110,7 +126,7 @@ def zero3_memory():
     usable = 0.8 * HUB_MEMORY_GB
     at_once = HUB_CORES // CORES_PER_PARTICIPANT
     print(f"modelled, a {HUB_CORES}-core {HUB_MEMORY_GB} GB hub: {at_once} participants' "
-          f"4-rank runs at once at 2-core speed; in 80% of its memory the peaks of "
+          f"{ranks}-rank runs at once at 2-core speed; in 80% of its memory the peaks of "
           f"{usable // gb['rss']:.0f} such runs at once (RSS: nothing shared) to "
           f"{usable // gb['uss']:.0f} (USS: torch's libraries shared by all); {PARTICIPANTS} "
           f"participants running the same cell together: each run "
@@ -147,4 +163,5 @@ def cell_text(cell):
 
 
 if __name__ == "__main__":
-    {"lessons": lessons, "zero3-memory": zero3_memory, "answers": answers}[sys.argv[1]]()
+    {"lessons": lessons, "mesh-memory": mesh_memory, "zero3-memory": zero3_memory,
+     "answers": answers}[sys.argv[1]]()

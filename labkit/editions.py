@@ -1,19 +1,24 @@
-"""The lab's two other editions of the executed lessons (notebooks/NN_*.ipynb), both made with
-nbconvert's own exporters and preprocessors:
+"""The lab's two other editions of the executed lessons (notebooks/NN_*.ipynb):
 
-- `python -m labkit.editions html [site]`: every lesson rendered to static HTML (plots are the
-  PNGs saved in the notebook; widgets' last state embedded for ipywidgets' renderer, plus a
-  static picture of each explorer's last drawing for reading offline) and an index page
-  linking them by title (`make html`).
+- `python -m labkit.editions html [site] [--hub URL] [--hub-folder student]`: the reading site
+  (`make html`), a Jupyter Book (1.x: Sphinx and MyST-NB, pure Python; the `docs` extra) of
+  the executed lessons, nothing re-run: navigation between lessons, search, a table of contents
+  on each page, plots as saved, widgets' last state embedded for ipywidgets' renderer plus a
+  static picture of each explorer's last drawing (nbconvert preprocessor), and, given the
+  instructor's JupyterHub, a link on each page that opens that lesson there.
 - `python -m labkit.editions student [student]`: the student edition (`make student`). A cell
   tagged `solution` keeps its function signatures, whose bodies become
   `raise NotImplementedError("your code here")`; its top-level answers (`name = value`) become
   `name = None`; anything else becomes the raise alone. Cells tagged `instructor` are removed
   (TagRemovePreprocessor) and all outputs cleared (ClearOutputPreprocessor).
 """
+import argparse
 import ast
-import html
+import json
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -102,19 +107,6 @@ def build_student(out="student", folder=NOTEBOOKS):
 
 # ------------------------------------------------------------------------------------ html site
 
-INDEX = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>labkit: the lessons</title>
-<style>body {{ font-family: sans-serif; max-width: 46em; margin: 3em auto; line-height: 1.5 }}
-li {{ margin: 0.4em 0 }}</style></head>
-<body><h1>labkit: distributed training, lesson by lesson</h1>
-<p>The lessons as executed, to read without running them. To run and change them:
-<code>make lab</code>.</p>
-<ol start="0">
-{items}
-</ol></body></html>
-"""
-
-
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
@@ -169,31 +161,99 @@ class WidgetSnapshots(Preprocessor):
         return parts
 
 
-def build_site(out="site", folder=NOTEBOOKS):
-    """Render every executed lesson to `out`/NN_name.html and write `out`/index.html."""
-    from nbconvert import HTMLExporter
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    exporter = HTMLExporter(template_name="lab")
-    items = []
+BOOK_TITLE = "labkit: distributed training, lesson by lesson"
+INTRO = """# {title}
+
+The lessons as executed, to read without running them: every output, plot and explorer is
+the one saved in the lesson. To run and change them: `make lab`{hub}.
+
+{items}
+"""
+
+
+WRAP_OUTPUTS = """/* a checker's verdict is one long line: wrap it instead of scrolling sideways */
+div.cell_output pre, div.output pre { white-space: pre-wrap; word-break: break-word; }
+"""
+
+
+def launch_link(hub, hub_folder, name):
+    """The URL that opens lesson `name` in JupyterLab on the hub (each user's `hub_folder`)."""
+    path = "/".join(part for part in (hub_folder.strip("/"), f"{name}.ipynb") if part)
+    return f"{hub.rstrip('/')}/hub/user-redirect/lab/tree/{path}"
+
+
+def book_sources(book, folder=NOTEBOOKS, hub=None, hub_folder="student"):
+    """Write a Jupyter Book's sources into `book`: _config.yml and _toc.yml (JSON is YAML),
+    intro.md, and each executed lesson with its explorers' static pictures and, given `hub`,
+    a first cell that opens it on the hub. Returns the lessons' names in order."""
+    book = Path(book)
+    book.mkdir(parents=True, exist_ok=True)
+    names, items = [], []
     for path in lessons(folder):
         nb = nbformat.read(path, as_version=4)
-        name = title(nb, path.stem)
         nb, _ = WidgetSnapshots(enabled=True)(nb, {})
-        body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": name}})
-        (out / f"{path.stem}.html").write_text(body, encoding="utf-8")
-        items.append(f'<li><a href="{path.stem}.html">{html.escape(name)}</a></li>')
-    (out / "index.html").write_text(INDEX.format(items="\n".join(items)), encoding="utf-8")
-    print(f"rendered {len(items)} lessons into {out}/ (open {out}/index.html)")
+        if hub:
+            link = launch_link(hub, hub_folder, path.stem)
+            nb.cells.insert(0, nbformat.v4.new_markdown_cell(
+                f"[▶ Open this lesson in JupyterLab on the course hub]({link})",
+                id=f"launch-{path.stem[:2]}"))
+        nbformat.write(nb, book / path.name)
+        names.append(path.stem)
+        items.append(f"- [{title(nb, path.stem)}]({path.name})")
+    hub_text = f", or on [the course JupyterHub]({hub.rstrip('/')}/hub/)" if hub else ""
+    (book / "intro.md").write_text(INTRO.format(title=BOOK_TITLE, hub=hub_text,
+                                                items="\n".join(items)), encoding="utf-8")
+    config = {"title": BOOK_TITLE, "author": "the labkit authors", "copyright": "",
+              "only_build_toc_files": True, "execute": {"execute_notebooks": "off"},
+              "html": {"home_page_in_navbar": True},
+              "sphinx": {"config": {"html_show_copyright": False, "nb_merge_streams": True,
+                                    "suppress_warnings": ["misc.highlighting_failure"]}}}
+    if hub:
+        config["html"]["announcement"] = (f'Run the lessons on <a href="{hub.rstrip("/")}/hub/">'
+                                          "the course JupyterHub</a>")
+    (book / "_config.yml").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    (book / "_static").mkdir(exist_ok=True)      # Jupyter Book adds _static/*.css to each page
+    (book / "_static" / "labkit.css").write_text(WRAP_OUTPUTS, encoding="utf-8")
+    toc = {"format": "jb-book", "root": "intro", "chapters": [{"file": n} for n in names]}
+    (book / "_toc.yml").write_text(json.dumps(toc, indent=1), encoding="utf-8")
+    return names
+
+
+def build_site(out="site", folder=NOTEBOOKS, hub=None, hub_folder="student"):
+    """Build the reading site into `out` with Jupyter Book; returns `out`/index.html."""
+    out = Path(out)
+    try:
+        import jupyter_book  # noqa: F401 - only to say what is missing before anything runs
+    except ImportError:
+        sys.exit("make html needs Jupyter Book 1.x: pip install -e '.[docs]' (make html does)")
+    with tempfile.TemporaryDirectory(prefix="labkit-book-") as tmp:
+        book = Path(tmp) / "book"
+        names = book_sources(book, folder, hub, hub_folder)
+        command = [sys.executable, "-c", "from jupyter_book.cli.main import main; main()",
+                   "build", str(book), "--path-output", tmp]
+        done = subprocess.run(command, capture_output=True, text=True)
+        built = Path(tmp) / "_build" / "html"
+        if done.returncode != 0 or not (built / "index.html").exists():
+            sys.exit(f"jupyter-book build failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(built, out)
+    print(f"built the reading site of {len(names)} lessons into {out}/ (open {out}/index.html"
+          + (f"; each page links to {hub}" if hub else "") + ")")
     return out / "index.html"
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("html", "student"):
-        sys.exit("usage: python -m labkit.editions html|student [OUTPUT_FOLDER]")
-    build = build_site if argv[0] == "html" else build_student
-    build(*argv[1:2])
+    parser = argparse.ArgumentParser(prog="python -m labkit.editions")
+    parser.add_argument("edition", choices=("html", "student"))
+    parser.add_argument("out", nargs="?", help="output folder (site/ or student/)")
+    parser.add_argument("--hub", default=None, help="the course JupyterHub's URL (html)")
+    parser.add_argument("--hub-folder", default="student",
+                        help="the lessons' folder in each user's home on the hub (html)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.edition == "student":
+        build_student(args.out or "student")
+    else:
+        build_site(args.out or "site", hub=args.hub or None, hub_folder=args.hub_folder)
 
 
 if __name__ == "__main__":

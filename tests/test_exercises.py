@@ -12,6 +12,9 @@ import math
 
 import nbformat
 import pytest
+import torch
+from wrong_answers import (all_reduce_then_slice, blocking_ring, blocking_ring_attention,
+                           summed_shard, summed_sync, world_average)
 
 from labkit import editions
 from labkit.theory import catalog
@@ -135,6 +138,8 @@ def _wrong_answers():
         (moe.check_capacity_answer, math.ceil(1.25 * 6000 / 64), "forgot k", "k = 2"),
         (hybrid.check_hybrid_memory, 16 * psi70 / 32 / 1e9, "no ZeRO", "ZeRO-1"),
         (hybrid.check_hybrid_memory, 16 * psi70 / 8 / 1e9, "forgot pp", "tp x pp"),
+        (hybrid.check_hybrid_memory, (2 + 4 + 12 / 2) * psi70 / 32 / 1e9, "fp32 gradients",
+         "the planner's convention"),
         (wib.check_mfu_answer, mfu / 2, "sparse peak", "dense"),
         (wib.check_mfu_answer, mfu / 3, "forward only", "6 x params"),
         (wib.check_mfu_answer, mfu * 100, "percent", "fraction"),
@@ -162,3 +167,114 @@ def test_a_number_checker_never_raises_and_hints_when_it_cannot_diagnose():
                        verbose=False)
     assert far.problem == "wrong value" and "more than expected" in far.message
     assert "Hint: count twice" in far.message
+
+
+# ------------------------------------ code checkers: plausible wrong answers, each with its words
+
+def test_zero2_shard_by_all_reduce_then_slice_is_rejected_for_its_bytes():
+    from labkit.exercises import zero
+    check = zero.check_gradient_shard(all_reduce_then_slice, timeout_s=60, verbose=False)
+    assert not check.ok and check.problem == "too many bytes", check.message
+    assert "RIGHT VALUES, TOO MANY BYTES" in check.message and "all_reduce" in check.message
+    assert "whole averaged gradient" in check.message and "(N-1)/N x S" in check.message
+
+
+def test_a_valid_order_that_is_not_1f1b_is_called_valid_and_told_what_1f1b_changes():
+    from labkit.exercises.pipeline import check_stage_order
+    ops = ["F0", "F1", "F2", "B0", "F3", "B1", "F4", "B2", "F5", "B3", "F6", "B4", "F7", "B5",
+           "B6", "B7"]                               # 3 forwards before the first backward
+    check = check_stage_order(ops, verbose=False)
+    assert not check.ok and check.problem == "not 1F1B", check.message
+    assert "VALID, BUT NOT 1F1B" in check.message and "same parameters" in check.message
+    assert "runs 3 forwards" in check.message and "P - stage = 4" in check.message
+    yours, ideal = (float(x) for x in
+                    check.message.split("bubble drops from your ")[1].split(" (")[0].split(" to "))
+    assert ideal < yours
+
+
+@pytest.mark.parametrize("lesson", ["01", "08"])
+def test_blocking_sends_are_said_to_deadlock_in_send(lesson):
+    from labkit.exercises import context_parallel as cp, data_parallel as dp
+    check = (dp.check_ring_all_reduce(blocking_ring, timeout_s=20, verbose=False)
+             if lesson == "01" else     # 20 s: time for every rank to reach its send under load
+             cp.check_ring_attention(blocking_ring_attention, timeout_s=20, verbose=False))
+    assert not check.ok and check.problem == "deadlock", check.message
+    assert "Every rank waits in send" in check.message and "async_op=True" in check.message
+    assert "waits in recv" not in check.message
+
+
+def test_the_deadlock_words_follow_the_op_the_ranks_are_in():
+    from labkit.exercises import deadlock_in_words, ranks_waiting_in
+    text = ("timed out after 5s; ranks still running and where they wait:\n"
+            "  rank 0: recv from rank 1 (16 bytes) \n  rank 1: send to rank 0 (16 bytes) \n")
+    assert ranks_waiting_in(text) == {0: "recv", 1: "send"}
+    assert "in send and in recv" in deadlock_in_words(text)
+    assert "Every rank waits in recv" in deadlock_in_words(text.replace("send to", "recv from"))
+    assert "more time" in deadlock_in_words("timed out after 5s: still computing")
+
+
+def test_a_launch_too_slow_to_start_is_not_blamed_on_the_code():
+    from labkit.exercises import SLOW, too_slow_to_start, when_it_breaks as wib
+    slow = ("timed out after 20s: still computing, no rank waits in a collective (ranks 0, 1 "
+            "are busy in fn).")
+    assert too_slow_to_start(slow) and not too_slow_to_start("timed out after 20s; ranks ...")
+    check = wib._failed_run(slow)
+    assert check.problem == "slow" and check.message == SLOW and "timeout_s=60" in SLOW
+
+
+def _second_failure_shows_code(run, code_words):
+    first, second = run(), run()
+    assert not first.ok and not second.ok
+    assert "Hint:" in first.message and code_words not in first.message, first.message
+    assert "show_solution()" in first.message
+    assert "The code:" in second.message and code_words in second.message, second.message
+
+
+def test_zero2_shard_hints_first_and_shows_the_code_second():
+    from labkit.exercises import zero
+    def run():
+        return zero.check_gradient_shard(summed_shard, timeout_s=60, verbose=False)
+    _second_failure_shows_code(run, "reduce_scatter(grad)")
+
+
+def test_dp_average_hints_first_and_shows_the_code_second():
+    from labkit.exercises import hybrid
+    def run():
+        return hybrid.check_dp_average(world_average, timeout_s=60, verbose=False)
+    _second_failure_shows_code(run, "group=mesh['dp']")
+    assert run().problem == "world"
+
+
+def test_gradient_sync_hints_first_and_shows_the_code_second():
+    from labkit.exercises import when_it_breaks as wib
+    _second_failure_shows_code(lambda: wib.check_gradient_sync(summed_sync, verbose=False),
+                               "p.grad /= ctx.world_size")
+
+
+def test_merge_hints_first_and_shows_the_code_second(capsys):
+    from labkit.exercises import context_parallel as cp
+
+    def averaged(out_a, lse_a, out_b, lse_b):
+        return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+    _second_failure_shows_code(lambda: cp.check_merge(averaged, verbose=False), "logaddexp")
+    cp.show_solution()
+    assert "torch.logaddexp" in capsys.readouterr().out
+
+
+def test_a_peak_rounded_to_one_pflops_is_accepted_and_said():
+    from labkit.exercises import when_it_breaks as wib
+    from labkit.theory import hardware
+    exact = 6 * catalog.model("llama-3-8b").param_count() * 600_000 / (
+        64 * hardware.gpu("H100").bf16_flops)
+    rounded = 6 * 8e9 * 600_000 / (64 * 1e15)
+    assert abs(rounded / exact - 1) > 0.01                 # outside the 1% tolerance alone
+    check = wib.check_mfu_answer(rounded, verbose=False)
+    assert check.ok and "rounded to 1 PFLOP/s" in check.message and "989" in check.message
+    assert not wib.check_mfu_answer(rounded * 0.9, verbose=False).ok
+
+
+def test_a_capacity_is_shown_as_the_learner_wrote_it():
+    from labkit.exercises import moe
+    check = moe.check_capacity_answer(1.25 * 2 * 6000 / 64, verbose=False)
+    assert not check.ok and "234.375" in check.message and check.problem == "not rounded"
+    assert "round up" in check.message

@@ -44,3 +44,12 @@ def test_a_notebook_edited_by_hand_is_caught(tmp_path):
     path = tmp_path / f"{src.stem}.ipynb"
     nbformat.write(nb, path)
     assert any("differ" in p for p in build.differences(src, path))
+
+
+def test_the_readme_lists_every_lesson_in_order():
+    """README's lesson table: one row per notebooks/*.ipynb, in order, and nothing else."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## The lessons", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
+    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert rows == notebooks

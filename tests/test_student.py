@@ -3,7 +3,9 @@ outputs are cleared. That each lesson's checkers fail on the stubs with their me
 on the instructor's solutions is tests/test_exercises.py."""
 import ast
 import contextlib
+import importlib.util
 import io
+import json
 
 import nbformat
 import pytest
@@ -52,16 +54,48 @@ def test_stub_keeps_signatures_and_blanks_answers():
     assert editions.stub_source("print(1)") == 'raise NotImplementedError("your code here")'
 
 
-def test_site_links_each_lesson_by_title_with_a_static_explorer(tmp_path):
+def two_lessons(tmp_path):
     lessons = tmp_path / "notebooks"
     lessons.mkdir()
     for prefix in ("05", "07"):
-        source = read(editions.NOTEBOOKS, prefix)
-        nbformat.write(source, lessons / f"{prefix}_lesson.ipynb")
+        nbformat.write(read(editions.NOTEBOOKS, prefix), lessons / f"{prefix}_lesson.ipynb")
+    return lessons
+
+
+HUB = "https://hub.example.org/"
+
+
+def test_the_book_lists_each_lesson_with_its_explorer_and_a_hub_link(tmp_path):
+    book = tmp_path / "book"
+    names = editions.book_sources(book, folder=two_lessons(tmp_path), hub=HUB)
+    assert names == ["05_lesson", "07_lesson"]
+    toc = json.loads((book / "_toc.yml").read_text())   # JSON is YAML
+    assert toc["root"] == "intro" and [c["file"] for c in toc["chapters"]] == names
+    config = json.loads((book / "_config.yml").read_text())
+    assert config["execute"]["execute_notebooks"] == "off"      # the saved outputs, not re-run
+    assert f'href="{HUB}hub/"' in config["html"]["announcement"]
+    assert "- [07 · When it breaks" in (book / "intro.md").read_text()
+    nb = nbformat.read(book / "07_lesson.ipynb", as_version=4)
+    assert f"({HUB}hub/user-redirect/lab/tree/student/07_lesson.ipynb)" in nb.cells[0].source
+    snapshots = [o["data"]["text/html"] for c in nb.cells if c.cell_type == "code"
+                 for o in c.outputs if "The explorer as last drawn" in o.get("data", {}).get(
+                     "text/html", "")]
+    assert snapshots and "data:image/png;base64," in snapshots[0]
+    bare = tmp_path / "bare"
+    editions.book_sources(bare, folder=tmp_path / "notebooks")
+    assert "announcement" not in json.loads((bare / "_config.yml").read_text())["html"]
+    first = nbformat.read(bare / "07_lesson.ipynb", as_version=4).cells[0].source
+    assert "hub" not in first and first.startswith("# 07")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jupyter_book") is None,
+                    reason="Jupyter Book is the docs extra (make html installs it)")
+def test_the_site_builds_with_search_navigation_and_the_hub_link(tmp_path):
     with contextlib.redirect_stdout(io.StringIO()):
-        index = editions.build_site(tmp_path / "site", folder=lessons)
-    text = index.read_text()
-    assert 'href="07_lesson.html">07 · When it breaks' in text and 'href="05_lesson.html"' in text
-    page = (tmp_path / "site" / "07_lesson.html").read_text()
-    assert "The explorer as last drawn" in page and page.count("data:image/png;base64,") >= 2
-    assert "application/vnd.jupyter.widget-state+json" in page
+        index = editions.build_site(tmp_path / "site", folder=two_lessons(tmp_path), hub=HUB)
+    site = index.parent
+    assert (site / "search.html").exists() and (site / "searchindex.js").exists()
+    page = (site / "07_lesson.html").read_text()
+    assert "The explorer as last drawn" in page and 'href="05_lesson.html"' in page
+    assert f"{HUB}hub/user-redirect/lab/tree/student/07_lesson.ipynb" in page
+    assert "bd-toc" in page or "On this page" in page or "Contents" in page

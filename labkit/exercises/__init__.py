@@ -4,7 +4,11 @@
 Code exercises run the learner's function on ranks (`labkit.launch`) and diagnose what they
 find. Number exercises go through `check_number`: the learner's number against labkit's
 formula, with the likely wrong answers (`Mistake`s: a forgotten factor, bits for bytes, GB for
-bytes, percent for a fraction) named when the number matches one of them.
+bytes, percent for a fraction) named when the number matches one of them; answers that differ
+only by a reasonable rounding of an input (`Rounding`) are accepted, and the message says so.
+
+Code exercises hint before they tell (`Hints`): the first wrong answer gets a conceptual hint,
+the code only from the second wrong answer on, or when the learner asks (`show_solution()`).
 """
 import math
 from dataclasses import dataclass
@@ -42,6 +46,86 @@ class Mistake:
     why: str
 
 
+@dataclass
+class Rounding:
+    """An answer computed from rounded inputs: its `value`, and `how` the inputs were rounded."""
+    value: float
+    how: str
+
+
+class Hints:
+    """One exercise's hints: `concept` after the first wrong answer, `code` after later ones.
+
+    The count lives in the learner's kernel (one object per exercise); `show()` prints the code
+    at any time (what the lesson's `show_solution()` calls); `reset()` starts over."""
+
+    def __init__(self, concept, code):
+        self.concept, self.code, self.failures = concept, code, 0
+        _ALL_HINTS.append(self)
+
+    def after_failure(self):
+        """The hint for this wrong answer: conceptual first, then the code."""
+        self.failures += 1
+        if self.failures == 1:
+            return (f"Hint: {self.concept} (Stuck? A second try, or show_solution(), shows "
+                    "the code.)")
+        return f"The code: {self.code}"
+
+    def show(self):
+        print(self.code)
+
+    def reset(self):
+        self.failures = 0
+
+
+_ALL_HINTS = []
+
+
+def reset_hints():
+    """Forget every exercise's wrong answers (a fresh kernel's state; tests use it)."""
+    for hints in _ALL_HINTS:
+        hints.reset()
+
+
+def too_slow_to_start(error_text):
+    """A launch time-out before any rank reached a collective: a busy machine, not the code."""
+    return "timed out" in error_text and "no rank waits in a collective" in error_text
+
+
+SLOW = ("TIMED OUT before any rank reached a collective: the machine is busy, your code is not "
+        "to blame yet; run the check again with timeout_s=60.")
+
+
+def ranks_waiting_in(timeout_text):
+    """{rank: the op it waits in ('send', 'recv', 'all_reduce', ...)} from a launch time-out."""
+    where = {}
+    for line in timeout_text.splitlines():
+        head, _, status = line.strip().partition(": ")
+        if head.startswith("rank ") and head[5:].isdigit() and status:
+            words = status.removeprefix("waiting in ").removeprefix("async ").split()
+            where[int(head[5:])] = words[0] if words else "?"
+    return where
+
+
+def deadlock_in_words(timeout_text):
+    """Why point-to-point ranks hang, from the op they wait in (a blocking send or a recv)."""
+    ops = set(ranks_waiting_in(timeout_text).values())
+    if not ops:
+        return ("No rank had reached a send or recv yet (still starting or computing): on a "
+                "busy machine give it more time (timeout_s=30).")
+    if ops == {"send"}:
+        return ("Every rank waits in send: a blocking send returns only once the neighbour "
+                "has received, and the neighbour is itself stuck in its own send, so nobody "
+                "reaches recv.")
+    if ops == {"recv"}:
+        return ("Every rank waits in recv: each waits for a message that nobody sends, since "
+                "every rank receives before it sends.")
+    if ops <= {"send", "recv"} and ops:
+        return ("Ranks wait in send and in recv at once: a blocking send waits for a recv that "
+                "its neighbour has not reached, in a cycle.")
+    return "The ranks wait for each other in a cycle."
+
+
 def _unit_mistakes(expected, unit):
     """Wrong answers any number in `unit` invites: bits, a wrong prefix, a percent."""
     if unit == "bytes":
@@ -74,20 +158,24 @@ def _factor(value, expected):
 
 
 def _format(value, unit):
+    """The learner's number as they wrote it (234.375 stays 234.375, never rounded to 234)."""
     if unit == "fraction":
-        return f"{value:.3g}"
-    if unit in ("bytes", "tokens", "GPUs") or float(value).is_integer():
+        return f"{value:.4g}"
+    if float(value).is_integer():
         return f"{value:,.0f} {unit}".strip()
-    return f"{value:.4g} {unit}".strip()
+    if unit in ("bytes", "tokens", "GPUs") and abs(value) >= 1e6:
+        return f"{value:,.1f} {unit}".strip()
+    return f"{value:.7g} {unit}".strip()
 
 
 def check_number(answer, expected, *, what, hint, unit="", mistakes=(), exact=False,
-                 tolerance=0.01, explain="", verbose=True):
+                 tolerance=0.01, explain="", roundings=(), verbose=True):
     """Say in words whether `answer` is `expected` (labkit's formula); never raises.
 
     `what` names the quantity, `hint` says how to derive it (shown when the answer is missing
     or wrong), `mistakes` are the likely wrong answers to diagnose (with the unit's own:
     bits, GB, percent). `exact` for counts (GPUs, tokens); otherwise within `tolerance`.
+    `roundings` (`Rounding`s) are answers from reasonably rounded inputs: accepted, and said.
     """
     if answer is None or answer is Ellipsis:
         return say(Check(False, "no answer", f"No answer yet for {what}. Hint: {hint}"),
@@ -106,6 +194,11 @@ def check_number(answer, expected, *, what, hint, unit="", mistakes=(), exact=Fa
     if close(expected):
         return say(Check(True, "", f"Correct: {what}: {_format(expected, unit)}."
                          + (f" {explain}" if explain else "")), verbose)
+    for rounding in roundings:
+        if close(rounding.value):
+            return say(Check(True, "", f"Correct: {what}: {_format(value, unit)}, accepted: "
+                             f"{rounding.how}; unrounded it is {_format(expected, unit)}."
+                             + (f" {explain}" if explain else "")), verbose)
     for mistake in list(mistakes) + _unit_mistakes(expected, unit):
         if mistake.value != expected and close(mistake.value):
             return say(Check(False, mistake.problem, (

@@ -5,7 +5,8 @@ queries over the keys of block a and block b together, from each block's own sof
 log-sum-exp (what ring attention does after every ring step). The checker runs it on cases
 built from real attention (ordinary scores, scores large enough to overflow exp, and a query
 that has seen no key at all yet, as a causal mask makes) and says what is wrong in plain words.
-No ranks are needed: the merge is arithmetic on one device.
+No ranks are needed: the merge is arithmetic on one device. The first wrong answer gets a
+hint, later ones (or `show_solution()`) the code.
 
 `check_ring_attention(fn)` runs the learner's `fn(ctx, q, k, v)` on 4 ranks, each holding its
 contiguous quarter of a sequence, and compares with attention over the whole sequence on one
@@ -18,7 +19,7 @@ import math
 import torch
 
 from ..theory import context_parallel as tcp
-from . import Check, Mistake, check_number, say
+from . import Check, Hints, Mistake, check_number, deadlock_in_words, say
 
 
 def partial_attention(q, k, v, mask=None):
@@ -73,18 +74,35 @@ def _run(fn, kind):
     return "ok", ""
 
 
+MERGE_HINTS = Hints(
+    concept="each block's output is normalised by its own softmax sum, exp(lse); the merged "
+            "output weighs each block by its share of the total sum, and the merged lse is the "
+            "log of the total. Never exponentiate an lse itself (it may overflow), and a block "
+            "no query has seen (lse = -inf) has weight 0.",
+    code="lse = torch.logaddexp(lse_a, lse_b); w_a = torch.exp(lse_a - lse).nan_to_num(0.0); "
+         "w_b = torch.exp(lse_b - lse).nan_to_num(0.0); out = w_a[..., None] * out_a + "
+         "w_b[..., None] * out_b; return out, lse")
+
+
+def show_solution():
+    """Print the code of exercise 1 (the log-sum-exp merge)."""
+    MERGE_HINTS.show()
+
+
 def check_merge(fn, verbose=True):
     """Run the learner's `fn(out_a, lse_a, out_b, lse_b) -> (out, lse)` on three cases; print
     the feedback and return a Check."""
-    return say(_judge(fn), verbose)
+    check = _judge(fn)
+    if not check.ok and check.problem != "not written":
+        check.message += " " + MERGE_HINTS.after_failure()
+    return say(check, verbose)
 
 
 def _judge(fn):
     verdict, detail = _run(fn, "plain")
     if verdict == "error" and detail.startswith("NotImplementedError"):
         return Check(False, "not written", "NOT WRITTEN YET: your function raised "
-                     "NotImplementedError. Hint: lse = torch.logaddexp(lse_a, lse_b); weigh "
-                     "each output by exp(its lse - lse).")
+                     f"NotImplementedError. Hint: {MERGE_HINTS.concept}")
     if verdict == "error":
         return Check(False, "error", f"Your function raised {detail}. out_a and out_b are "
                      "(2, 6, 8) (batch, queries, head_dim); lse_a and lse_b are (2, 6).")
@@ -94,30 +112,27 @@ def _judge(fn):
         args, (out, _) = _case("plain")
         average = (args[0] + args[2]) / 2
         if torch.allclose(average, fn(*args)[0], atol=1e-5):
-            return Check(False, "average", "You averaged the two outputs. Each block's output "
-                         "is normalised by its own softmax sum; weigh it by its share of the "
-                         "total: exp(lse_a - lse) with lse = log(exp(lse_a) + exp(lse_b)).")
+            return Check(False, "average", "You averaged the two outputs, as if both blocks "
+                         "had the same softmax sum.")
         return Check(False, "wrong", f"The merged output differs from attention over all the "
-                     f"keys (max difference {detail:.3g}). out = exp(lse_a - lse) * out_a + "
-                     "exp(lse_b - lse) * out_b, with lse = log(exp(lse_a) + exp(lse_b)).")
+                     f"keys (max difference {detail:.3g}).")
     if verdict == "lse":
         return Check(False, "lse", f"The output is right but the returned lse is not (max "
-                     f"difference {detail:.3g}): the next merge needs log(exp(lse_a) + "
-                     "exp(lse_b)) (torch.logaddexp).")
+                     f"difference {detail:.3g}): the next merge needs the log of the total "
+                     "softmax sum of both blocks.")
     if verdict == "nonfinite":
         return Check(False, "nonfinite", "Your result has inf or nan on ordinary scores.")
     verdict, detail = _run(fn, "large")
     if verdict != "ok":
         return Check(False, "overflow", "Right on ordinary scores, but with scores of a few "
-                     "hundred exp(lse) overflows float32 (exp(89) is already inf). Never "
-                     "exponentiate an lse itself: use torch.logaddexp, and weights "
-                     "exp(lse_a - lse) <= 1.")
+                     "hundred exp(lse) overflows float32 (exp(89) is already inf): work with "
+                     "differences of lse, whose exp is at most 1.")
     verdict, detail = _run(fn, "masked")
     if verdict != "ok":
         return Check(False, "masked", "Right until a query has seen no key in either block "
                      "(both lse = -inf, as a causal mask makes at the start of ring "
-                     "attention): then lse is -inf too and -inf - (-inf) is nan. Give such a "
-                     "side weight 0 (e.g. .nan_to_num(0.0) on the weights); out stays 0.")
+                     "attention): then lse is -inf too and -inf - (-inf) is nan; such a side "
+                     "must weigh 0, and out stays 0.")
     return Check(True, "", "Correct: the merge is exact (ordinary scores), stable (scores of a "
                  "few hundred) and handles a query that sees no key of a block. Ring attention "
                  "merges one such block per ring step.")
@@ -157,10 +172,10 @@ def _ring_failed(text):
         return Check(False, "not written", "NOT WRITTEN YET: your function (or the merge it "
                      f"calls) raised NotImplementedError. {RING_HINT}")
     if "timed out" in text:
-        return Check(False, "deadlock", "DEADLOCK: the ranks still waited at the timeout. If "
-                     "every rank first waits in recv, nobody sends: post the sends with "
-                     f"async_op=True before the recvs, and wait on their handles after. "
-                     f"{RING_HINT}")
+        waits = "\n".join(line for line in text.splitlines() if line.startswith("  rank"))
+        return Check(False, "deadlock", f"DEADLOCK: the ranks still waited at the timeout:\n"
+                     f"{waits}\n{deadlock_in_words(text)} Post the sends with async_op=True "
+                     f"before the recvs, and wait on their handles after. {RING_HINT}")
     last = [line for line in text.splitlines() if line.strip()][-1].strip()
     return Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}. {RING_HINT}")
 

@@ -1,8 +1,9 @@
 """Lesson 01's exercise: a ring all-reduce from send and recv, checked on 4 ranks.
 
 `check_ring_all_reduce(fn)` runs the learner's `fn(ctx, tensor)` on every rank with different
-data and says in words what is wrong: a wrong sum, chunks in the wrong place, a deadlock (every
-rank waiting in recv), another collective used, or more bytes sent than the ring's 2(N-1)/N x S.
+data and says in words what is wrong: a wrong sum, chunks in the wrong place, a deadlock (named
+by the op the ranks wait in: every rank in a blocking send, or in recv), another collective
+used, or more bytes sent than the ring's 2(N-1)/N x S.
 `check_ring_bytes(answer)` checks the bytes each GPU sends to all-reduce GPT-2 small's bf16
 gradients on 8 GPUs against `theory.data_parallel.ring_all_reduce_bytes`.
 """
@@ -11,7 +12,7 @@ import torch
 from ..runtime.launch import LaunchError, launch
 from ..theory import catalog
 from ..theory.data_parallel import ring_all_reduce_bytes
-from . import Check, Mistake, check_number, say
+from . import Check, Mistake, check_number, deadlock_in_words, say
 
 
 def _ring_input(rank, numel):
@@ -76,10 +77,9 @@ def _failed_run(text, timeout_s):
         waits = "\n".join(line for line in text.splitlines() if line.startswith("  rank"))
         return Check(False, "deadlock", (
             f"Deadlock: the ranks were still waiting after {timeout_s:g} s.\n{waits}\n"
-            "Every rank is blocked waiting for a message that nobody sends: if each rank "
-            "first waits in recv, no send is ever posted. Post the send first without "
-            "waiting for it (handle = ctx.comm.send(chunk, right, async_op=True)), then "
-            "recv from the left, then handle.wait()."))
+            f"{deadlock_in_words(text)} Post the send without waiting for it (handle = "
+            "ctx.comm.send(chunk, right, async_op=True)), then recv from the left, then "
+            "handle.wait()."))
     last = [line for line in text.strip().splitlines() if line.strip()][-1]
     return Check(False, "error", f"Your function raised an error: {last}\n\n{text}")
 

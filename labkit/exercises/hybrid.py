@@ -4,7 +4,8 @@ the bytes of model states per GPU of a hybrid layout.
 
 `check_dp_average(fn)` runs the learner's `fn(ctx, mesh, grad)` on a dp=2 x tp=2 mesh: each rank
 must end with the mean of `grad` over its DP group only (the replicas of the same TP shard),
-not over the world or the TP group.
+not over the world or the TP group. The first wrong answer gets a hint, later ones (or
+`show_solution()`) the code.
 
 `check_layout(answer, ...)` evaluates the learner's plan with the planner (the fields they give
 held fixed, the rest searched), and answers with a `Check` in plain words: which rule a layout
@@ -15,13 +16,21 @@ import torch
 
 from ..theory import catalog, planner
 from ..theory import memory as tm
-from . import Check, Mistake, check_number, say
+from . import SLOW, Check, Hints, Mistake, check_number, say, too_slow_to_start
 
 EXERCISE = dict(model="llama-3-70b", gpus=96, gpu="H100", global_batch=384, seq=4096,
                 target_mfu=0.45)
 MESH = dict(dp=2, tp=2)
-DP_HINT = ("Hint: ctx.comm.all_reduce(grad, group=mesh['dp']) sums over this rank's DP group "
-           "(its replicas); then divide by mesh['dp'].size.")
+DP_HINTS = Hints(
+    concept="only the ranks that hold copies of the same weights (the replicas) may average "
+            "their gradients; every collective takes group=, and the mesh names its groups.",
+    code="ctx.comm.all_reduce(grad, group=mesh['dp']) sums over this rank's DP group (its "
+         "replicas); then return grad / mesh['dp'].size.")
+
+
+def show_solution():
+    """Print the code of exercise 1 (averaging over the DP group of a mesh)."""
+    DP_HINTS.show()
 
 
 def _mesh_input(rank):
@@ -48,10 +57,15 @@ def check_dp_average(fn, timeout_s=30.0, verbose=True):
             return say(Check(False, "not written", "NOT WRITTEN YET: your function raised "
                              "NotImplementedError. Hint: every collective takes group=; which "
                              "of the mesh's groups holds copies of the same weights?"), verbose)
+        if too_slow_to_start(text):
+            return say(Check(False, "slow", SLOW), verbose)
         last = [line for line in text.splitlines() if line.strip()][-1].strip()
         return say(Check(False, "raised", f"YOUR CODE RAISED (or hung) on a rank: {last}. "
-                         f"{DP_HINT}"), verbose)
-    return say(_judge_dp(results), verbose)
+                         f"{DP_HINTS.after_failure()}"), verbose)
+    check = _judge_dp(results)
+    if not check.ok:
+        check.message += " " + DP_HINTS.after_failure()
+    return say(check, verbose)
 
 
 def _judge_dp(results):
@@ -69,18 +83,20 @@ def _judge_dp(results):
         if torch.allclose(got, mean(range(world))) or torch.allclose(got, summed(range(world))):
             return Check(False, "world", f"On {where} the gradient is reduced over all {world} "
                          "ranks: ranks of another TP group hold other shards of the weights; "
-                         f"only the DP group holds copies of the same shard. {DP_HINT}")
+                         "only the DP group holds copies of the same shard.")
         if torch.allclose(got, mean(groups["tp"])) or torch.allclose(got, summed(groups["tp"])):
             return Check(False, "tp group", f"On {where} the gradient is reduced over the TP "
-                         "group: its ranks hold different shards; average over mesh['dp'], the "
-                         f"replicas. {DP_HINT}")
+                         "group: its ranks hold different shards; average over the replicas "
+                         "instead.")
         if torch.allclose(got, _mesh_input(r)):
-            return Check(False, "not reduced", f"On {where} nothing was reduced. {DP_HINT}")
+            return Check(False, "not reduced", f"On {where} nothing was reduced.")
         return Check(False, "wrong value", f"On {where} the result is not the mean over the DP "
-                     f"group. {DP_HINT}")
+                     "group.")
     return Check(True, "", f"Correct: every rank holds the mean over its DP group (ranks "
                  f"{results[0]['groups']['dp']} for rank 0): the replicas of the same shard "
                  "agree, the other shards are left alone.")
+
+
 ADVICE = {"tp_comm": "TP communication: keep TP inside a node (tp <= 8) or lower it",
           "pp_bubble": "the pipeline bubble: more micro-batches (smaller micro-batch size) or "
                        "interleaving (v > 1)",
@@ -159,6 +175,10 @@ def check_hybrid_memory(answer, verbose=True):
         Mistake(tm.model_state_bytes(local, zero_stage=2, world_size=h["dp"])["total"] / 1e9,
                 "ZeRO-2", "that shards the gradients as well (ZeRO-2); ZeRO-1 shards only the "
                 "optimizer state"),
+        Mistake((2 + 4 + 12 / h["dp"]) * local / 1e9, "fp32 gradients", "that counts fp32 "
+                "gradients (4 bytes, 18 bytes per parameter: the planner's convention, as "
+                "Megatron-LM accumulates them); this exercise counts bf16 gradients as the ZeRO "
+                "paper does: 2 + 2 + 12 = 16 bytes per parameter"),
     ]
     return check_number(answer, expected, what=f"GB of model states per GPU (Llama 3 70B, "
                         f"dp={h['dp']} tp={h['tp']} pp={h['pp']}, ZeRO-{h['zero_stage']})",

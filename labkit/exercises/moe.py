@@ -99,6 +99,8 @@ def check_capacity_answer(answer, tokens=CAPACITY["tokens"], experts=CAPACITY["e
     t, e, k, cf = tokens, experts, top_k, capacity_factor
     expected = capacity_formula(t, e, k, cf)
     mistakes = [
+        Mistake(cf * k * t / e, "not rounded", "a slot holds a whole token: round up to the "
+                "next whole slot"),
         Mistake(math.floor(cf * k * t / e), "rounded down", "round up: a fraction of a slot "
                 "is a whole slot, or the last token of an evenly loaded expert is dropped"),
         Mistake(math.ceil(cf * t / e), "forgot k", f"each token is sent to k = {k} experts: "

@@ -3,7 +3,9 @@
 `check_stage_order(my_ops)` puts the learner's order on one stage, labkit's 1F1B on the others,
 checks the schedule the way the executor does (every op once, F before B, no deadlock: replayed
 by the simulator), then runs it for real with `PipelineSchedule` on a small nn.Sequential and
-compares the parameters with one device. It answers with a `Check`; it never raises.
+compares the parameters with one device. A valid order that is not 1F1B is said to be valid,
+with what 1F1B would change (its warm-up and its bubble, simulated with the run's own op times).
+It answers with a `Check`; it never raises.
 `check_gpipe_bubble(answer)` checks a number: GPipe's bubble fraction for P stages and M
 micro-batches, against `theory.time.bubble_fraction`.
 """
@@ -120,8 +122,25 @@ def _stage_order(my_ops, stage, stages, microbatches, timeout_s):
         return Check(False, "memory", f"RIGHT RESULT, TOO MUCH MEMORY: {text}, more than "
                      f"1F1B's {bound} (P - stage). Start the backwards earlier: after "
                      f"{p - stage - 1} warm-up forwards, alternate F and B.")
-    exact = ops == schedules.one_f_one_b_schedule(p, m)[stage]
-    return Check(True, "", f"CORRECT: {text}." + (" That is exactly 1F1B." if exact else ""))
+    one_f_one_b = schedules.one_f_one_b_schedule(p, m)
+    if ops != one_f_one_b[stage]:
+        return _valid_not_1f1b(text, ops, stage, p, timeline, one_f_one_b)
+    return Check(True, "", f"CORRECT: {text}. That is exactly 1F1B.")
+
+
+def _valid_not_1f1b(text, ops, stage, p, timeline, one_f_one_b):
+    """A valid, right, memory-bounded order that is not 1F1B: what 1F1B would change."""
+    yours = schedules.timeline_bubble_fraction(timeline)
+    ideal = schedules.timeline_bubble_fraction(schedules.simulate_like(timeline, one_f_one_b))
+    warm = next((i for i, op in enumerate(ops) if op[0] == "B"), len(ops))
+    change = (f"the bubble drops from your {yours:.3f} to {ideal:.3f} (simulated with this "
+              "run's op times)" if ideal < yours - 5e-4 else
+              f"the bubble stays {ideal:.3f} here, and the order is the standard one")
+    return Check(False, "not 1F1B", (
+        f"VALID, BUT NOT 1F1B: {text}. Your stage {stage} runs {warm} forwards before its "
+        f"first backward; 1F1B runs P - stage = {p - stage} ({p - 1 - stage} warm-up forwards, "
+        "then one F before each B, so the later stages never wait for a forward), then "
+        f"alternates one F and one B, then drains the Bs: {change}."))
 
 
 BUBBLE_STAGES, BUBBLE_MICROBATCHES = 6, 20

@@ -5,10 +5,12 @@ every batch; after each backward it calls the learner's `sync_fn(ctx, model)`, w
 every rank holding the gradient of the *full* batch's mean loss. It compares the parameters
 with one device trained on the whole batch and says, in words, what went wrong: not written
 yet, a hang, replicas that drift apart (no sync), updates N times too large (summed, not
-averaged), or some other difference. It answers with a `Check`; it never raises.
+averaged), or some other difference. It answers with a `Check`; it never raises. The first
+wrong answer gets a hint, later ones (or `show_solution()`) the code.
 `check_mfu_answer(answer)` checks a number: the MFU of a measured throughput, against
-`theory.time.training_flops` (6 x params per token) over GPUs x the dense bf16 peak, and names
-the wrong peaks and FLOP counts.
+`theory.time.training_flops` (6 x params per token) over GPUs x the dense bf16 peak, names
+the wrong peaks and FLOP counts, and accepts inputs rounded as a learner would (8e9 parameters,
+1 PFLOP/s for the H100's 989 TFLOP/s), saying so.
 """
 import torch
 import torch.nn as nn
@@ -16,7 +18,8 @@ import torch.nn.functional as F
 
 from ..theory import catalog, hardware
 from ..theory.time import training_flops
-from . import Check, Mistake, check_number, say
+from . import (SLOW, Check, Hints, Mistake, Rounding, check_number, say,
+               too_slow_to_start)
 
 DIMS, BATCH, LR, STEPS = (8, 16, 4), 8, 0.1, 3
 
@@ -78,8 +81,17 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-HINT = ("Hint: for every parameter p, all-reduce p.grad (ctx.comm.all_reduce sums in place), "
-        "then divide it by ctx.world_size.")
+SYNC_HINTS = Hints(
+    concept="every rank must end with the gradient of the whole batch's mean loss: the mean "
+            "of the ranks' gradients (each rank's loss is already a mean over its half), the "
+            "same collective on every rank in the same order.",
+    code="for p in model.parameters(): ctx.comm.all_reduce(p.grad) (sums in place), then "
+         "p.grad /= ctx.world_size.")
+
+
+def show_solution():
+    """Print the code of exercise 1 (averaging the replicas' gradients)."""
+    SYNC_HINTS.show()
 
 
 def check_gradient_sync(sync_fn, world_size=2, timeout_s=60, verbose=True):
@@ -88,7 +100,10 @@ def check_gradient_sync(sync_fn, world_size=2, timeout_s=60, verbose=True):
     try:
         runs = launch(train_replicas, world_size, sync_fn, timeout_s=timeout_s)
     except LaunchError as error:
-        return say(_failed_run(str(error)), verbose)
+        check = _failed_run(str(error))
+        if check.problem not in ("not written", "slow"):
+            check.message += " " + SYNC_HINTS.after_failure()
+        return say(check, verbose)
     start = _flat(exercise_model())
     ref = reference()
     drift = max((runs[r][0] - runs[0][0]).abs().max().item() for r in range(world_size))
@@ -96,7 +111,7 @@ def check_gradient_sync(sync_fn, world_size=2, timeout_s=60, verbose=True):
         return say(Check(False, "replicas differ", (
             f"NOT SYNCHRONISED: after one step rank 0 and the others differ by up to "
             f"{drift:.1e}. Each rank stepped with the gradient of its own half of the batch, so "
-            f"the replicas drift apart. {HINT}")), verbose)
+            f"the replicas drift apart. {SYNC_HINTS.after_failure()}")), verbose)
     mine, truth = runs[0][0] - start, ref[0] - start
     ratio = float(mine @ truth / (truth @ truth))
     diff = max((a - b).abs().max().item() for a, b in zip(runs[0], ref))
@@ -110,32 +125,35 @@ def check_gradient_sync(sync_fn, world_size=2, timeout_s=60, verbose=True):
             f"SUMMED, NOT AVERAGED: the replicas agree, but every update is {ratio:.2f}x the "
             f"single-device one (max diff {diff:.1e} after {STEPS} steps). Each rank's loss is "
             f"already a mean over its shard; adding {world_size} such gradients multiplies the "
-            f"step by {world_size}, like a {world_size}x learning rate. {HINT}")), verbose)
+            f"step by {world_size}, like a {world_size}x learning rate. "
+            f"{SYNC_HINTS.after_failure()}")), verbose)
     return say(Check(False, "wrong result", (
         f"WRONG RESULT: the replicas agree, but differ from one device by {diff:.1e} after "
-        f"{STEPS} steps (first update {ratio:.2f}x the reference's; 1.00 is right). {HINT}")),
+        f"{STEPS} steps (first update {ratio:.2f}x the reference's; 1.00 is right). "
+        f"{SYNC_HINTS.after_failure()}")),
         verbose)
 
 
 def _failed_run(text):
     if "NotImplementedError" in text:
         return Check(False, "not written", (
-            f"NOT WRITTEN YET: sync_fn raised NotImplementedError. Replace the raise with your "
-            f"code. {HINT}"))
+            "NOT WRITTEN YET: sync_fn raised NotImplementedError. Replace the raise with your "
+            f"code. Hint: {SYNC_HINTS.concept}"))
+    if too_slow_to_start(text):
+        return Check(False, "slow", SLOW)
     if "timed out" in text:
         waits = "\n".join(line for line in text.splitlines() if line.startswith("  rank"))
         return Check(False, "deadlock", (
             f"HANG: the ranks still waited at the timeout:\n{waits}\nEvery rank must call the "
-            f"same collectives in the same order (no collective under `if ctx.rank == 0`). "
-            f"{HINT}"))
+            "same collectives in the same order (no collective under `if ctx.rank == 0`)."))
     if "Connection closed by peer" in text or "Connection reset by peer" in text:
         return Check(False, "one-sided collective", (
             "HANG, CUT SHORT: one rank waited in a collective while another had finished and "
             "left (gloo then reports the connection closed or reset by the peer). Every rank "
             "must call the same collectives in the same order (no collective under "
-            f"`if ctx.rank == 0`). {HINT}"))
+            "`if ctx.rank == 0`)."))
     last = [line for line in text.splitlines() if line.strip()][-1].strip()
-    return Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}. {HINT}")
+    return Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}.")
 
 
 MFU_RUN = dict(model="llama-3-8b", gpus=64, gpu="H100", tokens_per_s=600_000)
@@ -159,9 +177,21 @@ def check_mfu_answer(answer, model=MFU_RUN["model"], gpus=MFU_RUN["gpus"], gpu=M
         Mistake(expected * peak / a100, "wrong GPU", "that uses the A100's peak; the run is on "
                 "H100s"),
     ]
+    flops = training_flops(psi, tokens_per_s)
+    round_psi = float(f"{psi:.1g}")                       # 8.03e9 -> 8e9
+    round_peak = float(f"{peak:.1g}")                     # 989e12 -> 1e15
+    roundings = [
+        Rounding(flops / (gpus * round_peak), f"the peak rounded to {round_peak / 1e15:g} "
+                 f"PFLOP/s (it is {peak / 1e12:.0f} TFLOP/s)"),
+        Rounding(training_flops(round_psi, tokens_per_s) / (gpus * peak), f"the parameters "
+                 f"rounded to {round_psi / 1e9:g}e9 (they are {psi / 1e9:.2f}e9)"),
+        Rounding(training_flops(round_psi, tokens_per_s) / (gpus * round_peak), f"parameters "
+                 f"and peak rounded to {round_psi / 1e9:g}e9 and {round_peak / 1e15:g} PFLOP/s"),
+    ]
+    roundings = [r for r in roundings if abs(r.value / expected - 1) < 0.05]   # reasonable
     return check_number(answer, expected, what=f"the MFU of {tokens_per_s:,} tokens/s on "
                         f"{gpus} {gpu}s ({catalog.model(model).display_name})", unit="fraction",
-                        mistakes=mistakes, verbose=verbose,
+                        mistakes=mistakes, roundings=roundings, verbose=verbose,
                         hint=f"6 x {psi / 1e9:.2f}e9 FLOPs per token x tokens/s, over {gpus} x "
                              f"the dense bf16 peak ({peak / 1e12:.0f} TFLOP/s each).",
                         explain="Between 0.3 and 0.6 is what good large runs report.")

@@ -3,8 +3,10 @@ per GPU under a ZeRO stage.
 
 `check_gradient_shard(fn)` runs the learner's `fn(ctx, grad)` on 4 ranks, each with its own
 full gradient; it must return this rank's 1/N slice of the gradient averaged over the ranks
-(what ZeRO-2 keeps), and says in words what is wrong: summed, the whole gradient kept (an
-all-reduce: N times the memory and twice the bytes), another rank's slice, nothing reduced.
+(what ZeRO-2 keeps), and moving no more bytes than reduce-scatter's (N-1)/N x S per rank. It
+says in words what is wrong: summed, the whole gradient kept, an all-reduce sliced afterwards
+(right values, twice the bytes and for a moment the whole gradient), another rank's slice,
+nothing reduced. The first wrong answer gets a hint, later ones (or `show_solution()`) the code.
 
 `check_stage_memory_answer(answer, params, world_size, stage)` compares the learner's number
 with `theory.memory.model_state_bytes` and, when it is wrong, names the mistake it matches
@@ -13,10 +15,20 @@ with `theory.memory.model_state_bytes` and, when it is wrong, names the mistake 
 import torch
 
 from ..theory import memory as tm
-from . import Check, Mistake, check_number, say
+from ..theory.time import wire_bytes_per_rank
+from . import SLOW, Check, Hints, Mistake, check_number, say, too_slow_to_start
 
-SHARD_HINT = ("Hint: out = ctx.comm.reduce_scatter(grad) sums over the ranks and keeps this "
-              "rank's 1/N slice of dim 0; divide it by ctx.world_size and return it.")
+SHARD_HINTS = Hints(
+    concept="one collective both sums over the ranks and leaves each rank only its 1/N slice, "
+            "sending (N-1)/N x S bytes; and each rank's loss is a mean over its part of the "
+            "batch, so the sum must become an average.",
+    code="mine = ctx.comm.reduce_scatter(grad)  (sums over the ranks; rank r keeps slice r of "
+         "dim 0), then return mine / ctx.world_size.")
+
+
+def show_solution():
+    """Print the code of exercise 1 (a ZeRO-2 gradient shard)."""
+    SHARD_HINTS.show()
 
 
 def _shard_input(rank, numel):
@@ -28,8 +40,9 @@ def _run_shard(ctx, fn, numel):
     grad = _shard_input(ctx.rank, numel)
     out = fn(ctx, grad.clone())
     sent = {rec.op for rec in ctx.comm.records}
+    wire = sum(rec.wire_bytes_per_rank for rec in ctx.comm.records)
     return dict(rank=ctx.rank, out=out.detach().clone() if isinstance(out, torch.Tensor)
-                else out, ops=sorted(sent))
+                else out, ops=sorted(sent), wire_bytes=wire, grad_bytes=grad.nbytes)
 
 
 def check_gradient_shard(fn, world_size=4, numel=16, timeout_s=20.0, verbose=True):
@@ -41,16 +54,19 @@ def check_gradient_shard(fn, world_size=4, numel=16, timeout_s=20.0, verbose=Tru
         text = str(error)
         if "NotImplementedError" in text:
             return say(Check(False, "not written", "NOT WRITTEN YET: your function raised "
-                             "NotImplementedError. Hint: one collective both sums over the "
-                             "ranks and leaves each rank only its slice; each rank's loss is a "
-                             "mean."), verbose)
+                             f"NotImplementedError. Hint: {SHARD_HINTS.concept}"), verbose)
+        if too_slow_to_start(text):
+            return say(Check(False, "slow", SLOW), verbose)
         if "timed out" in text:
             return say(Check(False, "hang", "HANG: the ranks did not call the same collectives. "
-                             f"{SHARD_HINT}"), verbose)
+                             f"{SHARD_HINTS.after_failure()}"), verbose)
         last = [line for line in text.splitlines() if line.strip()][-1].strip()
-        return say(Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}. {SHARD_HINT}"),
-                   verbose)
-    return say(_judge_shard(results, world_size, numel), verbose)
+        return say(Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}. "
+                         f"{SHARD_HINTS.after_failure()}"), verbose)
+    check = _judge_shard(results, world_size, numel)
+    if not check.ok:
+        check.message += " " + SHARD_HINTS.after_failure()
+    return say(check, verbose)
 
 
 def _judge_shard(results, n, numel):
@@ -60,22 +76,22 @@ def _judge_shard(results, n, numel):
         out, r = res["out"], res["rank"]
         if not isinstance(out, torch.Tensor):
             return Check(False, "not a tensor", f"Rank {r} returned {type(out).__name__}, not "
-                         f"a tensor. {SHARD_HINT}")
+                         f"a tensor.")
         out = out.reshape(-1).float()
         if out.numel() == numel:
             if torch.allclose(out, mean):
                 return Check(False, "whole gradient", (
                     "Every rank holds the whole averaged gradient: that is DP's all-reduce. "
                     f"ZeRO-2 keeps only its 1/{n} slice ({numel // n} of {numel} values), and "
-                    "a reduce-scatter sends half the bytes of an all-reduce. " + SHARD_HINT))
+                    "a reduce-scatter sends half the bytes of an all-reduce."))
             if torch.allclose(out, _shard_input(r, numel)):
                 return Check(False, "not reduced", f"Rank {r} returned its own gradient, "
-                             f"unreduced. {SHARD_HINT}")
+                             "unreduced.")
             return Check(False, "wrong size", f"Rank {r} returned {numel} values: keep only "
-                         f"its slice of {numel // n}. {SHARD_HINT}")
+                         f"its slice of {numel // n}.")
         if out.numel() != numel // n:
             return Check(False, "wrong size", f"Rank {r} returned {out.numel()} values, its "
-                         f"slice has {numel // n} ({numel} / {n} ranks). {SHARD_HINT}")
+                         f"slice has {numel // n} ({numel} / {n} ranks).")
         if torch.allclose(out, shards[r]):
             continue
         if torch.allclose(out, n * shards[r]):
@@ -86,8 +102,21 @@ def _judge_shard(results, n, numel):
         if owner:
             return Check(False, "wrong slice", f"Rank {r} holds slice {owner[0]}: rank r "
                          "keeps slice r of dim 0 (what reduce_scatter gives it).")
-        return Check(False, "wrong value", f"Rank {r}'s slice is wrong. {SHARD_HINT}")
+        return Check(False, "wrong value", f"Rank {r}'s slice is wrong.")
     ops = sorted({op for res in results for op in res["ops"]})
+    needed = wire_bytes_per_rank("reduce_scatter", results[0]["grad_bytes"], n)
+    worst = max(results, key=lambda res: res["wire_bytes"])
+    if worst["wire_bytes"] > needed * (1 + 1e-9):
+        via = f"{', '.join(ops)}, then a slice" if "all_reduce" in ops else ", ".join(ops)
+        return Check(False, "too many bytes", (
+            f"RIGHT VALUES, TOO MANY BYTES: rank {worst['rank']} moved "
+            f"{worst['wire_bytes']:.0f} bytes ({via}), where the least any collective can move "
+            f"for this shard is reduce-scatter's (N-1)/N x S = {n - 1}/{n} x "
+            f"{results[0]['grad_bytes']} = {needed:.0f} bytes. "
+            + ("An all-reduce sends every byte twice (reduce-scatter, then all-gather) and "
+               "leaves each rank the whole averaged gradient for a moment, the memory ZeRO-2 "
+               "saves; the slice you keep was already on this rank after the first half."
+               if "all_reduce" in ops else "")))
     return Check(True, "", f"Correct: each of the {n} ranks keeps its averaged 1/{n} slice of "
                  f"the gradient ({numel // n} of {numel} values; collectives: "
                  f"{', '.join(ops)}). The optimizer then steps only that slice.")

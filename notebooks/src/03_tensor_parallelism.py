@@ -388,7 +388,7 @@ latest[["metric", "labkit", "torch", "labkit_over_torch", "spread_min", "spread_
 # - TP communicates inside every layer, on the critical path: affordable over NVLink, ruinous
 #   over InfiniBand (for Llama 3 70B, TP=16 across two nodes is slower than TP=8 in one, in the
 #   table above). So TP stays inside a node; data and pipeline parallelism span the nodes
-#   (combining them: lesson 06, coming).
+#   (combining them: lesson 06).
 # - For serving, TP divides the weights and the KV cache across the GPUs of a node.
 
 # %% [markdown]

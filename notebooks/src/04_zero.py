@@ -54,7 +54,7 @@ import torch
 from IPython.display import Markdown, display
 
 from labkit import FullyShard
-from labkit.exercises.zero import check_gradient_shard, check_stage_memory_answer
+from labkit.exercises.zero import check_gradient_shard, check_stage_memory_answer, show_solution
 from labkit.runs import data_parallel as dp
 from labkit.runs import zero
 from labkit.runs.reference import RunConfig, build_model
@@ -549,6 +549,8 @@ display(Markdown(f'''
 #
 # Two exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# For exercise 1 a first wrong answer gets a hint; the code comes with the second, or at
+# once with `show_solution()`.
 #
 # **1 · A ZeRO-2 gradient shard.** After backward every rank holds the gradient of its own part
 # of the batch, the whole flat vector. ZeRO-2 keeps only this rank's 1/N slice of the *averaged*

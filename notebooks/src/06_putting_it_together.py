@@ -17,8 +17,9 @@
 # # 06 · Putting it together: a DP × TP × PP mesh, and a planner
 #
 # Each technique of lessons 01-05 hits a wall on its own. Data parallelism copies the whole model
-# to every GPU. ZeRO shards the model states but every GPU still runs every layer, and its
-# all-gathers cross the slow links between nodes. Tensor parallelism needs NVLink-class links, so
+# to every GPU. ZeRO shards the model states, but every GPU still runs every layer on its own
+# whole sequences: it pays in recomputation (its activations must fit beside the states) and in
+# all-gathers across the slow links between nodes. Tensor parallelism needs NVLink-class links, so
 # it stops at one node (8 GPUs). Pipeline parallelism leaves GPUs idle in the bubble unless there
 # are many micro-batches per stage. Real runs combine them: Llama 3.1 405B trained with TP 8
 # inside each node, PP 16 across nodes and data parallelism over the rest (Dubey et al. 2024).
@@ -37,11 +38,11 @@ from IPython.display import Markdown
 
 import labkit
 from labkit.runs import hybrid, reference
-from labkit.theory import planner
+from labkit.theory import catalog, planner
 from labkit.viz.planner_widgets import (mesh_layout, plan_figure, plan_label, plan_table,
                                         planner_explorer)
 from labkit.exercises.hybrid import (EXERCISE, check_dp_average, check_hybrid_memory,
-                                     check_layout)
+                                     check_layout, show_solution)
 
 pd.set_option("display.precision", 3)
 pd.set_option("display.width", 120)
@@ -58,32 +59,57 @@ GB = 1e9
 WALLS = {"data parallel only": "dp=64,tp=1,pp=1,zero_stage=0",
          "ZeRO-3 only": "dp=64,tp=1,pp=1,zero_stage=3",
          "tensor parallel only (TP 64)": "dp=1,tp=64,pp=1",
-         "pipeline only (PP 64)": "dp=1,tp=1,pp=64",
+         "pipeline only (PP 64)": "dp=1,tp=1,pp=64,v=1",      # plain 1F1B, no interleaving
          "TP 8 x PP 8": "dp=1,tp=8,pp=8",
          "TP 8 x PP 2 x DP 4": "dp=4,tp=8,pp=2"}
-walls = {}
-for name, fix in WALLS.items():
-    p = planner.plan("llama-3-70b", 64, "H100", global_batch=256, seq=4096, fix=fix,
-                     top=1)["plans"][0]
-    walls[name] = p
+
+
+def best_plan(fix):
+    """The planner's best plan with the layout `fix` held, or why it cannot be built."""
+    try:
+        plans = planner.plan("llama-3-70b", 64, "H100", global_batch=256, seq=4096, fix=fix,
+                             top=1)["plans"]
+    except ValueError as error:
+        return {"illegal": str(error)}
+    return plans[0] if plans else {"illegal": "no legal plan"}
+
+
+walls = {name: best_plan(fix) for name, fix in WALLS.items()}
 pd.DataFrame({name: {"GB per GPU": p["memory_bytes"]["total"] / GB, "fits": p["fits"],
                      "step (s, modelled)": p["step_s"], "MFU (modelled)": f"{p['mfu']:.1%}",
                      "largest overhead": max((k for k in p["breakdown_s"] if k != "compute"),
                                              key=lambda k: p["breakdown_s"][k])}
+              if "illegal" not in p else {"fits": "cannot be built"}
               for name, p in walls.items()}).T
 
 # %%
-best_alone = max((p for n, p in walls.items() if p["fits"] and "x" not in n),
+legal = {n: p for n, p in walls.items() if "illegal" not in p}
+best_alone = max((p for n, p in legal.items() if p["fits"] and "x" not in n),
                  key=lambda p: p["mfu"], default=None)
-combined = walls["TP 8 x PP 2 x DP 4"]
+combined, tp64, pp64 = (walls[n] for n in ("TP 8 x PP 2 x DP 4", "tensor parallel only (TP 64)",
+                                           "pipeline only (PP 64)"))
+zero3 = walls["ZeRO-3 only"]["breakdown_s"]
+zero3_costs = sorted((k for k in zero3 if k != "compute"), key=zero3.get, reverse=True)[:2]
+layers = catalog.model("llama-3-70b").layers
+states = walls["data parallel only"]["memory_bytes"]
+per_param = {k: states[k] / catalog.model("llama-3-70b").param_count()
+             for k in ("params", "grads", "optimizer")}
+pp_text = (f"PP 64 (1F1B, v = {pp64['v']}, {layers} layers over 64 stages) leaves "
+           f"{pp64['breakdown_s']['pp_bubble'] / pp64['step_s']:.0%} of the step in the bubble"
+           if "illegal" not in pp64 else f"PP 64 cannot be built: {pp64['illegal']}")
 Markdown(
     f"Plain data parallelism needs {walls['data parallel only']['memory_bytes']['total'] / GB:.0f}"
-    f" GB per GPU. TP 64 spans 8 nodes: its all-reduces cross InfiniBand and take "
-    f"{walls['tensor parallel only (TP 64)']['breakdown_s']['tp_comm']:.0f} s of a "
-    f"{walls['tensor parallel only (TP 64)']['step_s']:.0f} s step. PP 64 leaves "
-    f"{walls['pipeline only (PP 64)']['breakdown_s']['pp_bubble'] / walls['pipeline only (PP 64)']['step_s']:.0%}"
-    f" of the step in the bubble. The best single technique that fits reaches "
-    f"{best_alone['mfu']:.1%} MFU; TP 8 × PP 2 × DP 4 reaches {combined['mfu']:.1%}.")
+    f" GB per GPU. ZeRO-3 alone fits; its two largest overheads are "
+    f"{' and '.join(f'{k} ({zero3[k]:.1f} s)' for k in zero3_costs)} of its "
+    f"{walls['ZeRO-3 only']['step_s']:.1f} s step. TP 64 spans 8 nodes: its all-reduces cross "
+    f"InfiniBand and take {tp64['breakdown_s']['tp_comm']:.0f} s of a {tp64['step_s']:.0f} s "
+    f"step. {pp_text}. The best single technique that fits reaches {best_alone['mfu']:.1%} MFU; "
+    f"TP 8 × PP 2 × DP 4 reaches {combined['mfu']:.1%}.\n\n"
+    f"The planner counts {sum(per_param.values()):.0f} bytes of model states per parameter: "
+    f"{per_param['params']:.0f} (bf16 weights) + {per_param['grads']:.0f} (gradients, "
+    f"{'fp32 as Megatron-LM accumulates them' if per_param['grads'] == 4 else 'bf16'}) + "
+    f"{per_param['optimizer']:.0f} (fp32 master weights and Adam's two moments). The ZeRO "
+    f"paper, and exercise 3 below, count bf16 gradients: 2 + 2 + 12 = 16.")
 
 # %% [markdown]
 # ## 2 · Run it: the tiny GPT on a 2 × 2 × 2 mesh
@@ -198,9 +224,19 @@ plan_table(out70, 4)
 # The planner has two fitted constants, both fitted on **one** published table (Narayanan et
 # al. 2021, Table 1: GPT models from 1.7B to 1T parameters on 32 to 3,072 A100s, with their
 # layouts): the fraction of peak that large matrix multiplies reach, and how many times the
-# element-wise kernels read and write each activation byte. Every other number is physics or a
-# datasheet. Then it predicts runs it was **not** fitted on: Llama 3.1 405B on H100s (Dubey et
-# al. 2024, Table 4).
+# element-wise kernels read and write each activation byte. The other numbers are physics, a
+# datasheet, or an assumption said as such (printed below: the share of a link's bandwidth a
+# collective reaches, each message's latency, the memory a GPU keeps for itself). Then it
+# predicts runs it was **not** fitted on: Llama 3.1 405B on H100s (Dubey et al. 2024, Table 4).
+
+# %%
+h100s = planner.make_cluster("H100", 64)
+Markdown("Assumptions, not measurements: " + "; ".join(
+    f"{where} ({link.name}) reaches {link.efficiency:.0%} of its {link.bandwidth / 1e9:.0f} GB/s, "
+    f"{link.latency * 1e6:.0f} µs per message" for where, link in
+    (("inside a node", h100s.intra), ("between nodes", h100s.inter)))
+    + f"; {(h100s.gpu.memory_bytes - h100s.usable_bytes) / 2**30:.0f} GiB of each GPU kept for "
+      "the CUDA context, library workspaces and fragmentation.")
 
 # %%
 rows = []
@@ -302,8 +338,9 @@ Markdown(
 # %% [markdown]
 # ## Takeaways
 #
-# - Each technique alone hits a wall: DP copies everything, ZeRO-3's traffic crosses slow links,
-#   TP stops at the node, PP idles in the bubble. Combined on a mesh (TP innermost, PP across
+# - Each technique alone hits a wall: DP copies everything, ZeRO-3 recomputes to fit every
+#   layer's activations and gathers across slow links, TP stops at the node, PP idles in the
+#   bubble. Combined on a mesh (TP innermost, PP across
 #   nodes, DP outermost) they fit models none fits alone.
 # - The mesh is the blocks of lessons 01-03 composed, nothing more, and it trains exactly what one
 #   device trains.
@@ -318,6 +355,8 @@ Markdown(
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# For exercise 1 a first wrong answer gets a hint; the code comes with the second, or at
+# once with `show_solution()`.
 #
 # **1 · Average over the right group.** On a mesh, a gradient must be averaged over the ranks
 # that hold copies of the *same* weights, and only those. Write `my_dp_average(ctx, mesh, grad)`

@@ -46,11 +46,12 @@ from IPython.display import Markdown, display
 
 import labkit
 from labkit import data
-from labkit.exercises.when_it_breaks import check_gradient_sync, check_mfu_answer
+from labkit.exercises.when_it_breaks import (check_gradient_sync, check_mfu_answer,
+                                             show_solution)
 from labkit.parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from labkit.runs import reference
 from labkit.runtime.launch import LaunchError
-from labkit.theory import hardware, planner
+from labkit.theory import catalog, hardware, planner
 from labkit.viz.widgets import explorer
 
 pd.set_option("display.precision", 3)
@@ -221,22 +222,30 @@ def one_plan(fix, model="llama-3-8b", gpus=8):
                         top=1)["plans"][0]
 
 
-layouts = {"DP 8, no ZeRO": "dp=8,tp=1,pp=1,zero_stage=0",
-           "DP 8, ZeRO-1": "dp=8,tp=1,pp=1,zero_stage=1",
-           "DP 8, ZeRO-3": "dp=8,tp=1,pp=1,zero_stage=3",
-           "DP 8, ZeRO-3, micro-batch 1, full recompute":
-               "dp=8,tp=1,pp=1,zero_stage=3,micro_batch_size=1,recompute=full"}
+SAME = "dp=8,tp=1,pp=1,micro_batch_size=1"        # every row: plain DP 8, micro-batch 1
+layouts = {"DP 8, no ZeRO": f"{SAME},zero_stage=0,recompute=none",
+           "DP 8, ZeRO-1": f"{SAME},zero_stage=1,recompute=none",
+           "DP 8, ZeRO-3": f"{SAME},zero_stage=3,recompute=none",
+           "DP 8, ZeRO-3, full recompute": f"{SAME},zero_stage=3,recompute=full"}
 oom = {name: one_plan(fix) for name, fix in layouts.items()}
 print(f"plain DP: fits={oom['DP 8, no ZeRO']['fits']}: {oom['DP 8, no ZeRO']['reason']}")
+states = oom["DP 8, no ZeRO"]["memory_bytes"]
+per_param = {k: states[k] / catalog.model("llama-3-8b").param_count()
+             for k in ("params", "grads", "optimizer")}
+print("bytes of model states per parameter (planner): "
+      + " + ".join(f"{v:.0f} {k}" for k, v in per_param.items())
+      + f" = {sum(per_param.values()):.0f}")
 pd.DataFrame({name: {**{k: v / 1e9 for k, v in p["memory_bytes"].items()}, "fits": p["fits"]}
               for name, p in oom.items()}).T.rename(columns=lambda c: c if c == "fits"
                                                        else f"{c} (GB)")
 
 # %% [markdown]
-# Each row changes one thing, and the table says which category it shrinks: ZeRO shards the
-# 16 bytes per parameter of mixed-precision Adam, recompute trades the activations for a second
-# forward. The same arithmetic on labkit's tiny GPT, where it can be measured (one process,
-# fp32 Adam, one step), so you can see how close the prediction is:
+# Each row changes one thing (every row is plain DP on 8 GPUs with a micro-batch of 1), and the
+# table says which category it shrinks: ZeRO shards the model states, the bytes per parameter
+# printed above (bf16 weights, gradients as the planner keeps them, fp32 Adam state and master
+# weights), ZeRO-1 the optimizer's part only, ZeRO-3 all three; recompute trades the
+# activations for a second forward. The same arithmetic on labkit's tiny GPT, where it can be
+# measured (one process, fp32 Adam, one step), so you can see how close the prediction is:
 
 # %%
 tiny = reference.RunConfig(steps=1)
@@ -261,7 +270,7 @@ pd.DataFrame({"measured (bytes)": {k: measured[k] for k in predicted},
 # use), fp8, or another GPU's number. Below, one modelled plan and the "MFU" each mistake gives.
 
 # %%
-p = oom["DP 8, ZeRO-3, micro-batch 1, full recompute"]
+p = oom["DP 8, ZeRO-3, full recompute"]
 achieved = p["model_tflops_per_gpu"] * 1e12          # model FLOP/s per GPU (modelled)
 h100, a100 = hardware.gpu("H100"), hardware.gpu("A100")
 peaks = {"H100 dense bf16 (right)": h100.bf16_flops,
@@ -394,6 +403,8 @@ explorer({"zero_stage": widgets.IntSlider(0, 0, 3, description="ZeRO stage"),
 #
 # Two exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# For exercise 1 a first wrong answer gets a hint; the code comes with the second, or at
+# once with `show_solution()`.
 #
 # **1 · Fix the summed gradients.** Write `my_gradient_sync(ctx, model)`: it is called on every
 # rank right after `backward()`, and must leave in every parameter's `.grad` the gradient of the

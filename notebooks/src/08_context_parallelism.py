@@ -16,11 +16,12 @@
 # %% [markdown]
 # # 08 · Context parallelism: sequences too long for one GPU
 #
-# Long contexts are where the other techniques stop helping. Activations grow with the sequence
-# length s (and naive attention's with s²); data parallelism and ZeRO do not split a sequence;
-# tensor parallelism's sequence parallelism still hands every rank the *whole* sequence for
-# attention. **Context parallelism (CP)** splits every sequence across N GPUs, s/N tokens each,
-# for *every* layer, attention included.
+# Long contexts are where most other techniques stop helping. Activations grow with the sequence
+# length s (and naive attention's with s²); data parallelism and ZeRO do not split a sequence.
+# Tensor parallelism with sequence parallelism (lesson 03) does divide the activations, by t, but
+# only over the GPUs of one node, and each rank's attention heads still see the *whole*
+# sequence. **Context parallelism (CP)** splits every sequence across N GPUs, s/N tokens each,
+# for *every* layer, attention included, and across nodes as well.
 #
 # Attention needs every query to meet every key. The trick (**Ring Attention**, Liu et al. 2023):
 # softmax can be computed block by block. Rank r keeps its queries Q_r; the key/value blocks of
@@ -41,8 +42,9 @@
 #   KV = 2·b·h_kv·(s/N)·d values: it *overlaps* with the block computation when a block is large.
 # - **The causal pitfall**: with a causal mask, the rank holding the last chunk does ~2× the
 #   average work. The **zigzag** layout (2N chunks, rank r holds chunks r and 2N−1−r) balances it.
-# - **Llama 3's choice** (Dubey et al. 2024): all-gather K and V (cheap with GQA: 8 KV heads of 32),
-#   then attend; also with the load-balanced 2N-chunk layout.
+# - **Llama 3's choice** (Dubey et al. 2024): all-gather K and V (cheap with grouped-query
+#   attention, whose K and V have a fraction of the query heads: printed below), then attend;
+#   also with the load-balanced 2N-chunk layout.
 #
 # labkit's block: `ring_attention(q, k, v, group, causal, layout)`, `all_gather_attention(...)`,
 # `ContextParallel(attention_module, group, layout)`, and `shard_sequence` / `gather_sequence`.
@@ -55,14 +57,16 @@ import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from IPython.display import Markdown, display
 
 import labkit
 from labkit.exercises.context_parallel import (check_merge, check_ring_attention,
-                                               check_ring_bytes, partial_attention)
+                                               check_ring_bytes, partial_attention,
+                                               show_solution)
 from labkit.parallel import context_parallel as cp
 from labkit.runs import context_parallel as run_cp
 from labkit.runs.reference import RunConfig
-from labkit.theory import catalog
+from labkit.theory import catalog, hardware
 from labkit.theory import context_parallel as tcp
 from labkit.theory import transformer
 from labkit.viz import gantt
@@ -232,10 +236,15 @@ busy = sum(e["end"] - e["start"] for e in runs["contiguous"]["attention_timeline
            if e["rank"] == 3 and e["kind"] == "compute")
 print(f"modelled: {a['modelled_s'] * 1e6:.1f} us for forward + backward, of which rank 3 (the "
       f"busiest) computes {busy * 1e9:.1f} ns")
+for name in ("Llama 3 8B", "Llama 3 70B", "Llama 3.1 405B"):
+    m = catalog.model(name)
+    print(f"{name}: {m.kv_heads} KV heads for {m.heads} query heads (K and V are "
+          f"1/{m.heads // m.kv_heads} of Q)")
 llama = catalog.model("Llama 3 8B")
 tokens = tcp.min_block_tokens(llama.heads, llama.hidden // llama.heads, kv_heads=llama.kv_heads)
-print(f"Llama 3 8B (32 query heads, 8 KV heads, d=128), causal: a block hides its KV transfer "
-      f"over NVLink from about {tokens:,.0f} tokens per rank (modelled, bandwidth term only)")
+print(f"Llama 3 8B ({llama.heads} query heads, {llama.kv_heads} KV heads, "
+      f"d={llama.hidden // llama.heads}), causal: a block hides its KV transfer over NVLink "
+      f"from about {tokens:,.0f} tokens per rank (modelled, bandwidth term only)")
 
 # %% [markdown]
 # At realistic sizes compute dominates and the imbalance *is* the step time. One attention layer
@@ -255,13 +264,16 @@ for layout in ("contiguous", "zigzag"):
         rows.append(dict(layout=layout, overlap=overlap, forward_ms=s["time_s"] * 1e3,
                          block_ms=s["block_s"] * 1e3, send_ms=s["send_s"] * 1e3,
                          busiest_rank_ms=max(s["busy_s"]) * 1e3))
-pd.DataFrame(rows)
+display(pd.DataFrame(rows))
+nvlink, infiniband = hardware.link("NVLink 4"), hardware.link("InfiniBand NDR")
+Markdown(f"Zigzag nearly halves the layer's attention time: the same total work, spread evenly. "
+         f"Overlap matters little *here* because one {131072 // 8:,}-token block computes in "
+         f"{s['block_s'] * 1e3:.1f} ms while its KV block crosses {nvlink.name} in "
+         f"{s['send_s'] * 1e3:.2f} ms; across nodes ({infiniband.name}, "
+         f"{nvlink.bandwidth / infiniband.bandwidth:.0f}x less bandwidth) or with smaller blocks "
+         "it decides.")
 
 # %% [markdown]
-# Zigzag nearly halves the layer's attention time: the same total work, spread evenly. Overlap
-# matters little *here* because one 16K-token block computes in ms while its KV block crosses
-# NVLink in ~0.2 ms; across nodes (InfiniBand, ~8x slower) or with smaller blocks it decides.
-#
 # ## Bytes: communication and memory against the formulas
 
 # %%
@@ -277,10 +289,12 @@ for r in (run2, runs["zigzag"]):
 
 # %% [markdown]
 # The bytes a rank *saves* halve from N = 2 to N = 4: activation memory goes as s/N. The bytes it
-# *sends* per attention call are (N−1)·KV + (N−1)·KV + N·dKV with KV = 2·b·h·(s/N)·d: that is
-# (3N−2)/N times the K and V of the whole sequence (2 at N = 2, 2.5 at N = 4, → 3): the traffic
-# per rank hardly changes with N while each rank's compute falls as 1/N, which is why a block
-# must stay large (long sequences) for the transfer to hide.
+# *sends* per attention call are (N−1)·KV + (N−1)·KV + N·dKV with KV = 2·b·h·(s/N)·d. Here
+# everything is fp32, so dKV has the bytes of KV: (3N−2)/N times the K and V of the whole
+# sequence (2 at N = 2, 2.5 at N = 4, → 3). In a bf16 run whose dK, dV sums travel in fp32 (the
+# takeaway below), dKV is twice KV: (4N−2)/N, → 4. Either way the traffic per rank hardly
+# changes with N while each rank's compute falls as 1/N, which is why a block must stay large
+# (long sequences) for the transfer to hide.
 #
 # ## Llama 3 8B: when does 128K fit on 8 H100s?
 #
@@ -336,12 +350,14 @@ cp_explorer()
 # ## Takeaways
 #
 # - CP splits **every** layer's tokens, attention included: activation memory per GPU falls as
-#   s/N, the only way past one GPU's memory for very long sequences (with recomputation).
+#   s/N, across nodes too. TP with sequence parallelism also divides activations, by t inside a
+#   node; for very long sequences CP (with recomputation) keeps dividing past it.
 # - Ring attention is exact: partial results merge by their log-sum-exp (checked above against one
 #   device, outputs and gradients). Keep the travelling dK/dV sums in fp32: in bf16 their rounding
 #   grows with the ring size (measured in `tests/test_context_parallel.py`).
-# - Per rank and layer the ring moves up to ~3x the whole sequence's K and V whatever N, hidden
-#   under compute once a block holds about a thousand tokens or more on H100s.
+# - Per rank and layer the ring moves under 3x the whole sequence's K and V whatever N (under 4x
+#   when bf16 K, V travel with fp32 dK, dV sums), hidden under compute once a block holds about
+#   a thousand tokens or more on H100s.
 # - A causal mask with contiguous chunks makes the last rank do ~2x the average: use **zigzag**
 #   (2N chunks, r and 2N−1−r). And shard the inputs: a wrapped module fed the whole sequence
 #   does not fail, it is silently wrong.
@@ -351,6 +367,8 @@ cp_explorer()
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# For exercise 1 a first wrong answer gets a hint; the code comes with the second, or at
+# once with `show_solution()`.
 #
 # **1 · The log-sum-exp merge.** Write `merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the
 # attention of the same queries over the keys of block a *and* block b, from the two partial
