@@ -5,8 +5,6 @@ divides optimizer / +grads / +weights by the data-parallel size. Activations: sb
 """
 from __future__ import annotations
 
-import pandas as pd
-
 from . import catalog
 
 # Bytes per element. Torch dtypes are accepted through str(), e.g. torch.bfloat16.
@@ -33,7 +31,7 @@ def dtype_bytes(dtype) -> float:
 
 
 def model_state_bytes(params, *, mixed_precision=True, optimizer="adam", zero_stage=0,
-                      world_size=1) -> dict:
+                      world_size=1, grad_bytes=None) -> dict:
     """Weights, gradients and optimizer state in bytes per rank (ZeRO, arXiv 1910.02054, sec. 3).
 
     Mixed precision: 2Ψ bf16 weights, 2Ψ bf16 grads, KΨ optimizer (K=12 for Adam: fp32 master
@@ -41,6 +39,11 @@ def model_state_bytes(params, *, mixed_precision=True, optimizer="adam", zero_st
     keeps one fp32 buffer, plain 'sgd' none (plus the master copy under mixed precision).
     ZeRO stage 1 shards the optimizer state over world_size ranks, stage 2 also the gradients,
     stage 3 also the weights (exact float division).
+
+    grad_bytes: bytes per gradient when they differ from the weights'. ZeRO's paper counts 16
+    bytes per parameter (bf16 gradients); Megatron-LM and FSDP2 keep fp32 main gradients
+    (`--accumulate-allreduce-grads-in-fp32`, reduce_dtype=float32): grad_bytes=4, 18 bytes in
+    all. The planner uses 18.
     """
     opt = "adam" if optimizer.lower() in ("adam", "adamw") else optimizer.lower()
     if (bool(mixed_precision), opt) not in OPTIMIZER_K:
@@ -51,7 +54,7 @@ def model_state_bytes(params, *, mixed_precision=True, optimizer="adam", zero_st
     w = 2 if mixed_precision else 4
     out = {
         "params": w * params / (n if zero_stage >= 3 else 1),
-        "grads": w * params / (n if zero_stage >= 2 else 1),
+        "grads": (grad_bytes or w) * params / (n if zero_stage >= 2 else 1),
         "optimizer": OPTIMIZER_K[(bool(mixed_precision), opt)] * params
         / (n if zero_stage >= 1 else 1),
     }
@@ -59,8 +62,9 @@ def model_state_bytes(params, *, mixed_precision=True, optimizer="adam", zero_st
     return out
 
 
-def zero_stage_table(params, world_size, mixed_precision=True, optimizer="adam") -> pd.DataFrame:
+def zero_stage_table(params, world_size, mixed_precision=True, optimizer="adam"):
     """Bytes per rank for baseline DP and ZeRO stages 1-3 (ZeRO arXiv 1910.02054, Figure 1)."""
+    import pandas as pd   # here, not at import: `memory` answers without pandas
     rows = []
     for stage, label in enumerate(["baseline", "stage 1", "stage 2", "stage 3"]):
         b = model_state_bytes(params, mixed_precision=mixed_precision, optimizer=optimizer,
