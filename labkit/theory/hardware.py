@@ -193,7 +193,7 @@ def gpu(name) -> GPU:
     raise KeyError(f"unknown GPU {name!r}; known: {', '.join(_gpus())}")
 
 
-def custom_gpu(peak_tflops, hbm_gb, hbm_tbps, link="NVLink 4", fp8_tflops=None,
+def custom_gpu(peak_tflops, hbm_gb, hbm_tbps, link_name="NVLink 4", fp8_tflops=None,
                name="custom GPU") -> GPU:
     """A GPU that is not in the catalog, from its datasheet: dense bf16 TFLOP/s, HBM in GB,
     HBM bandwidth in TB/s (and optionally dense fp8 TFLOP/s and the intra-node link)."""
@@ -201,9 +201,9 @@ def custom_gpu(peak_tflops, hbm_gb, hbm_tbps, link="NVLink 4", fp8_tflops=None,
                           ("--gpu-hbm-tbps", hbm_tbps)):
         if not isinstance(value, (int, float)) or not 0 < value < 1e7:
             raise ValueError(f"{option} must be a positive number, got {value!r}")
-    link(link)   # an unknown link name ends here
+    link(link_name)   # an unknown link name ends here
     return GPU(name=name, bf16_flops=peak_tflops * 1e12, fp32_flops=peak_tflops * 1e12 / 16,
-               memory_bytes=hbm_gb * 1e9, memory_bw=hbm_tbps * 1e12, link=link,
+               memory_bytes=hbm_gb * 1e9, memory_bw=hbm_tbps * 1e12, link=link_name,
                fp8_flops=fp8_tflops * 1e12 if fp8_tflops else None)
 
 

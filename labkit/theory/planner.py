@@ -223,7 +223,8 @@ def evaluate(m, c, batch, seq, p):
     hw_flops = model_flops + batch * seq * m.layers * extra
     peak, fits = c.gpu.bf16_flops, mem["total"] <= c.capacity_bytes
     return dict(
-        p, stack=c.stack.name, precision=c.precision, microbatches=batch // (p["dp"] *
+        p, layers_per_stage=layers_per_stage(m, p["pp"]), stack=c.stack.name,
+        precision=c.precision, microbatches=batch // (p["dp"] *
                                                                              p["micro_batch_size"]),
         fits=fits, reason="" if fits else (f"needs {mem['total'] / 1e9:.1f} GB per GPU > "
                                            f"{c.capacity_bytes / 1e9:.1f} GB on {c.gpu.name}"),
@@ -426,20 +427,30 @@ def calibrate(rows, achievable=(0.40, 0.90, 0.01), hbm_passes=(0.0, 12.0, 0.5)):
     return fit(rows, achievable, hbm_passes)
 
 
+def recompute_label(p):
+    """'none', 'selective', 'full' (every layer) or 'full 3/16' (3 of a stage's 16 layers)."""
+    if p["recompute"] != "full":
+        return p["recompute"]
+    per_stage = p.get("layers_per_stage") or p["recompute_layers"]
+    return "full" if p["recompute_layers"] >= per_stage else \
+        f"full {p['recompute_layers']}/{per_stage}"
+
+
 def format_plans(out):
     """The ranking as text (what `python -m labkit plan` prints); all times are modelled."""
     c, m = out["cluster"], out["model"]
     lines = [f"{m['display_name']} ({m['params'] / 1e9:.1f}B params) on {c['gpus']} x "
              f"{c['gpu']} ({c['gpus_per_node']} per node, {c['intra_link']} / "
              f"{c['inter_link']}), batch {out['workload']['global_batch']} x "
-             f"{out['workload']['seq']} tokens: {out['considered']} legal plans, modelled",
+             f"{out['workload']['seq']} tokens, {c['precision']}, stack {c['stack']}: "
+             f"{out['considered']} legal plans, modelled",
              f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'v':>2} {'mbs':>3} "
-             f"{'ZeRO':>4} {'recompute':>9} {'sp':>3} {'GB/GPU':>7} {'step s':>8} {'MFU':>6} "
+             f"{'ZeRO':>4} {'recompute':>11} {'sp':>3} {'GB/GPU':>7} {'step s':>8} {'MFU':>6} "
              f"{'tok/s/GPU':>9}  fits"]
     for p in out["plans"]:
         lines.append(
             f"{p['dp']:>5} {p['tp']:>3} {p['pp']:>3} {p['cp']:>3} {p['ep']:>3} {p['v']:>2} "
-            f"{p['micro_batch_size']:>3} {p['zero_stage']:>4} {p['recompute']:>9} "
+            f"{p['micro_batch_size']:>3} {p['zero_stage']:>4} {recompute_label(p):>11} "
             f"{'yes' if p['sequence_parallel'] else 'no':>3} "
             f"{p['memory_bytes']['total'] / 1e9:7.1f} {p['step_s']:8.3f} {p['mfu']:6.1%} "
             f"{p['tokens_per_s_per_gpu']:9.0f}  {'yes' if p['fits'] else p['reason']}")
