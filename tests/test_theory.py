@@ -15,7 +15,8 @@ def test_hardware_csv_loads():
     df = hardware.table()
     assert set(df["kind"]) == {"gpu", "link"}
     assert df["source"].notna().all() and (df["source"].str.len() > 0).all()
-    assert len(hardware.gpus()) == 7 and len(hardware.links()) == 7
+    assert len(hardware.gpus()) == 11 and len(hardware.links()) == 9
+    assert all(g.power_w for g in hardware.gpus())   # every GPU has its datasheet power
     h100 = hardware.gpu("H100 SXM")
     assert h100.bf16_flops == 989e12 and h100.fp32_flops == 67e12
     # the driver's figure (nvidia-smi memory.total: 81559 MiB), not the datasheet's 80 GB
@@ -50,7 +51,7 @@ def test_gpu_lookup_other_names():
 
 def test_gpu_lookup_error_lists_names():
     with pytest.raises(KeyError, match="H100 SXM"):
-        hardware.gpu("V100")
+        hardware.gpu("K80")
 
 
 @pytest.mark.parametrize("name,expected", [
@@ -108,7 +109,7 @@ def test_cluster_parsing():
 
 
 def test_cluster_errors():
-    for bad in ["H100", "eight H100s", "8xV100-NVLink", "2xRTX4090-NVLink"]:
+    for bad in ["H100", "eight H100s", "8xK80-NVLink", "2xRTX4090-NVLink"]:
         with pytest.raises(ValueError):
             hardware.cluster(bad)
     with pytest.raises(ValueError):
