@@ -176,7 +176,7 @@ def test_global_batch_tokens_and_huge_counts_are_bounded():
 
 def test_divisors_come_from_the_factorisation():
     from labkit.theory.plan_inputs import divisors
-    assert divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(1) == [1] and divisors(97) == [1, 97]
+    assert divisors(12) == (1, 2, 3, 4, 6, 12) and divisors(1) == (1,) and divisors(97) == (1, 97)
     big = divisors(10**9)            # 2^9 5^9: (9+1)^2 divisors, found without walking to 1e9
     assert len(big) == 100 and big[-1] == 10**9 and all(10**9 % d == 0 for d in big)
     import time
@@ -307,3 +307,11 @@ def test_the_planner_reuses_model_state_bytes():
     states = plan_terms.model_states(1e9, "bf16", 1, 8)
     assert states == memory.model_state_bytes(1e9, zero_stage=1, world_size=8, grad_bytes=4)
     assert states["params"] + states["grads"] == 6e9 and states["optimizer"] == 12e9 / 8
+
+
+def test_fp8_cast_traffic_matches_the_hand_count():
+    from labkit.theory import plan_terms
+    c = planner.make_cluster("H100", 8, precision="fp8")
+    m = catalog.model("llama-3-8b")
+    seconds = plan_terms.fp8_cast_time(c, m, 8192, 1, 1, 0, 1)
+    assert seconds * c.gpu.memory_bw == pytest.approx(2 * 8192 * (3 * 4096 + 14336) * 4)

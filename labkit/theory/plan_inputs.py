@@ -9,6 +9,8 @@ factorisation, so a billion GPUs (2^9 5^9: 100 divisors) is answered at once.
 """
 from __future__ import annotations
 
+import functools
+
 from . import catalog
 
 # Upper bounds: far beyond any real run, low enough that float arithmetic never overflows.
@@ -69,6 +71,7 @@ def choice(value, options, option):
     return value
 
 
+@functools.lru_cache(maxsize=4096)
 def divisors(n):
     """All divisors of n, ascending, from its prime factorisation (fast for n up to 1e9)."""
     factors, p, rest = {}, 2, n
@@ -82,7 +85,7 @@ def divisors(n):
     out = [1]
     for prime, power in factors.items():
         out = [d * prime ** e for d in out for e in range(power + 1)]
-    return sorted(out)
+    return tuple(sorted(out))
 
 
 def check_shape(m):

@@ -29,6 +29,7 @@ between concurrent groups, stragglers and failures, kernel choice beyond one eff
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -48,6 +49,11 @@ RECOMPUTE = inputs.RECOMPUTE
 FIELDS = inputs.FIX_FIELDS
 SHAPE_KEYS = inputs.SHAPE_KEYS
 RESERVED_BYTES = terms.ALLOCATOR_RESERVE
+# Per-model quantities the search asks for thousands of times (ModelShape is hashable).
+_cached = functools.lru_cache(maxsize=256)
+layer_counts, model_flops_per_token = _cached(tf.layer_counts), _cached(tf.model_flops_per_token)
+layer_forward_flops = _cached(tf.layer_forward_flops_per_token)
+activation_bytes = _cached(tf.activation_bytes)
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,7 @@ def layers_per_stage(m, pp):
     return -(-m.layers // pp)
 
 
+@functools.lru_cache(maxsize=1024)
 def interleave_choices(m, pp):
     """Every legal v for pp stages: v > 1 needs whole layers per virtual stage, the layers alone
     (layers % (pp v) == 0) or with the embedding and the loss each taking one layer's slot on
@@ -175,12 +182,13 @@ def _activation_terms(m, c, seq, p):
     """One layer's bytes kept (a_none), kept when recomputed (a_full), the rebuilt working set,
     and the last stage's logits, for one micro-batch on one GPU."""
     mbs, tp, cp, sp = p["micro_batch_size"], p["tp"], p["cp"], p["sequence_parallel"]
-    act = dict(dropout=c.dropout, value_bytes=4 if c.precision == "fp32" else 2)
-    kept_mode = "selective" if p["recompute"] == "selective" else "none"
-    kept = tf.activation_bytes(m, seq, mbs, tp, sp, kept_mode, cp, c.flash_attention, **act)
-    full = tf.activation_bytes(m, seq, mbs, tp, sp, "full", cp, c.flash_attention, **act)
-    working = tf.full_layer_activation_bytes(m, seq, mbs, tp, sp, cp, c.flash_attention, **act)
-    return dict(kept_layer=kept, recomputed_layer=full, working_set=working,
+    flash, value_bytes = c.flash_attention, 4 if c.precision == "fp32" else 2
+    none = activation_bytes(m, seq, mbs, tp, sp, "none", cp, flash, c.dropout, value_bytes)
+    kept = none if p["recompute"] != "selective" else \
+        activation_bytes(m, seq, mbs, tp, sp, "selective", cp, flash, c.dropout, value_bytes)
+    full = activation_bytes(m, seq, mbs, tp, sp, "full", cp, flash, c.dropout, value_bytes)
+    # the working set of a layer being recomputed is what it keeps without recompute
+    return dict(kept_layer=kept, recomputed_layer=full, working_set=none,
                 logits=tf.logits_bytes(m, seq, mbs, tp, cp))
 
 
@@ -205,18 +213,16 @@ def memory_terms(m, c, batch, seq, p):
     mem = dict(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
                activations=activations, buffers=buffers, reserved=terms.ALLOCATOR_RESERVE)
     mem["total"] = sum(mem.values())
-    return mem, dict(p, recompute_layers=k), stage_params, layer_params
+    return mem, dict(p, recompute_layers=k), stage_params, stage["working_set"]
 
 
 def evaluate(m, c, batch, seq, p):
     """Memory per GPU and modelled step time of one legal plan (the DESIGN.md plan dict)."""
-    mem, p, stage_params, layer_params = memory_terms(m, c, batch, seq, p)
-    time = step_terms(m, c, batch, seq, p, stage_params, layer_params)
-    hidden = {k: v for k, v in time.items() if k.endswith("_hidden")}
-    breakdown = {k: v for k, v in time.items() if k not in hidden and not k.endswith("_exposed")}
+    mem, p, stage_params, layer_bytes_kept = memory_terms(m, c, batch, seq, p)
+    breakdown, communication = step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept)
     step = sum(breakdown.values())
-    model_flops = batch * seq * tf.model_flops_per_token(m, seq)
-    extra = rc.recompute_flops(tf.layer_forward_flops_per_token(m, seq),
+    model_flops = batch * seq * model_flops_per_token(m, seq)
+    extra = rc.recompute_flops(layer_forward_flops(m, seq),
                                tf.attention_core_flops_per_token(m, seq), p["recompute"],
                                p["recompute_layers"], layers_per_stage(m, p["pp"]),
                                c.flash_attention)
@@ -229,20 +235,21 @@ def evaluate(m, c, batch, seq, p):
         fits=fits, reason="" if fits else (f"needs {mem['total'] / 1e9:.1f} GB per GPU > "
                                            f"{c.capacity_bytes / 1e9:.1f} GB on {c.gpu.name}"),
         memory_bytes=mem, step_s=step, breakdown_s=breakdown,
-        communication_s={k: v for k, v in time.items() if k.endswith(("_exposed", "_hidden"))},
+        communication_s=communication,
         mfu=model_flops / (step * c.gpus * peak), hfu=hw_flops / (step * c.gpus * peak),
         tokens_per_s_per_gpu=batch * seq / step / c.gpus,
         model_tflops_per_gpu=model_flops / step / c.gpus / 1e12)
 
 
-def step_terms(m, c, batch, seq, p, stage_params, layer_params):
-    """Seconds per step on the slowest stage, by term; communication as `*_exposed` (on the
-    critical path, also under its plain name) and `*_hidden` (under compute)."""
+def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):
+    """(seconds per step on the slowest stage by term, communication split per dimension into
+    `*_exposed`, on the critical path and in the first dict under its plain name, and
+    `*_hidden`, under compute)."""
     dp, tp, pp, cp, v = (p[k] for k in ("dp", "tp", "pp", "cp", "v"))
     micro, layers = batch // (dp * p["micro_batch_size"]), layers_per_stage(m, pp)
     tokens = p["micro_batch_size"] * seq / cp
     share = p["recompute_layers"] / layers if p["recompute"] == "full" else 0.0
-    work = _micro_batch_work(m, c, seq, p, tokens, layers, share)
+    work = _micro_batch_work(m, c, seq, p, tokens, layers, share, layer_bytes_kept)
     st = c.stack
     tp_total = terms.tp_comm_time(c, m, tokens, tp, layers,
                                   terms.tp_collectives_per_layer(p["recompute"], share))
@@ -260,19 +267,19 @@ def step_terms(m, c, batch, seq, p, stage_params, layer_params):
                tp_comm=micro * tp_exp, cp_comm=micro * cp_exp, pp_bubble=(pp - 1) / v * mb_time,
                pp_comm=pp_exp, dp_comm=dp_exp, optimizer=terms.optimizer_time(c, opt_params),
                overlap_slowdown=micro * slow_mb + overlap.contention_slowdown(pp_hid + dp_hid))
-    for dim, exposed, hidden in (("tp", micro * tp_exp, micro * tp_hid),
-                                 ("cp", micro * cp_exp, micro * (cp_total - cp_exp)),
-                                 ("pp", pp_exp, pp_hid), ("dp", dp_exp, dp_hid)):
-        out[f"{dim}_comm_exposed"], out[f"{dim}_comm_hidden"] = exposed, hidden
-    return out
+    communication = dict(tp_comm_exposed=micro * tp_exp, tp_comm_hidden=micro * tp_hid,
+                         cp_comm_exposed=micro * cp_exp,
+                         cp_comm_hidden=micro * (cp_total - cp_exp), pp_comm_exposed=pp_exp,
+                         pp_comm_hidden=pp_hid, dp_comm_exposed=dp_exp, dp_comm_hidden=dp_hid)
+    return out, communication
 
 
-def _micro_batch_work(m, c, seq, p, tokens, layers, share):
+def _micro_batch_work(m, c, seq, p, tokens, layers, share, kept):
     """Seconds of one micro-batch's compute on one stage: linear layers (at the precision's
     rate), attention core and head (bf16), recompute, element-wise passes, fp8 casts."""
     tp, flash = p["tp"], c.flash_attention
     bf16 = c.gpu.bf16_flops * c.achievable
-    counts = tf.layer_counts(m)
+    counts = layer_counts(m)
     linear = tokens * layers * 2 * (counts.attention + counts.mlp_active + counts.router) / tp
     core = tokens * layers * tf.attention_core_flops_per_token(m, seq) / tp \
         * terms.attention_time_factor(flash, c.causal)
@@ -283,9 +290,6 @@ def _micro_batch_work(m, c, seq, p, tokens, layers, share):
     # recompute), the whole forward of the fully recomputed share
     core_again = attention / 3 if (flash or p["recompute"] == "selective") else 0.0
     recompute_s = share * (gemm + attention) / 3 + (1 - share) * core_again
-    kept = tf.activation_bytes(m, seq, p["micro_batch_size"], tp, p["sequence_parallel"],
-                               "none", p["cp"], flash, dropout=c.dropout,
-                               value_bytes=4 if c.precision == "fp32" else 2)
     elementwise = terms.elementwise_time(c, kept, layers, share)
     cast = 0.0
     if c.precision == "fp8":
