@@ -7,10 +7,14 @@ llm-analysis has no context parallelism, interleaving or fp8, so it sees cp fold
 the bf16 peak. Errors are predicted / published - 1 in TFLOP/s per GPU (labkit's convention,
 6 N + 12 L h s per token; rows that publish tokens/s are compared in tokens). MAE: the mean of
 |error|. Calibration rows are what labkit was fitted on; check rows were never fitted to.
-Run: python bench/planner.py [--rounds N]
+Run: python bench/planner.py [--rounds N] [--write]; --write saves both tools' predictions to
+data/planner_check.csv (lesson 06 reads llm-analysis's column from it, so the lesson needs no
+llm-analysis). Install the comparison without its Hugging Face extras:
+pip install --no-deps llm-analysis==0.2.2 "fire>=0.5,<0.6"
 """
 import argparse
 import contextlib
+import csv
 import io
 import logging
 import statistics
@@ -112,7 +116,23 @@ def report(rows, title):
           f"{mae(r['llm_error'] for r in rows):.1%} over {len(rows)} rows")
 
 
-def main(rounds=5):
+CHECK_CSV = Path(__file__).resolve().parents[1] / "data" / "planner_check.csv"
+
+
+def write(rows, path=CHECK_CSV):
+    """Both tools' predictions per published row (TFLOP/s per GPU, labkit's convention)."""
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f, lineterminator="\n")
+        out.writerow(["use", "name", "published", "labkit", "labkit_error", "llm_analysis",
+                      "llm_analysis_error"])
+        for r in rows:
+            other = "" if r["llm_analysis"] is None else round(r["llm_analysis"], 1)
+            other_error = "" if r["llm_error"] is None else round(r["llm_error"], 4)
+            out.writerow([r["use"], r["name"], round(r["published"], 1),
+                          round(r["predicted"], 1), round(r["error"], 4), other, other_error])
+
+
+def main(rounds=5, save=False):
     logging.getLogger("llm_analysis").setLevel(logging.ERROR)
     out, walls, cpus = search_time(rounds)
     best = out["plans"][0]
@@ -124,11 +144,19 @@ def main(rounds=5):
           f"mbs={best['micro_batch_size']} ZeRO-{best['zero_stage']} "
           f"{planner.recompute_label(best)} sp={best['sequence_parallel']}: modelled MFU "
           f"{best['mfu']:.1%}")
+    everything = []
     for use in ("calibration", "check"):
-        report(compare(published.runs(use)), f"{use} rows")
+        rows = compare(published.runs(use))
+        report(rows, f"{use} rows")
+        everything += rows
+    if save:
+        write(everything)
+        print(f"\nwrote {CHECK_CSV}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    main(parser.parse_args().rounds)
+    parser.add_argument("--write", action="store_true", help="save data/planner_check.csv")
+    args = parser.parse_args()
+    main(args.rounds, args.write)
