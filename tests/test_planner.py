@@ -315,3 +315,10 @@ def test_fp8_cast_traffic_matches_the_hand_count():
     m = catalog.model("llama-3-8b")
     seconds = plan_terms.fp8_cast_time(c, m, 8192, 1, 1, 0, 1)
     assert seconds * c.gpu.memory_bw == pytest.approx(2 * 8192 * (3 * 4096 + 14336) * 4)
+
+
+def test_memory_refuses_huge_counts_in_one_line(capsys):
+    from labkit import cli
+    assert cli.main(["memory", "--model", "llama-3-70b", "--seq", "9" * 320]) == 2
+    err = capsys.readouterr().err
+    assert "--seq must be at most" in err and "Traceback" not in err

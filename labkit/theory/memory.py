@@ -6,6 +6,7 @@ divides optimizer / +grads / +weights by the data-parallel size. Activations: sb
 from __future__ import annotations
 
 from . import catalog
+from .plan_inputs import count
 
 # Bytes per element. Torch dtypes are accepted through str(), e.g. torch.bfloat16.
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.5, "fp8": 1}
@@ -108,6 +109,7 @@ def training_memory(model, *, batch, seq, mixed_precision=True, zero_stage=0, dp
     counted, fp32 training doubles the 16-bit activation figure.
     """
     m = catalog.model(model)
+    _check_counts(batch=batch, seq=seq, gpus=dp, tp=tp, pp=pp)
     if m.arch == "unet":
         raise ValueError(f"{m.display_name} is not a transformer LM: no activation formula; "
                          "use model_state_bytes(params) for its model states")
@@ -132,12 +134,20 @@ def inference_memory(model, *, batch, context, weight_dtype="bf16", kv_dtype="bf
                / (pp * min(tp, kv_heads))   (a KV head is replicated once tp > kv_heads)
     """
     m = catalog.model(model)
+    _check_counts(batch=batch, seq=context, tp=tp, pp=pp)
     weights = m.param_count() * dtype_bytes(weight_dtype) / (tp * pp)
     kv = 0.0
     if m.arch != "unet":
         kv = (2 * m.layers * m.kv_heads * m.head_dim * context * batch * dtype_bytes(kv_dtype)
               / (pp * min(tp, m.kv_heads)))
     return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+
+
+def _check_counts(**counts):
+    """Each count a positive whole number within plan_inputs.LIMITS (a 320-digit --seq ends
+    here in one line, not in an OverflowError)."""
+    for name, value in counts.items():
+        count("global_batch" if name == "batch" else name, value, f"--{name}")
 
 
 def largest_trainable_params(gpu_memory_bytes, world_size, zero_stage, mixed_precision=True,
