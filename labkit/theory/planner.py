@@ -319,8 +319,9 @@ def _dp_comm(c, p, stage_params, work, micro, layers):
 
 def candidates(m, c, batch, seq, fix=None):
     """Every plan (dict of FIELDS) the search visits, `fix`ed fields held. Under FlashAttention
-    selective recompute is what the kernel already does: the search visits "none" for it. Full
-    recompute leaves recompute_layers None: evaluate picks the fewest layers that fit."""
+    selective recompute is what the kernel already does: the search visits "none" for it. A
+    searched full recompute leaves recompute_layers None (evaluate picks the fewest layers
+    that fit); recompute="full" fixed without recompute_layers means every layer."""
     fix = dict(fix or {})
     rcs = ("none", "full") if c.flash_attention else RECOMPUTE
     gpu_divisors = inputs.divisors(c.gpus)
@@ -342,7 +343,9 @@ def candidates(m, c, batch, seq, fix=None):
                     sps = pick("sequence_parallel", (False, True) if tp > 1 else (False,))
                     for zero, rc_mode, sp in itertools.product(zeros, pick("recompute", rcs),
                                                                sps):
-                        k = fix.get("recompute_layers") if rc_mode == "full" else 0
+                        # recompute="full" asked for: every layer; searched: the fewest that fit
+                        every = layers_per_stage(m, pp) if "recompute" in fix else None
+                        k = fix.get("recompute_layers", every) if rc_mode == "full" else 0
                         if rc_mode == "none" and fix.get("recompute_layers"):
                             continue      # recompute_layers=k > 0 means full recompute of k
                         yield dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, v=v,
