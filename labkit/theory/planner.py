@@ -143,7 +143,11 @@ def memory_terms(m, c, batch, seq, p):
 
 def evaluate(m, c, batch, seq, p):
     """Memory per GPU and modelled step time of one legal plan (the DESIGN.md plan dict)."""
-    mem, p, stage_params, layer_bytes_kept = memory_terms(m, c, batch, seq, p)
+    return finish(m, c, batch, seq, *memory_terms(m, c, batch, seq, p))
+
+
+def finish(m, c, batch, seq, mem, p, stage_params, layer_bytes_kept):
+    """The plan dict from memory_terms' answer: step time, MFU, HFU, throughput."""
     breakdown, communication = step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept)
     step = sum(breakdown.values())
     model_flops = batch * seq * model_flops_per_token(m, seq)
@@ -320,10 +324,11 @@ def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_lin
         if why:
             reasons.add(why)
             continue
-        r = evaluate(m, c, global_batch, seq, p)
-        if p["recompute"] == "full" and r["recompute_layers"] == 0 and "recompute" not in fix:
+        settled = memory_terms(m, c, global_batch, seq, p)
+        if p["recompute"] == "full" and settled[1]["recompute_layers"] == 0 \
+                and "recompute" not in fix:
             continue            # the same plan as recompute="none"
-        legal.append(r)
+        legal.append(finish(m, c, global_batch, seq, *settled))
     if not legal:
         raise ValueError(f"no legal plan for {m.display_name} on {c.gpus} {c.gpu.name}"
                          + (f" with {fix}" if fix else "") + ": " + "; ".join(sorted(reasons)[:3]))
