@@ -257,12 +257,15 @@ def test_stacks_change_only_what_they_hide():
     assert new["step_s"] < old["step_s"]
 
 
-def test_fp8_doubles_only_the_linear_layers():
+def test_fp8_speeds_up_only_the_linear_layers():
     from labkit.theory import plan_terms, hardware
     c8 = planner.make_cluster("H100", 8, precision="fp8")
     c16 = planner.make_cluster("H100", 8)
-    assert plan_terms.gemm_flops_rate(c8, "fp8") == pytest.approx(
-        2 * plan_terms.gemm_flops_rate(c16, "bf16"), rel=1e-3)    # 1979 vs 989 TFLOP/s
+    # the measured matmul ceilings carry the A100 fit: 1402.6 fp8 vs 794.5 bf16 TFLOP/s
+    assert plan_terms.gemm_flops_rate(c8, "fp8") / plan_terms.gemm_flops_rate(c16, "bf16") \
+        == pytest.approx(1402.6 / 794.5, rel=1e-6)
+    # ... and the A100 fit itself: 0.68 x 794.5 / 989 / (271.2 / 312) of the H100's peak
+    assert c16.achievable == pytest.approx(0.68 * (794.5 / 989) / (271.2 / 312), rel=1e-6)
     kw = dict(global_batch=8, seq=4096, top=1, fix="dp=8,tp=1,pp=1,micro_batch_size=1")
     bf16 = planner.plan("llama-3-8b", 8, "H100", **kw)["plans"][0]
     fp8 = planner.plan("llama-3-8b", 8, "H100", precision="fp8", **kw)["plans"][0]

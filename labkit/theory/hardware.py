@@ -3,7 +3,8 @@
 A GPU does `flops(dtype)` FLOP/s at peak; a cluster achieves `mfu` of that (an assumption).
 A link moves `bandwidth * efficiency` bytes/s per direction after `latency` seconds.
 A GPU's `memory_bytes` is what the driver reports (H100: 81559 MiB = 85.5e9 bytes), so that
-"fits" compares like with like; `achievable` is the fitted fraction of peak big GEMMs reach.
+"fits" compares like with like; `achievable` is the fitted fraction of peak big GEMMs reach;
+`mamf_*` the measured maximum achievable matmul FLOP/s (a public microbenchmark, see the CSV).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ class GPU:
     fp8_flops: float | None = None    # dense fp8 tensor-core FLOP/s (None: no fp8 tensor cores)
     power_w: float | None = None      # board power (datasheet TDP)
     nvlink_domain: int = 8            # GPUs one NVLink/fabric domain joins (a node; NVL72: 72)
+    mamf_bf16_flops: float | None = None  # measured maximum achievable matmul FLOP/s, bf16
+    mamf_fp8_flops: float | None = None   # the same for fp8 (None: not measured)
 
     def flops(self, dtype="bf16") -> float:
         """Peak FLOP/s for a dtype: a torch dtype or 'bf16'/'fp16'/'fp8'/'fp32'/'float32'."""
@@ -131,6 +134,8 @@ def _gpus() -> dict:
                 fp8_flops=(_optional(r.get("fp8_tflops")) or 0) * 1e12 or None,
                 power_w=_optional(r.get("power_w")),
                 nvlink_domain=int(_optional(r.get("nvlink_domain")) or 8),
+                mamf_bf16_flops=(_optional(r.get("mamf_bf16_tflops")) or 0) * 1e12 or None,
+                mamf_fp8_flops=(_optional(r.get("mamf_fp8_tflops")) or 0) * 1e12 or None,
             )
     return out
 

@@ -15,7 +15,7 @@ from . import hardware, overlap, plan_inputs as inputs, plan_terms as terms
 # TFLOP/s (cuBLAS reaches 70-80% on big square GEMMs; transformer shapes are less regular).
 # HBM_PASSES: element-wise kernels read and write each activation byte a layer keeps ~7 times
 # over forward and backward (unfused norms, GELU, softmax, dropout and residuals each read their
-# input and write their output). GPUs without their own `achievable` inherit it.
+# input and write their output). Other GPUs and fp8: achievable_fraction.
 ACHIEVABLE = 0.68
 HBM_PASSES = 7.25
 
@@ -27,13 +27,14 @@ class ClusterSpec:
     gpus_per_node: int = 8
     intra: hardware.Link = None
     inter: hardware.Link = None
-    achievable: float = ACHIEVABLE   # fraction of peak bf16 FLOP/s large matmuls reach
+    achievable: float = ACHIEVABLE   # fraction of peak bf16 FLOP/s transformer GEMMs reach
     hbm_passes: float = HBM_PASSES   # HBM reads+writes per activation byte kept, fwd+bwd
     flash_attention: bool = True     # the software stack: FlashAttention (no s^2 softmax kept)
     precision: str = "bf16"          # "bf16" mixed precision, "fp8" GEMMs (TE), "fp32" all fp32
     dropout: bool = None             # None: GPT models have dropout, Llama models do not
     stack: overlap.Stack = overlap.STACKS[overlap.DEFAULT_STACK]
     causal: bool = True              # causal masks: FlashAttention skips the masked blocks
+    achievable_fp8: float = None     # fraction of peak fp8 FLOP/s (precision="fp8")
 
     def link(self, span):
         """The link of a group whose members lie within `span` consecutive ranks."""
@@ -61,9 +62,10 @@ def make_cluster(gpu="H100", gpus=8, gpus_per_node=None, intra_link=None, inter_
     intra = _link(intra_link or g.link, "--intra-link")
     inter = _link(inter_link or "InfiniBand NDR", "--inter-link")
     return ClusterSpec(g, gpus, gpus_per_node, intra, inter,
-                       achievable or achievable_fraction(g),
+                       achievable_fraction(g, "bf16", achievable),
                        HBM_PASSES if hbm_passes is None else hbm_passes, flash_attention,
-                       precision, dropout, overlap.stack(stack or overlap.DEFAULT_STACK), causal)
+                       precision, dropout, overlap.stack(stack or overlap.DEFAULT_STACK), causal,
+                       achievable_fraction(g, "fp8", achievable) if g.fp8_flops else None)
 
 
 def _gpu(name):
@@ -81,8 +83,20 @@ def _link(name, option):
         raise ValueError(f"{option}: {error.args[0]}") from None
 
 
-def achievable_fraction(gpu):
-    """Fraction of dense peak large transformer matmuls reach (data/hardware.csv column
-    `achievable`, fitted on A100 by `calibrate`; other GPUs inherit it unless a row says)."""
-    value = getattr(gpu, "achievable", None)
-    return value if value else ACHIEVABLE
+def achievable_fraction(gpu, precision="bf16", fitted=None):
+    """Fraction of the dense peak of `precision` that transformer GEMMs reach on `gpu`.
+
+    Fitted on A100 (Table 1: ACHIEVABLE, or `fitted` while calibrating) and carried to other
+    GPUs and to fp8 through each one's measured maximum achievable matmul FLOP/s (MAMF,
+    data/hardware.csv): fitted x (MAMF / peak of gpu, precision) / (MAMF / peak of A100, bf16).
+    The fit then says how far transformer shapes fall below the best matmul (0.68 / 0.869 =
+    0.78), the microbenchmark how far the best matmul falls below each datasheet. A GPU without
+    a measurement keeps the A100's fraction; fp8 without one keeps the GPU's bf16 fraction."""
+    base = fitted or getattr(gpu, "achievable", None) or ACHIEVABLE
+    reference = hardware.gpu("A100")
+    if not reference.mamf_bf16_flops or not gpu.mamf_bf16_flops:
+        return base
+    scale = reference.mamf_bf16_flops / reference.bf16_flops
+    if precision == "fp8" and gpu.mamf_fp8_flops:
+        return base * gpu.mamf_fp8_flops / gpu.fp8_flops / scale
+    return base * gpu.mamf_bf16_flops / gpu.bf16_flops / scale

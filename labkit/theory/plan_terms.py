@@ -49,11 +49,13 @@ def zero3_buffers(layer_params, zero_stage, weight_bytes=2):
 
 
 def gemm_flops_rate(c, precision):
-    """FLOP/s the linear layers reach: `achievable` x the dense peak of their precision. Under
-    fp8 (Transformer Engine) only the linear layers run in fp8, at the same fraction of the fp8
-    peak (an assumption: no fp8 table to fit on); attention and the head stay in bf16."""
-    peak = c.gpu.flops("fp8") if precision == "fp8" else c.gpu.bf16_flops
-    return peak * c.achievable
+    """FLOP/s the linear layers reach: the achievable fraction x the dense peak of their
+    precision (plan_cluster.achievable_fraction: fitted on A100, carried by each GPU's measured
+    matmul ceiling). Under fp8 (Transformer Engine) only the linear layers run in fp8; attention
+    and the head stay in bf16."""
+    if precision == "fp8":
+        return c.gpu.flops("fp8") * c.achievable_fp8
+    return c.gpu.bf16_flops * c.achievable
 
 
 def attention_time_factor(flash, causal):
