@@ -204,10 +204,11 @@ plan_table(out70, 4)
 # The planner has two fitted constants, both fitted on **one** published table (Narayanan et
 # al. 2021, Table 1: GPT models from 1.7B to 1T parameters on 32 to 3,072 A100s, with their
 # layouts): the fraction of peak that large matrix multiplies reach, and how many times the
-# element-wise kernels read and write each activation byte. The rest are datasheets (FLOP/s,
-# HBM, links) and named assumptions, printed below: link efficiency, latencies, the allocator's
-# reserve, the SMs overlapped communication takes from compute, and that fp8 GEMMs reach the
-# same fraction of their peak as bf16 ones. Then it predicts runs it was **not** fitted on
+# element-wise kernels read and write each activation byte. Other GPUs and fp8 get the A100's
+# fraction scaled by a public microbenchmark, each GPU's maximum achievable matmul FLOP/s
+# (`data/hardware.csv`, column `mamf_*`). The rest are datasheets (FLOP/s, HBM, links) and named
+# assumptions, printed below: link efficiency, latencies, the allocator's reserve and the SMs
+# overlapped communication takes from compute. Then it predicts runs it was **not** fitted on
 # (Korthikanti et al. 2022; Llama 3.1 405B, Dubey et al. 2024; NVIDIA's NeMo and Megatron-Bridge
 # performance tables on H100, B200 and GB200, mostly fp8), beside `llm-analysis`, a tool that
 # assumes half of peak (`flops_efficiency=0.5`) and no overlap (its column comes from
@@ -246,12 +247,13 @@ published.style.format({"labkit error": "{:+.1%}", "llm-analysis error": "{:+.1%
                         "llm-analysis": "{:.1f}"}, na_rep="-")
 
 # %% [markdown]
-# What the model leaves out, so the errors can be read. **Kernel choice**: one efficiency
-# constant per GPU, fitted on A100; the H100, B200 and GB200 inherit it and fp8 GEMMs are
-# assumed to reach the same fraction of their peak, which is why most fp8 rows come out fast:
-# no GEMM benchmark table backs those GPUs yet. **Conventions**: some runs keep bf16 gradients
-# (16 bytes per parameter, not 18), so a layout that fits them needs recompute here (GPT3-20B),
-# and the Llama 3 paper does not say whether its 128K MFU halves the causal attention FLOPs.
+# What the model leaves out, so the errors can be read. **Kernel choice**: one efficiency per
+# GPU and precision (the A100 fit times each GPU's best matmul), the same for every GEMM shape,
+# attention kernel and fused element-wise kernel; a stack with better kernels than Megatron-LM
+# of 2021 beats it, a young one (B200, GB200) trails it. **Conventions**: some runs keep bf16
+# gradients (16 bytes per parameter, not 18), so a layout that fits them needs recompute here
+# (GPT3-20B), and the Llama 3 paper does not say whether its 128K MFU halves the causal
+# attention FLOPs.
 # **Stragglers and failures**: a slow GPU or a restarted job slows every rank of a synchronous
 # step, and long runs lose time to checkpoints; kernel-launch and framework overheads,
 # network contention between groups that share links and load imbalance between MoE experts are
