@@ -100,10 +100,10 @@ def fsdp_layer_traffic(gather_s, reduce_s, forward_s, backward_s, layers):
     i+1's gather runs under layer i's compute (prefetch), so what shows is the traffic beyond
     the compute plus one layer's gather (nothing to hide the first under) and one layer's
     reduce-scatter (nothing after the last). gather_s / reduce_s: the whole stage's time."""
-    one_layer = (gather_s + reduce_s) / max(layers, 1)
-    forward = hide(gather_s / 2, forward_s, gather_s / 2 / max(layers, 1))
-    backward = hide(gather_s / 2 + reduce_s, backward_s, one_layer - gather_s / 2 / layers
-                    if layers else 0.0)
+    layers = max(layers, 1)
+    forward_traffic, backward_traffic = gather_s / 2, gather_s / 2 + reduce_s
+    forward = hide(forward_traffic, forward_s, forward_traffic / layers)
+    backward = hide(backward_traffic, backward_s, backward_traffic / layers)
     return forward[0] + backward[0], forward[1] + backward[1]
 
 
