@@ -4,7 +4,7 @@ import pytest
 
 from labkit.theory import catalog, planner, transformer as tf
 
-# Calibration tolerance: the two fitted constants leave a mean absolute error of 1.4% and every
+# Calibration tolerance: the two fitted constants leave a mean absolute error of 1.6% and every
 # row within 4% on Table 1 (the table reports whole TFLOP/s; run-to-run noise on Selene was a
 # few percent). 6% per row and 3% on the mean leave room for rounding without hiding a change
 # in the model's physics (dropping the bubble, the TP comm or recompute moves rows by > 10%).
@@ -264,8 +264,8 @@ def test_fp8_speeds_up_only_the_linear_layers():
     # the measured matmul ceilings carry the A100 fit: 1402.6 fp8 vs 794.5 bf16 TFLOP/s
     assert plan_terms.gemm_flops_rate(c8, "fp8") / plan_terms.gemm_flops_rate(c16, "bf16") \
         == pytest.approx(1402.6 / 794.5, rel=1e-6)
-    # ... and the A100 fit itself: 0.68 x 794.5 / 989 / (271.2 / 312) of the H100's peak
-    assert c16.achievable == pytest.approx(0.68 * (794.5 / 989) / (271.2 / 312), rel=1e-6)
+    # ... and the A100 fit itself: 0.67 x 794.5 / 989 / (271.2 / 312) of the H100's peak
+    assert c16.achievable == pytest.approx(0.67 * (794.5 / 989) / (271.2 / 312), rel=1e-6)
     kw = dict(global_batch=8, seq=4096, top=1, fix="dp=8,tp=1,pp=1,micro_batch_size=1")
     bf16 = planner.plan("llama-3-8b", 8, "H100", **kw)["plans"][0]
     fp8 = planner.plan("llama-3-8b", 8, "H100", precision="fp8", **kw)["plans"][0]
