@@ -155,15 +155,37 @@ def _plan_arguments(parser):
                         help="a catalog name (llama-3-70b) or a shape: layers=48,hidden=6144,"
                              "heads=64,ffn=24576,vocab=51200[,kv_heads=8,experts=8,top_k=2]")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
-    parser.add_argument("--gpu", default="H100", help="GPU kind (H100, H200, A100, ...)")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu", default="H100",
+                        help="GPU kind: V100, A100, A100-40GB, H100, H100-PCIe, H100-NVL, H200, "
+                             "B200, GB200, MI300X, RTX4090")
+    parser.add_argument("--gpu-peak-tflops", type=float, default=None,
+                        help="a GPU not in the catalog: dense bf16 TFLOP/s (with --gpu-hbm-gb "
+                             "and --gpu-hbm-tbps)")
+    parser.add_argument("--gpu-hbm-gb", type=float, default=None, help="its memory, GB")
+    parser.add_argument("--gpu-hbm-tbps", type=float, default=None, help="its HBM TB/s")
+    parser.add_argument("--gpu-fp8-tflops", type=float, default=None,
+                        help="its dense fp8 TFLOP/s (for --precision fp8)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs one NVLink domain joins (default: the GPU's, 8; GB200: 72)")
     parser.add_argument("--intra-link", default=None, help="default: the GPU's own (NVLink)")
     parser.add_argument("--inter-link", default=None, help="default: InfiniBand NDR")
     batch = parser.add_mutually_exclusive_group(required=True)
     batch.add_argument("--global-batch", type=int, help="global batch in sequences")
     batch.add_argument("--global-batch-tokens", type=int, help="global batch in tokens")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length")
-    parser.add_argument("--fix", default="", help="hold fields: dp=64,tp=8,pp=16,zero_stage=1")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp32"),
+                        help="fp8: linear layers in fp8 (Transformer Engine), the rest bf16")
+    parser.add_argument("--stack", default="megatron",
+                        choices=("megatron", "megatron-2021", "fsdp2", "deepspeed"),
+                        help="which communication the software hides under compute")
+    parser.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True,
+                        help="FlashAttention (no s^2 softmax kept; --no-flash: unfused)")
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
+                        help="causal mask: FlashAttention skips the masked half of the scores "
+                             "(time only; MFU counts every score)")
+    parser.add_argument("--fix", default="",
+                        help="hold fields: dp=64,tp=8,pp=16,v=2,zero_stage=1,recompute=full,"
+                             "recompute_layers=4,sequence_parallel=true")
     parser.add_argument("--top", type=int, default=10, help="plans to show")
     parser.add_argument("--json", action="store_true")
 
@@ -171,11 +193,20 @@ def _plan_arguments(parser):
 def plan_command(args):
     """`python -m labkit plan`: the planner's ranking as a table or DESIGN.md's JSON."""
     import json
-    from .theory import planner
-    out = planner.plan(args.model, args.gpus, args.gpu, args.gpus_per_node, args.intra_link,
+    from .theory import hardware, planner
+    gpu = args.gpu
+    custom = (args.gpu_peak_tflops, args.gpu_hbm_gb, args.gpu_hbm_tbps)
+    if any(v is not None for v in custom):
+        if any(v is None for v in custom):
+            raise ValueError("a custom GPU needs --gpu-peak-tflops, --gpu-hbm-gb and "
+                             "--gpu-hbm-tbps together")
+        gpu = hardware.custom_gpu(*custom, link_name=args.intra_link or "NVLink 4",
+                                  fp8_tflops=args.gpu_fp8_tflops)
+    out = planner.plan(args.model, args.gpus, gpu, args.gpus_per_node, args.intra_link,
                        args.inter_link, global_batch=args.global_batch,
                        global_batch_tokens=args.global_batch_tokens, seq=args.seq,
-                       fix=args.fix, top=args.top)
+                       fix=args.fix, top=args.top, flash_attention=args.flash,
+                       precision=args.precision, stack=args.stack, causal=args.causal)
     if args.json:
         return json.dumps(out, indent=2)
     return planner.format_plans(out)

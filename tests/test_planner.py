@@ -4,7 +4,7 @@ import pytest
 
 from labkit.theory import catalog, planner, transformer as tf
 
-# Calibration tolerance: the two fitted constants leave a mean absolute error of 1.4% and every
+# Calibration tolerance: the two fitted constants leave a mean absolute error of 1.6% and every
 # row within 4% on Table 1 (the table reports whole TFLOP/s; run-to-run noise on Selene was a
 # few percent). 6% per row and 3% on the mean leave room for rounding without hiding a change
 # in the model's physics (dropping the bubble, the TP comm or recompute moves rows by > 10%).
@@ -98,7 +98,7 @@ def test_bad_input_is_one_line():
         planner.parse_fix("tensor=2")
     with pytest.raises(ValueError, match="shape needs"):
         planner.parse_model("layers=4,hidden=64")
-    with pytest.raises(ValueError, match="global batch"):
+    with pytest.raises(ValueError, match="--global-batch must be at least 1"):
         planner.plan("llama-3-8b", 8, "H100", global_batch=0, seq=2048)
 
 
@@ -119,7 +119,219 @@ def test_cli_plan_prints_a_ranking_and_json(capsys):
     assert set(out) >= {"model", "cluster", "considered", "plans"} and len(out["plans"]) == 3
     plan = out["plans"][0]
     assert set(plan["breakdown_s"]) == {"compute", "recompute", "tp_comm", "cp_comm",
-                                        "pp_bubble", "pp_comm", "dp_comm", "optimizer"}
+                                        "pp_bubble", "pp_comm", "dp_comm", "optimizer",
+                                        "overlap_slowdown"}
+    assert plan["step_s"] == pytest.approx(sum(plan["breakdown_s"].values()))
+    for dim in ("tp", "cp", "pp", "dp"):
+        assert plan["communication_s"][f"{dim}_comm_exposed"] == plan["breakdown_s"][
+            f"{dim}_comm"]
+        assert f"{dim}_comm_hidden" in plan["communication_s"]
     assert cli.main(["plan", "--model", "llama-3-8b", "--gpus", "16", "--global-batch", "64",
                      "--fix", "tp=3"]) == 2
     assert "no legal plan" in capsys.readouterr().err
+
+
+# --- issue 20 section 2: every field, count and --fix value checked, in one line
+@pytest.mark.parametrize("argv, message", [
+    (["--fix", "zero_stage=7"], "--fix zero_stage must be 0, 1, 2 or 3"),
+    (["--fix", "tp"], "--fix tp: give a value"),
+    (["--fix", "tp=x"], "--fix tp must be a whole number"),
+    (["--fix", "recompute=some"], "--fix recompute must be one of"),
+    (["--fix", "sequence_parallel=maybe"], "--fix sequence_parallel must be true or false"),
+    (["--top", "0"], "--top must be at least 1"),
+    (["--top", "-1"], "--top must be at least 1"),
+    (["--seq", "9" * 320], "--seq must be at most"),
+    (["--model", "layers=2,hidden=64,heads=3,ffn=256,vocab=100"], "heads=3 must divide"),
+    (["--model", "layers=2,hidden=64,heads=4,kv_heads=3,ffn=256,vocab=100"],
+     "kv_heads=3 must divide heads=4"),
+    (["--model", "layers=2,hidden=64,heads=4,experts=4,top_k=9,ffn=256,vocab=100"],
+     "top_k=9 exceeds experts=4"),
+    (["--model", "layers=2,hidden=64,heads=4,ffn=256,vocab=100,arch=bogus"],
+     "--model arch must be one of"),
+    (["--model", "layers=2,hidden=x,heads=4,ffn=256,vocab=100"], "--model hidden must be"),
+    (["--model", "sd-1.5"], "not a transformer language model"),
+    (["--gpu", "K80"], "--gpu: unknown GPU"),
+    (["--gpu", "A100", "--precision", "fp8"], "no fp8 tensor cores"),
+])
+def test_cli_refuses_bad_plan_input_in_one_line(capsys, argv, message):
+    from labkit import cli
+    base = {"--model": "llama-3-8b", "--gpus": "8", "--global-batch": "8"}
+    for key, value in zip(argv[::2], argv[1::2]):
+        base[key] = value
+    code = cli.main(["plan"] + [x for kv in base.items() for x in kv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_global_batch_tokens_and_huge_counts_are_bounded():
+    with pytest.raises(ValueError, match="--global-batch-tokens must be at least 1"):
+        planner.plan("llama-3-8b", 8, global_batch_tokens=-100000, seq=2048)
+    with pytest.raises(ValueError, match="less than one sequence"):
+        planner.plan("llama-3-8b", 8, global_batch_tokens=100, seq=2048)
+    with pytest.raises(ValueError, match="--global-batch must be at most"):
+        planner.plan("llama-3-8b", 8, global_batch=int("9" * 320), seq=2048)
+    with pytest.raises(ValueError, match="--gpus must be at most"):
+        planner.plan("llama-3-8b", 10**10, global_batch=8, seq=2048)
+
+
+def test_divisors_come_from_the_factorisation():
+    from labkit.theory.plan_inputs import divisors
+    assert divisors(12) == (1, 2, 3, 4, 6, 12) and divisors(1) == (1,) and divisors(97) == (1, 97)
+    big = divisors(10**9)            # 2^9 5^9: (9+1)^2 divisors, found without walking to 1e9
+    assert len(big) == 100 and big[-1] == 10**9 and all(10**9 % d == 0 for d in big)
+    import time
+    started = time.perf_counter()
+    out = planner.plan("llama-3-8b", 10**9, global_batch=10**9, seq=2048, top=1)
+    assert out["plans"][0]["fits"] and time.perf_counter() - started < 30
+
+
+# --- issue 22: the new terms, each against a hand-derived case
+def test_only_whole_layers_per_virtual_stage_are_legal():
+    m = catalog.model("llama-3-70b")     # 80 layers
+    assert planner.interleave_choices(m, 4) == [1, 2, 4, 5, 10, 20]    # divisors of 20
+    assert 3 not in planner.interleave_choices(m, 4)
+    # 80 layers on 64 stages: no v > 1 gives whole layers (the old ceil(L/pp) % v took v=2)
+    assert planner.interleave_choices(m, 64) == [1]
+    c = planner.make_cluster("H100", 256)
+    p = dict(dp=4, tp=1, pp=64, cp=1, ep=1, v=2, micro_batch_size=1, zero_stage=0,
+             recompute="none", recompute_layers=0, sequence_parallel=False)
+    assert "whole layers per virtual stage" in planner.why_illegal(m, c, 256, 4096, p)
+    # Llama 3.1 405B: 126 layers + the embedding's and the loss's slots = 128 on 16 stages
+    assert 8 in planner.interleave_choices(catalog.model("llama-3.1-405b"), 16)
+    # a stage of 7 layers may interleave 7 ways
+    seven = planner.parse_model("layers=28,hidden=1024,heads=16,ffn=4096,vocab=1000")
+    assert 7 in planner.interleave_choices(seven, 4)
+
+
+def test_partial_recompute_keeps_the_hand_derived_bytes():
+    from labkit.theory import recompute as rc
+    stage = dict(kept_layer=10.0, recomputed_layer=1.0, working_set=5.0, logits=0.0,
+                 microbatches=8, pp=1, v=1)
+    # one micro-batch in flight (pp=1), 4 layers: none 40; k=2: 2*10 + 2*1 + 5 = 27
+    assert rc.stage_activation_bytes(layers_per_stage=4, recompute_layers=0, **stage) == 40
+    assert rc.stage_activation_bytes(layers_per_stage=4, recompute_layers=2, **stage) == 27
+    # the least k under a budget of 30: k=1 gives 3*10 + 1 + 5 = 36, k=2 gives 27
+    assert rc.least_recompute_layers(30, 4, **stage) == 2
+    assert rc.least_recompute_layers(100, 4, **stage) == 0
+    # recompute FLOPs: k/L of the forward, and (flash) the scores of the other layers
+    assert rc.recompute_flops(100.0, 10.0, "full", 1, 4, flash=True) == 25 + 0.75 * 10
+
+
+def test_search_picks_the_least_recompute_that_fits():
+    fix = "dp=8,tp=1,pp=1,zero_stage=1,micro_batch_size=2"
+    out = planner.plan("llama-3-8b", 8, "H100", global_batch=64, seq=8192, fix=fix)
+    fitting = [p for p in out["plans"] if p["fits"]]
+    best = fitting[0]
+    assert best["recompute"] == "full" and 0 < best["recompute_layers"] < 32
+    one_less = planner.plan("llama-3-8b", 8, "H100", global_batch=64, seq=8192, top=1,
+                            fix=fix + f",recompute=full,recompute_layers="
+                                      f"{best['recompute_layers'] - 1}")["plans"][0]
+    assert not one_less["fits"]
+
+
+def test_overlap_hides_up_to_the_window_and_charges_contention():
+    from labkit.theory import overlap
+    assert overlap.hide(3.0, 2.0) == (1.0, 2.0)
+    assert overlap.hide(1.0, 2.0, floor_s=0.25) == (0.25, 0.75)
+    mega, old = overlap.stack("megatron"), overlap.stack("megatron-2021")
+    assert overlap.tp_comm(old, 4.0, 10.0, 8) == (4.0, 0.0)
+    assert overlap.tp_comm(mega, 4.0, 10.0, 8) == (0.5, 3.5)        # floor: one of 8 steps
+    assert overlap.contention_slowdown(3.5) == pytest.approx(3.5 * 16 / 132)
+    # FSDP, 4 layers: gathers 8 s (4 forward, 4 backward), reduce 4 s; forward 2 s, backward 10 s
+    exposed, hidden = overlap.fsdp_layer_traffic(8.0, 4.0, 2.0, 10.0, 4)
+    assert exposed == pytest.approx(2.0 + 2.0) and hidden == pytest.approx(2.0 + 6.0)
+    with pytest.raises(ValueError, match="--stack must be one of"):
+        overlap.stack("horovod")
+
+
+def test_stacks_change_only_what_they_hide():
+    kw = dict(global_batch=64, seq=4096, top=1,
+              fix="dp=2,tp=4,pp=1,sequence_parallel=true,zero_stage=1,micro_batch_size=1")
+    new = planner.plan("llama-3-70b", 8, "H100", stack="megatron", **kw)["plans"][0]
+    old = planner.plan("llama-3-70b", 8, "H100", stack="megatron-2021", **kw)["plans"][0]
+    assert old["communication_s"]["tp_comm_hidden"] == 0
+    assert new["communication_s"]["tp_comm_hidden"] > 0
+    total = lambda p: p["communication_s"]["tp_comm_exposed"] + p["communication_s"][
+        "tp_comm_hidden"]
+    assert total(new) == pytest.approx(total(old))
+    assert new["step_s"] < old["step_s"]
+
+
+def test_fp8_speeds_up_only_the_linear_layers():
+    from labkit.theory import plan_terms, hardware
+    c8 = planner.make_cluster("H100", 8, precision="fp8")
+    c16 = planner.make_cluster("H100", 8)
+    # the measured matmul ceilings carry the A100 fit: 1402.6 fp8 vs 794.5 bf16 TFLOP/s
+    assert plan_terms.gemm_flops_rate(c8, "fp8") / plan_terms.gemm_flops_rate(c16, "bf16") \
+        == pytest.approx(1402.6 / 794.5, rel=1e-6)
+    # ... and the A100 fit itself: 0.67 x 794.5 / 989 / (271.2 / 312) of the H100's peak
+    assert c16.achievable == pytest.approx(0.67 * (794.5 / 989) / (271.2 / 312), rel=1e-6)
+    kw = dict(global_batch=8, seq=4096, top=1, fix="dp=8,tp=1,pp=1,micro_batch_size=1")
+    bf16 = planner.plan("llama-3-8b", 8, "H100", **kw)["plans"][0]
+    fp8 = planner.plan("llama-3-8b", 8, "H100", precision="fp8", **kw)["plans"][0]
+    assert bf16["step_s"] / 2 < fp8["step_s"] < bf16["step_s"]
+    assert hardware.gpu("H200").fp8_flops == 1979e12
+
+
+def test_causal_halving_is_explicit():
+    from labkit.theory import plan_terms
+    assert plan_terms.attention_time_factor(flash=True, causal=True) == 0.5
+    assert plan_terms.attention_time_factor(flash=False, causal=True) == 1.0
+    kw = dict(global_batch=8, seq=16384, top=1, fix="dp=8,tp=1,pp=1,micro_batch_size=1,"
+              "recompute=full")
+    skip = planner.plan("llama-3-8b", 8, **kw)["plans"][0]
+    full = planner.plan("llama-3-8b", 8, causal=False, **kw)["plans"][0]
+    assert skip["step_s"] < full["step_s"] and skip["mfu"] > full["mfu"]
+
+
+def test_new_gpus_and_a_custom_one():
+    from labkit.theory import hardware
+    for name in ("V100", "H100 PCIe", "H100 NVL", "H200", "B200", "GB200", "MI300X", "A100-40GB"):
+        g = hardware.gpu(name)
+        assert g.bf16_flops > 0 and g.memory_bytes > 0 and g.power_w > 0
+    assert hardware.gpu("GB200").nvlink_domain == 72
+    custom = hardware.custom_gpu(400, 48, 1.5)
+    out = planner.plan("llama-3-8b", 8, custom, global_batch=8, seq=2048, top=1)
+    assert out["cluster"]["gpu"] == "custom GPU"
+    with pytest.raises(ValueError, match="--gpu-hbm-gb must be a positive number"):
+        hardware.custom_gpu(400, -1, 1.5)
+
+
+def test_allocator_reserve_is_its_own_memory_term():
+    from labkit.theory import plan_terms
+    p = planner.plan("llama-3-8b", 8, global_batch=8, seq=2048, top=1)["plans"][0]
+    assert p["memory_bytes"]["reserved"] == plan_terms.ALLOCATOR_RESERVE
+    parts = sum(v for k, v in p["memory_bytes"].items() if k != "total")
+    assert p["memory_bytes"]["total"] == pytest.approx(parts)
+
+
+def test_the_planner_reuses_model_state_bytes():
+    from labkit.theory import memory, plan_terms
+    states = plan_terms.model_states(1e9, "bf16", 1, 8)
+    assert states == memory.model_state_bytes(1e9, zero_stage=1, world_size=8, grad_bytes=4)
+    assert states["params"] + states["grads"] == 6e9 and states["optimizer"] == 12e9 / 8
+
+
+def test_fp8_cast_traffic_matches_the_hand_count():
+    from labkit.theory import plan_terms
+    c = planner.make_cluster("H100", 8, precision="fp8")
+    m = catalog.model("llama-3-8b")
+    seconds = plan_terms.fp8_cast_time(c, m, 8192, 1, 1, 0, 1)
+    assert seconds * c.gpu.memory_bw == pytest.approx(2 * 8192 * (3 * 4096 + 14336) * 4)
+
+
+def test_memory_refuses_huge_counts_in_one_line(capsys):
+    from labkit import cli
+    assert cli.main(["memory", "--model", "llama-3-70b", "--seq", "9" * 320]) == 2
+    err = capsys.readouterr().err
+    assert "--seq must be at most" in err and "Traceback" not in err
+
+
+def test_held_out_runs_stay_predicted():
+    # A guard, not a fit: nothing was tuned on these rows (data/published_runs.csv, use=check).
+    # labkit's mean absolute error on them is ~10% (bench/planner.py; llm-analysis at half of
+    # peak: ~26%; without overlap, megatron-2021 everywhere: ~13%; without the MAMF scaling of
+    # the A100 fit: ~16%); 15% leaves room for the model's known gaps.
+    rows = planner.published_check(planner.published_runs("check"))
+    assert len(rows) >= 25
+    assert sum(abs(r["error"]) for r in rows) / len(rows) < 0.15

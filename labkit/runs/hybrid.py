@@ -169,7 +169,8 @@ def predict_memory(cfg, dp, tp, pp, microbatches=2, virtual=1, sequence_parallel
                             fix=fix, top=1)["plans"][0]
     except ValueError:
         return None
-    out = {k: v for k, v in plan["memory_bytes"].items() if k != "total"}
+    # a CPU run has no CUDA context or caching allocator: the reserve is left out
+    out = {k: v for k, v in plan["memory_bytes"].items() if k not in ("total", "reserved")}
     if cfg.optimizer == "sgd":
         out["optimizer"] = 0
     out["peak"] = sum(out.values())

@@ -10,8 +10,6 @@ import functools
 import re
 from dataclasses import dataclass
 
-import pandas as pd
-
 from .hardware import TABLES
 
 MODELS_CSV = TABLES / "models.csv"
@@ -136,8 +134,9 @@ def models() -> list[ModelShape]:
     return list(_models().values())
 
 
-def table() -> pd.DataFrame:
+def table():
     """The models CSV as a DataFrame, with derived total and active parameter counts."""
+    import pandas as pd   # here, not at import: `plan` and `memory` answer without pandas
     with MODELS_CSV.open() as f:
         df = pd.read_csv(f)
     df["params_derived"] = [model(n).param_count() for n in df["name"]]

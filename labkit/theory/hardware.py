@@ -3,7 +3,8 @@
 A GPU does `flops(dtype)` FLOP/s at peak; a cluster achieves `mfu` of that (an assumption).
 A link moves `bandwidth * efficiency` bytes/s per direction after `latency` seconds.
 A GPU's `memory_bytes` is what the driver reports (H100: 81559 MiB = 85.5e9 bytes), so that
-"fits" compares like with like; `achievable` is the fitted fraction of peak big GEMMs reach.
+"fits" compares like with like; `achievable` is the fitted fraction of peak big GEMMs reach;
+`mamf_*` the measured maximum achievable matmul FLOP/s (a public microbenchmark, see the CSV).
 """
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-
-import pandas as pd
 
 # The tables ship inside the package (labkit/tables/, package data), so that any install finds
 # them; the checkout's data/ folder links to them and holds the bench results (bench.csv).
@@ -33,15 +32,24 @@ class GPU:
     memory_bw: float      # bytes/s
     link: str             # name of the default intra-node link
     achievable: float | None = None   # fraction of dense bf16 peak large GEMMs reach (fitted)
+    fp8_flops: float | None = None    # dense fp8 tensor-core FLOP/s (None: no fp8 tensor cores)
+    power_w: float | None = None      # board power (datasheet TDP)
+    nvlink_domain: int = 8            # GPUs one NVLink/fabric domain joins (a node; NVL72: 72)
+    mamf_bf16_flops: float | None = None  # measured maximum achievable matmul FLOP/s, bf16
+    mamf_fp8_flops: float | None = None   # the same for fp8 (None: not measured)
 
     def flops(self, dtype="bf16") -> float:
-        """Peak FLOP/s for a dtype: a torch dtype or 'bf16'/'fp16'/'fp32'/'bfloat16'/'float32'."""
+        """Peak FLOP/s for a dtype: a torch dtype or 'bf16'/'fp16'/'fp8'/'fp32'/'float32'."""
         s = str(dtype).lower().replace("torch.", "")
         if s in ("bf16", "bfloat16", "fp16", "float16", "half"):
             return self.bf16_flops
         if s in ("fp32", "float32", "float", "tf32"):
             return self.fp32_flops
-        raise ValueError(f"unknown dtype {dtype!r}: use 'bf16', 'fp16' or 'fp32'")
+        if s in ("fp8", "float8", "float8_e4m3fn", "float8_e5m2"):
+            if not self.fp8_flops:
+                raise ValueError(f"{self.name} has no fp8 tensor cores: use bf16")
+            return self.fp8_flops
+        raise ValueError(f"unknown dtype {dtype!r}: use 'bf16', 'fp16', 'fp8' or 'fp32'")
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,10 @@ def _memory_bytes(row) -> float:
     return float(driver) if driver else float(row["memory_gb"]) * 1e9
 
 
+def _optional(text):
+    return float(text) if text and text.strip() else None
+
+
 @functools.lru_cache(maxsize=None)
 def _gpus() -> dict:
     out = {}
@@ -118,7 +130,12 @@ def _gpus() -> dict:
                 memory_bytes=_memory_bytes(r),
                 memory_bw=float(r["memory_bw_tbs"]) * 1e12,
                 link=r["link"],
-                achievable=float(r["achievable"]) if r.get("achievable", "").strip() else None,
+                achievable=_optional(r.get("achievable")),
+                fp8_flops=(_optional(r.get("fp8_tflops")) or 0) * 1e12 or None,
+                power_w=_optional(r.get("power_w")),
+                nvlink_domain=int(_optional(r.get("nvlink_domain")) or 8),
+                mamf_bf16_flops=(_optional(r.get("mamf_bf16_tflops")) or 0) * 1e12 or None,
+                mamf_fp8_flops=(_optional(r.get("mamf_fp8_tflops")) or 0) * 1e12 or None,
             )
     return out
 
@@ -137,8 +154,9 @@ def _links() -> dict:
     return out
 
 
-def table() -> pd.DataFrame:
+def table():
     """The hardware CSV as a DataFrame (GPUs and links, with their sources)."""
+    import pandas as pd   # here, not at import: `plan` and `memory` answer without pandas
     with HARDWARE_CSV.open() as f:
         return pd.read_csv(f)
 
@@ -156,7 +174,10 @@ def links() -> list[Link]:
 _GPU_ALIASES = {  # normalised alias -> canonical name ('H100' means the SXM part)
     "h100": "H100 SXM", "h200": "H200 SXM", "a100": "A100 SXM 80GB", "a100sxm": "A100 SXM 80GB",
     "a10080gb": "A100 SXM 80GB", "a10040gb": "A100 SXM 40GB", "4090": "RTX 4090",
-    "geforcertx4090": "RTX 4090",
+    "geforcertx4090": "RTX 4090", "v100": "V100 SXM2 32GB", "v100sxm2": "V100 SXM2 32GB",
+    "v10032gb": "V100 SXM2 32GB", "h100nvl": "H100 NVL", "h10096gb": "H100 NVL",
+    "h100sxm5": "H100 SXM", "b200sxm": "B200", "gb200nvl72": "GB200", "mi300": "MI300X",
+    "amdmi300x": "MI300X", "instinctmi300x": "MI300X",
 }
 
 _LINK_ALIASES = {  # normalised alias -> canonical name
@@ -175,6 +196,20 @@ def gpu(name) -> GPU:
     if key in table_:
         return table_[key]
     raise KeyError(f"unknown GPU {name!r}; known: {', '.join(_gpus())}")
+
+
+def custom_gpu(peak_tflops, hbm_gb, hbm_tbps, link_name="NVLink 4", fp8_tflops=None,
+               name="custom GPU") -> GPU:
+    """A GPU that is not in the catalog, from its datasheet: dense bf16 TFLOP/s, HBM in GB,
+    HBM bandwidth in TB/s (and optionally dense fp8 TFLOP/s and the intra-node link)."""
+    for option, value in (("--gpu-peak-tflops", peak_tflops), ("--gpu-hbm-gb", hbm_gb),
+                          ("--gpu-hbm-tbps", hbm_tbps)):
+        if not isinstance(value, (int, float)) or not 0 < value < 1e7:
+            raise ValueError(f"{option} must be a positive number, got {value!r}")
+    link(link_name)   # an unknown link name ends here
+    return GPU(name=name, bf16_flops=peak_tflops * 1e12, fp32_flops=peak_tflops * 1e12 / 16,
+               memory_bytes=hbm_gb * 1e9, memory_bw=hbm_tbps * 1e12, link=link_name,
+               fp8_flops=fp8_tflops * 1e12 if fp8_tflops else None)
 
 
 def _link_key(name: str) -> str:

@@ -5,9 +5,8 @@ divides optimizer / +grads / +weights by the data-parallel size. Activations: sb
 """
 from __future__ import annotations
 
-import pandas as pd
-
 from . import catalog
+from .plan_inputs import count
 
 # Bytes per element. Torch dtypes are accepted through str(), e.g. torch.bfloat16.
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.5, "fp8": 1}
@@ -33,7 +32,7 @@ def dtype_bytes(dtype) -> float:
 
 
 def model_state_bytes(params, *, mixed_precision=True, optimizer="adam", zero_stage=0,
-                      world_size=1) -> dict:
+                      world_size=1, grad_bytes=None) -> dict:
     """Weights, gradients and optimizer state in bytes per rank (ZeRO, arXiv 1910.02054, sec. 3).
 
     Mixed precision: 2Ψ bf16 weights, 2Ψ bf16 grads, KΨ optimizer (K=12 for Adam: fp32 master
@@ -41,6 +40,11 @@ def model_state_bytes(params, *, mixed_precision=True, optimizer="adam", zero_st
     keeps one fp32 buffer, plain 'sgd' none (plus the master copy under mixed precision).
     ZeRO stage 1 shards the optimizer state over world_size ranks, stage 2 also the gradients,
     stage 3 also the weights (exact float division).
+
+    grad_bytes: bytes per gradient when they differ from the weights'. ZeRO's paper counts 16
+    bytes per parameter (bf16 gradients); Megatron-LM and FSDP2 keep fp32 main gradients
+    (`--accumulate-allreduce-grads-in-fp32`, reduce_dtype=float32): grad_bytes=4, 18 bytes in
+    all. The planner uses 18.
     """
     opt = "adam" if optimizer.lower() in ("adam", "adamw") else optimizer.lower()
     if (bool(mixed_precision), opt) not in OPTIMIZER_K:
@@ -51,7 +55,7 @@ def model_state_bytes(params, *, mixed_precision=True, optimizer="adam", zero_st
     w = 2 if mixed_precision else 4
     out = {
         "params": w * params / (n if zero_stage >= 3 else 1),
-        "grads": w * params / (n if zero_stage >= 2 else 1),
+        "grads": (grad_bytes or w) * params / (n if zero_stage >= 2 else 1),
         "optimizer": OPTIMIZER_K[(bool(mixed_precision), opt)] * params
         / (n if zero_stage >= 1 else 1),
     }
@@ -59,8 +63,9 @@ def model_state_bytes(params, *, mixed_precision=True, optimizer="adam", zero_st
     return out
 
 
-def zero_stage_table(params, world_size, mixed_precision=True, optimizer="adam") -> pd.DataFrame:
+def zero_stage_table(params, world_size, mixed_precision=True, optimizer="adam"):
     """Bytes per rank for baseline DP and ZeRO stages 1-3 (ZeRO arXiv 1910.02054, Figure 1)."""
+    import pandas as pd   # here, not at import: `memory` answers without pandas
     rows = []
     for stage, label in enumerate(["baseline", "stage 1", "stage 2", "stage 3"]):
         b = model_state_bytes(params, mixed_precision=mixed_precision, optimizer=optimizer,
@@ -104,6 +109,7 @@ def training_memory(model, *, batch, seq, mixed_precision=True, zero_stage=0, dp
     counted, fp32 training doubles the 16-bit activation figure.
     """
     m = catalog.model(model)
+    _check_counts(batch=batch, seq=seq, gpus=dp, tp=tp, pp=pp)
     if m.arch == "unet":
         raise ValueError(f"{m.display_name} is not a transformer LM: no activation formula; "
                          "use model_state_bytes(params) for its model states")
@@ -128,12 +134,20 @@ def inference_memory(model, *, batch, context, weight_dtype="bf16", kv_dtype="bf
                / (pp * min(tp, kv_heads))   (a KV head is replicated once tp > kv_heads)
     """
     m = catalog.model(model)
+    _check_counts(batch=batch, seq=context, tp=tp, pp=pp)
     weights = m.param_count() * dtype_bytes(weight_dtype) / (tp * pp)
     kv = 0.0
     if m.arch != "unet":
         kv = (2 * m.layers * m.kv_heads * m.head_dim * context * batch * dtype_bytes(kv_dtype)
               / (pp * min(tp, m.kv_heads)))
     return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+
+
+def _check_counts(**counts):
+    """Each count a positive whole number within plan_inputs.LIMITS (a 320-digit --seq ends
+    here in one line, not in an OverflowError)."""
+    for name, value in counts.items():
+        count("global_batch" if name == "batch" else name, value, f"--{name}")
 
 
 def largest_trainable_params(gpu_memory_bytes, world_size, zero_stage, mixed_precision=True,

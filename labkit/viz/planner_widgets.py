@@ -15,14 +15,16 @@ from .plots import memory_stack, restack, retime, stack_shape, time_shape, time_
 BREAKDOWN_LABELS = {"compute": "compute", "recompute": "recompute (incl. FlashAttention's)",
                     "tp_comm": "TP comm", "cp_comm": "CP ring (exposed)",
                     "pp_bubble": "pipeline bubble", "pp_comm": "PP sends",
-                    "dp_comm": "DP/ZeRO comm (exposed)", "optimizer": "optimizer step"}
+                    "dp_comm": "DP/ZeRO comm (exposed)", "optimizer": "optimizer step",
+                    "overlap_slowdown": "compute slowed by overlapped comm"}
 BREAKDOWN_COLORS = {"compute": "#2ca02c", "recompute (incl. FlashAttention's)": "#98df8a",
                     "TP comm": "#9467bd", "CP ring (exposed)": "#e377c2",
                     "pipeline bubble": "#dcdcdc", "PP sends": "#c5b0d5",
-                    "DP/ZeRO comm (exposed)": "#d62728", "optimizer step": "#8c564b"}
+                    "DP/ZeRO comm (exposed)": "#d62728", "optimizer step": "#8c564b",
+                    "compute slowed by overlapped comm": "#bcbd22"}
 # every memory category the planner reports: a fixed pool of bars, hidden while zero, keeps the
 # figure's shape (and its artists) when the top plans' categories change
-MEMORY_POOL = ("params", "grads", "optimizer", "activations", "buffers")
+MEMORY_POOL = ("params", "grads", "optimizer", "activations", "buffers", "reserved")
 EXPLORER_GPUS = {"H100 SXM": "H100", "H200 SXM": "H200", "A100 SXM 80GB": "A100", "B200": "B200"}
 
 
@@ -33,7 +35,7 @@ def plan_label(p, sep="\n"):
     parts += [f"ep{p['ep']}"] if p["ep"] > 1 else []
     extra = [f"v{p['v']}"] if p["v"] > 1 else []
     extra += [f"ZeRO-{p['zero_stage']}"] if p["zero_stage"] else []
-    extra += [f"{p['recompute']} recompute"] if p["recompute"] != "none" else []
+    extra += [f"{planner.recompute_label(p)} recompute"] if p["recompute"] != "none" else []
     extra += [f"mbs {p['micro_batch_size']}"] if p["micro_batch_size"] > 1 else []
     return " ".join(parts) + (sep + " ".join(extra) if extra else "")
 
@@ -61,14 +63,15 @@ def _plan_panels(out, k=4):
                                           for c in BREAKDOWN_LABELS}
             for i, p in enumerate(plans)}
     # a short capacity name: it sits between the bars and the legend; the GPU is in the title
-    return (dict(bars=bars, capacity={"usable": out["cluster"]["usable_bytes"]},
+    return (dict(bars=bars, capacity={"HBM": out["cluster"]["capacity_bytes"]},
                  title=f"memory per {out['cluster']['gpu']} (modelled)\nworst pipeline stage",
                  unit="GB", keep=MEMORY_POOL),
             dict(rows=rows, unit="s", title="step time (modelled)", hide_zero=True))
 
 
 def plan_figure(out, k=4, fig=None):
-    """Left: memory per GPU of the top `k` plans against the usable memory; right: their
+    """Left: memory per GPU of the top `k` plans (the allocator's reserve as its own bar)
+    against the GPU's memory; right: their
     modelled step time split. Returns the figure."""
     stack, split = _plan_panels(out, k)
     fig = fig or plt.figure(figsize=(12, 4.4))

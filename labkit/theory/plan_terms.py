@@ -1,0 +1,151 @@
+"""The terms of one plan's memory and step time, each a named function (planner.evaluate adds
+them up). Formulas and sources are in each docstring; the constants they share:
+
+- Model states reuse memory.model_state_bytes with fp32 main gradients: 2 (bf16 weights) + 4
+  (fp32 gradients) + 12 (fp32 master weights and Adam moments) = 18 bytes per parameter, the
+  convention of Megatron-LM and FSDP2 (ZeRO's paper counts 16, with bf16 gradients).
+- ALLOCATOR_RESERVE: the CUDA context, cuBLAS/NCCL workspaces and the caching allocator's
+  fragmentation, an assumption (~1 GiB of context and workspaces is typical on H100; the rest
+  is blocks the allocator holds but cannot reuse), shown as its own memory term.
+"""
+from __future__ import annotations
+
+from . import memory, transformer as tf
+from .time import collective_time
+
+ALLOCATOR_RESERVE = 2 * 2**30   # bytes; an assumption, see the module docstring
+BUCKET_BYTES = 40e6 * 4         # Megatron-LM's default gradient bucket: 40M fp32 gradients
+ADAM_BYTES_TOUCHED = 30         # read grad, master, m, v (16 B); write master, m, v, bf16 (14 B)
+# Transformer Engine's cast-transpose reads a bf16 value (2 B) and writes its fp8 copy and the
+# fp8 copy transposed (1 + 1 B): Hopper's fp8 tensor cores take only the TN layout, so backward
+# needs the transpose (TE docs, "FP8 primer").
+FP8_CAST_BYTES = 4
+GRAD_BYTES = 4                  # fp32 main gradients (see the module docstring)
+
+
+def stage_parameters(m, tp, ep, pp, layers_per_stage):
+    """(parameters of the worst pipeline stage, of one layer) on one GPU: experts spread over
+    ep ranks, matmuls split by tp; the first stage adds the embedding, the last the head (a copy
+    when tied)."""
+    counts = tf.layer_counts(m)
+    layer = counts.attention / tp + counts.mlp_total / (tp * ep) + counts.router + counts.norms
+    embedding, head = tf.embedding_params(m) / tp, tf.head_params(m) / tp
+    ends = embedding + (0 if m.tied_embeddings else head) if pp == 1 else max(embedding, head)
+    return layers_per_stage * layer + ends, layer
+
+
+def model_states(stage_params, precision, zero_stage, shard):
+    """Weights, gradients and optimizer state per GPU (memory.model_state_bytes, ZeRO over the
+    `shard` ranks that hold the same weights): bf16/fp8 runs keep bf16 weights, fp32 main
+    gradients and fp32 Adam state (18 B per parameter); fp32 runs 4 + 4 + 8."""
+    mixed = precision != "fp32"
+    return memory.model_state_bytes(stage_params, mixed_precision=mixed, zero_stage=zero_stage,
+                                    world_size=shard, grad_bytes=GRAD_BYTES)
+
+
+def zero3_buffers(layer_params, zero_stage, weight_bytes=2):
+    """ZeRO-3 keeps two gathered layers in flight (the one computing, the one prefetched)."""
+    return 2 * weight_bytes * layer_params if zero_stage == 3 else 0.0
+
+
+def gemm_flops_rate(c, precision):
+    """FLOP/s the linear layers reach: the achievable fraction x the dense peak of their
+    precision (plan_cluster.achievable_fraction: fitted on A100, carried by each GPU's measured
+    matmul ceiling). Under fp8 (Transformer Engine) only the linear layers run in fp8; attention
+    and the head stay in bf16."""
+    if precision == "fp8":
+        return c.gpu.flops("fp8") * c.achievable_fp8
+    return c.gpu.bf16_flops * c.achievable
+
+
+def attention_time_factor(flash, causal):
+    """Share of the attention-core FLOPs a kernel runs: FlashAttention skips the blocks a causal
+    mask zeroes (about half); an unfused softmax computes every score. MFU's numerator is not
+    halved either way (Narayanan et al. 2021, PaLM), so it stays comparable across stacks."""
+    return 0.5 if flash and causal else 1.0
+
+
+def tp_collectives_per_layer(recompute, recompute_share):
+    """All-reduces (or reduce-scatter + all-gather pairs under SP) per layer and micro-batch:
+    2 forward + 2 backward, and the 2 forward ones again for each fully recomputed layer."""
+    return 4 + (2 * recompute_share if recompute == "full" else 0)
+
+
+def tp_comm_time(c, m, tokens, tp, layers, collectives_per_layer, value_bytes=2):
+    """One micro-batch's TP traffic on one stage: each collective moves the layer's activations
+    (value_bytes x tokens x hidden) among tp ranks (alpha-beta ring, time.py)."""
+    act = value_bytes * tokens * m.hidden
+    return layers * collectives_per_layer * collective_time("all_reduce", act, tp, c.link(tp))
+
+
+def cp_ring_times(c, m, seq, tokens, tp, cp, layers, attention_s_per_layer):
+    """(total, exposed) seconds of context parallelism's K/V ring for one micro-batch (Liu et al.
+    2023, arXiv 2310.01889): cp-1 hops forward, K, V and their gradients again backward (3x),
+    each hop hidden under one block of attention unless the link is slower."""
+    if cp <= 1:
+        return 0.0, 0.0
+    kv_bytes = 2 * 2 * tokens * m.kv_heads * m.head_dim / tp
+    hop = collective_time("send", kv_bytes, 2, c.link(cp * tp))
+    block = attention_s_per_layer / cp / 3
+    total = layers * 3 * (cp - 1) * hop
+    return total, layers * 3 * (cp - 1) * max(0.0, hop - block)
+
+
+def pp_send_time(c, m, tokens, tp, span, pp, microbatches, v, value_bytes=2):
+    """Activation sends between stages: forward and backward, per micro-batch and chunk, of the
+    tp-scattered activations (value_bytes x tokens x hidden / tp)."""
+    if pp <= 1:
+        return 0.0
+    one = collective_time("send", value_bytes * tokens * m.hidden / tp, 2, c.link(span))
+    return 2 * microbatches * v * one
+
+
+def dp_traffic(c, stage_params, zero_stage, shard, span, weight_bytes=2):
+    """(gradient reduction, parameter all-gather, bucket share) seconds per step over `shard`
+    ranks: ZeRO-0 all-reduces fp32 gradients; ZeRO-1/2 reduce-scatter them and all-gather the
+    updated bf16 weights; ZeRO-3's per-layer traffic is fsdp_traffic's."""
+    grads = GRAD_BYTES * stage_params
+    link = c.link(span)
+    if zero_stage == 0:
+        reduce_s = collective_time("all_reduce", grads, shard, link)
+        gather_s = 0.0
+    else:
+        reduce_s = collective_time("reduce_scatter", grads, shard, link)
+        gather_s = collective_time("all_gather", weight_bytes * stage_params / shard, shard,
+                                   link)
+    bucket_share = min(1.0, BUCKET_BYTES / max(grads, 1))
+    return reduce_s, gather_s, bucket_share
+
+
+def fsdp_traffic(c, stage_params, shard, span, weight_bytes=2):
+    """(gather, reduce) seconds per micro-batch of ZeRO-3 / FSDP on one stage: every weight
+    gathered before forward and again before backward, every gradient reduce-scattered (fp32)."""
+    link = c.link(span)
+    gather = 2 * collective_time("all_gather", weight_bytes * stage_params / shard, shard, link)
+    reduce = collective_time("reduce_scatter", GRAD_BYTES * stage_params, shard, link)
+    return gather, reduce
+
+
+def optimizer_time(c, params_held):
+    """Adam is memory bound: ADAM_BYTES_TOUCHED bytes per parameter a GPU updates / HBM bw."""
+    return ADAM_BYTES_TOUCHED * params_held / c.gpu.memory_bw
+
+
+def elementwise_time(c, layer_bytes_kept, layers, recompute_share):
+    """Memory-bound element-wise work (norms, activations, softmax, dropout, residuals): HBM
+    passes over the bytes a layer keeps, again (1/3 more) for recomputed forwards."""
+    return c.hbm_passes * layers * layer_bytes_kept / c.gpu.memory_bw * (1 + recompute_share / 3)
+
+
+def fp8_cast_time(c, m, tokens, tp, layers, layer_params, microbatches):
+    """Transformer Engine casts each fp8 GEMM's inputs: forward activations entering the QKV,
+    output, MLP-up and MLP-down projections (3h + f per token), their gradients in backward
+    (as many), FP8_CAST_BYTES each; weights once per step (cached across micro-batches).
+    Hand check: h=4096, f=14336, 8192 tokens, tp=1, 1 layer: 2 * 8192 * 26624 * 4 B = 1.74 GB
+    of HBM traffic per micro-batch."""
+    f = m.ffn * (min(m.top_k, m.experts) if m.experts > 1 else 1)
+    per_mb = 2 * tokens * (3 * m.hidden + f) / tp * layers * FP8_CAST_BYTES
+    weights = layer_params * layers * FP8_CAST_BYTES
+    return (per_mb * microbatches + weights) / c.gpu.memory_bw
+
+

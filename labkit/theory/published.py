@@ -1,0 +1,81 @@
+"""The planner against published runs (data/published_runs.csv): one table fits, the rest check.
+
+`calibrate` fits the planner's two constants (planner.ACHIEVABLE, planner.HBM_PASSES) on the
+rows whose `use` is "calibration" (Narayanan et al. 2021 Table 1) and nothing else; the "check"
+rows are never fitted to. A row fixes the layout its source states; the rest is searched (a
+recompute the source leaves unsaid: the least that fits). Where a row gives tokens/s/GPU the
+comparison is in tokens (no FLOPs convention involved) and the published TFLOP/s is re-expressed
+in labkit's convention (6 N + 12 L h s per token, no causal halving); else it compares TFLOP/s
+by the row's `metric` (mfu: model FLOPs; hfu: counting recompute).
+"""
+from __future__ import annotations
+
+import csv
+
+from . import hardware, planner, transformer as tf
+
+
+def _fix(r, m):
+    fix = {k: r[k] for k in planner.FIELDS if str(r.get(k, "")).strip() != ""}
+    if fix.get("recompute") == "full" and "recompute_layers" not in fix and "pp" in fix:
+        fix["recompute_layers"] = planner.layers_per_stage(m, int(fix["pp"]))   # every layer
+    return planner.parse_fix(fix)
+
+
+def predict(r, achievable=None, hbm_passes=None):
+    """labkit's best plan for row `r` with the row's layout held."""
+    m = planner.parse_model(r["model"])
+    return planner.plan(m, int(r["gpus"]), r["gpu"], int(r["gpus_per_node"]), r["intra_link"],
+                        r["inter_link"], global_batch=int(r["global_batch"]), seq=int(r["seq"]),
+                        fix=_fix(r, m), top=1, achievable=achievable, hbm_passes=hbm_passes,
+                        flash_attention=r["attention"] == "flash",
+                        precision=r.get("precision") or "bf16",
+                        stack=r.get("stack") or None)["plans"][0]
+
+
+def published_tflops(r):
+    """The row's published TFLOP/s per GPU in labkit's convention where it gives tokens/s."""
+    if str(r.get("tokens_per_s_per_gpu", "")).strip():
+        m = planner.parse_model(r["model"])
+        return float(r["tokens_per_s_per_gpu"]) * tf.model_flops_per_token(m, int(r["seq"])) / 1e12
+    return float(r["tflops_per_gpu"])
+
+
+def check(rows, achievable=None, hbm_passes=None):
+    """Each row with `predicted` TFLOP/s per GPU, `published` (same convention), `error`
+    (predicted / published - 1) and the `plan`."""
+    out = []
+    for r in rows:
+        best = predict(r, achievable, hbm_passes)
+        if r["metric"] in ("mfu", "hfu"):
+            peak = hardware.gpu(r["gpu"]).bf16_flops
+            predicted = best[r["metric"]] * peak / 1e12
+        else:
+            predicted = best["model_tflops_per_gpu"]
+        published = published_tflops(r)
+        out.append(dict(r, predicted=predicted, published=published, plan=best,
+                        error=predicted / published - 1))
+    return out
+
+
+def runs(source=None):
+    """Rows of data/published_runs.csv (optionally only those whose `use` is `source`)."""
+    with open(hardware.DATA_DIR / "published_runs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [r for r in rows if source in (None, r["use"])]
+
+
+def calibrate(rows, achievable=(0.40, 0.90, 0.01), hbm_passes=(0.0, 12.0, 0.5)):
+    """The (achievable fraction, HBM passes) pair on a grid that minimises the mean absolute
+    percentage error on `rows`: the planner's only two fitted constants."""
+    best = None
+    for a in _grid(*achievable):
+        for h in _grid(*hbm_passes):
+            mape = sum(abs(r["error"]) for r in check(rows, a, h)) / len(rows)
+            if best is None or mape < best[2]:
+                best = (a, h, mape)
+    return dict(achievable=best[0], hbm_passes=best[1], mape=best[2])
+
+
+def _grid(lo, hi, step):
+    return [round(lo + i * step, 6) for i in range(int(round((hi - lo) / step)) + 1)]
