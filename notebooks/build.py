@@ -61,7 +61,8 @@ def differences(src, ipynb):
         return [f"{ipynb.name} is missing"]
     built, saved = from_source(src), nbformat.read(ipynb, as_version=4)
     problems = []
-    if saved.metadata.get("labkit", {}).get("source_sha1") != built.metadata["labkit"]["source_sha1"]:
+    built_from = saved.metadata.get("labkit", {}).get("source_sha1")
+    if built_from != built.metadata["labkit"]["source_sha1"]:
         problems.append(f"{ipynb.name} was built from another version of {src.name}")
     if [cell_key(c) for c in built.cells] != [cell_key(c) for c in saved.cells]:
         problems.append(f"{ipynb.name}'s cells differ from {src.name}")
