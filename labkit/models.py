@@ -10,6 +10,7 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,10 @@ class Attention(nn.Module):
 
 
 def causal_attention(q, k, v, heads):
-    """softmax(QK^T / sqrt(d)) V per head with a causal mask; (b, s, heads*d) in and out."""
+    """softmax(QK^T / sqrt(d)) V per head with a causal mask; (b, s, heads*d) in and out.
+    Overridable like a torch function (ContextParallel routes it to a context-parallel core)."""
+    if has_torch_function((q, k, v)):
+        return handle_torch_function(causal_attention, (q, k, v), q, k, v, heads)
     b, s, width = q.shape
     d = width // heads
     q, k, v = (t.view(b, s, heads, d).transpose(1, 2) for t in (q, k, v))
