@@ -1,7 +1,16 @@
 """Zero-bubble pipelines (Qi et al. 2023): ZB-H1 as schedule data, its bubble against the paper's
-formula and a hand count, its activation memory against 1F1B, the checks on W ops."""
+formula and a hand count, its activation memory against 1F1B, the checks on W ops; the
+executor (parallel/zero_bubble.py) on 2 and 4 ranks against one device (the MLP with a frozen
+bias and labkit's tiny GPT), in the schedule's order."""
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
+import labkit
+from labkit import models
+from labkit.parallel.pipeline import PipelineStage, split_into_stages
+from labkit.parallel.zero_bubble import ZeroBubbleSchedule
 from labkit.theory import pipeline as pp
 
 TIMES = [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 1.2, 0.8), (2.0, 1.5, 0.25)]
@@ -58,3 +67,109 @@ def test_w_ops_are_checked():
     with pytest.raises(ValueError, match="pass t_weight"):
         pp.simulate_schedule(good, 1, 1)
     assert pp.messages_to(good, 0) == pp.messages_to(pp.one_f_one_b_schedule(2, 2), 0)
+
+
+# ------------------------------------------------------------------ the executor on ranks
+
+MICRO, ROWS = 8, 16
+
+
+def _mlp():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(*[nn.Sequential(nn.Linear(a, 16), nn.GELU()) for a in (8, 16, 16)],
+                        nn.Linear(16, 4))
+    mlp[1][0].bias.requires_grad_(False)        # a frozen weight: W must leave it alone
+    return mlp
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return models.TinyGPT(models.GPTConfig(**GPT))
+
+
+GPT = dict(layers=4, hidden=16, heads=2, seq=8, vocab=16, ffn=32)
+
+
+def _data(kind):
+    g = torch.Generator().manual_seed(7)
+    if kind == "gpt":
+        return (torch.randint(GPT["vocab"], (ROWS, GPT["seq"]), generator=g),
+                torch.randint(GPT["vocab"], (ROWS, GPT["seq"]), generator=g))
+    return torch.randn(ROWS, 8, generator=g), torch.randn(ROWS, 4, generator=g)
+
+
+def _loss(kind):
+    if kind == "gpt":
+        return lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return F.mse_loss
+
+
+def _relative_grad_error(ctx, kind):
+    """ZB-H1 on the world's ranks: each rank's weight gradients against one device's."""
+    model = _gpt() if kind == "gpt" else _mlp()
+    x, y = _data(kind)
+    n = ctx.world_size
+    modules = split_into_stages(model, n, balance="params" if kind == "gpt" else "layers")
+    shape = ((ROWS // MICRO, GPT["seq"], GPT["hidden"]) if kind == "gpt"
+             else (ROWS // MICRO, 16))
+    stage = PipelineStage(modules[ctx.rank], ctx.rank, n,
+                          input_shape=None if ctx.rank == 0 else shape)
+    pipe = ZeroBubbleSchedule(stage, _loss(kind), MICRO)
+    loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    reference = _gpt() if kind == "gpt" else _mlp()
+    expected_loss = _loss(kind)(reference(x), y)
+    expected_loss.backward()
+    ref = dict(reference.named_parameters())
+    mine = {id(q) for q in stage.parameters()}
+    errors = [((q.grad - ref[name].grad).abs().max() / ref[name].grad.abs().max()).item()
+              for name, q in model.named_parameters() if id(q) in mine and q.requires_grad]
+    frozen = [q.grad is None for name, q in model.named_parameters()
+              if id(q) in mine and not q.requires_grad]
+    ops = [(e["name"], e["meta"]["microbatch"]) for e in ctx.clock.timeline()
+           if e["kind"] == "compute" and e["name"] in ("forward", "backward", "weight grad")]
+    loss_error = None if loss is None else abs(loss.item() - expected_loss.item())
+    return dict(errors=errors, frozen=frozen, ops=ops, loss_error=loss_error)
+
+
+def zero_bubble_checks(ctx):
+    return {kind: _relative_grad_error(ctx, kind) for kind in ("mlp", "gpt")}
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def executed(request):
+    return request.param, labkit.launch(zero_bubble_checks, request.param, timeout_s=300)
+
+
+def test_zb_h1_on_ranks_equals_one_device(executed):
+    n, results = executed
+    for kind in ("mlp", "gpt"):
+        worst = max(max(r[kind]["errors"]) for r in results)
+        assert worst < 1e-5, (n, kind, worst)     # fp32, summed in another order: ~1e-7
+        assert all(all(r[kind]["frozen"]) for r in results)
+        assert results[-1][kind]["loss_error"] < 1e-6
+
+
+def test_the_executor_runs_the_schedules_order(executed):
+    n, results = executed
+    names = {"F": "forward", "B": "backward", "W": "weight grad"}
+    for rank, r in enumerate(results):
+        expected = [(names[k], m) for k, m, _ in pp.zb_h1_schedule(n, MICRO)[rank]
+                    if not (k == "B" and rank == 0)]   # the first stage has no input grad
+        assert r["mlp"]["ops"] == expected
+
+
+def test_executor_refuses_what_it_cannot_run():
+    def refuse(ctx):
+        stage = PipelineStage(nn.Linear(2, 2), ctx.rank, 2)
+        out = []
+        for call in (lambda: ZeroBubbleSchedule(stage, F.mse_loss, 4),
+                     lambda: ZeroBubbleSchedule(stage, F.mse_loss, 4, schedule="1f1b")):
+            try:
+                call()
+                out.append(None)
+            except ValueError as error:
+                out.append(str(error))
+        return out
+    first, second = labkit.launch(refuse, 2)
+    assert first[0] is None and "needs input_shape=" in second[0]
+    assert "must be 'zb-h1'" in first[1]

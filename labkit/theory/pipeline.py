@@ -348,8 +348,9 @@ def op_times(timeline):
 def simulate_like(timeline, schedule, t_comm=0.0):
     """Simulate `schedule` with the op times of a run's `timeline`."""
     times = op_times(timeline)
+    weight = (lambda r, c: times[("weight grad", r, c)]) if is_split(schedule) else None
     return simulate_schedule(schedule, lambda r, c: times[("forward", r, c)],
-                             lambda r, c: times[("backward", r, c)], t_comm)
+                             lambda r, c: times.get(("backward", r, c), 0.0), t_comm, weight)
 
 
 def comm_free_cluster(base="8xH100-NVLink"):
