@@ -170,6 +170,6 @@ def test_executor_refuses_what_it_cannot_run():
             except ValueError as error:
                 out.append(str(error))
         return out
-    first, second = labkit.launch(refuse, 2)
+    first, second = labkit.launch(refuse, 2, timeout_s=300)
     assert first[0] is None and "needs input_shape=" in second[0]
     assert "must be 'zb-h1'" in first[1]

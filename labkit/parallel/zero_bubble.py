@@ -7,11 +7,12 @@ soon as the output gradient arrives and is sent on at once, and each W waits for
 which the rank would otherwise idle. ZB-H1 idles (P-1)(T_F + T_B - T_W) per rank instead of
 1F1B's (P-1)(T_F + T_B + T_W), with 1F1B's peak activation memory (labkit.theory.pipeline).
 
-How B and W split in autograd: B is `torch.autograd.grad(y, x, dy, retain_graph=True)`, which
-computes only the path to the input and leaves .grad alone; W is
-`torch.autograd.backward(y, dy, inputs=weights)`. labkit's W walks the graph again from the
-output (a teaching split: correct, not fast; PyTorch's pipelining keeps each layer's output
-gradient from B so that W only multiplies).
+How B and W split in autograd: B walks the graph from the output back to the input only, and
+keeps, at each layer with weights, the gradient of that layer's output; W then multiplies
+those by the layer's saved inputs (dW = dY^T X), nothing else: B + W cost one backward. labkit
+uses PyTorch's own split for this (`torch.distributed.pipelining._backward`: private, so with
+a fallback: B by `torch.autograd.grad(y, x, dy, retain_graph=True)`, W by
+`torch.autograd.backward(y, dy, inputs=weights)`, which walks the graph again).
 Communication is 1F1B's: per micro-batch, one activation forward and one gradient back per
 stage boundary, point to point; W sends nothing.
 
@@ -22,6 +23,11 @@ stage boundary, point to point; W sends nothing.
 import torch
 
 from ..runtime.context import context
+
+try:   # PyTorch's B/W split (what its ScheduleZBVZeroBubble runs)
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+except ImportError:           # an older or newer torch: the walk-again fallback below
+    stage_backward_input = stage_backward_weight = None
 from ..theory import pipeline as schedules
 
 
@@ -62,15 +68,15 @@ class ZeroBubbleSchedule:
         stage, m_total = self.stage, self.n_microbatches
         inputs = _split(x, m_total, "x", "first") if stage.is_first else None
         targets = _split(target, m_total, "target", "last") if stage.is_last else None
-        saved, grads_out, sends, step_losses = {}, {}, [], {}
+        saved, pending, sends, step_losses = {}, {}, [], {}
         for kind, m, _ in self.ops:
             meta = dict(microbatch=m, stage=stage.stage_index, chunk=0)
             if kind == "F":
                 saved[m] = self._forward(m, inputs, targets, step_losses, sends, meta)
             elif kind == "B":
-                grads_out[m] = self._input_grad(m, saved[m], sends, meta)
+                pending[m] = self._input_grad(saved[m], sends, meta)
             else:
-                self._weight_grad(saved.pop(m), grads_out.pop(m), meta)
+                self._weight_grad(saved.pop(m), pending.pop(m), meta)
         for handle in sends:
             handle.wait()
         if not stage.is_last:
@@ -104,30 +110,43 @@ class ZeroBubbleSchedule:
                                    f"{stage.stage_index}->{stage.stage_index + 1}"))
         return x, y
 
-    def _input_grad(self, m, saved, sends, meta):
-        """B: the output's gradient (received, or 1 for the loss), then the input's, sent on."""
+    def _input_grad(self, saved, sends, meta):
+        """B: the output's gradient (received; the loss's own on the last stage), then the
+        input's, sent on. Returns what W needs. The first stage has no input gradient to
+        compute: its W runs the whole backward to its weights."""
         stage, comm = self.stage, self.ctx.comm
         x, y = saved
-        if stage.is_last:
-            dy = torch.ones_like(y)
-        else:
-            dy = comm.recv(torch.empty_like(y), stage.stage_index + 1, group=self.group,
-                           tag=f"pipeline gradient {stage.stage_index + 1}->{stage.stage_index}")
+        dy = None if stage.is_last else comm.recv(
+            torch.empty_like(y), stage.stage_index + 1, group=self.group,
+            tag=f"pipeline gradient {stage.stage_index + 1}->{stage.stage_index}")
+        weights = [q for q in stage.parameters() if q.requires_grad]
+        needs_dx = not stage.is_first and x.requires_grad and y.requires_grad
+        groups = None
+        with self.ctx.clock.compute("backward", **meta):
+            if stage_backward_input is not None and needs_dx:
+                dxs, groups = stage_backward_input([y], None if dy is None else [dy],
+                                                   [x] if needs_dx else [], iter(weights))
+                dx = dxs[0] if needs_dx else None
+            elif needs_dx:
+                dx = torch.autograd.grad(y, x, dy, retain_graph=True)[0]
+            else:
+                dx = None
         if not stage.is_first:
-            with self.ctx.clock.compute("backward", **meta):
-                dx = (torch.autograd.grad(y, x, dy, retain_graph=True)[0]
-                      if x.requires_grad and y.requires_grad else torch.zeros_like(x))
-            sends.append(comm.send(dx, stage.stage_index - 1, group=self.group, async_op=True,
+            sends.append(comm.send(dx if dx is not None else torch.zeros_like(x),
+                                   stage.stage_index - 1, group=self.group, async_op=True,
                                    tag=f"pipeline gradient {stage.stage_index}->"
                                        f"{stage.stage_index - 1}"))
-        return dy
+        return dy, groups
 
-    def _weight_grad(self, saved, dy, meta):
-        """W: the weights' gradients from the same output gradient (accumulated in .grad)."""
+    def _weight_grad(self, saved, pending, meta):
+        """W: the weights' gradients from what B kept (accumulated in .grad)."""
         _, y = saved
+        dy, groups = pending
         weights = [q for q in self.stage.parameters() if q.requires_grad]
         with self.ctx.clock.compute("weight grad", **meta):
-            if weights and y.requires_grad:
+            if groups is not None:
+                stage_backward_weight(iter(weights), groups)
+            elif weights and y.requires_grad:
                 torch.autograd.backward(y, dy, inputs=weights)
 
 
