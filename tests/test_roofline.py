@@ -73,3 +73,18 @@ def test_exercise_checker_names_the_mistakes():
     assert line.problem == "line rate"
     assert exercise.check_fsdp_critical_batch(right / 8, verbose=False).problem == "bits"
     assert exercise.check_fsdp_critical_batch(None, verbose=False).problem == "no answer"
+
+
+def test_alpha_beta_fit_recovers_a_known_link():
+    """Times made by the alpha-beta model itself (4 ranks: 6 ring steps, 1.5 S on the wire)
+    with 3% noise: the fit finds alpha and beta again."""
+    import random
+    alpha, beta = 50e-6, 2e9
+    rng = random.Random(0)
+    sizes = [2 ** k for k in range(10, 27, 2)]
+    seconds = [(6 * alpha + 1.5 * s / beta) * (1 + rng.uniform(-0.03, 0.03)) for s in sizes]
+    got_alpha, got_beta = roofline.fit_alpha_beta(sizes, seconds, 4)
+    assert got_alpha == pytest.approx(alpha, rel=0.05)
+    assert got_beta == pytest.approx(beta, rel=0.05)
+    # latency = bandwidth time at 6 alpha = 1.5 S / beta: S = 4 alpha beta
+    assert roofline.half_latency_bytes(alpha, beta, 4) == pytest.approx(4 * alpha * beta)

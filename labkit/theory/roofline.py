@@ -115,3 +115,31 @@ def times(technique, tokens_per_gpu, params, gpus, gpu="H100", link="NVLink 4", 
 def _check(technique):
     if technique not in TECHNIQUES:
         raise ValueError(f"technique must be one of {', '.join(TECHNIQUES)}, got {technique!r}")
+
+
+# ------------------------------------------------------------ alpha and beta from measurements
+
+def fit_alpha_beta(sizes, seconds, group_size, op="all_reduce"):
+    """Fit the alpha-beta model t = steps x alpha + wire bytes / beta (theory.time's ring
+    costs) to measured (bytes, seconds) pairs, by least squares on the relative error (so the
+    small, latency-bound messages count as much as the large ones). Returns (alpha seconds,
+    beta bytes/s)."""
+    import numpy as np
+    from .time import ring_steps
+    sizes, seconds = np.asarray(sizes, dtype=float), np.asarray(seconds, dtype=float)
+    if len(sizes) < 2 or len(sizes) != len(seconds):
+        raise ValueError("need at least two (size, seconds) pairs of the same length")
+    steps = ring_steps(op, group_size)
+    wire = np.array([wire_bytes_per_rank(op, s, group_size) for s in sizes])
+    design = np.stack([np.full_like(wire, steps), wire], axis=1) / seconds[:, None]
+    (alpha, inverse_beta), *_ = np.linalg.lstsq(design, np.ones_like(seconds), rcond=None)
+    return float(alpha), float(1 / inverse_beta) if inverse_beta > 0 else float("inf")
+
+
+def half_latency_bytes(alpha, beta, group_size, op="all_reduce"):
+    """The message size at which latency and bandwidth cost the same (Hockney's n_1/2): a
+    gradient bucket several times larger spends little on latency, one much larger leaves
+    less to overlap (PyTorch DDP's default bucket: 25 MB)."""
+    from .time import ring_steps
+    per_byte = wire_bytes_per_rank(op, 1.0, group_size)
+    return ring_steps(op, group_size) * alpha * beta / per_byte
