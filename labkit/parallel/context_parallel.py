@@ -443,19 +443,16 @@ class _RouteAttention(TorchFunctionMode):
 class ContextParallel(nn.Module):
     """Run `module` on this rank's sequence shard with its attention made context-parallel.
 
-    Inside the attention modules (`attention`: None, the whole module; a module or a list of
-    them; or a predicate `fn(module) -> bool` over `module.modules()`, as torchtitan selects
-    its attention modules), a TorchFunctionMode routes each call of
-    `torch.nn.functional.scaled_dot_product_attention` (however it was imported) to
-    `method`'s core over the group: "ring", "all_gather" or "ulysses". A core function of your
-    own can be routed too, if it is overridable (it calls `torch.overrides.
-    handle_torch_function` when `has_torch_function` says so, as labkit's
-    `models.causal_attention` does): `cores={fn_or_its_name: adapter}`, adapter(core)
-    returning the replacement, where `core(q, k, v, is_causal=...)` works on (b, h, s_local, d)
-    (default: labkit's `causal_attention(q, k, v, heads)`). Nothing is patched: the mode is on
-    only while the attention modules run. The module's other layers must be position-wise (they
-    see only this rank's tokens); shard the inputs with `shard_sequence`. Weights are
-    replicated: average their gradients over the group (e.g. DataParallel).
+    While the attention modules run (`attention`: None, the whole module; a module, a list, or
+    a predicate `fn(module) -> bool` over `module.modules()`, as torchtitan picks its attention
+    modules), a TorchFunctionMode routes every `F.scaled_dot_product_attention` call (however
+    imported) to `method`'s core over the group: "ring", "all_gather" or "ulysses". Nothing is
+    patched. A core of your own is routed too if it is overridable (calls
+    `torch.overrides.handle_torch_function` when `has_torch_function`, as labkit's
+    `models.causal_attention` does): `cores={fn_or_name: adapter}`, adapter(core) returning the
+    replacement, `core(q, k, v, is_causal=...)` on (b, h, s_local, d). The other layers must be
+    position-wise; shard the inputs with `shard_sequence`; average the replicated weights'
+    gradients over the group (e.g. DataParallel).
     """
 
     def __init__(self, module, group=None, layout="contiguous", method="ring", cores=None,
