@@ -199,7 +199,7 @@ def restack(ax, bars, capacity=None, title="", unit="GB", keep=()):
 
 GANTT_COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "weight grad": "#ffbb78",
                 "compute": "#2ca02c", "comm": "#9467bd", "p2p": "#c5b0d5", "idle": "#dcdcdc"}
-GANTT_LABELS = {"forward": "forward", "backward": "backward (input grad when split)",
+GANTT_LABELS = {"forward": "forward", "backward": "backward",
                 "weight grad": "weight grad (W)", "compute": "other compute",
                 "comm": "collective (comm)", "p2p": "send / recv", "idle": "idle (waiting)"}
 
