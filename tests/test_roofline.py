@@ -88,3 +88,22 @@ def test_alpha_beta_fit_recovers_a_known_link():
     assert got_beta == pytest.approx(beta, rel=0.05)
     # latency = bandwidth time at 6 alpha = 1.5 S / beta: S = 4 alpha beta
     assert roofline.half_latency_bytes(alpha, beta, 4) == pytest.approx(4 * alpha * beta)
+
+
+def test_figures_draw_the_ridges_and_the_critical_batches():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit.viz.roofline import all_reduce_fit_figure, roofline_figure
+    fig = roofline_figure(64, "H100", links=("NVLink 4", "InfiniBand NDR"),
+                          tp=dict(hidden=8192, layer_params=12 * 8192 ** 2, degrees=[8]))
+    ax = fig.axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    fsdp = roofline.critical_batch("fsdp", 64, "H100", "InfiniBand NDR")
+    assert any(f"{fsdp:,.0f} (InfiniBand NDR)" in text for text in legend)
+    assert any(text.startswith("TP=8") for text in legend)
+    ridges = {round(line.get_ydata()[0]) for line in ax.get_lines()
+              if len(line.get_ydata()) == 2 and line.get_ydata()[0] == line.get_ydata()[1]}
+    assert {round(roofline.ridge("H100", "NVLink 4")),
+            round(roofline.ridge("H100", "InfiniBand NDR"))} <= ridges
+    fig = all_reduce_fit_figure([1e3, 1e6], [1e-4, 1e-3], 5e-5, 1e9, {"m": [2e-6, 1e-5]})
+    assert "α = 50 µs" in " ".join(t.get_text() for t in fig.axes[0].get_legend().get_texts())
