@@ -5,6 +5,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from ..theory import roofline
+from ..theory.time import ring_steps, wire_bytes_per_rank
 
 COLORS = {"dp": "#1f77b4", "fsdp": "#d62728", "tp": "#2ca02c"}
 LABELS = {"dp": "DP (all-reduce 2Ψ)", "fsdp": "FSDP / ZeRO-3 (3Ψ)"}
@@ -55,16 +56,21 @@ def roofline_figure(gpus=64, gpu="H100", links=("NVLink 4", "InfiniBand NDR"),
     return fig
 
 
-def all_reduce_fit_figure(sizes, seconds, alpha, beta, modelled=None, ax=None, title=None):
-    """Measured all-reduce seconds vs message bytes (points), the fitted alpha + bytes/beta
-    line, and optionally `modelled` = {name: seconds per size} curves (e.g. NCCL on NVLink)."""
+def all_reduce_fit_figure(sizes, seconds, alpha, beta, modelled=None, ax=None, title=None,
+                          group_size=2):
+    """Measured all-reduce seconds vs message bytes (points), the fitted alpha-beta line
+    (2(n-1) alpha + 2(n-1)/n bytes / beta), and optionally `modelled` = {name: seconds per
+    size} curves (e.g. NCCL on NVLink)."""
     if ax is None:
         fig, ax = plt.subplots(figsize=(8, 4.4))
     else:
         fig = ax.figure
     sizes = np.asarray(sizes, dtype=float)
-    ax.loglog(sizes, seconds, "o", color="#1f77b4", label="measured here (gloo, CPU ranks)")
-    ax.loglog(sizes, alpha + sizes / beta, "-", color="#1f77b4",
+    ax.loglog(sizes, seconds, "o", color="#1f77b4",
+              label=f"measured here (gloo, {group_size} CPU ranks)")
+    fitted = [ring_steps("all_reduce", group_size) * alpha
+              + wire_bytes_per_rank("all_reduce", s, group_size) / beta for s in sizes]
+    ax.loglog(sizes, fitted, "-", color="#1f77b4",
               label=f"fit: α = {alpha * 1e6:,.0f} µs, β = {beta / 1e9:.2f} GB/s")
     for (name, curve), style in zip((modelled or {}).items(), ("--", ":", "-.")):
         ax.loglog(sizes, curve, style, color="#d62728", label=f"modelled: {name}")
