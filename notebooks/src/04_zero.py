@@ -612,12 +612,12 @@ zero2_bytes_per_gpu = (2 + (2 + 12) / 8) * 8.03e9   # bf16 weights whole; grads 
 check_stage_memory_answer(zero2_bytes_per_gpu, params=8.03e9, world_size=8, stage=2);
 
 # %% [markdown]
-# **3 · One more: the roofline of FSDP.** What is the smallest per-GPU batch, in tokens, at which FSDP
-# (ZeRO-3) on 64 H100s over 400 Gb/s InfiniBand NDR can be compute-bound? Use the H100's dense
-# bf16 peak (`hardware.gpu("H100").flops("bf16")`), the link's effective bandwidth
-# (`hardware.link("InfiniBand NDR").effective_bandwidth`: the lab's link model delivers 80% of
-# the line rate), bf16 weights and gradients, and the ring's bytes per GPU. Write it as an
-# expression that shows the derivation.
+# **3 · One more: the roofline of FSDP.** What is the smallest per-GPU batch, in tokens, at
+# which FSDP (ZeRO-3) on 64 H100s over 400 Gb/s InfiniBand NDR can be compute-bound? Use the
+# H100's dense bf16 peak (`hardware.gpu("H100").flops("bf16")`), the link's effective bandwidth
+# (`hardware.link("InfiniBand NDR").effective_bandwidth`: the lab's link model delivers the
+# fraction `efficiency` of the line rate), bf16 weights and gradients, and the ring's bytes
+# per GPU. Write it as an expression that shows the derivation.
 
 # %% tags=["solution"]
 fsdp_min_tokens = (hardware.gpu("H100").flops("bf16")
