@@ -147,14 +147,13 @@ def check_fsdp_critical_batch(answer, gpus=ROOFLINE["gpus"], gpu=ROOFLINE["gpu"]
         Mistake(roofline.critical_batch("fsdp", gpus, gpu, link, effective=False), "line rate",
                 f"that uses the line rate {ln.bandwidth / 1e9:.0f} GB/s; the lab's link model "
                 f"delivers {ln.efficiency:.0%} of it ({ln.effective_bandwidth / 1e9:.0f} GB/s)"),
-        Mistake(expected * n / (n - 1), "(N-1)/N", f"that forgets the ring's (N-1)/N = "
-                f"{n - 1}/{n}: a GPU never sends the shard it keeps"),
         Mistake(expected / 8, "bits", "that reads 400 Gb/s as 400 GB/s: 8 bits to a byte"),
-        Mistake(expected / 2, "fp32?", "off by 2: weights and gradients travel in bf16, 2 bytes "
+        Mistake(expected / 2, "bytes per value", "off by 2: weights and gradients travel in bf16, 2 bytes "
                 "each, not 1"),
     ]
     return check_number(
-        answer, expected, unit="tokens", tolerance=0.02, mistakes=mistakes, verbose=verbose,
+        answer, expected, unit="tokens", tolerance=0.02,   # dropping (N-1)/N = 63/64 is fine
+        mistakes=mistakes, verbose=verbose,
         what=f"the smallest per-GPU batch at which FSDP on {n} {gpu}s over {link} can be "
              "compute-bound",
         hint="compute 6 Psi B FLOPs at peak vs 3(N-1)/N x 2 Psi bytes at the link's effective "
