@@ -108,7 +108,7 @@ def _relative_grad_error(ctx, kind):
     """ZB-H1 on the world's ranks: each rank's weight gradients against one device's."""
     model = _gpt() if kind == "gpt" else _mlp()
     x, y = _data(kind)
-    n = ctx.world_size
+    n, first = ctx.world_size, len(ctx.clock.events)
     modules = split_into_stages(model, n, balance="params" if kind == "gpt" else "layers")
     shape = ((ROWS // MICRO, GPT["seq"], GPT["hidden"]) if kind == "gpt"
              else (ROWS // MICRO, 16))
@@ -125,19 +125,25 @@ def _relative_grad_error(ctx, kind):
               for name, q in model.named_parameters() if id(q) in mine and q.requires_grad]
     frozen = [q.grad is None for name, q in model.named_parameters()
               if id(q) in mine and not q.requires_grad]
-    ops = [(e["name"], e["meta"]["microbatch"]) for e in ctx.clock.timeline()
-           if e["kind"] == "compute" and e["name"] in ("forward", "backward", "weight grad")]
+    timeline = [e for e in ctx.clock.timeline()[first:] if e["kind"] == "compute"
+                and e["name"] in ("forward", "backward", "weight grad")]
+    ops = [(e["name"], e["meta"]["microbatch"]) for e in timeline]
     loss_error = None if loss is None else abs(loss.item() - expected_loss.item())
-    return dict(errors=errors, frozen=frozen, ops=ops, loss_error=loss_error)
+    return dict(errors=errors, frozen=frozen, ops=ops, loss_error=loss_error, timeline=timeline)
 
 
 def zero_bubble_checks(ctx):
-    return {kind: _relative_grad_error(ctx, kind) for kind in ("mlp", "gpt")}
+    out = {}
+    for kind in ("mlp", "gpt"):
+        ctx.comm.barrier()                  # each model starts together on the clock
+        out[kind] = _relative_grad_error(ctx, kind)
+    return out
 
 
 @pytest.fixture(scope="module", params=[2, 4])
 def executed(request):
-    return request.param, labkit.launch(zero_bubble_checks, request.param, timeout_s=300)
+    return request.param, labkit.launch(zero_bubble_checks, request.param, timeout_s=300,
+                                        cluster=pp.comm_free_cluster())
 
 
 def test_zb_h1_on_ranks_equals_one_device(executed):
@@ -156,6 +162,23 @@ def test_the_executor_runs_the_schedules_order(executed):
         expected = [(names[k], m) for k, m, _ in pp.zb_h1_schedule(n, MICRO)[rank]
                     if not (k == "B" and rank == 0)]   # the first stage has no input grad
         assert r["mlp"]["ops"] == expected
+
+
+def test_the_simulator_replays_the_runs_modelled_timeline(executed):
+    """On free links, the executor's modelled op start times are the simulator's, given the
+    run's own op times: the executor keeps the schedule's timing rules."""
+    n, results = executed
+    for kind in ("mlp", "gpt"):
+        timeline = [e for r in results for e in r[kind]["timeline"]]
+        t0 = min(e["start"] for e in timeline)
+        real = sorted((e["rank"], e["name"], e["meta"]["microbatch"], e["start"] - t0)
+                      for e in timeline)
+        simulated = sorted((e["rank"], e["name"], e["meta"]["microbatch"], e["start"])
+                           for e in pp.simulate_like(timeline, pp.zb_h1_schedule(n, MICRO))
+                           if e["kind"] == "compute" and e["end"] > e["start"])
+        assert [r[:3] for r in real] == [s[:3] for s in simulated]
+        for got, want in zip(real, simulated):
+            assert got[3] == pytest.approx(want[3], rel=1e-6, abs=1e-15), (kind, got, want)
 
 
 def test_executor_refuses_what_it_cannot_run():
