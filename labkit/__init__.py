@@ -27,6 +27,8 @@ _BLOCKS = {
     "ExpertParallel": "labkit.parallel.moe",
     "ContextParallel": "labkit.parallel.context_parallel",
     "ring_attention": "labkit.parallel.context_parallel",
+    "ulysses_attention": "labkit.parallel.context_parallel",
+    "ZeroBubbleSchedule": "labkit.parallel.zero_bubble",
 }
 
 __all__ = ["Context", "Group", "LaunchError", "Mesh", "context", "launch", *_BLOCKS]

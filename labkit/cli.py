@@ -10,6 +10,7 @@
 """
 import argparse
 import importlib
+import os
 import sys
 
 from .runtime.launch import LaunchError
@@ -120,11 +121,13 @@ def _common_run_arguments(parser, default_world_size):
         shape.add_argument(f"--{name}", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--timeline", action="store_true", help="include the timeline in JSON")
+    parser.add_argument("--trace", metavar="OUT.json", default=None,
+                        help="also write the run's timeline as Chrome trace JSON (Perfetto)")
 
 
 def run_technique(args):
     from .runs.reference import RunConfig
-    from .runs.report import format_table, to_json
+    from .runs.report import format_table, to_json, to_trace
     module = importlib.import_module(TECHNIQUES[args.technique])
     shape = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
     if shape and args.model == "mlp":
@@ -138,9 +141,13 @@ def run_technique(args):
         _check_gpt_shape(cfg)
     options = {k: v for k, v in vars(args).items()
                if k not in ("command", "technique", "model", "steps", "batch", "lr",
-                            "optimizer", "seed", "json", "timeline", "world_size", "cluster")
+                            "optimizer", "seed", "json", "timeline", "trace", "world_size", "cluster")
                + SHAPE}
+    if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
+        raise ValueError(f"--trace {args.trace}: its folder does not exist")
     report = module.report(world_size=args.world_size, cfg=cfg, cluster=args.cluster, **options)
+    if args.trace:
+        to_trace(report, args.trace)
     return to_json(report, timeline=args.timeline) if args.json else format_table(report)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,10 @@ class Attention(nn.Module):
 
 def causal_attention(q, k, v, heads):
     """softmax(QK^T / sqrt(d)) V per head with a causal mask; (b, s, heads*d) in and out.
-    k and v may be longer than q (a KV cache): q's tokens are then the last ones."""
+    k and v may be longer than q (a KV cache): q's tokens are then the last ones.
+    Overridable like a torch function (ContextParallel routes it to a context-parallel core)."""
+    if has_torch_function((q, k, v)):
+        return handle_torch_function(causal_attention, (q, k, v), q, k, v, heads)
     b, s, width = q.shape
     d, s_k = width // heads, k.shape[1]
     q = q.view(b, s, heads, d).transpose(1, 2)

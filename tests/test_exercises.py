@@ -27,7 +27,7 @@ STUB_SAYS = {
     "01": ["NOT WRITTEN YET", "No answer yet"],
     "02": ["No answer yet", "No answer yet"],
     "03": ["NOT WRITTEN YET", "No answer yet"],
-    "04": ["NOT WRITTEN YET", "No answer yet"],
+    "04": ["NOT WRITTEN YET", "No answer yet", "No answer yet"],
     "05": ["NOT WRITTEN YET", "No answer yet"],
     "06": ["NOT WRITTEN YET", "Give a dict with at least dp, tp and pp", "No answer yet"],
     "07": ["NOT WRITTEN YET", "No answer yet"],
@@ -115,8 +115,8 @@ def _wrong_answers():
     """(checker, likely wrong answer, the problem it must be named as, words in the message)."""
     from labkit.exercises import context_parallel as cp, data_parallel as dp, hybrid
     from labkit.exercises import moe, pipeline, tensor_parallel as tp, when_it_breaks as wib
-    from labkit.exercises import why_parallelism as why
-    from labkit.theory import hardware
+    from labkit.exercises import why_parallelism as why, zero
+    from labkit.theory import hardware, roofline
     s, n = _gpt2_bf16_grads(), 16
     act = 1 * 4096 * 8192 * 2
     kv = 2 * 8 * (65536 // 16) * 128 * 2
@@ -146,6 +146,12 @@ def _wrong_answers():
         (cp.check_ring_bytes, 16 * kv, "one pass too many", "N-1"),
         (cp.check_ring_bytes, 15 * kv * 64 / 8, "query heads", "KV heads"),
         (cp.check_ring_bytes, 15 * kv, "", "Correct"),
+        (zero.check_fsdp_critical_batch, roofline.critical_batch("dp", 64, "H100",
+                                                                 "InfiniBand NDR"),
+         "DP's bytes", "3(N-1)/N"),
+        (zero.check_fsdp_critical_batch, roofline.critical_batch("fsdp", 64, "H100",
+                                                                 "InfiniBand NDR") / 8,
+         "bits", "8 bits"),
     ]
 
 

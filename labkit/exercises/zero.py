@@ -156,3 +156,36 @@ def check_stage_memory_answer(answer, params, world_size, stage=2, mixed_precisi
                              f"+ {k} bytes (optimizer state); which does stage {stage} divide "
                              f"by N = {n}?",
                         explain=f"That is {expected / params:.3g} bytes per parameter.")
+
+
+ROOFLINE = dict(gpus=64, gpu="H100", link="InfiniBand NDR")   # 400 Gb/s per GPU
+
+
+def check_fsdp_critical_batch(answer, gpus=ROOFLINE["gpus"], gpu=ROOFLINE["gpu"],
+                              link=ROOFLINE["link"], verbose=True):
+    """The smallest tokens per GPU at which FSDP (ZeRO-3) on `gpus` GPUs over `link` can be
+    compute-bound (at peak bf16, the link at the catalog's effective bandwidth)."""
+    from ..theory import hardware
+    from ..theory import roofline
+    expected = roofline.critical_batch("fsdp", gpus, gpu, link)
+    n, ln = gpus, hardware.link(link)
+    mistakes = [
+        Mistake(roofline.critical_batch("dp", gpus, gpu, link), "DP's bytes",
+                "that is DP's batch: it all-reduces 2(N-1)/N x Psi bytes, FSDP sends 3(N-1)/N x "
+                "Psi (all-gather forward, all-gather backward, reduce-scatter)"),
+        Mistake(roofline.critical_batch("fsdp", gpus, gpu, link, effective=False), "line rate",
+                f"that uses the line rate {ln.bandwidth / 1e9:.0f} GB/s; the lab's link model "
+                f"delivers {ln.efficiency:.0%} of it ({ln.effective_bandwidth / 1e9:.0f} GB/s)"),
+        Mistake(expected / 8, "bits", "that reads 400 Gb/s as 400 GB/s: 8 bits to a byte"),
+        Mistake(expected / 2, "bytes per value", "off by 2: weights and gradients travel in bf16, 2 bytes "
+                "each, not 1"),
+    ]
+    return check_number(
+        answer, expected, unit="tokens", tolerance=0.02,   # dropping (N-1)/N = 63/64 is fine
+        mistakes=mistakes, verbose=verbose,
+        what=f"the smallest per-GPU batch at which FSDP on {n} {gpu}s over {link} can be "
+             "compute-bound",
+        hint="compute 6 Psi B FLOPs at peak vs 3(N-1)/N x 2 Psi bytes at the link's effective "
+             "bandwidth: set them equal and solve for B (Psi cancels).",
+        explain="Psi cancels: the answer holds for any model size. Below it, FSDP waits for "
+                "its link however well it overlaps.")

@@ -28,10 +28,15 @@ Each send overlaps the next block's computation when the block is large enough.
 
 `all_gather_attention` is Llama 3's choice (Dubey et al. 2024, arXiv 2407.21783, sec. 3.3.2):
 all-gather K and V (N-1 x KV per rank, not overlapped), attend, reduce-scatter dK, dV.
+`ulysses_attention` is DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv 2309.14509): an all-to-all
+trades sequence shards for head shards (each rank: h/N heads of the whole sequence), attention
+runs as on one device, and an all-to-all trades back: (N-1)/N (q + k + v + out) of the shard
+per rank each way, falling as 1/N; it needs N <= KV heads (h_kv divisible by N).
 
     x_local = shard_sequence(x, group, layout="zigzag", dim=1)   # do not forget the inputs
     out = ring_attention(q, k, v, group, causal=True, layout="zigzag")   # (b, heads, s/N, d)
-    attn = ContextParallel(attention_module, group, layout="zigzag")     # patches its core
+    model = ContextParallel(model, group, layout="zigzag", method="ulysses",
+                            attention=lambda m: isinstance(m, MyAttention))
 """
 import math
 
@@ -39,12 +44,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch.overrides import TorchFunctionMode
+
 from ..runtime.context import context
 
 LAYOUTS = ("contiguous", "zigzag")
-METHODS = ("ring", "all_gather")
+METHODS = ("ring", "all_gather")               # what the run driver offers (runs/)
 SEQ_DIM = 2                                     # q, k, v are (batch, heads, seq, head_dim)
-_sdpa = F.scaled_dot_product_attention          # the original, before ContextParallel patches it
+_sdpa = F.scaled_dot_product_attention
 
 
 # ------------------------------------------------------------------------ layouts and shards
@@ -325,7 +332,75 @@ def all_gather_attention(q, k, v, group=None, causal=True, layout="contiguous", 
                      attn_mask=mask, scale=scale)
 
 
+# ----------------------------------------------------------- Ulysses: all-to-all over heads
+
+def check_ulysses_heads(heads, kv_heads, size):
+    """One-line ValueError unless the heads split evenly over `size` ranks (Ulysses' limit)."""
+    if kv_heads % size or heads % size:
+        raise ValueError(f"Ulysses splits the heads over the group: {heads} query and {kv_heads} "
+                         f"key/value heads do not split over {size} ranks (it needs N <= KV "
+                         "heads, dividing them); use method 'ring' or 'all_gather'")
+
+
+def _heads_for_sequence(x, group, tag, to_heads):
+    """all_to_all: (b, h, s/N, d) sequence shards <-> (b, h/N, s, d) head shards, the sequence
+    in rank order (rank 0's positions, then rank 1's, ...)."""
+    n = group.size
+    if to_heads:       # slice j of dim 0: the heads of rank j; back: rank j's tokens
+        b, h, local, d = x.shape
+        send = x.reshape(b, n, h // n, local, d).movedim(1, 0)
+    else:
+        b, hn, s, d = x.shape
+        send = x.reshape(b, hn, n, s // n, d).movedim(2, 0)
+    got = context().comm.all_to_all(send.contiguous(), group=group, tag=tag)
+    if to_heads:
+        return got.movedim(0, 2).reshape(b, h // n, n * local, d)
+    return got.movedim(0, 1).reshape(b, n * hn, s // n, d)
+
+
+class _AllToAllHeads(torch.autograd.Function):
+    """The exchange forward; the inverse exchange of the gradient backward."""
+
+    @staticmethod
+    def forward(fctx, x, group, tag, to_heads):
+        fctx.setup = group, tag, to_heads
+        return _heads_for_sequence(x, group, f"{tag} fwd", to_heads)
+
+    @staticmethod
+    def backward(fctx, grad):
+        group, tag, to_heads = fctx.setup
+        return _heads_for_sequence(grad, group, f"{tag} bwd", not to_heads), None, None, None
+
+
+def ulysses_attention(q, k, v, group=None, causal=True, layout="contiguous", scale=None):
+    """The same result as `ring_attention`, DeepSpeed-Ulysses' way (Jacobs et al. 2023, arXiv
+    2309.14509): all-to-all q, k, v so that each rank holds h/N whole heads of the whole
+    sequence, attend (one device's attention, fp32 blocks for bf16), all-to-all the output back
+    to sequence shards. Per rank and call, forward (N-1)/N (q + k + v + out) of its shard, the
+    same backward: 1/N of ring's volume per token. Needs h_kv divisible by N (N <= KV heads)."""
+    group = _setup(q, k, v, group, layout)
+    n = group.size
+    check_ulysses_heads(q.shape[1], k.shape[1], n)
+    if n > 1:
+        q = _AllToAllHeads.apply(q, group, "ulysses attention q", True)
+        kv = _AllToAllHeads.apply(torch.cat((k, v), dim=-1), group, "ulysses attention kv", True)
+        k, v = kv.chunk(2, dim=-1)
+    s = q.shape[SEQ_DIM]
+    positions = torch.cat([sequence_positions(s, r, n, layout, q.device) for r in range(n)])
+    mask = positions.unsqueeze(1) >= positions.unsqueeze(0) if causal else None
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    groups = q.shape[1] // k.shape[1]
+    with context().clock.compute("ulysses attention forward"):
+        out = _sdpa(q.to(acc), _repeat_heads(k.to(acc), groups), _repeat_heads(v.to(acc), groups),
+                    attn_mask=mask, scale=scale).to(q.dtype)
+    return _AllToAllHeads.apply(out, group, "ulysses attention out", False) if n > 1 else out
+
+
 # ---------------------------------------------------------------- applying it to a module
+
+CORES = {"ring": ring_attention, "all_gather": all_gather_attention,
+         "ulysses": ulysses_attention}
+
 
 def _heads_last(core):
     """Adapt a (b, h, s, d) core to labkit's `causal_attention(q, k, v, heads)` convention:
@@ -337,28 +412,79 @@ def _heads_last(core):
     return causal_attention
 
 
+class _RouteAttention(TorchFunctionMode):
+    """While active, a call of scaled_dot_product_attention (or of a core named in `cores`)
+    goes to the context-parallel core; every other torch call runs as it is."""
+
+    def __init__(self, core, cores):
+        super().__init__()
+        self.core, self.cores, self.depth = core, cores, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _sdpa:
+            return self.core(*args, **kwargs)
+        adapter = self.cores.get(func) or self.cores.get(getattr(func, "__name__", None))
+        if adapter is not None:
+            return adapter(self.core)(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def enter(self, *_):        # forward hooks of nested attention modules: enter once
+        self.depth += 1
+        if self.depth == 1:
+            self.__enter__()
+
+    def exit(self, *_):
+        self.depth -= 1
+        if self.depth == 0:
+            self.__exit__(None, None, None)
+
+
 class ContextParallel(nn.Module):
     """Run `module` on this rank's sequence shard with its attention made context-parallel.
 
-    During `forward` it replaces the module's attention core: every call of
-    `torch.nn.functional.scaled_dot_product_attention` (also one imported by name), and any
-    function named in `cores` found in the globals of the module's `forward`s (default:
-    `causal_attention(q, k, v, heads)` on (batch, seq, heads*head_dim) tensors, labkit's
-    convention). For your own core function, pass its global name and an adapter:
-    `cores={"my_attn": adapter}`, adapter(core) returning the replacement, where core is
-    `core(q, k, v, is_causal=...)` on (b, h, s_local, d). The module's other layers must be
-    position-wise (they see only this rank's tokens); shard the inputs with `shard_sequence`.
-    Weights are replicated: average their gradients over the group (e.g. DataParallel).
+    While the attention modules run (`attention`: None, the whole module; a module, a list, or
+    a predicate `fn(module) -> bool` over `module.modules()`, as torchtitan picks its attention
+    modules), a TorchFunctionMode routes every `F.scaled_dot_product_attention` call (however
+    imported) to `method`'s core over the group: "ring", "all_gather" or "ulysses". Nothing is
+    patched. A core of your own is routed too if it is overridable (calls
+    `torch.overrides.handle_torch_function` when `has_torch_function`, as labkit's
+    `models.causal_attention` does): `cores={fn_or_name: adapter}`, adapter(core) returning the
+    replacement, `core(q, k, v, is_causal=...)` on (b, h, s_local, d). The other layers must be
+    position-wise; shard the inputs with `shard_sequence`; average the replicated weights'
+    gradients over the group (e.g. DataParallel).
     """
 
-    def __init__(self, module, group=None, layout="contiguous", method="ring", cores=None):
+    def __init__(self, module, group=None, layout="contiguous", method="ring", cores=None,
+                 attention=None):
         super().__init__()
         _check_layout(layout)
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        if method not in CORES:
+            raise ValueError(f"method must be one of {', '.join(CORES)}, got {method!r}")
         self.module, self.layout, self.method = module, layout, method
         self.group = context().group(group)
-        self.cores = {"causal_attention": _heads_last} if cores is None else dict(cores)
+        cores = {"causal_attention": _heads_last} if cores is None else dict(cores)
+        self._router = _RouteAttention(self.core, cores)
+        self.attention = self._attention_modules(attention)
+        self._hooks = [h for m in self.attention for h in (
+            m.register_forward_pre_hook(self._router.enter),
+            m.register_forward_hook(self._router.exit, always_call=True))]
+
+    def _attention_modules(self, attention):
+        if attention is None:
+            return []                        # the whole forward (see `forward`)
+        if isinstance(attention, nn.Module):
+            attention = [attention]
+        if callable(attention):
+            chosen = [m for m in self.module.modules() if attention(m)]
+        else:
+            chosen = list(attention)
+            inside = {id(m) for m in self.module.modules()}
+            if any(id(m) not in inside for m in chosen):
+                raise ValueError("attention= names a module that is not inside the wrapped one")
+        if not chosen:
+            raise ValueError(f"attention= selects no module of the {type(self.module).__name__}")
+        return chosen
 
     def core(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              **extra):
@@ -368,35 +494,14 @@ class ContextParallel(nn.Module):
                              "attn_mask or dropout (use is_causal)")
         if q.shape[1] != k.shape[1] and not extra.get("enable_gqa"):
             raise ValueError("q and k have different head counts: pass enable_gqa=True")
-        fn = ring_attention if self.method == "ring" else all_gather_attention
-        return fn(q, k, v, self.group, causal=is_causal, layout=self.layout, scale=scale)
-
-    def _patch_targets(self):
-        """(globals dict, name, replacement) of every attention core the module may call."""
-        functional = vars(F)     # F.scaled_dot_product_attention is looked up here per call
-        targets, seen = [(functional, "scaled_dot_product_attention", self.core)], set()
-        for m in self.module.modules():   # the module globals each forward reads names from
-            names = getattr(type(m).forward, "__globals__", None)
-            if names is None or id(names) in seen or names is functional:
-                continue
-            seen.add(id(names))
-            for name, value in list(names.items()):
-                if value is _sdpa:
-                    targets.append((names, name, self.core))
-                elif name in self.cores and callable(value):
-                    targets.append((names, name, self.cores[name](self.core)))
-        return targets
+        return CORES[self.method](q, k, v, self.group, causal=is_causal, layout=self.layout,
+                                  scale=scale)
 
     def forward(self, *args, **kwargs):
-        targets = self._patch_targets()
-        originals = [names[name] for names, name, _ in targets]
-        try:
-            for names, name, replacement in targets:
-                names[name] = replacement
+        if self.attention:
             return self.module(*args, **kwargs)
-        finally:
-            for (names, name, _), original in zip(targets, originals):
-                names[name] = original
+        with self._router:
+            return self.module(*args, **kwargs)
 
     def extra_repr(self):
         return f"group={list(self.group.ranks)}, layout={self.layout}, method={self.method}"

@@ -64,6 +64,14 @@ def to_json(report, timeline=False):
                       default=_plain)
 
 
+def to_trace(report, path):
+    """Write the run's timeline (every rank; modelled and measured wall lanes) as Chrome trace
+    JSON for Perfetto (runtime/trace.py); returns the trace dict."""
+    from ..runtime.trace import to_trace as timeline_to_trace
+    return timeline_to_trace(report["timeline"], path, cluster=report.get("cluster"),
+                             technique=report["technique"], world_size=report["world_size"])
+
+
 def _plain(value):
     if isinstance(value, torch.Tensor):
         return value.tolist()

@@ -3,8 +3,9 @@
 Compute advances a rank's time by counted FLOPs / (peak FLOP/s x MFU) (counted as PyTorch's
 FlopCounterMode counts them, see flops.py); a collective starts when the last member reaches it
 and lasts its alpha-beta time; a message arrives at the sender's time plus its transfer time. Async
-collectives run on a second lane, so communication hidden under compute shows as overlap. All
-times are *modelled*.
+collectives run on a second lane (the comm stream), so communication hidden under compute shows as
+overlap: each collective's event records `exposed_s` (the part the compute lane waited for it)
+and `hidden_s` (the part that ran under compute). All times are *modelled*.
 
 How the ranks learn each other's time: `ctx.comm` carries each rank's time stamp inside the
 collective or message itself (a few extra elements of the same op, see comm.py), so the clock
@@ -151,12 +152,14 @@ class Clock:
             self._advance_to(arrival, f"wait for rank {timing.peer}")
             return timing.duration
         # A collective: earlier async ones take the comm lane first, in issue order.
+        self._cut()
+        waited_from = self.t     # compute stops here until the op is done: what is after, shows
         if self._pending and self._pending[0] is not timing:
             for earlier in list(self._pending):
                 if earlier is timing:
                     break
-                self._place(earlier, wall_now)
-        end = self._place(timing, wall_now)
+                self._place(earlier, wall_now, waited_from)
+        end = self._place(timing, wall_now, waited_from)
         self._advance_to(end, f"wait for {timing.op}")
         return timing.duration
 
@@ -168,7 +171,7 @@ class Clock:
                 op, nbytes, len(ranks), self.cluster.link_for(ranks))
         return duration
 
-    def _place(self, timing, wall_now):
+    def _place(self, timing, wall_now, waited_from):
         if timing.resolved:
             return timing.end
         if timing.group_ready is None:
@@ -177,10 +180,14 @@ class Clock:
         timing.end = start + timing.duration
         self.comm_free = timing.end
         lane, kind = ("comm", "comm") if timing.async_op else ("compute", "comm")
-        if not timing.async_op:
+        if timing.async_op:   # the part after compute stopped to wait is exposed
+            exposed = min(timing.duration, max(0.0, timing.end - max(start, waited_from)))
+        else:
+            exposed = timing.duration
             self._advance_to(start, f"wait for {timing.op}")
         self._emit(lane, kind, timing.op, start, timing.end, timing.wall_issued, wall_now,
-                   meta=dict(bytes=timing.nbytes, group=list(timing.group_ranks)))
+                   meta=dict(bytes=timing.nbytes, group=list(timing.group_ranks),
+                             exposed_s=exposed, hidden_s=timing.duration - exposed))
         if not timing.async_op:
             self.t = max(self.t, timing.end)
         timing.resolved = True

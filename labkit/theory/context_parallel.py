@@ -9,6 +9,9 @@ Causal load balance: contiguous chunks give rank r the work of r + 1/2 blocks (t
 ~2x the average); zigzag (chunks r and 2N-1-r of 2N, as Llama 3, arXiv 2407.21783) gives
 every rank N/2 (Striped Attention, Brandon et al. 2023, arXiv 2311.09431, balances by dealing
 tokens round-robin). Llama 3 all-gathers K and V instead of passing them around a ring.
+DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv 2309.14509) all-to-alls q, k, v to head shards and
+the output back: (N-1)/N (2h + 2h_kv) b (s/N) d values per rank each way, falling as 1/N
+(ring and all-gather stay ~2 b h_kv s d whatever N), but N can be at most h_kv.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from . import hardware
 from .time import collective_time
 
 LAYOUTS = ("contiguous", "zigzag")
+METHODS = ("ring", "all_gather", "ulysses")
 FORWARD_MATMULS = 2     # Q K^T and P V
 BACKWARD_MATMULS = 5    # scores again, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q
 
@@ -31,7 +35,8 @@ def comm_bytes_per_rank(batch, heads, seq, head_dim, cp, *, dtype_bytes=2, grad_
 
     ring: forward (N-1) KV; backward (N-1) KV + N dKV in `grad_bytes` (labkit keeps the
     travelling partial sums in fp32). all_gather: (N-1) KV forward (all-gather), (N-1) KV
-    backward (reduce-scatter of dK, dV in the input dtype).
+    backward (reduce-scatter of dK, dV in the input dtype). ulysses: all-to-all of q, k, v and
+    of the output, (N-1)/N of each shard, forward; the same of their gradients backward.
     """
     n = cp
     kv = kv_block_bytes(batch, kv_heads or heads, seq, head_dim, cp, dtype_bytes)
@@ -41,8 +46,11 @@ def comm_bytes_per_rank(batch, heads, seq, head_dim, cp, *, dtype_bytes=2, grad_
         fwd, bwd = (n - 1) * kv, (n - 1) * kv + n * kv * grad_bytes / dtype_bytes
     elif method == "all_gather":
         fwd = bwd = (n - 1) * kv
+    elif method == "ulysses":
+        fwd = bwd = (n - 1) / n * batch * seq / cp * head_dim * dtype_bytes * (
+            2 * heads + 2 * (kv_heads or heads))
     else:
-        raise ValueError(f"method must be 'ring' or 'all_gather', got {method!r}")
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     return dict(forward=fwd, backward=bwd, total=fwd + bwd)
 
 

@@ -10,6 +10,12 @@ Bubble (idle share of a step, GPipe's convention), with equal stages and free li
 (P-1)/(V*M + P-1) (GPipe, Huang et al. 2019, arXiv 1811.06965; interleaved 1F1B, Narayanan
 et al. 2021, arXiv 2104.04473). Memory: GPipe keeps M micro-batches' activations on every stage,
 1F1B (PipeDream-Flush, Narayanan et al. 2021, arXiv 2006.09503) at most P - r on rank r.
+
+Zero bubble (Qi et al. 2023, arXiv 2401.10241): split each backward into B, the input gradient
+(the next stage waits for it), and W, the weight gradient (nobody waits for it), and move the
+W's into the bubbles. A split schedule has ("W", micro-batch, chunk) ops too, each after its B.
+ZB-H1 keeps 1F1B's activation memory (at most P - r micro-batches between F and W on rank r)
+and idles (P-1)(T_F + T_B - T_W) per rank instead of 1F1B's (P-1)(T_F + T_B + T_W).
 No torch and no torch.distributed here: the widgets and the planner use it too.
 """
 from __future__ import annotations
@@ -75,6 +81,42 @@ def interleaved_schedule(stages, microbatches, virtual):
     return schedule
 
 
+def zb_h1_schedule(stages, microbatches):
+    """ZB-H1 (Qi et al. 2023, sec. 3.1): stage i runs, for x = 0 .. M+P-2, the ops
+    F_x, B_(x-(P-1-i)), W_(x-(P-1)) that exist (index in 0..M-1), in that order. Its B's are
+    1F1B's (P - i micro-batches between F and B, 1F1B's activation memory); each W waits P-1
+    slots, filling the tail where 1F1B idles (the W's inputs stay until then: P micro-batches
+    between F and W on every stage, 1F1B's peak, that of stage 0)."""
+    p, m = stages, microbatches
+    if p < 1 or m < 1:
+        raise ValueError(f"a pipeline needs >= 1 rank and >= 1 micro-batch, got P={p}, M={m}")
+    schedule = []
+    for i in range(p):
+        ops = []
+        for x in range(m + p - 1):
+            for kind, index in (("F", x), ("B", x - (p - 1 - i)), ("W", x - (p - 1))):
+                if 0 <= index < m:
+                    ops.append((kind, index, 0))
+        schedule.append(ops)
+    return schedule
+
+
+def zb_h1_idle_per_rank(stages, t_forward, t_backward_input, t_weight):
+    """The paper's idle time per rank: ZB-H1 (P-1)(T_F + T_B - T_W) (T_W <= T_F, T_B;
+    M >= P micro-batches)."""
+    return (stages - 1) * (t_forward + t_backward_input - t_weight)
+
+
+def split_bubble_formula(stages, microbatches, t_forward, t_backward_input, t_weight,
+                         schedule="zb-h1"):
+    """Idle share of a step: idle / (M (T_F + T_B + T_W) + idle), with the idle per rank of
+    ZB-H1 or of 1F1B ((P-1)(T_F + T_B + T_W), i.e. (P-1)/(M+P-1))."""
+    work = t_forward + t_backward_input + t_weight
+    idle = ((stages - 1) * work if schedule == "1f1b" else
+            zb_h1_idle_per_rank(stages, t_forward, t_backward_input, t_weight))
+    return idle / (microbatches * work + idle)
+
+
 def make_schedule(name, stages, microbatches, virtual=1):
     """The schedule called `name` for `stages` ranks (P), M micro-batches, V chunks per rank."""
     if name not in SCHEDULES:
@@ -108,7 +150,8 @@ def check_schedule(schedule, microbatches=None, virtual=None):
     p, m_found, v_found = schedule_shape(schedule)
     m = m_found if microbatches is None else microbatches
     v = v_found if virtual is None else virtual
-    want = {(kind, i, c) for kind in "FB" for i in range(m) for c in range(v)}
+    kinds = "FBW" if is_split(schedule) else "FB"
+    want = {(kind, i, c) for kind in kinds for i in range(m) for c in range(v)}
     for rank, ops in enumerate(schedule):
         seen = set()
         for op in ops:
@@ -121,14 +164,18 @@ def check_schedule(schedule, microbatches=None, virtual=None):
             if kind == "B" and ("F", i, c) not in seen:
                 raise ValueError(f"rank {rank} runs B{i}.{c} before F{i}.{c}: a backward needs "
                                  "the activations its forward saved")
+            if kind == "W" and ("B", i, c) not in seen:
+                raise ValueError(f"rank {rank} runs W{i}.{c} before B{i}.{c}: the weight "
+                                 "gradient needs the output gradient B computes")
             seen.add(op)
         missing = sorted(want - seen)
         if missing:
             kind, i, c = missing[0]
             raise ValueError(f"rank {rank} never runs {kind}{i}.{c} ({len(missing)} op(s) "
-                             "missing): every micro-batch needs one F and one B on every stage")
+                             f"missing): every micro-batch needs one {' and one '.join(kinds)} "
+                             "on every stage")
     try:
-        simulate_schedule(schedule, 1.0, 2.0)
+        simulate_schedule(schedule, 1.0, 2.0, t_weight=1.0)
     except RuntimeError as error:
         raise ValueError(str(error)) from None
     return p, m, v
@@ -142,6 +189,8 @@ def messages_to(schedule, me):
     out = {}
     for peer, ops in enumerate(schedule):
         for kind, m, c in ops:
+            if kind == "W":      # a weight gradient stays on its rank
+                continue
             stage = c * p + peer
             target = stage + 1 if kind == "F" else stage - 1
             if 0 <= target < p * v and target % p == me and peer != me:
@@ -167,30 +216,43 @@ def print_schedule(schedule):
     print(format_schedule(schedule))
 
 
-def microbatches_in_flight(ops):
-    """The most micro-batch chunks a rank holds activations for at once (F done, B not yet)."""
+def is_split(schedule):
+    """True when the backward is split into B (input gradient) and W (weight gradient)."""
+    return any(kind == "W" for ops in schedule for kind, _, _ in ops)
+
+
+def microbatches_in_flight(ops, until=None):
+    """The most micro-batch chunks a rank holds activations for at once: F done, and its B
+    not yet (W, when the backward is split: the weight gradient needs the saved inputs;
+    until="B" counts a split schedule's micro-batches up to their B)."""
+    release = until or ("W" if any(kind == "W" for kind, _, _ in ops) else "B")
     held, most = set(), 0
     for kind, m, c in ops:
         if kind == "F":
             held.add((m, c))
             most = max(most, len(held))
-        else:
+        elif kind == release:
             held.discard((m, c))
     return most
 
 
 # ========================================================================= the simulator
 
-def simulate_schedule(schedule, t_forward, t_backward, t_comm=0.0):
+def simulate_schedule(schedule, t_forward, t_backward, t_comm=0.0, t_weight=None):
     """Replay `schedule` with the executor's timing rules, in pure Python, instantly.
 
     An op starts when its rank is free and its input has arrived (sender's finish + t_comm);
-    sends never block. t_forward / t_backward: seconds per op, a number or a function
+    sends never block. t_forward / t_backward (/ t_weight, for split schedules, where
+    t_backward is the input gradient B only): seconds per op, a number or a function
     (rank, chunk) -> seconds. Returns a timeline like `ctx.clock.timeline()` (compute lane:
-    forward, backward, idle). Raises RuntimeError naming the stuck ops on a deadlock.
+    forward, backward, weight grad, idle). Raises RuntimeError naming the stuck ops on a
+    deadlock.
     """
     p, _, v_count = schedule_shape(schedule)
-    times = {"F": _as_fn(t_forward), "B": _as_fn(t_backward)}
+    if t_weight is None and is_split(schedule):
+        raise ValueError("the schedule has W (weight-gradient) ops: pass t_weight")
+    times = {"F": _as_fn(t_forward), "B": _as_fn(t_backward),
+             "W": _as_fn(t_weight if t_weight is not None else 0.0)}
     done = {}                      # (kind, m, stage) -> finish time
     pos, free = [0] * p, [0.0] * p
     timeline = []
@@ -202,9 +264,11 @@ def simulate_schedule(schedule, t_forward, t_backward, t_comm=0.0):
                 v = c * p + r
                 if kind == "F":
                     needs = ("F", m, v - 1) if v > 0 else None
-                else:
+                elif kind == "B":
                     needs = ("B", m, v + 1) if v < p * v_count - 1 else None
-                own = ("F", m, v) if kind == "B" else None
+                else:
+                    needs = None
+                own = {"F": None, "B": ("F", m, v), "W": ("B", m, v)}[kind]
                 if (needs and needs not in done) or (own and own not in done):
                     break
                 local = needs is not None and (needs[2] % p) == r
@@ -213,8 +277,8 @@ def simulate_schedule(schedule, t_forward, t_backward, t_comm=0.0):
                 if start > free[r]:
                     timeline.append(_event(r, "idle", "wait", free[r], start, {}))
                 end = start + times[kind](r, c)
-                timeline.append(_event(r, "compute", "forward" if kind == "F" else "backward",
-                                       start, end, dict(microbatch=m, stage=v, chunk=c)))
+                timeline.append(_event(r, "compute", OP_NAMES[kind], start, end,
+                                       dict(microbatch=m, stage=v, chunk=c)))
                 done[(kind, m, v)], free[r] = end, end
                 pos[r] += 1
                 progressed = True
@@ -224,6 +288,9 @@ def simulate_schedule(schedule, t_forward, t_backward, t_comm=0.0):
             raise RuntimeError("deadlock: every rank waits for an op that never comes: "
                                + ", ".join(stuck))
     return timeline
+
+
+OP_NAMES = {"F": "forward", "B": "backward", "W": "weight grad"}
 
 
 def _as_fn(value):
@@ -238,7 +305,7 @@ def _event(rank, kind, name, start, end, meta):
 def pipeline_ops(timeline):
     """The forward and backward bars of a timeline (a run's or the simulator's)."""
     return [e for e in timeline if e["lane"] == "compute" and e["kind"] == "compute"
-            and e["name"] in ("forward", "backward")]
+            and e["name"] in OP_NAMES.values()]
 
 
 def timeline_bubble_fraction(timeline, ranks=None):
@@ -281,8 +348,9 @@ def op_times(timeline):
 def simulate_like(timeline, schedule, t_comm=0.0):
     """Simulate `schedule` with the op times of a run's `timeline`."""
     times = op_times(timeline)
+    weight = (lambda r, c: times[("weight grad", r, c)]) if is_split(schedule) else None
     return simulate_schedule(schedule, lambda r, c: times[("forward", r, c)],
-                             lambda r, c: times[("backward", r, c)], t_comm)
+                             lambda r, c: times.get(("backward", r, c), 0.0), t_comm, weight)
 
 
 def comm_free_cluster(base="8xH100-NVLink"):

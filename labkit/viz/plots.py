@@ -197,9 +197,10 @@ def restack(ax, bars, capacity=None, title="", unit="GB", keep=()):
 
 # ---------------------------------------------------------------------------------------- gantt
 
-GANTT_COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "compute": "#2ca02c",
-                "comm": "#9467bd", "p2p": "#c5b0d5", "idle": "#dcdcdc"}
-GANTT_LABELS = {"forward": "forward", "backward": "backward", "compute": "other compute",
+GANTT_COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "weight grad": "#ffbb78",
+                "compute": "#2ca02c", "comm": "#9467bd", "p2p": "#c5b0d5", "idle": "#dcdcdc"}
+GANTT_LABELS = {"forward": "forward", "backward": "backward",
+                "weight grad": "weight grad (W)", "compute": "other compute",
                 "comm": "collective (comm)", "p2p": "send / recv", "idle": "idle (waiting)"}
 
 
@@ -210,6 +211,8 @@ def _gantt_style(event):
         name = str(event.get("name", "")).lower()
         if "forward" in name:
             return "forward"
+        if "weight grad" in name:
+            return "weight grad"
         if "backward" in name:
             return "backward"
         return "compute"

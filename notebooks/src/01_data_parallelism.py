@@ -513,6 +513,134 @@ dp_widgets.dp_explorer()
 
 
 # %% [markdown]
+# ## 9 · Exposed or hidden: each collective on the clock, and a trace for Perfetto
+#
+# The modelled clock runs async collectives on a comm lane beside compute (the comm stream of a
+# GPU), and notes for each one how much of it the compute lane had to wait for (**exposed**)
+# and how much ran under compute (**hidden**). For the last step of the two runs of section 5,
+# rank 0's bucket all-reduces (modelled):
+
+# %%
+from labkit.runtime import trace
+
+rows = []
+for overlap in (True, False):
+    buckets = trace.overlap_by_op(last_step(runs[overlap]), rank=0)["all_reduce"]
+    rows.append({"overlap": overlap, "all-reduces": buckets["calls"],
+                 "modelled µs": buckets["modelled_s"] * 1e6,
+                 "exposed µs": buckets["exposed_s"] * 1e6,
+                 "hidden µs": buckets["hidden_s"] * 1e6,
+                 "hidden share": buckets["hidden_s"] / buckets["modelled_s"]})
+pd.DataFrame(rows).round(2)
+
+# %% [markdown]
+# Without overlap every bucket is exposed; with it, the buckets launched during backward hide
+# under the rest of backward and only the tail is exposed, the share printed above.
+#
+# The whole timeline of a run (every rank; compute, each collective, each send and receive;
+# the modelled lanes and the measured wall-clock lanes as separate processes) exports as a
+# **Chrome trace**, the JSON that `torch.profiler` writes (`prof.export_chrome_trace(path)`)
+# and that Perfetto opens: `trace.to_trace(timeline, path)` here, `to_trace(report, path)` for a
+# run report (`labkit.runs.report`), or `python -m labkit run dp --world-size 2 --trace
+# dp.json` on the command line. Open the file at https://ui.perfetto.dev ("Open trace file"):
+# each rank is a process, with threads compute, comm, send and recv; click a bar to see its
+# bytes, group and exposed/hidden microseconds.
+
+# %%
+import json
+import os
+import tempfile
+
+trace_path = os.path.join(tempfile.mkdtemp(), "dp_overlap_trace.json")
+trace.to_trace([e for r in runs[True] for e in r["timeline"]], trace_path,
+               cluster=runs[True][0]["cluster"], technique="dp, overlap=True")
+with open(trace_path) as f:
+    events = json.load(f)["traceEvents"]
+spans = [e for e in events if e["ph"] == "X"]
+print(f"wrote {len(spans)} spans to {trace_path}")
+pd.DataFrame(spans[:4])[["name", "ph", "ts", "dur", "pid", "tid", "args"]]
+
+# %% [markdown]
+# Reading the two kinds side by side: a `torch.profiler` trace of this CPU run would show the
+# *measured* operators of each process (aten::mm, gloo's allreduce) at this machine's speed; the
+# modelled lanes show the same program's ops timed as on H100s over NVLink. Where they agree is
+# the order and the overlap structure; where they differ is every proportion (section 5).
+#
+# ## 10 · The roofline: when can the all-reduce hide at all?
+#
+# Overlap hides communication only when there is more compute than communication. A step on B
+# tokens per GPU computes 6·Ψ·B FLOPs (Ψ matmul weights) and all-reduces 2(N−1)/N·Ψ·e bytes of
+# gradients (e = 2 bytes in bf16), so its **arithmetic intensity**, FLOPs per byte sent, is
+# 3·B·N/((N−1)·e): Ψ cancels, only the **tokens per GPU** count. The GPU and link have their own
+# ratio, the **ridge**: FLOP/s over bytes/s. Below it the step waits for the link whatever the
+# overlap (the network roofline of *How to Scale Your Model*; `labkit.theory.roofline`, all
+# modelled, bandwidth term only, at the H100's bf16 peak). FSDP's line (lesson 04) for
+# comparison:
+
+# %%
+from labkit.theory import roofline
+from labkit.theory import hardware
+from labkit.viz.roofline import all_reduce_fit_figure, roofline_figure
+
+fig = roofline_figure(64, "H100", links=("NVLink 4", "InfiniBand NDR"))
+plt.show()
+for gpus, link in ((8, "NVLink 4"), (64, "InfiniBand NDR")):   # one node; 8 nodes
+    b = roofline.critical_batch("dp", gpus, "H100", link)
+    print(f"DP on {gpus} H100s over {link}: compute-bound from {b:,.0f} tokens per GPU "
+          f"({b / 4096:.1f} sequences of 4,096) (modelled)")
+
+# %% [markdown]
+# ## 11 · Measured here: all-reduce time against message size
+#
+# The alpha-beta model says an all-reduce of S bytes on N ranks takes 2(N−1)·α + 2(N−1)/N·S/β:
+# a latency α per ring step, and bandwidth β. Measured on these CPU ranks (gloo over loopback,
+# 2 ranks, 1 KB to 64 MB, the median of 3 calls each), fitted, and drawn beside the model of
+# NCCL on NVLink 4 that the virtual clock uses:
+
+# %%
+SIZES = [4 ** k * 1024 for k in range(9)]    # 1 KB ... 64 MB
+
+
+def all_reduce_times(ctx, sizes, repeats=3):
+    out = []
+    for size in sizes:
+        x = torch.ones(size // 4)              # fp32: 4 bytes a value
+        with ctx.off_the_record():
+            ctx.comm.all_reduce(x)             # warm up this size
+        times = []
+        for _ in range(repeats):
+            ctx.comm.all_reduce(x)
+            times.append(ctx.comm.records[-1].wall_s)
+        out.append(statistics.median(times))
+    return out
+
+
+measured = labkit.launch(all_reduce_times, 2, SIZES)
+seconds = [max(a, b) for a, b in zip(*measured)]          # the slower rank sets the time
+alpha, beta = roofline.fit_alpha_beta(SIZES, seconds, 2)
+nvlink = hardware.link("NVLink 4")
+modelled = [tt.collective_time("all_reduce", s, 2, nvlink) for s in SIZES]
+fig = all_reduce_fit_figure(SIZES, seconds, alpha, beta,
+                            {"NCCL-like ring, 2 GPUs over NVLink 4": modelled})
+plt.show()
+half_here = roofline.half_latency_bytes(alpha, beta, 2)
+half_nvlink = roofline.half_latency_bytes(nvlink.latency, nvlink.effective_bandwidth, 2)
+print(f"fitted here: alpha {alpha * 1e6:.0f} µs per step, beta {beta / 1e9:.2f} GB/s "
+      f"(measured); NVLink 4 in the model: {nvlink.latency * 1e6:.0f} µs, "
+      f"{nvlink.effective_bandwidth / 1e9:.0f} GB/s")
+print(f"latency = bandwidth time at {half_here / 1e6:.2f} MB here, "
+      f"{half_nvlink / 1e6:.2f} MB on NVLink 4 (modelled)")
+
+# %% [markdown]
+# (This machine is shared and its two cores run both ranks, so the points scatter; the fit
+# weighs each point by its relative error.) Small messages pay mostly latency, large ones
+# mostly bandwidth; the size where the two costs
+# are equal (printed above) is the floor for a gradient bucket. Buckets several times larger
+# spend little on latency; buckets much larger leave less of backward to overlap (the last
+# bucket is always exposed). PyTorch DDP's default of 25 MB sits well above the NVLink figure,
+# trading a little latency for fewer, larger messages.
+
+# %% [markdown]
 # ## Takeaways
 #
 # - Data parallelism copies the whole model to every GPU and averages gradients with one

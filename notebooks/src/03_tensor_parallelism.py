@@ -375,6 +375,70 @@ latest[["metric", "labkit", "torch", "labkit_over_torch", "spread_min", "spread_
 
 
 # %% [markdown]
+# ## The roofline: why the batch does not help TP
+#
+# Data parallelism and FSDP hide their communication behind a large enough batch per GPU
+# (lessons 01 and 04): their compute grows with the tokens, their bytes do not. TP is different.
+# Per layer and token, a GPU computes 6·P_layer/t FLOPs (its 1/t of the layer's matmul weights)
+# and sends, for each of the 4 all-reduces of an h-wide activation (2 forward, 2 backward),
+# 2(t−1)/t·h·e bytes. Both grow with the tokens, so the **arithmetic intensity** has no batch in
+# it:
+#
+#   I_TP = 6·P_layer/t / (8(t−1)/t·h·e) = 3·P_layer / (4·h·e·(t−1))
+#
+# (= 9h/(e(t−1)) for a plain block of 12h² weights). It must reach the **ridge**, the GPU's
+# FLOP/s over the link's bytes/s, for the all-reduces to be able to hide: only a wider model, a
+# smaller t or a faster link gets there. For Llama 3 70B (its layer's weights with grouped-query
+# attention and the SwiGLU MLP; bf16; all modelled by `labkit.theory.roofline`, bandwidth term,
+# at the H100's bf16 peak):
+
+# %%
+from labkit.theory import catalog
+from labkit.theory import roofline
+
+llama70 = catalog.model("llama-3-70b")
+h = llama70.hidden
+layer = (2 * h * h + 2 * h * llama70.kv_heads * llama70.head_dim   # q, o; k, v (GQA)
+         + 3 * h * llama70.ffn)                                    # SwiGLU: gate, up, down
+rows = [dict(tp=t, intensity_FLOPs_per_byte=roofline.tp_intensity(h, layer, t),
+             **{f"hides on {link}": roofline.tp_intensity(h, layer, t)
+                >= roofline.ridge("H100", link) for link in ("NVLink 4", "InfiniBand NDR")})
+        for t in (2, 4, 8, 16, 32)]
+for link in ("NVLink 4", "InfiniBand NDR"):
+    print(f"ridge of an H100 over {link}: {roofline.ridge('H100', link):,.0f} FLOPs per byte; "
+          f"the largest TP degree whose all-reduces can hide: "
+          f"{roofline.tp_max_degree(h, layer, 'H100', link)}")
+pd.DataFrame(rows).round(0)
+
+# %%
+ts = list(range(2, 33))
+fig, ax = plt.subplots(figsize=(8, 4))
+ax.semilogy(ts, [roofline.tp_intensity(h, layer, t) for t in ts], "o-", ms=3,
+            label=f"TP intensity, {llama70.display_name} layer (any batch)")
+for link, style in (("NVLink 4", "-"), ("InfiniBand NDR", "--")):
+    ax.axhline(roofline.ridge("H100", link), color="black", ls=style, lw=1,
+               label=f"ridge: H100 over {link}")
+ax.axvline(8, color="0.6", ls=":", lw=1)
+ax.text(8.3, roofline.tp_intensity(h, layer, 2), "8 GPUs: one\nNVLink node", fontsize=8,
+        color="0.4", va="top")
+ax.set_xlabel("TP degree t")
+ax.set_ylabel("FLOPs per byte sent (modelled)")
+ax.set_title("Tensor parallelism's roofline: intensity falls as 1/(t−1), whatever the batch")
+ax.legend(fontsize=8, frameon=False)
+ax.grid(alpha=0.3, which="both", lw=0.4)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Over NVLink a 70B layer is wide enough to hide its all-reduces up to the degree printed above
+# (past a node's 8 GPUs), while across InfiniBand, whose ridge is as many times higher as its
+# bandwidth is lower, it shrinks to the second degree printed: that is the roofline's reason
+# for "TP inside a node", the same conclusion as the step times above, and it holds for every
+# batch size. (Hiding also needs the overlap itself: Megatron's plain TP
+# waits for each all-reduce; async TP splits the matmul so that one chunk's collective runs
+# while the next chunk multiplies.)
+
+# %% [markdown]
 # ## Takeaways
 #
 # - Column-parallel then row-parallel needs **one all-reduce per MLP and one per attention** in

@@ -521,6 +521,40 @@ stage stays within 1e-4 of the reference, and that offload changes nothing, bit 
 against the same run without it.)
 '''))
 
+# %% [markdown]
+# ## The roofline: when can FSDP's communication hide?
+#
+# ZeRO-3 (FSDP) sends 3(N−1)/N·Ψ·e bytes per GPU and step (two all-gathers of the weights, one
+# reduce-scatter of the gradients; e = 2 bytes in bf16), DP 2(N−1)/N·Ψ·e. Both can overlap
+# their collectives with compute (FSDP prefetches the next unit's weights during this one's
+# forward), but overlap only helps if the compute is the longer of the two. A step on B tokens
+# per GPU computes 6·Ψ·B FLOPs, so its **arithmetic intensity**, FLOPs per byte sent, is
+#
+#   I_DP = 6ΨB / (2(N−1)/N·Ψe) ≈ 3B/e,      I_FSDP = 6ΨB / (3(N−1)/N·Ψe) ≈ 2B/e:
+#
+# Ψ cancels and only the **tokens per GPU** count. The hardware has its own ratio, the
+# **ridge**: FLOP/s of the GPU over bytes/s of the link. Below it the step waits for the link
+# however well it overlaps; above it the communication can hide. (`labkit.theory.roofline`, all
+# modelled, bandwidth term only, at the GPU's bf16 peak.)
+
+# %%
+from labkit.theory import roofline
+from labkit.viz.roofline import roofline_figure
+
+fig = roofline_figure(64, "H100", links=("NVLink 4", "InfiniBand NDR"))
+plt.show()
+rows = [dict(link=link, ridge_FLOPs_per_byte=roofline.ridge("H100", link),
+             DP_min_tokens_per_GPU=roofline.critical_batch("dp", 64, "H100", link),
+             FSDP_min_tokens_per_GPU=roofline.critical_batch("fsdp", 64, "H100", link))
+        for link in ("NVLink 4", "InfiniBand NDR")]
+pd.DataFrame(rows).round(0)
+
+# %% [markdown]
+# FSDP needs 1.5× DP's tokens per GPU to hide its traffic (3Ψ against 2Ψ), and the slower
+# link multiplies both by the ratio of the bandwidths. In sequences of 4,096 tokens, that is a
+# few sequences per GPU over InfiniBand: easy for pre-training, not for a small fine-tuning
+# batch. The exercise at the end asks for one of these numbers; derive it before you look.
+
 # %%
 ratio = per_step("ZeRO-3", runs["ZeRO-3"]) / dp_bytes
 display(Markdown(f'''
@@ -578,3 +612,21 @@ zero2_bytes_per_gpu = (2 + (2 + 12) / 8) * 8.03e9   # bf16 weights whole; grads 
 
 # %%
 check_stage_memory_answer(zero2_bytes_per_gpu, params=8.03e9, world_size=8, stage=2);
+
+# %% [markdown]
+# **3 · One more: the roofline of FSDP.** What is the smallest per-GPU batch, in tokens, at
+# which FSDP (ZeRO-3) on 64 H100s over 400 Gb/s InfiniBand NDR can be compute-bound? Use the
+# H100's dense bf16 peak (`hardware.gpu("H100").flops("bf16")`), the link's effective bandwidth
+# (`hardware.link("InfiniBand NDR").effective_bandwidth`: the lab's link model delivers the
+# fraction `efficiency` of the line rate), bf16 weights and gradients, and the ring's bytes
+# per GPU. Write it as an expression that shows the derivation.
+
+# %% tags=["solution"]
+fsdp_min_tokens = (hardware.gpu("H100").flops("bf16")
+                   / hardware.link("InfiniBand NDR").effective_bandwidth   # FLOPs per byte
+                   * 3 * (64 - 1) / 64 * 2 / 6)    # bytes per parameter sent / FLOPs per token
+
+# %%
+from labkit.exercises.zero import check_fsdp_critical_batch
+
+check_fsdp_critical_batch(fsdp_min_tokens);

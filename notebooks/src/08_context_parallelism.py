@@ -347,6 +347,123 @@ cp_explorer()
 
 
 # %% [markdown]
+# ## Three ways to share attention: ring, all-gather, Ulysses
+#
+# Ring and all-gather both move **keys and values** and keep every head on every rank.
+# **DeepSpeed-Ulysses** (Jacobs et al. 2023, arXiv 2309.14509) moves the other way: an
+# all-to-all trades each rank's s/N tokens of *all* heads for *all* s tokens of h/N heads;
+# attention then runs as on one device (each head sees its whole sequence), and a second
+# all-to-all trades the output back to sequence shards. Per rank and call it sends (N−1)/N of
+# its q, k, v and output shards forward and the same of their gradients backward:
+# (N−1)/N·(2h + 2h_kv)·b·(s/N)·d values, which **falls as 1/N**, where ring and all-gather send
+# about the whole sequence's K and V whatever N. The price: a rank must hold whole heads, so
+# **N ≤ h_kv** (the K/V heads, dividing them): 8 for Llama 3 8B.
+#
+# `ulysses_attention(q, k, v, group, causal, layout)`, or `ContextParallel(module,
+# method="ulysses")`. Below, all three (and `all_gather_attention`, Llama 3's way) on 4 ranks on
+# the same inputs, 8 query heads sharing 4 K/V heads (grouped-query attention), causal, zigzag:
+# each rank's output and q, k, v gradients against one device in float64, and the bytes each
+# rank sent (the comm log) against theory/context_parallel.py.
+
+# %%
+def three_ways(ctx):
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(2, 8, 64, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 4, 64, 16, generator=g) for _ in range(2))
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*exact, is_causal=True, enable_gqa=True)
+    ref.backward(do.double())
+    out = {}
+    for method in ("ring", "all_gather", "ulysses"):
+        mine = [cp.shard_sequence(t, layout="zigzag", dim=2).requires_grad_() for t in (q, k, v)]
+        ctx.comm.reset()
+        y = cp.CORES[method](*mine, causal=True, layout="zigzag")
+        y.backward(cp.shard_sequence(do, layout="zigzag", dim=2))
+        pairs = [(y, ref)] + [(m.grad, e.grad) for m, e in zip(mine, exact)]
+        error = max(((a.double() - cp.shard_sequence(b.detach(), layout="zigzag", dim=2)).abs()
+                     .max() / b.abs().max()).item() for a, b in pairs)
+        out[method] = dict(error=error, bytes=ctx.comm.wire_bytes())
+    try:      # 4 ranks cannot share 2 K/V heads
+        cp.ulysses_attention(*(torch.zeros(1, h, 8, 16) for h in (4, 2, 2)), causal=True)
+    except ValueError as e:
+        out["limit"] = str(e)
+    return out
+
+
+def fp32_own_error():
+    """One device's float32 attention against float64 (the Numbers rule's yardstick)."""
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(2, 8, 64, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 4, 64, 16, generator=g) for _ in range(2))
+    worst = 0.0
+    ts = {}
+    for dtype in (torch.float64, torch.float32):
+        t = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        y = F.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=True)
+        y.backward(do.to(dtype))
+        ts[dtype] = [y] + [x.grad for x in t]
+    return max(((a.double() - b).abs().max() / b.abs().max()).item()
+               for a, b in zip(ts[torch.float32], ts[torch.float64]))
+
+
+three = labkit.launch(three_ways, 4)
+own = fp32_own_error()
+rows = []
+for method in ("ring", "all_gather", "ulysses"):
+    error = max(r[method]["error"] for r in three)
+    rows.append(dict(method=method, max_relative_error=error,
+                     verdict="equal to one device" if error <= 4 * own + 1e-7 else "DIFFERENT",
+                     bytes_per_rank_measured=three[0][method]["bytes"],
+                     bytes_per_rank_formula=tcp.comm_bytes_per_rank(
+                         2, 8, 64, 16, 4, dtype_bytes=4, grad_bytes=4, method=method,
+                         kv_heads=4)["total"]))
+print(f"one device's float32 attention differs from float64 by {own:.1e} (relative)")
+print(f"ulysses on 4 ranks with 2 K/V heads: {three[0]['limit']}")
+pd.DataFrame(rows)
+
+# %% [markdown]
+# All three equal one device; Ulysses already sends the least at N = 4 here. How the bytes go
+# with N for one Llama 3 8B layer at 128K tokens (32 query heads, 8 K/V heads, d = 128, bf16;
+# all modelled by theory/context_parallel.py; Ulysses stops at N = 8 = h_kv):
+
+# %%
+degrees = [2, 4, 8, 16, 32, 64]
+fig, ax = plt.subplots(figsize=(8, 4.2))
+for method, style in (("ring", "o-"), ("all_gather", "s--"), ("ulysses", "^-")):
+    ns = [n for n in degrees if method != "ulysses" or n <= 8]
+    gb = [tcp.comm_bytes_per_rank(1, 32, 131072, 128, n, kv_heads=8, method=method)["total"]
+          / 1e9 for n in ns]
+    ax.plot(ns, gb, style, label=method)
+ax.set_xscale("log", base=2)
+ax.set_xticks(degrees, [str(n) for n in degrees])
+ax.set_ylim(0, None)
+ax.axvline(8, color="0.5", ls=":", lw=1)
+ax.text(8.5, 0.15, "N = h_kv = 8:\nUlysses' limit", fontsize=8, color="0.35")
+ax.set_xlabel("CP degree N (ranks sharing one sequence)")
+ax.set_ylabel("GB sent per rank, one layer\n(forward + backward, modelled)")
+ax.set_title("Llama 3 8B, 128K tokens: bytes per rank vs N (modelled)")
+ax.legend(frameon=False)
+ax.grid(alpha=0.3, which="both", lw=0.4)
+fig.tight_layout()
+plt.show()
+for n in (2, 4, 8):
+    per = {m: tcp.comm_bytes_per_rank(1, 32, 131072, 128, n, kv_heads=8, method=m)["total"]
+           for m in ("ring", "all_gather", "ulysses")}
+    print(f"N={n}: " + ", ".join(f"{m} {b / 1e9:.2f} GB" for m, b in per.items())
+          + f" per rank and layer (modelled); the least: {min(per, key=per.get)}")
+
+# %% [markdown]
+# Ring and all-gather level off near the whole sequence's K and V per rank whatever N (ring
+# higher: its dK, dV partial sums travel in fp32), so their share of a step grows as each rank's
+# compute shrinks; Ulysses' bytes shrink with the compute. With grouped-query attention K and V
+# are small (8 heads of 32), so at small N all-gather still sends less than Ulysses, which also
+# moves q and the output (the lines printed above say from which N Ulysses sends the least).
+# Ulysses cannot go past h_kv ranks, and its all-to-alls cannot
+# overlap the attention they feed, where the ring's transfers hide behind its blocks: long
+# contexts on many GPUs combine them (Ulysses inside a node, a ring across nodes, as in
+# USP, Fang & Zhao 2024, arXiv 2405.07719).
+
+# %% [markdown]
 # ## Takeaways
 #
 # - CP splits **every** layer's tokens, attention included: activation memory per GPU falls as

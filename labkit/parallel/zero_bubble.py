@@ -1,0 +1,159 @@
+"""Zero-bubble pipeline execution: the backward split into B (input gradient) and W (weight
+gradient), run by any split schedule, e.g. ZB-H1 (Qi et al. 2023, arXiv 2401.10241).
+
+Idea. The next stage upstream waits only for B, the gradient of this stage's input; W, the
+gradient of this stage's weights, is needed by nobody until the optimizer step. So B runs as
+soon as the output gradient arrives and is sent on at once, and each W waits for a slot in
+which the rank would otherwise idle. ZB-H1 idles (P-1)(T_F + T_B - T_W) per rank instead of
+1F1B's (P-1)(T_F + T_B + T_W), with 1F1B's peak activation memory (labkit.theory.pipeline).
+
+How B and W split in autograd: B walks the graph from the output back to the input only, and
+keeps, at each layer with weights, the gradient of that layer's output; W then multiplies
+those by the layer's saved inputs (dW = dY^T X), nothing else: B + W cost one backward. labkit
+uses PyTorch's own split for this (`torch.distributed.pipelining._backward`: private, so with
+a fallback: B by `torch.autograd.grad(y, x, dy, retain_graph=True)`, W by
+`torch.autograd.backward(y, dy, inputs=weights)`, which walks the graph again).
+Communication is 1F1B's: per micro-batch, one activation forward and one gradient back per
+stage boundary, point to point; W sends nothing.
+
+    stage = PipelineStage(stages[rank], rank, P, group=pp_group, input_shape=(mb, hidden))
+    pipe = ZeroBubbleSchedule(stage, loss_fn, n_microbatches=8)       # ZB-H1 by default
+    loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+"""
+import torch
+
+from ..runtime.context import context
+
+try:   # PyTorch's B/W split (what its ScheduleZBVZeroBubble runs)
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+except ImportError:           # an older or newer torch: the walk-again fallback below
+    stage_backward_input = stage_backward_weight = None
+from ..theory import pipeline as schedules
+
+
+class ZeroBubbleSchedule:
+    """Runs a split schedule (ops F, B, W) over this rank's one `PipelineStage` (V = 1).
+
+    schedule: "zb-h1" or the data (for every group rank, its ops ("F"|"B"|"W", micro-batch, 0)),
+    checked before anything runs. Every stage but the first needs its `input_shape` (one
+    micro-batch's input) and `input_dtype`, so that nothing but the schedule's traffic flows.
+    """
+
+    def __init__(self, stage, loss_fn, n_microbatches, schedule="zb-h1"):
+        self.stage, self.ctx, self.group = stage, context(), stage.group
+        p = self.group.size
+        if stage.num_stages != p:
+            raise ValueError(f"ZeroBubbleSchedule runs one stage per rank: {stage.num_stages} "
+                             f"stages over {p} ranks")
+        if not stage.is_first and stage.input_shape is None:
+            raise ValueError(f"stage {stage.stage_index} needs input_shape= (one micro-batch's "
+                             "input) for the zero-bubble executor")
+        if n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+        if schedule == "zb-h1":
+            schedule = schedules.zb_h1_schedule(p, n_microbatches)
+        elif isinstance(schedule, str):
+            raise ValueError(f"schedule must be 'zb-h1' or a split schedule's data, not "
+                             f"{schedule!r}")
+        table = [[(str(k).upper(), int(m), int(c)) for k, m, c in ops] for ops in schedule]
+        if len(table) != p or not schedules.is_split(table):
+            raise ValueError(f"need a split schedule (with W ops) for {p} ranks")
+        schedules.check_schedule(table, n_microbatches, 1)
+        self.schedule, self.ops = table, table[self.group.rank]
+        self.loss_fn, self.n_microbatches = loss_fn, n_microbatches
+
+    def step(self, x=None, target=None, losses=None):
+        """Forward, B and W of every micro-batch, in the schedule's order; the weight
+        gradients accumulate in .grad. Returns the mean loss on the last stage, else None."""
+        stage, m_total = self.stage, self.n_microbatches
+        inputs = _split(x, m_total, "x", "first") if stage.is_first else None
+        targets = _split(target, m_total, "target", "last") if stage.is_last else None
+        saved, pending, sends, step_losses = {}, {}, [], {}
+        for kind, m, _ in self.ops:
+            meta = dict(microbatch=m, stage=stage.stage_index, chunk=0)
+            if kind == "F":
+                saved[m] = self._forward(m, inputs, targets, step_losses, sends, meta)
+            elif kind == "B":
+                pending[m] = self._input_grad(saved[m], sends, meta)
+            else:
+                self._weight_grad(saved.pop(m), pending.pop(m), meta)
+        for handle in sends:
+            handle.wait()
+        if not stage.is_last:
+            return None
+        ordered = [step_losses[m] for m in range(m_total)]
+        if losses is not None:
+            losses.extend(ordered)
+        return torch.stack(ordered).mean()
+
+    # --- the three ops ----------------------------------------------------------------------
+    def _forward(self, m, inputs, targets, step_losses, sends, meta):
+        stage, comm = self.stage, self.ctx.comm
+        if stage.is_first:
+            x = inputs[m]
+        else:
+            x = comm.recv(torch.empty(stage.input_shape, dtype=stage.input_dtype,
+                                      device=self.ctx.device), stage.stage_index - 1,
+                          group=self.group, tag=f"pipeline activation {stage.stage_index - 1}"
+                                                f"->{stage.stage_index}")
+            if x.is_floating_point():
+                x.requires_grad_()
+        with self.ctx.clock.compute("forward", **meta):
+            y = stage.module(x)
+            if stage.is_last:
+                loss = self.loss_fn(y, targets[m])
+                step_losses[m] = loss.detach()
+                y = loss / self.n_microbatches      # summed over micro-batches: the mean
+        if not stage.is_last:
+            sends.append(comm.send(y.detach(), stage.stage_index + 1, group=self.group,
+                                   async_op=True, tag=f"pipeline activation "
+                                   f"{stage.stage_index}->{stage.stage_index + 1}"))
+        return x, y
+
+    def _input_grad(self, saved, sends, meta):
+        """B: the output's gradient (received; the loss's own on the last stage), then the
+        input's, sent on. Returns what W needs. The first stage has no input gradient to
+        compute: its W runs the whole backward to its weights."""
+        stage, comm = self.stage, self.ctx.comm
+        x, y = saved
+        dy = None if stage.is_last else comm.recv(
+            torch.empty_like(y), stage.stage_index + 1, group=self.group,
+            tag=f"pipeline gradient {stage.stage_index + 1}->{stage.stage_index}")
+        weights = [q for q in stage.parameters() if q.requires_grad]
+        needs_dx = not stage.is_first and x.requires_grad and y.requires_grad
+        groups = None
+        with self.ctx.clock.compute("backward", **meta):
+            if stage_backward_input is not None and needs_dx:
+                dxs, groups = stage_backward_input([y], None if dy is None else [dy],
+                                                   [x] if needs_dx else [], iter(weights))
+                dx = dxs[0] if needs_dx else None
+            elif needs_dx:
+                dx = torch.autograd.grad(y, x, dy, retain_graph=True)[0]
+            else:
+                dx = None
+        if not stage.is_first:
+            sends.append(comm.send(dx if dx is not None else torch.zeros_like(x),
+                                   stage.stage_index - 1, group=self.group, async_op=True,
+                                   tag=f"pipeline gradient {stage.stage_index}->"
+                                       f"{stage.stage_index - 1}"))
+        return dy, groups
+
+    def _weight_grad(self, saved, pending, meta):
+        """W: the weights' gradients from what B kept (accumulated in .grad)."""
+        _, y = saved
+        dy, groups = pending
+        weights = [q for q in self.stage.parameters() if q.requires_grad]
+        with self.ctx.clock.compute("weight grad", **meta):
+            if groups is not None:
+                stage_backward_weight(iter(weights), groups)
+            elif weights and y.requires_grad:
+                torch.autograd.backward(y, dy, inputs=weights)
+
+
+def _split(tensor, n, name, which):
+    if tensor is None:
+        raise ValueError(f"this rank holds the {which} stage: pass {name}=")
+    if tensor.shape[0] % n:
+        raise ValueError(f"{name} has {tensor.shape[0]} rows, which do not split into {n} "
+                         "equal micro-batches")
+    return tensor.chunk(n)
