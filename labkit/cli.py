@@ -1,16 +1,18 @@
-"""python -m labkit {doctor, run, memory}: the lab from a terminal.
+"""python -m labkit {doctor, run, memory, plan}: the lab from a terminal.
 
   python -m labkit doctor                        torch, backends, GPUs, cores
   python -m labkit doctor --launch               ready for the workshop? (4 ranks, a plot)
   python -m labkit run single --json             the single-device reference run
   python -m labkit run dp --world-size 4         a technique on 4 ranks (see `run -h`)
   python -m labkit memory --model llama-3-70b    what a real model needs, by category
+  python -m labkit plan --model llama-3-70b --gpus 64 --global-batch 512
+                                                 which DP x TP x PP layouts fit, and how fast
 """
 import argparse
+import ast
 import importlib
+import importlib.util
 import sys
-
-from .runtime.launch import LaunchError
 
 # technique name on the command line -> the module that implements it
 TECHNIQUES = {
@@ -39,6 +41,7 @@ def main(argv=None):
 
 
 def _main(argv):
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -48,13 +51,15 @@ def _main(argv):
                              "prints 'ready' or what to fix (exit 0 or 1)")
     run = commands.add_parser("run", help="run a technique and print its report")
     techniques = run.add_subparsers(dest="technique", required=True)
+    chosen = _positionals(argv)[1:2] if _positionals(argv)[:1] == ["run"] else []
     for name, module_name in TECHNIQUES.items():
-        module = _technique(module_name)
-        if module is None:
+        summary = _summary(module_name)
+        if summary is None:   # that lesson is not written yet
             continue
-        sub = techniques.add_parser(name, help=(module.__doc__ or "").strip().split("\n")[0])
-        _common_run_arguments(sub, default_world_size=1 if name == "single" else 2)
-        module.add_arguments(sub)
+        sub = techniques.add_parser(name, help=summary)
+        if [name] == chosen:  # only the technique asked for is imported (with torch)
+            _common_run_arguments(sub, default_world_size=1 if name == "single" else 2)
+            importlib.import_module(module_name).add_arguments(sub)
     memory = commands.add_parser("memory", help="memory a real model needs (theory/)")
     memory.add_argument("--model", default="llama-3-70b")
     memory.add_argument("--batch", type=int, default=1)
@@ -63,22 +68,50 @@ def _main(argv):
     _plan_arguments(commands.add_parser(
         "plan", help="which DP x TP x PP layouts of a model fit a cluster, and how fast"))
     args = parser.parse_args(argv)
+    args.explicit = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     try:
         _check_positive(args)
         if args.command == "doctor":
             from .doctor import doctor_command
             return doctor_command(launch=args.launch)
         elif args.command == "run":
-            print(run_technique(args))
+            text = run_technique(args)
+            if text is not None:
+                print(text)
         elif args.command == "memory":
             print(memory_table(args.model, args.batch, args.seq, args.gpus))
         elif args.command == "plan":
             print(plan_command(args))
-    except (ValueError, KeyError, LaunchError) as error:  # say so plainly, no traceback
+    except Exception as error:  # noqa: BLE001 - a mistake is said plainly, a bug is raised
+        if not _plain_mistake(error):
+            raise
         message = error.args[0] if error.args else error
         print(f"error: {message}", file=sys.stderr)
         return 2
     return 0
+
+
+def _plain_mistake(error):
+    """A bad input (ValueError, KeyError) or a failed launch (LaunchError): one line, exit 2."""
+    launch = sys.modules.get("labkit.runtime.launch")
+    return isinstance(error, (ValueError, KeyError)) or (
+        launch is not None and isinstance(error, launch.LaunchError))
+
+
+def _positionals(argv):
+    """The words of argv that are not options: the command, then the technique."""
+    return [a for a in argv if not a.startswith("-")]
+
+
+def _summary(module_name):
+    """The first line of a module's docstring, read from its source (no import, so no torch);
+    None when the module does not exist."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    return doc.strip().split("\n")[0]
 
 
 def _check_positive(args):
@@ -88,15 +121,6 @@ def _check_positive(args):
         if value is not None and not value >= 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
                              f"got {value}")
-
-
-def _technique(module_name):
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name == module_name:  # that lesson is not written yet
-            return None
-        raise
 
 
 def _common_run_arguments(parser, default_world_size):
@@ -134,8 +158,19 @@ def run_technique(args):
                if k not in ("command", "technique", "model", "steps", "batch", "lr",
                             "optimizer", "seed", "json", "timeline", "world_size", "cluster")
                + SHAPE}
+    options.pop("explicit", None)
+    from .runs import preflight   # before any rank starts: bad numbers, runs that cannot fit
+    preflight.check_run(args.technique, cfg, args.world_size, options, explicit=args.explicit)
     report = module.report(world_size=args.world_size, cfg=cfg, cluster=args.cluster, **options)
+    if not _prints_report():
+        return None
     return to_json(report, timeline=args.timeline) if args.json else format_table(report)
+
+
+def _prints_report():
+    """Under torchrun every process runs the command: only rank 0 prints the report."""
+    import os
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _check_gpt_shape(cfg):
