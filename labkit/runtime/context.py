@@ -71,6 +71,7 @@ class Context:
         self.world = Group(tuple(range(world_size)), None, rank)
         self._status, self._progress = status, progress
         self._groups = {}      # torch ProcessGroup -> Group, for groups a user made
+        self.collectives = 0   # collectives this rank has entered (a mismatch names counts)
         self.started = time.perf_counter()
         self.clock = Clock(self, cluster)
         self.comm = Comm(self)
@@ -137,10 +138,11 @@ class Context:
             self.comm.recording, self.clock.enabled = was
 
     def set_status(self, text):
-        """Tell the parent what this rank is waiting in (shown if the run times out)."""
+        """Tell the parent what this rank is waiting in (shown if the run times out or a rank
+        dies), after how many collectives: "count|text"."""
         if self._status is None:
             return
-        raw = text.encode()[:STATUS_WIDTH - 1] + b"\0"
+        raw = f"{self.collectives}|{text}".encode()[:STATUS_WIDTH - 1] + b"\0"
         start = self.rank * STATUS_WIDTH
         self._status[start:start + len(raw)] = raw
 
