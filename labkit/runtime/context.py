@@ -72,6 +72,7 @@ class Context:
         self._status, self._progress = status, progress
         self._groups = {}      # torch ProcessGroup -> Group, for groups a user made
         self.collectives = 0   # collectives this rank has entered (a mismatch names counts)
+        self._last_op = ""     # the last one it was in (a rank gloo aborts may have left it)
         self.started = time.perf_counter()
         self.clock = Clock(self, cluster)
         self.comm = Comm(self)
@@ -139,10 +140,11 @@ class Context:
 
     def set_status(self, text):
         """Tell the parent what this rank is waiting in (shown if the run times out or a rank
-        dies), after how many collectives: "count|text"."""
+        dies), after how many collectives and the last it was in: "count|text|last"."""
         if self._status is None:
             return
-        raw = f"{self.collectives}|{text}".encode()[:STATUS_WIDTH - 1] + b"\0"
+        self._last_op = text or self._last_op
+        raw = f"{self.collectives}|{text}|{self._last_op}".encode()[:STATUS_WIDTH - 1] + b"\0"
         start = self.rank * STATUS_WIDTH
         self._status[start:start + len(raw)] = raw
 

@@ -2,7 +2,7 @@
 
 A rank that raises sends back its traceback; a rank killed by a signal sends nothing. What the
 launch still knows then: the collective each rank was in and how many it had made (the shared
-status board, written by `Context.set_status` as "count|text"), how low available memory went
+status board, written by `Context.set_status` as "count|text|last"), how low available memory went
 while the ranks ran (`MemoryWatch`), and the end of the rank's own stderr (`StderrTail`):
 gloo's abort message ("Received data size doesn't match expected size. Is there a distributed
 collective mismatch in your code?") goes only there, never to a notebook cell.
@@ -100,13 +100,15 @@ def resident_bytes(pid):
 
 
 def read_board(status, rank, width):
-    """(collectives the rank has made or None, the op it is in or "") from the status board."""
+    """(collectives the rank has made or None, the op it is in or "", the last op it was in)
+    from the status board."""
     raw = bytes(status[rank * width:(rank + 1) * width]).split(b"\0", 1)[0].decode(
         errors="replace")
-    count, sep, text = raw.partition("|")
+    count, sep, rest = raw.partition("|")
     if not sep or not count.isdigit():
-        return None, raw
-    return int(count), text
+        return None, raw, ""
+    text, _, last = rest.partition("|")
+    return int(count), text, last
 
 
 def op_name(text):
@@ -189,21 +191,29 @@ def likely_cause(code, op, memory):
     return None
 
 
-def death_message(rank, code, states, finished, tail, memory):
-    """Lines saying that `rank` died, what it and the others were in, why, and what it said."""
+def death_message(rank, code, states, finished, tail, memory, last=""):
+    """Lines saying that `rank` died, what it and the others were in, why, and what it said.
+
+    last: the last collective the dead rank was in, when it died outside one (gloo may abort
+    a rank after that rank's side of a mismatched op returned)."""
     why = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
     try:
         why += f", {signal.Signals(-code).name}" if code is not None and code < 0 else ""
     except ValueError:
         pass
     lines = [f"rank {rank} died without a result ({why})"]
-    text = states.get(rank, (None, ""))[1]
-    lines.append(f"  it was in: {text}" if text else "  it was not in a collective")
+    count, text = states.get(rank, (None, ""))
+    if text:
+        lines.append(f"  it was in: {text}")
+    elif last:
+        lines.append(f"  it was not in a collective; the last it made: {last}")
+    else:
+        lines.append("  it was not in a collective")
     for r, (_, other) in sorted(states.items()):
         if r != rank and other:
             lines.append(f"  rank {r} was in: {other}")
-    cause = likely_cause(code, text, memory) if code is not None and code < 0 else None
-    named = mismatch(states, finished)
+    cause = likely_cause(code, text or last, memory) if code is not None and code < 0 else None
+    named = mismatch({**states, rank: (count, text or last)}, finished)
     if named:
         lines.append(named)
     elif cause:

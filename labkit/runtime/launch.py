@@ -227,8 +227,9 @@ def _death_message(child, children, status, memory):
     if child.stderr is not None:
         child.stderr.drain()
     states, finished = _board(children, status, also=child)
+    last = deaths.read_board(status, child.rank, STATUS_WIDTH)[2]
     return deaths.death_message(child.rank, child.process.exitcode, states, finished,
-                                child.stderr, memory)
+                                child.stderr, memory, last)
 
 
 def _error_message(child, body, children, status):
@@ -245,7 +246,7 @@ def _board(children, status, also=None):
     finished: handed back their result, or left with exit code 0)."""
     states, finished = {}, {}
     for c in children:
-        count, text = deaths.read_board(status, c.rank, STATUS_WIDTH)
+        count, text, _ = deaths.read_board(status, c.rank, STATUS_WIDTH)
         if c is not also and (c.done or c.process.exitcode == 0):
             finished[c.rank] = count
         else:
