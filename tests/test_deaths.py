@@ -3,6 +3,9 @@ the rank's own stderr, mismatches by name, and a warning when memory nears the l
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 import warnings
 
 import pytest
@@ -125,3 +128,107 @@ def test_mismatch_reads_groups_sizes_and_finished_ranks():
     left = deaths.mismatch({1: (7, in_op.format("all_reduce", "0, 1", 16))}, {0: 3})
     assert "a collective the others never make" in left
     assert deaths.mismatch({1: (7, in_op.format("all_reduce", "1, 3", 16))}, {0: 3}) is None
+
+
+# ------------------------------------------------------------------------ under torchrun
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+DEADLOCK = """
+import os, sys, torch, labkit
+def fn(ctx, folder):
+    open(os.path.join(folder, f"pid{ctx.rank}"), "w").write(str(os.getpid()))
+    ctx.comm.recv(torch.ones(4), src=1 - ctx.rank)   # each waits for the other
+    return 1
+if __name__ == "__main__":
+    timeout = None if sys.argv[2] == "none" else float(sys.argv[2])
+    print("RESULT", labkit.launch(fn, 2, sys.argv[1], timeout_s=timeout), flush=True)
+"""
+
+
+def torchrun(*args, **popen):
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", "2", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, **popen)
+
+
+def test_under_torchrun_timeout_s_ends_a_deadlock_naming_each_ranks_op(tmp_path):
+    script = tmp_path / "deadlock.py"
+    script.write_text(DEADLOCK)
+    started = time.monotonic()
+    run = torchrun(script, tmp_path, 10)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode != 0 and "RESULT" not in out
+    assert "rank 0 timed out after 10s" in err or "rank 1 timed out after 10s" in err, err
+    assert "rank 0: recv from rank 1" in err and "rank 1: recv from rank 0" in err
+    # 10 s of waiting; the rest is three interpreters importing torch, on a loaded machine
+    assert time.monotonic() - started < 200
+
+
+def test_no_worker_outlives_torchrun(tmp_path):
+    script = tmp_path / "deadlock.py"
+    script.write_text(DEADLOCK)
+    run = torchrun(script, tmp_path, "none")
+    try:
+        deadline = time.monotonic() + 200
+        while not all((tmp_path / f"pid{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and run.poll() is None, run.communicate()
+            time.sleep(0.2)
+        time.sleep(0.5)
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    finally:
+        run.kill()   # torchrun dies outright: it can stop no one
+        run.communicate()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "workers outlived torchrun"
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_cli_under_torchrun_prints_one_report():
+    run = torchrun("-m", "labkit", "run", "dp", "--steps", "1")
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-2000:]
+    assert out.count("dp on 2 rank(s)") == 1
+
+
+# ------------------------------------------------------------------- a script without the guard
+
+UNGUARDED = """
+import os, sys, torch, labkit
+def fn(ctx):
+    open(os.path.join(sys.argv[1], f"rank{ctx.rank}"), "w").write("started")
+    return ctx.rank
+def main():
+    print("RESULT", labkit.launch(fn, 2), flush=True)
+{call}
+"""
+
+
+@pytest.mark.parametrize("call, ok", [("main()", False),
+                                      ("if __name__ == '__main__':\n    main()", True)])
+def test_a_script_without_the_main_guard_fails_at_once_saying_add_it(tmp_path, call, ok):
+    script = tmp_path / "script.py"
+    script.write_text(UNGUARDED.replace("{call}", call))
+    for attempt in range(2):   # the same answer every time, not only the second
+        out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                             text=True, timeout=200, env=ENV)
+        if ok:
+            assert out.returncode == 0 and "RESULT [0, 1]" in out.stdout, out.stderr
+            continue
+        assert out.returncode == 1 and "RESULT" not in out.stdout
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("RuntimeError: script.py, line 8: launch is called at the top")
+        assert 'if __name__ == "__main__":' in last
+        assert not list(tmp_path.glob("rank*")), "a rank started"

@@ -19,6 +19,10 @@ LOW_MEMORY_FRACTION = 0.1  # available memory under this share of the total is "
 LOW_MEMORY_FLOOR = 0.5e9   # ... and never less than this many bytes
 
 
+class LaunchError(RuntimeError):
+    """A rank raised, died, or the run timed out; the message names the rank(s)."""
+
+
 class StderrTail:
     """A rank's stderr pipe: what arrives is passed on to ours (as before) and its end kept."""
 

@@ -14,7 +14,6 @@ rank watches an "alive" pipe whose only write end the launch holds: when the lau
 end-of-file and the rank leaves, also a rank the forkserver forks late for a launch that was
 interrupted while asking for it.
 """
-import atexit
 import math
 import os
 import shutil
@@ -31,20 +30,17 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import deaths
+from . import deaths, torchrun
+from .deaths import LaunchError
 from .context import Context, STATUS_WIDTH
 from .cpus import cpu_rank_limit, max_cpu_ranks, usable_cpus
-from .processes import (mp_context, new_store_folder, no_missing_main_file, use_loopback_for_gloo,
-                        warm_forkserver)
+from .processes import (check_main_guard, mp_context, new_store_folder, no_missing_main_file,
+                        use_loopback_for_gloo, warm_forkserver)
 
 DEFAULT_TIMEOUT_S = 120.0
 NO_TIMEOUT = timedelta(days=7)  # what torch gets when timeout_s=None ("wait as long as it takes")
 
 _inside_rank = False  # True in a rank process, and under torchrun while `fn` runs
-
-
-class LaunchError(RuntimeError):
-    """A rank raised, died, or the run timed out; the message names the rank(s)."""
 
 
 @dataclass
@@ -61,7 +57,8 @@ def launch(fn, world_size, *args, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
     """Run `fn(ctx, *args, **kwargs)` on `world_size` ranks and return the results by rank.
 
     backend: None picks NCCL when there are at least `world_size` GPUs, else gloo on CPU.
-    timeout_s: seconds the ranks may take once started (None: no limit).
+    timeout_s: seconds the ranks may take once started (None: no limit); under torchrun, the
+        longest any collective may wait.
     cluster: the modelled machine the virtual clock runs on (a name from `labkit.theory`).
     Under torchrun (RANK and WORLD_SIZE in the environment) this process is one of the ranks:
     `fn` runs here and every rank gets the list of all results.
@@ -71,9 +68,11 @@ def launch(fn, world_size, *args, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
                            "ctx (ctx.comm, ctx.new_group) inside fn instead of a second launch.")
     timeout_s = check_timeout(timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed)
+        return _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed,
+                                   timeout_s)
     backend = check_launch_args(world_size, backend)
     _check_cluster(cluster, world_size)
+    check_main_guard(sys._getframe(1))
     if threads is None:  # share the cores: oversubscribed ranks are much slower than idle ones
         threads = max(1, usable_cpus() // world_size)
     payload = cloudpickle.dumps((fn, args, kwargs))
@@ -365,33 +364,11 @@ def _worker(rank, world_size, backend, store_path, payload, conn, alive, boards,
         os._exit(0)
 
 
-def _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed):
+def _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed, timeout_s):
+    """This process is one of torchrun's ranks (see torchrun.py): `fn` runs here."""
     global _inside_rank
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world_size not in (None, size):
-        raise ValueError(f"launch(world_size={world_size}) but torchrun started {size} ranks")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        dist.init_process_group(backend)
-        # A group left for interpreter shutdown to tear down may abort the process ("terminate
-        # called without an active exception") after its work is done: labkit made it, so
-        # labkit destroys it, before that.
-        atexit.register(_destroy_default_group)
-    ctx = Context(rank, size, backend, cluster=cluster, status=None, seed=seed)
-    torch.manual_seed(seed)
     _inside_rank = True
     try:
-        result = fn(ctx, *args, **kwargs)
+        return torchrun.run(fn, world_size, args, kwargs, backend, cluster, seed, timeout_s)
     finally:
         _inside_rank = False
-    results = [None] * size
-    dist.all_gather_object(results, result)
-    return results
-
-
-def _destroy_default_group():
-    if dist.is_initialized():
-        dist.destroy_process_group()
