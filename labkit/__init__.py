@@ -9,6 +9,8 @@ Every name is imported on first use (PEP 562): `import labkit`, `python -m labki
 `plan` and `memory` never import torch (seconds on a laptop).
 """
 import importlib
+import signal
+import threading
 
 __version__ = "0.2.0"
 
@@ -37,9 +39,24 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
+def import_whole(module_name):
+    """Import a module (and torch with it) in one piece: a Ctrl-C meanwhile is held (SIGINT
+    blocked) until the import is done, then delivered as KeyboardInterrupt. Left alone, torch's
+    import loses an interrupt that lands in some of its parts (the run then goes on), and a
+    half-imported torch stays broken in a live kernel."""
+    if threading.current_thread() is not threading.main_thread() \
+            or not hasattr(signal, "pthread_sigmask"):
+        return importlib.import_module(module_name)
+    was = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, was)   # a held Ctrl-C arrives now
+
+
 def __getattr__(name):
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(import_whole(_LAZY[name]), name)
         globals()[name] = value   # later uses skip this function
         return value
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")

@@ -14,6 +14,8 @@ import importlib
 import importlib.util
 import sys
 
+from . import import_whole
+
 # technique name on the command line -> the module that implements it
 TECHNIQUES = {
     "single": "labkit.runs.single",
@@ -59,7 +61,7 @@ def _main(argv):
         sub = techniques.add_parser(name, help=summary)
         if [name] == chosen:  # only the technique asked for is imported (with torch)
             _common_run_arguments(sub, default_world_size=1 if name == "single" else 2)
-            importlib.import_module(module_name).add_arguments(sub)
+            import_whole(module_name).add_arguments(sub)
     memory = commands.add_parser("memory", help="memory a real model needs (theory/)")
     memory.add_argument("--model", default="llama-3-70b")
     memory.add_argument("--batch", type=int, default=1)
@@ -143,7 +145,7 @@ def _common_run_arguments(parser, default_world_size):
 def run_technique(args):
     from .runs.reference import RunConfig
     from .runs.report import format_table, to_json
-    module = importlib.import_module(TECHNIQUES[args.technique])
+    module = import_whole(TECHNIQUES[args.technique])
     shape = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
     if shape and args.model == "mlp":
         raise ValueError(f"--{next(iter(shape))} sets the GPT's shape; drop it with --model mlp")
