@@ -162,7 +162,8 @@ def run_technique(args):
                + SHAPE}
     options.pop("explicit", None)
     from .runs import preflight   # before any rank starts: bad numbers, runs that cannot fit
-    preflight.check_run(args.technique, cfg, args.world_size, options, explicit=args.explicit)
+    preflight.check_run(args.technique, cfg, args.world_size, options,
+                        explicit=getattr(args, "explicit", ()))
     report = module.report(world_size=args.world_size, cfg=cfg, cluster=args.cluster, **options)
     if not _prints_report():
         return None
