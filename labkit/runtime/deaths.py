@@ -77,7 +77,7 @@ class MemoryWatch:
             warnings.warn(
                 f"the {len(pids)} ranks use {used / 1e9:.1f} GB and only {available / 1e9:.1f} "
                 f"GB is left available: the system may kill a rank (signal 9). Use fewer ranks "
-                f"or a smaller model.", RuntimeWarning, stacklevel=4)
+                f"or a smaller model.", RuntimeWarning, stacklevel=5)  # at the caller of launch
 
     def was_low(self):
         return self.lowest is not None and self.limit is not None and self.lowest < self.limit
