@@ -1,4 +1,4 @@
-"""python -m labkit {doctor, run, memory}: the lab from a terminal.
+"""python -m labkit {doctor, run, memory, plan}: the lab from a terminal.
 
   python -m labkit doctor                        torch, backends, GPUs, cores
   python -m labkit doctor --launch               ready for the workshop? (4 ranks, a plot)
@@ -7,13 +7,17 @@
   python -m labkit memory --model llama-3-70b    what a real model needs, by category
   python -m labkit run serve --tp 2 --json       generation with a KV cache on ranks
   python -m labkit plan --serve --model llama-3-70b --gpus 8 --gpu H100 --batch 64
+  python -m labkit plan --model llama-3-70b --gpus 64 --global-batch 512
+                                                 which DP x TP x PP layouts fit, and how fast
 """
 import argparse
+import ast
 import importlib
 import os
+import importlib.util
 import sys
 
-from .runtime.launch import LaunchError
+from . import import_whole
 
 # technique name on the command line -> the module that implements it
 TECHNIQUES = {
@@ -54,14 +58,16 @@ def _main(argv):
                              "prints 'ready' or what to fix (exit 0 or 1)")
     run = commands.add_parser("run", help="run a technique and print its report")
     techniques = run.add_subparsers(dest="technique", required=True)
+    chosen = _positionals(argv)[1:2] if _positionals(argv)[:1] == ["run"] else []
     for name, module_name in TECHNIQUES.items():
-        module = _technique(module_name)
-        if module is None:
+        summary = _summary(module_name)
+        if summary is None:   # that lesson is not written yet
             continue
-        sub = techniques.add_parser(name, help=(module.__doc__ or "").strip().split("\n")[0])
-        _common_run_arguments(sub, default_world_size=1 if name == "single" else 2)
-        module.add_arguments(sub)
-    _serve_run_parser(techniques)
+        sub = techniques.add_parser(name, help=summary)
+        if [name] == chosen:  # only the technique asked for is imported (with torch)
+            _common_run_arguments(sub, default_world_size=1 if name == "single" else 2)
+            import_whole(module_name).add_arguments(sub)
+    _serve_run_parser(techniques, chosen)
     memory = commands.add_parser("memory", help="memory a real model needs (theory/)")
     memory.add_argument("--model", default="llama-3-70b")
     memory.add_argument("--batch", type=int, default=1)
@@ -70,22 +76,50 @@ def _main(argv):
     _plan_arguments(commands.add_parser(
         "plan", help="which DP x TP x PP layouts of a model fit a cluster, and how fast"))
     args = parser.parse_args(argv)
+    args.explicit = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     try:
         _check_positive(args)
         if args.command == "doctor":
             from .doctor import doctor_command
             return doctor_command(launch=args.launch)
         elif args.command == "run":
-            print(serve_command(args) if args.technique == "serve" else run_technique(args))
+            text = serve_command(args) if args.technique == "serve" else run_technique(args)
+            if text is not None:
+                print(text)
         elif args.command == "memory":
             print(memory_table(args.model, args.batch, args.seq, args.gpus))
         elif args.command == "plan":
             print(plan_command(args))
-    except (ValueError, KeyError, LaunchError) as error:  # say so plainly, no traceback
+    except Exception as error:  # noqa: BLE001 - a mistake is said plainly, a bug is raised
+        if not _plain_mistake(error):
+            raise
         message = error.args[0] if error.args else error
         print(f"error: {message}", file=sys.stderr)
         return 2
     return 0
+
+
+def _plain_mistake(error):
+    """A bad input (ValueError, KeyError) or a failed launch (LaunchError): one line, exit 2."""
+    launch = sys.modules.get("labkit.runtime.launch")
+    return isinstance(error, (ValueError, KeyError)) or (
+        launch is not None and isinstance(error, launch.LaunchError))
+
+
+def _positionals(argv):
+    """The words of argv that are not options: the command, then the technique."""
+    return [a for a in argv if not a.startswith("-")]
+
+
+def _summary(module_name):
+    """The first line of a module's docstring, read from its source (no import, so no torch);
+    None when the module does not exist."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    return doc.strip().split("\n")[0]
 
 
 def _check_positive(args):
@@ -95,15 +129,6 @@ def _check_positive(args):
         if value is not None and not value >= 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
                              f"got {value}")
-
-
-def _technique(module_name):
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name == module_name:  # that lesson is not written yet
-            return None
-        raise
 
 
 def _common_run_arguments(parser, default_world_size):
@@ -128,7 +153,7 @@ def _common_run_arguments(parser, default_world_size):
 def run_technique(args):
     from .runs.reference import RunConfig
     from .runs.report import format_table, to_json, to_trace
-    module = importlib.import_module(TECHNIQUES[args.technique])
+    module = import_whole(TECHNIQUES[args.technique])
     shape = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
     if shape and args.model == "mlp":
         raise ValueError(f"--{next(iter(shape))} sets the GPT's shape; drop it with --model mlp")
@@ -143,12 +168,24 @@ def run_technique(args):
                if k not in ("command", "technique", "model", "steps", "batch", "lr",
                             "optimizer", "seed", "json", "timeline", "trace", "world_size", "cluster")
                + SHAPE}
+    options.pop("explicit", None)
     if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
         raise ValueError(f"--trace {args.trace}: its folder does not exist")
+    from .runs import preflight   # before any rank starts: bad numbers, runs that cannot fit
+    preflight.check_run(args.technique, cfg, args.world_size, options,
+                        explicit=getattr(args, "explicit", ()))
     report = module.report(world_size=args.world_size, cfg=cfg, cluster=args.cluster, **options)
     if args.trace:
         to_trace(report, args.trace)
+    if not _prints_report():
+        return None
     return to_json(report, timeline=args.timeline) if args.json else format_table(report)
+
+
+def _prints_report():
+    """Under torchrun every process runs the command: only rank 0 prints the report."""
+    import os
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _check_gpt_shape(cfg):
@@ -244,11 +281,14 @@ def memory_table(model_name, batch, seq, gpus):
 
 # ------------------------------------------------------------------------ serving (lesson 09)
 
-def _serve_run_parser(techniques):
-    """`run serve`: its own options (a batch of requests, not a training batch)."""
-    from .runs import serve
+def _serve_run_parser(techniques, chosen):
+    """`run serve`: its own options (a batch of requests, not a training batch); they are
+    added (importing torch) only when serve is the technique asked for."""
     sub = techniques.add_parser("serve", help="generation with a KV cache on ranks "
                                 "(TP, PP, replicas, experts), checked against one device")
+    if chosen != ["serve"]:
+        return
+    from .runs import serve
     serve.add_arguments(sub)
     sub.add_argument("--world-size", type=int, default=None,
                      help="default: replicas x ep x tp x pp")
@@ -263,9 +303,8 @@ def _serve_run_parser(techniques):
 
 def serve_command(args):
     """`python -m labkit run serve`: the serving report as a table or JSON."""
-    import json
     from .runs import serve
-    from .runs.report import _plain
+    from .runs.report import to_json
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "vocab")
              if getattr(args, k) is not None}
     for name, value in shape.items():
@@ -278,8 +317,7 @@ def serve_command(args):
         GPTConfig(**shape)
     report = serve.report(args.world_size, cfg, cluster=args.cluster)
     if args.json:
-        return json.dumps({k: v for k, v in report.items() if k != "tokens"}, indent=2,
-                          default=_plain)
+        return to_json({k: v for k, v in report.items() if k != "tokens"})
     return serve.format_report(report)
 
 

@@ -6,6 +6,7 @@ own reference) and adds `max_param_diff_vs_reference`.
 """
 import json
 import math
+import numbers
 
 import torch
 
@@ -58,10 +59,18 @@ def build_report(technique, cfg, results, *, reference, config=None, predicted_m
 
 
 def to_json(report, timeline=False):
-    """The report as JSON text: tensors and (unless asked) the timeline left out."""
+    """The report as JSON text: tensors as lists, (unless asked) the timeline left out.
+
+    Valid JSON whatever the numbers: a NaN or infinite float (a loss that diverged) becomes
+    null, and `non_finite` lists where, e.g. ["loss[2]"] (json.dumps never hands a float to
+    `default`, so they are replaced before, and allow_nan=False proves none is left).
+    """
     skip = {"params"} | (set() if timeline else {"timeline"})
-    return json.dumps({k: v for k, v in report.items() if k not in skip}, indent=2,
-                      default=_plain)
+    flagged = []
+    plain = _finite({k: v for k, v in report.items() if k not in skip}, "", flagged)
+    if flagged:
+        plain["non_finite"] = flagged
+    return json.dumps(plain, indent=2, allow_nan=False)
 
 
 def to_trace(report, path):
@@ -72,11 +81,25 @@ def to_trace(report, path):
                              technique=report["technique"], world_size=report["world_size"])
 
 
-def _plain(value):
+def _finite(value, where, flagged):
+    """`value` as plain JSON data, each NaN/inf float replaced by None and its path noted."""
     if isinstance(value, torch.Tensor):
-        return value.tolist()
-    if isinstance(value, float) and math.isnan(value):
-        return None
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _finite(v, f"{where}.{k}" if where else str(k), flagged)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v, f"{where}[{i}]", flagged) for i, v in enumerate(value)]
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)   # numpy's integers too
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        if not math.isfinite(value):
+            flagged.append(where)
+            return None
+        return value
+    if value is None or isinstance(value, (bool, str)):
+        return value
     return str(value)
 
 

@@ -336,6 +336,7 @@ class Comm:
 
     def _issue(self, record, timing, group, result, finish, async_op, call):
         """Run `call` (the torch.distributed op); finish it now, or hand back a Handle."""
+        self.ctx.collectives += 1
         if not async_op:
             self._status(f"{record.op} (group {list(group.ranks)}, {record.bytes} bytes) "
                          f"{record.tag}")

@@ -86,6 +86,8 @@ class Context:
         self.world = Group(tuple(range(world_size)), None, rank)
         self._status, self._progress = status, progress
         self._groups = {}      # torch ProcessGroup -> Group, for groups a user made
+        self.collectives = 0   # collectives this rank has entered (a mismatch names counts)
+        self._last_op = ""     # the last one it was in (a rank gloo aborts may have left it)
         self.started = time.perf_counter()
         self.reset_instruments(cluster)
         _current = self
@@ -158,10 +160,12 @@ class Context:
             self.comm.recording, self.clock.enabled = was
 
     def set_status(self, text):
-        """Tell the parent what this rank is waiting in (shown if the run times out)."""
+        """Tell the parent what this rank is waiting in (shown if the run times out or a rank
+        dies), after how many collectives and the last it was in: "count|text|last"."""
         if self._status is None:
             return
-        raw = text.encode()[:STATUS_WIDTH - 1] + b"\0"
+        self._last_op = text or self._last_op
+        raw = f"{self.collectives}|{text}|{self._last_op}".encode()[:STATUS_WIDTH - 1] + b"\0"
         start = self.rank * STATUS_WIDTH
         self._status[start:start + len(raw)] = raw
 

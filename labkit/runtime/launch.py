@@ -14,7 +14,6 @@ rank watches an "alive" pipe whose only write end the launch holds: when the lau
 end-of-file and the rank leaves, also a rank the forkserver forks late for a launch that was
 interrupted while asking for it.
 """
-import atexit
 import math
 import os
 import shutil
@@ -33,10 +32,12 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from . import deaths, torchrun
+from .deaths import LaunchError
 from .context import Context, STATUS_WIDTH
 from .cpus import cpu_rank_limit, max_cpu_ranks, usable_cpus
-from .processes import (mp_context, new_store_folder, no_missing_main_file, use_loopback_for_gloo,
-                        warm_forkserver)
+from .processes import (check_main_guard, mp_context, new_store_folder, no_missing_main_file,
+                        use_loopback_for_gloo, warm_forkserver)
 
 DEFAULT_TIMEOUT_S = 120.0
 NO_TIMEOUT = timedelta(days=7)  # what torch gets when timeout_s=None ("wait as long as it takes")
@@ -44,15 +45,12 @@ NO_TIMEOUT = timedelta(days=7)  # what torch gets when timeout_s=None ("wait as 
 _inside_rank = False  # True in a rank process, and under torchrun while `fn` runs
 
 
-class LaunchError(RuntimeError):
-    """A rank raised, died, or the run timed out; the message names the rank(s)."""
-
-
 @dataclass
 class _Child:
     rank: int
     process: object
     conn: object
+    stderr: object = None   # a deaths.StderrTail
     done: bool = False
 
 
@@ -62,7 +60,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     """Run `fn(ctx, *args, **kwargs)` on `world_size` ranks and return the results by rank.
 
     backend: None picks NCCL when there are at least `world_size` GPUs, else gloo on CPU.
-    timeout_s: seconds the ranks may take once started (None: no limit).
+    timeout_s: seconds the ranks may take once started (None: no limit); under torchrun, the
+        longest any collective may wait.
     cluster: the modelled machine the virtual clock runs on (a name from `labkit.theory`).
     Under torchrun (RANK and WORLD_SIZE in the environment) this process is one of the ranks:
     `fn` runs here and every rank gets the list of all results.
@@ -72,9 +71,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
                            "ctx (ctx.comm, ctx.new_group) inside fn instead of a second launch.")
     timeout_s = check_timeout(timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed)
+        return _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed,
+                                   timeout_s)
     backend = check_launch_args(world_size, backend)
     _check_cluster(cluster, world_size)
+    check_main_guard(sys._getframe(1))
     if threads is None:  # share the cores: oversubscribed ranks are much slower than idle ones
         threads = max(1, usable_cpus() // world_size)
     payload = cloudpickle.dumps((fn, args, kwargs))
@@ -90,12 +91,15 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
         with no_missing_main_file():
             for rank in range(world_size):
                 conn, child_conn = procs.Pipe(duplex=False)
+                err_r, err_w = procs.Pipe(duplex=False)  # the rank's stderr, passed on here
                 p = procs.Process(target=_worker, daemon=True, args=(
                     rank, world_size, backend, os.path.join(store_dir, "store"), payload,
-                    child_conn, alive_r, (status, progress), cluster, seed, threads, timeout_s))
+                    child_conn, alive_r, (status, progress), cluster, seed, threads, timeout_s,
+                    err_w))
                 p.start()
                 child_conn.close()
-                children.append(_Child(rank, p, conn))
+                err_w.close()
+                children.append(_Child(rank, p, conn, deaths.StderrTail(err_r)))
         return _collect(children, status, progress, timeout_s)
     finally:
         if alive_w is not None:
@@ -168,28 +172,34 @@ def _wait_for_results(children, status, progress, timeout_s, bar_box):
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pending = {c.conn: c for c in children}
     sentinels = {c.process.sentinel: c for c in children}
+    tails = {c.stderr.conn: c.stderr for c in children if c.stderr is not None}
+    memory = deaths.MemoryWatch()
     while pending:
         left = 0.2 if deadline is None else deadline - time.monotonic()
         if left <= 0:
             raise LaunchError(_timeout_message(children, status, timeout_s))
-        ready = wait_for(list(pending) + [s for s, c in sentinels.items() if not c.done],
+        ready = wait_for(list(pending) + [s for s, c in sentinels.items() if not c.done]
+                         + [conn for conn, tail in tails.items() if tail.open],
                          timeout=min(left, 0.2))
         _show_progress(progress, bar_box)
+        memory.sample([c.process.pid for c in children if not c.done])
         for obj in ready:
-            if obj in pending:
+            if obj in tails:
+                tails[obj].read()
+            elif obj in pending:
                 child = pending.pop(obj)
                 try:
                     kind, body = obj.recv()
                 except EOFError:
-                    raise LaunchError(_death_message(child)) from None
+                    raise LaunchError(_death_message(child, children, status, memory)) from None
                 if kind == "error":
-                    raise LaunchError(f"rank {child.rank} raised:\n{body}")
+                    raise LaunchError(_error_message(child, body, children, status))
                 results[child.rank] = _unpickle_result(child.rank, body)
                 child.done = True
             elif obj in sentinels:
                 child = sentinels[obj]
                 if not child.done and child.conn in pending and not child.conn.poll():
-                    raise LaunchError(_death_message(child))
+                    raise LaunchError(_death_message(child, children, status, memory))
     return results
 
 
@@ -213,18 +223,46 @@ def _show_progress(progress, bar_box):
     bar_box[0].update(done - bar_box[0].n)
 
 
-def _death_message(child):
+def _death_message(child, children, status, memory):
+    """Who died, what each rank was in, the likely cause and the end of the rank's stderr."""
     child.process.join(timeout=1)
-    code = child.process.exitcode
-    why = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-    return f"rank {child.rank} died without a result ({why})"
+    if child.stderr is not None:
+        child.stderr.drain()
+    states, finished = _board(children, status, also=child)
+    last = deaths.read_board(status, child.rank, STATUS_WIDTH)[2]
+    return deaths.death_message(child.rank, child.process.exitcode, states, finished,
+                                child.stderr, memory, last)
+
+
+def _error_message(child, body, children, status):
+    """A rank's traceback, then the mismatch the status board shows, if any (e.g. a rank that
+    makes one collective more than the others gets "connection reset" once they have left)."""
+    message = f"rank {child.rank} raised:\n{body}"
+    states, finished = _board(children, status, also=child)
+    named = deaths.mismatch(states, finished)
+    return f"{message}\n{named}" if named else message
+
+
+def _board(children, status, also=None):
+    """({rank: (count, op)} of ranks still running (and `also`), {rank: count} of ranks that
+    finished: handed back their result, or left with exit code 0)."""
+    states, finished = {}, {}
+    for c in children:
+        count, text, _ = deaths.read_board(status, c.rank, STATUS_WIDTH)
+        if c is not also and (c.done or c.process.exitcode == 0):
+            finished[c.rank] = count
+        else:
+            states[c.rank] = (count, text)
+    return states, finished
 
 
 def _timeout_message(children, status, timeout_s):
     """Name what each unfinished rank does: a rank in a collective says which (its status)."""
     running = [c.rank for c in children if not c.done]
     finished = [c.rank for c in children if c.done]
-    where = {r: _read_status(status, r) for r in running}
+    states, done = _board(children, status)
+    where = {r: states[r][1] for r in running}
+    named = deaths.mismatch({r: states[r] for r in running}, done)
     waiting = [r for r in running if where[r]]
     head = f"timed out after {timeout_s:g}s"
     if not waiting:
@@ -236,7 +274,9 @@ def _timeout_message(children, status, timeout_s):
         lines.append(f"  rank {r}: {where[r] or 'still computing (not in a collective)'}")
     if finished:
         lines.append(f"  ranks {_ranks(finished)}: finished")
-    if len(waiting) == len(running):
+    if named:
+        lines.append(f"A deadlock. {named}")
+    elif len(waiting) == len(running):
         lines.append("A deadlock: every rank still running waits in a collective that the "
                      "others never join. Every rank must call the same collectives in the "
                      "same order.")
@@ -251,11 +291,6 @@ def _ranks(ranks):
     return ", ".join(map(str, ranks))
 
 
-def _read_status(status, rank):
-    raw = bytes(status[rank * STATUS_WIDTH:(rank + 1) * STATUS_WIDTH])
-    return raw.split(b"\0", 1)[0].decode(errors="replace")
-
-
 def _stop_all(children):
     """Terminate, then kill, whatever is still alive: no rank outlives the call."""
     for c in children:
@@ -268,6 +303,8 @@ def _stop_all(children):
             c.process.kill()
             c.process.join(timeout=2)
         c.conn.close()
+        if c.stderr is not None:
+            c.stderr.close()
 
 
 def _leave_when_launch_ends(alive):
@@ -283,9 +320,11 @@ def _leave_when_launch_ends(alive):
 
 
 def _worker(rank, world_size, backend, store_path, payload, conn, alive, boards, cluster, seed,
-            threads, timeout_s):
+            threads, timeout_s, stderr):
     global _inside_rank
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us all
+    os.dup2(stderr.fileno(), 2)  # to the launch, which passes it on and keeps its end: gloo's
+    stderr.close()               # abort message is written here and nowhere else
     _leave_when_launch_ends(alive)
     _inside_rank = True
     torch.set_num_threads(threads)
@@ -328,33 +367,11 @@ def _worker(rank, world_size, backend, store_path, payload, conn, alive, boards,
         os._exit(0)
 
 
-def _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed):
+def _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed, timeout_s):
+    """This process is one of torchrun's ranks (see torchrun.py): `fn` runs here."""
     global _inside_rank
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world_size not in (None, size):
-        raise ValueError(f"launch(world_size={world_size}) but torchrun started {size} ranks")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        dist.init_process_group(backend)
-        # A group left for interpreter shutdown to tear down may abort the process ("terminate
-        # called without an active exception") after its work is done: labkit made it, so
-        # labkit destroys it, before that.
-        atexit.register(_destroy_default_group)
-    ctx = Context(rank, size, backend, cluster=cluster, status=None, seed=seed)
-    torch.manual_seed(seed)
     _inside_rank = True
     try:
-        result = fn(ctx, *args, **kwargs)
+        return torchrun.run(fn, world_size, args, kwargs, backend, cluster, seed, timeout_s)
     finally:
         _inside_rank = False
-    results = [None] * size
-    dist.all_gather_object(results, result)
-    return results
-
-
-def _destroy_default_group():
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -8,6 +8,7 @@ before any rank is asked for. Each launch's ranks meet through a FileStore in a 
 own, named after the launching process so that a later launch can remove the folders of
 launches that were killed outright.
 """
+import ast
 import os
 import re
 import shutil
@@ -72,6 +73,47 @@ def _spawn_in_own_group(path, args, passfds):
 
 def _no_op():
     pass
+
+
+def check_main_guard(launch_frame):
+    """Refuse a launch from a script's top level that lacks `if __name__ == "__main__":`.
+
+    Each new rank process imports the main script again (as multiprocessing does, to find the
+    functions it may need), so an unguarded `launch(...)` would start ranks from inside ranks.
+    Packages run with -m (`labkit.__main__`) and notebooks, stdin and -c are not re-imported.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if path is None or not os.path.isfile(path) or name.endswith("__main__"):
+        return
+    frame = launch_frame
+    while frame is not None and not (frame.f_code.co_name == "<module>"
+                                     and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return
+    if not any(_is_main_guard(node) and node.lineno <= frame.f_lineno <= node.end_lineno
+               for node in tree.body):
+        raise RuntimeError(
+            f"{os.path.basename(path)}, line {frame.f_lineno}: launch is called at the top "
+            f"level of the script; put it under `if __name__ == \"__main__\":` (every rank "
+            f"imports the script again, and would launch again)")
+
+
+def _is_main_guard(node):
+    """`if __name__ == "__main__":` (either side of the ==)."""
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    sides = [node.test.left, *node.test.comparators]
+    names = {s.id for s in sides if isinstance(s, ast.Name)}
+    values = {s.value for s in sides if isinstance(s, ast.Constant)}
+    return names == {"__name__"} and values == {"__main__"}
 
 
 @contextmanager
