@@ -63,7 +63,7 @@ import labkit
 from labkit.exercises.context_parallel import (check_merge, check_ring_attention,
                                                check_ring_bytes, partial_attention,
                                                show_solution)
-from labkit.parallel import context_parallel as cp
+from labkit.parallel import context_parallel as cp, ring_attention
 from labkit.runs import context_parallel as run_cp
 from labkit.runs.reference import RunConfig
 from labkit.theory import catalog, hardware
@@ -86,7 +86,7 @@ pd.set_option("display.width", 120)
 # chunk against a later rank's whole block.
 
 # %%
-print(inspect.getsource(cp._block_plan))
+print(inspect.getsource(ring_attention._block_plan))
 
 
 # %% [markdown]
