@@ -47,24 +47,30 @@ def build_optimizer(params, cfg):
     raise ValueError(f"optimizer must be 'adam' or 'sgd', got {cfg.optimizer!r}")
 
 
-def batch(model, cfg, step):
-    """The global batch of `step`: the same tensors on every rank and in the reference."""
-    return data.batch_for(model, step, cfg.global_batch, cfg.seed)
+def batch(model, cfg, step, dtype=None):
+    """The global batch of `step`: the same tensors on every rank and in the reference
+    (floating ones cast to `dtype` if given: the float64 reference)."""
+    x, y = data.batch_for(model, step, cfg.global_batch, cfg.seed)
+    if dtype is None:
+        return x, y
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in (x, y))
 
 
-def train(cfg=None, ctx=None, track_memory=True):
+def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32):
     """Train on one device; returns losses, final parameters and measured memory.
 
     With a `ctx` (a one-rank launch) the step is also placed on the modelled clock.
+    `dtype=torch.float64`: the same run in float64, the "exact" answer that float32 runs are
+    judged against (labkit.numerics).
     """
     cfg = cfg or RunConfig()
-    model = build_model(cfg)
+    model = build_model(cfg).to(dtype)
     optimizer = build_optimizer(model.parameters(), cfg)
     memory = ctx.memory if ctx is not None else MemoryTracker()
     memory.watch(model=model, optimizer=optimizer)
     losses = []
     for step in range(cfg.steps):
-        x, y = batch(model, cfg, step)
+        x, y = batch(model, cfg, step, dtype)
         optimizer.zero_grad(set_to_none=True)
         with _maybe(memory.track_activations(), track_memory), _compute(ctx, "forward+backward"):
             loss = model(x, y)
@@ -82,6 +88,11 @@ def train(cfg=None, ctx=None, track_memory=True):
 def full_params(model):
     """Name -> a detached copy of every parameter (what `max_param_diff` compares)."""
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def float64_reference(cfg):
+    """The reference run in float64 (losses and parameters, no memory tracking)."""
+    return train(cfg, track_memory=False, dtype=torch.float64)
 
 
 def max_param_diff(params, reference):

@@ -1,7 +1,9 @@
 """The run report (DESIGN.md): one dict per run, the same for the CLI, tests and notebooks.
 
 Each rank's `fn` returns `rank_result(ctx, ...)`; `build_report` puts the ranks together, runs
-the single-device reference on the same config and adds `max_param_diff_vs_reference`.
+the single-device reference on the same config and adds `max_param_diff_vs_reference`, and
+`agreement`: the parallel run and that float32 reference both measured against the float64
+reference run (labkit.numerics), the verdict "equals one device" that holds on any CPU.
 """
 import json
 import math
@@ -22,11 +24,16 @@ def rank_result(ctx, loss, params=None, **extra):
 
 
 def build_report(technique, cfg, results, *, config=None, predicted_memory=None,
-                 predicted_comm_bytes_per_rank=None, reference=None, **extra):
-    """The JSON-able report of a run, plus `timeline` and `params` for notebooks."""
-    from .reference import max_param_diff, train
+                 predicted_comm_bytes_per_rank=None, reference=None, exact=None, **extra):
+    """The JSON-able report of a run, plus `timeline` and `params` for notebooks.
+
+    `reference`: the float32 single-device run (default: `train(cfg)`); `exact`: the same in
+    float64 (default: `float64_reference(cfg)` when `reference` is the default one, else none).
+    """
+    from .reference import float64_reference, max_param_diff, train
     first = results[0]
-    reference = reference or train(cfg)
+    if reference is None:
+        reference, exact = train(cfg), exact or float64_reference(cfg)
     params = first.get("params")
     step_times = first["modelled_step_s"]
     report = dict(
@@ -42,10 +49,24 @@ def build_report(technique, cfg, results, *, config=None, predicted_memory=None,
         wall_s=max(r["wall_s"] for r in results),
         modelled_step_s=max(step_times[1:] or step_times) if step_times else None,
     )
+    report["agreement"] = agreement(report["loss"], params, reference, exact)
     report.update(extra)
     report["timeline"] = [e for r in results for e in r["timeline"]]
     report["params"] = params
     return report
+
+
+def agreement(loss, params, reference, exact):
+    """{"loss": ..., "params": ...}: each a dict of `numerics.Agreement`'s numbers and `ok`
+    (None without a float64 run, or without gathered parameters)."""
+    from .. import numerics
+    if exact is None:
+        return None
+    found = dict(loss=numerics.compare_loss(loss, reference["loss"], exact["loss"]))
+    if params is not None:
+        found["params"] = numerics.compare(params, reference["params"], exact["params"])
+    return {k: dict(error=a.error, own_error=a.own_error, limit=a.limit, ok=a.ok,
+                    verdict=str(a)) for k, a in found.items()}
 
 
 def to_json(report, timeline=False):
@@ -72,6 +93,8 @@ def format_table(report):
     diff = report["max_param_diff_vs_reference"]
     if diff is not None:
         lines.append(f"  max |param - reference| after the last step: {diff:.2e}")
+    for name, a in (report.get("agreement") or {}).items():
+        lines.append(f"  {name} vs the float64 single-device run: {a['verdict']}")
     lines.append("  memory per rank (measured, MB): " + ", ".join(
         f"r{r}: params {m['params'] / 1e6:.2f} grads {m['grads'] / 1e6:.2f} "
         f"opt {m['optimizer'] / 1e6:.2f} act {m['activations'] / 1e6:.2f} "
