@@ -184,6 +184,7 @@ def two():
     return labkit.launch(on_two_ranks, 2, timeout_s=300)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("case", CASES_2, ids=lambda c: "-".join(map(str, c)))
 def test_two_ranks_equal_one_device(two, case):
     for rank in two:
@@ -203,6 +204,7 @@ def test_four_ranks_and_the_subgroup_1_3_of_4():
     assert results[0]["subgroup"][CASES_SUBGROUP[0]]["groups"] == {"0,2"}
 
 
+@pytest.mark.numerics
 def test_a_plain_spawn_program_without_launch():
     for rank in spawn(in_spawned_program, 2):
         for case, result in rank.items():

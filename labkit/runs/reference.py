@@ -1,7 +1,9 @@
 """The single-device reference run that every parallel technique is checked against.
 
 One process, the full global batch, plain `loss.backward(); optimizer.step()`. A technique run
-on N ranks must end with the same loss curve and the same parameters (within float32 rounding).
+on N ranks must end with the same loss curve and the same parameters within float32 rounding:
+within a few times this run's own distance to the same run in float64 (`float64_reference`,
+labkit.numerics).
 Memory on one device, for mixed-precision-free fp32 Adam: 4Ψ weights + 4Ψ grads + 8Ψ moments.
 """
 from contextlib import nullcontext
@@ -37,8 +39,10 @@ def build_optimizer(params, cfg):
 
     Adam's eps is 1e-6, not 1e-8: the attention key bias has a true gradient of exactly zero
     (softmax ignores a constant shift of a row of scores), so what backward computes for it is
-    float rounding noise (~1e-10), which differs between layouts. With eps 1e-8 Adam divides
-    that noise by itself and takes lr-sized steps; with 1e-6 they stay ~1e-6 of lr.
+    float rounding noise (~1e-10), which differs between layouts. Adam's step is then
+    lr * noise / (|noise| + eps): with eps 1e-8 that is ~lr/100 and more, far above rounding;
+    with eps 1e-6 it stays ~lr * 1e-4. Runs are still judged against a float64 reference
+    (labkit.numerics), whose float32 twin makes the same kind of noise.
     """
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, eps=1e-6, foreach=False)
