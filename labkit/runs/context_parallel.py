@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from .. import models
+from .. import models, numerics
 from ..parallel.context_parallel import (LAYOUTS, METHODS, ContextParallel, all_gather_attention,
                                          check_sequence, ring_attention, sequence_positions,
                                          shard_sequence)
@@ -112,13 +112,17 @@ def train(ctx, cfg, layout="zigzag", method="ring", causal=True, check_shape=Non
 
 def attention_check(ctx, shape, causal, layout, method, seed=0):
     """One CP attention forward + backward on random (b, h, s, d) inputs against fp64
-    single-device attention; this rank's counted FLOPs, comm bytes, saved bytes, timeline."""
+    single-device attention, judged by fp32 single-device attention's own error
+    (labkit.numerics); this rank's counted FLOPs, comm bytes, saved bytes, timeline."""
     b, h, s, d = shape
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(b, h, s, d, generator=g) for _ in range(4))
     full = [t.double().requires_grad_() for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*full, is_causal=causal)
     expected.backward(do.double())
+    single = [t.clone().requires_grad_() for t in (q, k, v)]
+    one_device = F.scaled_dot_product_attention(*single, is_causal=causal)
+    one_device.backward(do)
     mine = [shard_sequence(t, None, layout, dim=2).requires_grad_() for t in (q, k, v)]
     ctx.comm.barrier(tag="attention check")        # start together on the modelled clock
     ctx.comm.reset()
@@ -128,14 +132,21 @@ def attention_check(ctx, shape, causal, layout, method, seed=0):
     with tracker.track_activations():
         out = fn(*mine, None, causal, layout)
     out.backward(shard_sequence(do, None, layout, dim=2))
-    rows = [(out, expected)] + [(m.grad, f.grad) for m, f in zip(mine, full)]
-    diffs = {name: (a.double() - shard_sequence(e.detach(), None, layout, dim=2)).abs().max()
-             .item() for name, (a, e) in zip(("out", "dq", "dk", "dv"), rows)}
+    names = ("out", "dq", "dk", "dv")
+    mine_rows, exact_rows, single_rows = (
+        {n: shard_sequence(t.detach(), None, layout, dim=2) if rows else t.detach()
+         for n, t in zip(names, ts)}
+        for ts, rows in (([out] + [m.grad for m in mine], False),
+                         ([expected] + [f.grad for f in full], True),
+                         ([one_device] + [t.grad for t in single], True)))
+    diffs = {n: (mine_rows[n].double() - exact_rows[n]).abs().max().item() for n in names}
+    agreement = numerics.compare(mine_rows, single_rows, exact_rows)
     wire = sum(r["wire_bytes_per_rank"] for r in ctx.comm.summary(by=("op", "tag"))
                if r["tag"].startswith(ATTENTION_TAGS))
     timeline = [dict(e, start=e["start"] - start, end=e["end"] - start)
                 for e in ctx.clock.timeline()[first_event:]]
-    return dict(max_diff=diffs, flops=ctx.clock.flops - flops, wire_bytes=wire,
+    return dict(max_diff=diffs, agreement=agreement, flops=ctx.clock.flops - flops,
+                wire_bytes=wire,
                 saved_bytes=tracker.max_saved_bytes, modelled_s=ctx.clock.t - start,
                 timeline=timeline)
 
@@ -187,6 +198,8 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", layout="zigzag", met
     attention = dict(
         shape=dict(batch=b, heads=h, seq=s, head_dim=d), causal=causal, method=method,
         max_diff={k: max(ch["max_diff"][k] for ch in checks) for k in checks[0]["max_diff"]},
+        within_rounding=all(ch["agreement"].ok for ch in checks),
+        verdict=str(max((ch["agreement"] for ch in checks), key=lambda a: a.error / a.limit)),
         flops_per_rank=flops,
         predicted_flops_per_rank=(theory_cp.attention_flops_per_rank(b, h, s, d, world_size,
                                                                       layout, causal)
