@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-labkit
 
-.PHONY: install lab test test-browser bench notebooks html student clean
+.PHONY: install lab test test-numerics test-browser bench notebooks html student clean
 
 install: $(STAMP)
 
@@ -51,6 +51,26 @@ lab: install
 
 test: install
 	$(PY) -m pytest tests notebooks --nbval-lax -p no:cacheprovider
+
+# "Equals one device" on other CPU kernels: the tests marked `numerics` and the lessons that print
+# such verdicts, once per ATen CPU capability this CPU has (default, avx2, avx512: torch picks
+# its kernels, so its rounding, by it) and once with MKL held to SSE4.2. The CPU's own best
+# capability is skipped: `make test` ran everything on it. A tolerance fitted to one machine
+# fails here; labkit.numerics' rule (a few times float32's own error against a float64 run)
+# holds, and no lesson's checked verdict may change.
+NUMERICS_LESSONS := $(wildcard notebooks/0[1348]_*.ipynb)
+CPU_CAPABILITY = $(PY) -c 'import torch; print(torch.backends.cpu.get_cpu_capability().lower())'
+test-numerics: install
+	@native=$$($(CPU_CAPABILITY)); caps="default"; \
+	grep -qw avx2 /proc/cpuinfo 2>/dev/null && caps="$$caps avx2"; \
+	grep -qw avx512f /proc/cpuinfo 2>/dev/null && caps="$$caps avx512"; \
+	for setting in $$(for c in $$caps; do [ "$$c" = "$$native" ] || echo ATEN_CPU_CAPABILITY=$$c; done) \
+	               MKL_ENABLE_INSTRUCTIONS=SSE4_2; do \
+	  echo "== test-numerics, $$setting (torch kernels: $$(env $$setting $(CPU_CAPABILITY));" \
+	    "this CPU's own, $$native, is what make test ran)"; \
+	  env $$setting $(PY) -m pytest tests -m numerics -p no:cacheprovider || exit 1; \
+	  env $$setting $(PY) -m pytest $(NUMERICS_LESSONS) --nbval-lax -p no:cacheprovider || exit 1; \
+	done
 
 # Every lesson run in JupyterLab in headless Chromium (browser_tests/): no error output, every
 # widget rendered, the explorer's slider changes the plot; run and redraw times reported in

@@ -39,4 +39,6 @@ def spawn(fn, world_size, *args):
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_entry, args=(world_size, _free_port(), fn, args, out_dir), nprocs=world_size,
                  join=True)
-        return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world_size)]
+        # our own files: results may hold labkit objects (numerics.Agreement), not only tensors
+        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False)
+                for r in range(world_size)]

@@ -10,10 +10,12 @@ theory/ (contiguous causal: the last rank 1.6x the mean at N=4; zigzag: equal), 
 against the bytes formula, ContextParallel on a module calling scaled_dot_product_attention
 and on labkit's Attention, the one-line errors, the driver and the exercise's checker.
 
-Tolerances: fp32 1e-5 (measured ~1e-6). bf16 inputs (blocks in fp32, K/V travelling in bf16,
-dK/dV partial sums in fp32): the error against fp64 attention on the same bf16 inputs is the
-final rounding to bf16 only and does not grow with the ring (see BF16_* below, measured); with
-the partial sums kept in bf16 (reduce_dtype=torch.bfloat16) the dK/dV error grows with N.
+Tolerances: fp32 within rounding (labkit.numerics: the error against fp64 at most a few times
+that of one device's fp32 attention on the same inputs, measured ~1e-6). bf16 inputs (blocks in
+fp32, K/V travelling in bf16, dK/dV partial sums in fp32): the error against fp64 attention on
+the same bf16 inputs is the final rounding to bf16 only and does not grow with the ring (see
+BF16_* below, measured); with the partial sums kept in bf16 (reduce_dtype=torch.bfloat16) the
+dK/dV error grows with N.
 """
 import json
 
@@ -23,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import labkit
-from labkit import models
+from labkit import models, numerics
 from labkit.exercises import context_parallel as exercise
 from labkit.parallel import context_parallel as cp
 from labkit.theory import context_parallel as theory
@@ -57,22 +59,32 @@ def _errors(group, causal, layout, method, dtype, reduce_dtype=torch.float32):
             for a, b in pairs]
 
 
-def _gqa_errors(group, method, layout="zigzag"):
-    """4 query heads sharing 2 key/value heads (grouped-query attention, as Llama 3)."""
-    g = torch.Generator().manual_seed(5)
-    q, do = (torch.randn(B, 4, SEQ, D, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(B, 2, SEQ, D, generator=g, dtype=torch.float64) for _ in range(2))
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
-    expected.backward(do)
-    mine = [cp.shard_sequence(t, group, layout, dim=2).float().requires_grad_()
-            for t in (q, k, v)]
+def _one_device(q, k, v, do, causal, dtype, group, layout, gqa=False):
+    """Single-device attention in `dtype`: this rank's rows of output and q, k, v gradients."""
+    full = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=gqa)
+    out.backward(do.to(dtype))
+    return {i: cp.shard_sequence(t.detach(), group, layout, dim=2)
+            for i, t in enumerate([out] + [f.grad for f in full])}
+
+
+def _agreement(group, causal, layout, method, gqa=False):
+    """fp32 CP attention against fp64 one-device attention, judged by one device's own fp32
+    error (labkit.numerics); `gqa`: 4 query heads share 2 K/V heads (as Llama 3)."""
+    if gqa:
+        g = torch.Generator().manual_seed(5)
+        q, do = (torch.randn(B, 4, SEQ, D, generator=g) for _ in range(2))
+        k, v = (torch.randn(B, 2, SEQ, D, generator=g) for _ in range(2))
+    else:
+        q, k, v, do = _inputs(SEQ, torch.float32)
+    mine = [cp.shard_sequence(t, group, layout, dim=2).requires_grad_() for t in (q, k, v)]
     fn = cp.ring_attention if method == "ring" else cp.all_gather_attention
-    out = fn(*mine, group, True, layout)
-    out.backward(cp.shard_sequence(do, group, layout, dim=2).float())
-    pairs = [(out, expected)] + [(m.grad, f.grad) for m, f in zip(mine, full)]
-    return max((a.double() - cp.shard_sequence(b.detach(), group, layout, dim=2)).abs().max()
-               .item() for a, b in pairs)
+    out = fn(*mine, group, causal, layout)
+    out.backward(cp.shard_sequence(do, group, layout, dim=2))
+    parallel = {i: t.detach() for i, t in enumerate([out] + [m.grad for m in mine])}
+    return numerics.compare(parallel, *(_one_device(q, k, v, do, causal, dtype, group, layout,
+                                                    gqa) for dtype in (torch.float32,
+                                                                       torch.float64)))
 
 
 def _single_device_bf16_error(seq, causal):
@@ -91,11 +103,11 @@ def _single_device_bf16_error(seq, causal):
 def spawned_checks(rank, world_size):
     """A learner's own mp.spawn program: no launch, labkit's context made on first use."""
     group = labkit.context().world
-    out = {case: _errors(group, *case, torch.float32) for case in CASES}
+    out = {case: _agreement(group, *case) for case in CASES}
     out["bf16"] = _errors(group, True, "zigzag", "ring", torch.bfloat16)
     out["bf16 sums in bf16"] = _errors(group, True, "zigzag", "ring", torch.bfloat16,
                                        reduce_dtype=torch.bfloat16)
-    out["gqa"] = max(_gqa_errors(group, method) for method in cp.METHODS)
+    out["gqa"] = [_agreement(group, True, "zigzag", method, gqa=True) for method in cp.METHODS]
     return out
 
 
@@ -112,12 +124,13 @@ def spawned(request):
     return request.param, spawn(spawned_checks, request.param)
 
 
+@pytest.mark.numerics
 def test_ring_and_all_gather_equal_one_device_fp32(spawned):
     n, results = spawned
-    for case in CASES:
-        worst = max(max(r[case]) for r in results)
-        assert worst < 1e-5, f"{n} ranks, {case}: max difference {worst:.2e}"
-    assert max(r["gqa"] for r in results) < 1e-5   # 4 query heads on 2 K/V heads
+    for r in results:
+        for case in CASES:
+            assert r[case], f"{n} ranks, {case}: {r[case]}"
+        assert all(r["gqa"]), [str(a) for a in r["gqa"]]   # 4 query heads on 2 K/V heads
 
 
 def test_bf16_error_and_ring_size(spawned):
@@ -150,35 +163,39 @@ class SDPAAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, s, h))
 
 
-def _wrapped_module_diff(ctx, module, layout):
-    """ContextParallel(module) on sequence shards against the module on the whole sequence."""
+def _output_and_grads(module, x):
+    y = module(x)
+    y.pow(2).sum().backward()
+    return dict(output=y.detach(), **{n: p.grad.clone() for n, p in module.named_parameters()})
+
+
+def _wrapped_module_agreement(ctx, module, layout):
+    """ContextParallel(module) on sequence shards against the module on the whole sequence
+    (float32, and float64 as the exact answer: labkit.numerics)."""
     torch.manual_seed(1)
     x = torch.randn(2, 8 * ctx.world_size, 16)
-    expected = module(x)
-    expected.pow(2).sum().backward()
-    full_grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    exact = _output_and_grads(numerics.exact_copy(module), x.double())
+    single = _output_and_grads(module, x)
     module.zero_grad()
     wrapped = cp.ContextParallel(module, layout=layout)
     y = wrapped(cp.shard_sequence(x, None, layout))
     y.pow(2).sum().backward()
-    diffs = [(cp.gather_sequence(y.detach(), None, layout) - expected).abs().max().item()]
+    parallel = dict(output=cp.gather_sequence(y.detach(), None, layout))
     for name, p in module.named_parameters():   # weights are replicated: sum over ranks
-        grad = ctx.comm.all_reduce(p.grad.clone(), group=None, tag="check")
-        diffs.append((grad - full_grads[name]).abs().max().item())
-    return max(diffs)
+        parallel[name] = ctx.comm.all_reduce(p.grad.clone(), group=None, tag="check")
+    return numerics.compare(parallel, single, exact)
 
 
 def launched_checks(ctx):
     out = {}
     sub = ctx.new_group([1, 3])                     # every rank joins the call
     if sub is not None:
-        out["sub-group"] = max(_errors(sub, True, "zigzag", "ring", torch.float32)
-                               + _errors(sub, False, "contiguous", "all_gather", torch.float32))
+        out["sub-group"] = [_agreement(sub, True, "zigzag", "ring"),
+                            _agreement(sub, False, "contiguous", "all_gather")]
     alone = ctx.split_groups([[r] for r in range(ctx.world_size)])   # a ring of one
-    out["group of one"] = max(_errors(alone, True, "zigzag", "ring", torch.float32))
+    out["group of one"] = _agreement(alone, True, "zigzag", "ring")
     mesh = ctx.mesh(dp=2, cp=2)                     # lesson 06's mesh with a cp dimension
-    out["mesh cp"] = (mesh["cp"].ranks, max(_errors(mesh["cp"], True, "zigzag", "ring",
-                                                    torch.float32)))
+    out["mesh cp"] = (mesh["cp"].ranks, _agreement(mesh["cp"], True, "zigzag", "ring"))
     ctx.comm.barrier()
     n, seq = ctx.world_size, 4 * ctx.world_size
     for layout in cp.LAYOUTS:
@@ -192,10 +209,10 @@ def launched_checks(ctx):
         out[f"wire {layout}"] = sum(r["wire_bytes_per_rank"] for r in ctx.comm.summary())
     with ctx.off_the_record():
         torch.manual_seed(0)
-        out["sdpa module"] = _wrapped_module_diff(ctx, SDPAAttention(), "zigzag")
+        out["sdpa module"] = _wrapped_module_agreement(ctx, SDPAAttention(), "zigzag")
         torch.manual_seed(0)
-        out["labkit Attention"] = _wrapped_module_diff(ctx, models.Attention(16, 2),
-                                                       "contiguous")
+        out["labkit Attention"] = _wrapped_module_agreement(ctx, models.Attention(16, 2),
+                                                            "contiguous")
     errors = []
     for call in (lambda: cp.shard_sequence(torch.zeros(1, 10, 4), None, "contiguous"),
                  lambda: cp.ring_attention(*(torch.zeros(1, 2, 3, 8) for _ in range(3)),
@@ -218,11 +235,11 @@ def launched():
 
 
 def test_sub_group_of_four(launched):
-    assert launched[1]["sub-group"] < 1e-5 and launched[3]["sub-group"] < 1e-5
+    assert all(launched[1]["sub-group"]) and all(launched[3]["sub-group"])
     assert "sub-group" not in launched[0]
-    assert all(r["group of one"] < 1e-5 for r in launched)
+    assert all(r["group of one"] for r in launched), [str(r["group of one"]) for r in launched]
     assert [r["mesh cp"][0] for r in launched] == [(0, 1), (0, 1), (2, 3), (2, 3)]
-    assert all(r["mesh cp"][1] < 1e-5 for r in launched)
+    assert all(r["mesh cp"][1] for r in launched)
 
 
 def test_flops_per_rank_show_the_causal_imbalance(launched):
@@ -246,7 +263,8 @@ def test_comm_bytes_per_rank_match_the_formula(launched):
 
 def test_context_parallel_on_modules(launched):
     for r in launched:
-        assert r["sdpa module"] < 1e-5 and r["labkit Attention"] < 1e-5
+        assert r["sdpa module"], str(r["sdpa module"])
+        assert r["labkit Attention"], str(r["labkit Attention"])
 
 
 def test_one_line_errors(launched):
@@ -270,6 +288,7 @@ def test_exercise_checker():
     assert not overflow.ok and overflow.problem == "overflow"
 
 
+@pytest.mark.numerics
 def test_driver_report():
     from labkit.runs import context_parallel as run_cp
     from labkit.runs.reference import RunConfig
@@ -277,8 +296,9 @@ def test_driver_report():
     report = run_cp.report(world_size=4, cfg=RunConfig(steps=2), layout="zigzag")
     data = json.loads(to_json(report))
     assert data["technique"] == "cp" and data["config"]["layout"] == "zigzag"
-    assert data["max_param_diff_vs_reference"] < 1e-5
-    assert max(data["attention_check"]["max_diff"].values()) < 1e-5
+    assert data["agreement"]["params"]["ok"], data["agreement"]["params"]["verdict"]
+    assert data["agreement"]["loss"]["ok"], data["agreement"]["loss"]["verdict"]
+    assert data["attention_check"]["within_rounding"], data["attention_check"]["verdict"]
     assert theory.imbalance(data["attention_check"]["flops_per_rank"]) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="not divisible by 8"):
         run_cp.report(world_size=4, cfg=RunConfig(model_kwargs=dict(seq=12)), layout="zigzag")

@@ -6,10 +6,15 @@ import pytest
 from labkit import cli
 from labkit.runs import hybrid, reference
 
-# SGD: the same sums in another order, ~1e-8. Adam divides each gradient by its own running
-# magnitude, so where a true gradient is ~0 (e.g. rows of fc1 that barely move) the rounding
-# noise of a different reduction order becomes a visible step: measured 1.1e-5 after 3 steps.
-SGD_TOLERANCE, ADAM_TOLERANCE = 1e-6, 3e-5
+
+def equals_one_device(rep):
+    """The report's verdict (labkit.numerics): parameters and loss against the float64 run
+    within a few times the float32 single-device run's own error. Adam too: where a true
+    gradient is 0 (the key bias) Adam turns rounding noise into steps, in the float32
+    reference as well, so its own error carries them."""
+    for name in ("params", "loss"):
+        assert rep["agreement"][name]["ok"], (name, rep["agreement"][name]["verdict"])
+    return True
 
 
 def run(optimizer="sgd", **layout):
@@ -24,8 +29,7 @@ def dims(report):
 def test_dp_tp_pp_with_zero1_and_sequence_parallel_equals_one_device():
     rep = run("sgd", zero=1, sequence_parallel=True)
     assert rep["world_size"] == 8
-    assert rep["max_param_diff_vs_reference"] < SGD_TOLERANCE
-    assert rep["loss"] == pytest.approx(rep["reference_loss"], abs=1e-5)
+    assert equals_one_device(rep)
     got = dims(rep)
     # TP with SP gathers and scatters along the sequence; PP sends; ZeRO-1 broadcasts owners'
     assert {("tp", "all_gather"), ("tp", "reduce_scatter"), ("pp", "send"), ("pp", "recv"),
@@ -37,8 +41,7 @@ def test_dp_tp_pp_with_zero1_and_sequence_parallel_equals_one_device():
 
 def test_adam_default_layout_equals_one_device():
     rep = run("adam")
-    assert rep["max_param_diff_vs_reference"] < ADAM_TOLERANCE
-    assert rep["loss"] == pytest.approx(rep["reference_loss"], abs=1e-5)
+    assert equals_one_device(rep)
     # the planner's bytes for the same tiny shape and layout against the worst measured rank
     # (5%: it gives replicated biases and the final norm to every stage alike)
     for category in ("params", "grads", "optimizer", "activations"):
@@ -48,7 +51,7 @@ def test_adam_default_layout_equals_one_device():
 
 def test_moe_variant_with_expert_parallelism_equals_one_device():
     rep = run("sgd", experts=4, ep=2, top_k=2)
-    assert rep["max_param_diff_vs_reference"] < SGD_TOLERANCE
+    assert equals_one_device(rep)
     assert ("ep", "all_to_all") in dims(rep)
     assert any(k.endswith("experts.3.fc1.weight") for k in rep["params"])
 

@@ -1,7 +1,8 @@
 """ShardedOptimizer (ZeRO stages 1 and 2) on models it was not written for, against one device.
 
-Every configuration trains 3 steps on its rank's slice of the batch and must land within 1e-6 of
-a single-device run of the same torch optimizer on the whole batch (fp32). Stage 1 gets its
+Every configuration trains 3 steps on its rank's slice of the batch and must land within rounding
+of a single-device run of the same torch optimizer on the whole batch (fp32; labkit.numerics: a
+few times the float32 run's own error against the same run in float64). Stage 1 gets its
 averaged gradients from an explicit all_reduce here; stage 2 reduce-scatters them itself. Also
 measured on each rank: optimizer state bytes (from optimizer.state), gradient bytes left after
 the step, the user's RNG state, the consolidated state dict against the single-device one, and
@@ -13,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import labkit
+from labkit import numerics
 from labkit.models import build
 from labkit.parallel.zero import ShardedOptimizer
 from labkit.runtime.memory import optimizer_state_tensors, storage_bytes
@@ -105,12 +107,12 @@ def optimizer_args(opt, model):
     return torch.optim.AdamW, groups, dict(lr=1e-3, weight_decay=0.1, eps=1e-5)
 
 
-def reference(name, opt):
-    """One device, the whole batch, the plain torch optimizer."""
-    model = make_model(name)
+def reference(name, opt, dtype=torch.float32):
+    """One device, the whole batch, the plain torch optimizer (float64: the exact run)."""
+    model = make_model(name).to(dtype)
     cls, params, defaults = optimizer_args(opt, model)
     optimizer = cls(params, **defaults)
-    x, y = make_batch(name)
+    x, y = numerics.cast(make_batch(name), dtype)
     norms = []
     for _ in range(STEPS):
         loss_of(name, model, x, y).backward()
@@ -135,6 +137,12 @@ def state_diff(a, b):
                     return float("inf")
                 worst = max(worst, (va.double() - sb[k].double()).abs().max().item())
     return worst
+
+
+def state_tensors(state_dict):
+    """{"parameter index/state name": tensor} of an optimizer state dict."""
+    return {f"{i}/{k}": v for i, s in state_dict["state"].items() for k, v in s.items()
+            if torch.is_tensor(v)}
 
 
 def train_one(ctx, name, opt, stage, group):
@@ -167,16 +175,23 @@ def train_one(ctx, name, opt, stage, group):
         sharded.zero_grad()
     rng_kept = torch.equal(rng, torch.get_rng_state())
     ref_model, ref_opt, ref_norms = reference(name, opt)
+    exact_model, exact_opt, exact_norms = reference(name, opt, torch.float64)
     sharded.consolidate_state_dict(to=0)
     consolidated = sharded.state_dict() if g.rank == 0 else None
-    fresh = ShardedOptimizer(optimizer_args(opt, make_model(name))[1], cls, group=group,
-                             stage=stage, bucket_mb=bucket_mb, **defaults)
-    fresh.load_state_dict(ref_opt.state_dict())
+    loaded = []   # the same shard layout for both: float32 parameters (the exact state rounds)
+    for o in (ref_opt, exact_opt):
+        loaded.append(ShardedOptimizer(optimizer_args(opt, make_model(name))[1], cls,
+                                       group=group, stage=stage, bucket_mb=bucket_mb, **defaults))
+        loaded[-1].load_state_dict(o.state_dict())
     local = lambda o: dict(state=o.optim.state_dict()["state"])  # noqa: E731
+    within = lambda mine, ref, exact: numerics.compare(   # noqa: E731
+        state_tensors(mine), state_tensors(ref), state_tensors(exact))
     return dict(
-        diff=max((p - q).abs().max().item() for p, q in zip(model.parameters(),
-                                                            ref_model.parameters())),
-        rng_kept=rng_kept, norms=norms, ref_norms=ref_norms,
+        params=numerics.compare(dict(model.named_parameters()),
+                                dict(ref_model.named_parameters()),
+                                dict(exact_model.named_parameters())),
+        norms=numerics.compare_loss(norms, ref_norms, exact_norms), ref_norms=ref_norms,
+        rng_kept=rng_kept,
         state_bytes=storage_bytes(optimizer_state_tensors(sharded)),
         ref_state_bytes=storage_bytes(optimizer_state_tensors(ref_opt)),
         largest_param_state=max(storage_bytes(v for k, v in s.items() if k != "step")
@@ -186,9 +201,12 @@ def train_one(ctx, name, opt, stage, group):
         buckets=len(sharded.buckets),
         grads=memory["grads"], full_grads_left=full_grads,
         shard_grad_bytes=sum(b.shard.numel() * b.shard.element_size() for b in sharded.buckets),
-        consolidated_diff=None if consolidated is None else state_diff(consolidated,
-                                                                       ref_opt.state_dict()),
-        loaded_diff=state_diff(local(fresh), local(sharded)),
+        consolidated_layout=None if consolidated is None else state_diff(
+            consolidated, ref_opt.state_dict()) < float("inf"),
+        consolidated=None if consolidated is None else within(
+            consolidated, ref_opt.state_dict(), exact_opt.state_dict()),
+        loaded_layout=state_diff(local(loaded[0]), local(sharded)) < float("inf"),
+        loaded=within(local(sharded), local(loaded[0]), local(loaded[1])),
         ops={(r["op"], r["tag"].rstrip("0123456789 ")) for r in ctx.comm.summary(
             by=("op", "group", "tag")) if r["group"] == _name(g.ranks)})
 
@@ -207,12 +225,13 @@ def check(results, size):
         name, opt, stage = config
         rows = [r[config] for r in results]
         where = f"{config} on {size} ranks"
-        assert max(r["diff"] for r in rows) < 1e-6, where
+        for r in rows:   # parameters, clipped norms and optimizer state: within rounding
+            for key in ("params", "norms", "loaded"):
+                assert r[key], (where, key, str(r[key]))
+            assert r["loaded_layout"], where
         assert all(r["rng_kept"] for r in rows), f"{where}: the user's RNG state changed"
-        for r in rows:
-            assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), where
-        assert rows[0]["consolidated_diff"] < 1e-6, where
-        assert max(r["loaded_diff"] for r in rows) < 1e-6, where
+        assert rows[0]["consolidated_layout"], where
+        assert rows[0]["consolidated"], (where, str(rows[0]["consolidated"]))
         state = [r["state_bytes"] for r in rows]
         total, per_element = rows[0]["ref_state_bytes"], rows[0]["state_per_element"]
         if stage == 1:   # whole tensors: every state byte once, balanced within one parameter
@@ -239,6 +258,7 @@ def check(results, size):
         "clipping is exercised"
 
 
+@pytest.mark.numerics
 def test_matches_one_device_under_launch():
     check(labkit.launch(run_all, 2, timeout_s=300), 2)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import labkit
-from labkit import cli
+from labkit import cli, numerics
 from labkit.exercises.zero import check_stage_memory_answer
 from labkit.runs import reference, zero
 from labkit.runtime.clock import Clock
@@ -78,16 +78,28 @@ def diff(res, expected):
     return reference.max_param_diff(res[0]["params"], expected["params"])
 
 
+def within_rounding(res, cfg):
+    """fp32 parameters and loss against one device, judged against the float64 run by float32's
+    own error there (labkit.numerics)."""
+    key = (repr(cfg), "float64")
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference.float64_reference(cfg)
+    exact = _REFERENCES[key]
+    params = numerics.compare(res[0]["params"], ref(cfg)["params"], exact["params"])
+    loss = numerics.compare_loss(zero.global_loss(res), ref(cfg)["loss"], exact["loss"])
+    assert params, str(params)
+    assert loss, str(loss)
+    return True
+
+
 # ----------------------------------------------------------------------------- correctness
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_every_stage_matches_the_single_device_reference(stage):
-    sgd = results(2)[f"sgd {stage}"]
-    assert diff(sgd, ref(SGD)) < 1e-6
-    assert zero.global_loss(sgd) == pytest.approx(ref(SGD)["loss"], abs=1e-6)
+    assert within_rounding(results(2)[f"sgd {stage}"], SGD)
     # Adam on 4 ranks: one fc1 weight has a gradient near Adam's eps, where the summation
-    # order's rounding is a visible share of the step (2.5e-6 after three steps at lr 1e-2).
-    assert diff(results(4)[f"adam {stage}"], ref(ADAM)) < 1e-5
+    # order's rounding is a visible share of the step; the float32 reference rounds there too.
+    assert within_rounding(results(4)[f"adam {stage}"], ADAM)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -162,7 +174,7 @@ def test_padding_remainder_is_what_the_layer_sizes_say():
     assert units == [33 * 65 + 65, 65 * 31 + 31, 31 * 7 + 7]
     # 2210 and 2046 leave 2 over a multiple of 4, 224 divides: 4 padding elements in all
     assert res[0]["padded_numel"] - sum(units) == sum(-u % 4 for u in units) == 4
-    assert diff(res, ref(ODD_MLP)) < 1e-6
+    assert within_rounding(res, ODD_MLP)
 
 
 def forward_samples(res):
@@ -182,7 +194,7 @@ def test_stage3_peak_holds_a_gathered_layer_and_the_prefetch():
     # without prefetch forward holds one gathered layer at a time, and computes the same
     no_prefetch = results(2)["no prefetch"]
     assert max(s["buffers"] for _, s in forward_samples(no_prefetch[0])) < both
-    assert diff(no_prefetch, ref(SGD)) < 1e-6
+    assert within_rounding(no_prefetch, SGD)
 
 
 # ----------------------------------------------------------------------------- communication
@@ -249,12 +261,13 @@ def test_offload_keeps_shards_gradients_and_optimizer_state_off_the_device():
 
 # --------------------------------------------------------------------------------------- CLI
 
+@pytest.mark.numerics
 def test_cli_json_report(capsys):
     assert cli.main(["run", "zero", "--stage", "3", "--world-size", "2", "--steps", "2",
                      "--optimizer", "sgd", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["technique"] == "zero" and rep["config"]["stage"] == 3
-    assert rep["max_param_diff_vs_reference"] < 1e-6
+    assert rep["agreement"]["params"]["ok"], rep["agreement"]["params"]["verdict"]
     for cat in ("params", "grads", "optimizer"):
         assert rep["memory"]["0"][cat] == pytest.approx(rep["predicted_memory"][cat], rel=0.02)
     measured = sum(row["wire_bytes_per_rank"] for row in rep["comm"])

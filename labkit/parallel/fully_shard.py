@@ -20,6 +20,13 @@ all-gathers before forward (Ψ) and before backward (Ψ), a reduce-scatter of th
 3Ψ, 1.5x data parallelism's all-reduce (2Ψ); `reshard_after_forward=False`: 2Ψ, holding the
 full weights from forward to backward.
 
+A forward may read a child's parameter without calling the child (nn.MultiheadAttention passes
+`out_proj.weight` to its kernel; a tied head computes `F.linear(h, wte.weight)`): while the
+wrapped module runs, a shard that reaches any op is replaced by its full parameter, its unit
+gathered first (a TorchFunctionMode), and that op's outputs gather the unit again before their
+backward. So every parameter a forward reads is gathered, whoever owns it; a unit read again
+after its own forward freed it (a tied head) costs one all-gather more per step.
+
 Parameters outside the units (a custom `units`) stay whole and their gradients are all-reduced.
 Frozen parameters are gathered, never reduced; a parameter two modules share (tied weights) is
 sharded once and gathered wherever it is used. `offload=True` keeps the shards, their gradients
@@ -34,6 +41,7 @@ on the CPU and cross PCIe; on a CPU-only run host and device are the same memory
 """
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from ..runtime.context import context
 from ..theory import hardware   # PCIe numbers for the modelled host <-> device copies
@@ -71,18 +79,42 @@ class FullyShard(nn.Module):
         self._units = _make_units(module, units or holds_parameters, self)
         self._flats = [f for u in self._units for f in u.flats]
         self._order = [u for u in self._units if u.sharded and u.flats]  # forward order
-        self._seen, self._inflight, self._pending = [], {}, []
+        self._seen, self._inflight, self._pending, self._borrowed = [], {}, [], []
+        self._entry_of_piece = {id(e.piece): e for u in self._units for e in u.entries}
         self._backward_started = False
         self._ctx.memory.watch(params=self._device_params, grads=self._device_grads)
+        self._in_hook = 0   # inside its own hooks FullyShard touches shards: no gather-on-use
         for unit in self._units:
-            unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
-            unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
+            unit.module.register_forward_pre_hook(
+                lambda m, a, u=unit: self._quietly(self._pre_forward, u))
+            unit.module.register_forward_hook(
+                lambda m, a, out, u=unit: self._quietly(self._post_forward, u, out))
 
     def forward(self, *args, **kwargs):
         if self.compute_dtype is not None:
             args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(self.compute_dtype)
                                         if t.is_floating_point() else t)
-        return self.module(*args, **kwargs)
+        with _GatherOnUse(self):
+            out = self.module(*args, **kwargs)
+        for unit in self._borrowed:   # read directly by a forward, not needed until backward
+            if unit.active == 0 and self.reshard_after_forward:
+                self._free(unit)
+        self._borrowed = []
+        return out
+
+    def _quietly(self, hook, *args):
+        self._in_hook += 1
+        try:
+            return hook(*args)
+        finally:
+            self._in_hook -= 1
+
+    def _borrow(self, entry):
+        """The full parameter for `entry`'s shard that an op received: gather its unit now."""
+        if not entry.unit.gathered:
+            self._gather(entry.unit)
+            self._borrowed.append(entry.unit)
+        return entry.leaf
 
     # --- forward: gather, compute, free ------------------------------------------------------
     def _pre_forward(self, unit):
@@ -388,6 +420,38 @@ def _make_units(root, pick, owner):
             unit.flats.append(_Flat(unit, entries, owner))
         unit.swap_out()
     return [u for u in units if u.flats or len(u.needs) > 1]
+
+
+class _GatherOnUse(TorchFunctionMode):
+    """While the wrapped module runs: a shard reaching an op (a forward that reads a child's
+    parameter directly) becomes its gathered full parameter, and the op's outputs gather that
+    unit again before their backward (which reads the full parameter)."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.owner._in_hook or getattr(getattr(func, "__self__", None), "__name__", "") \
+                in ("grad", "_grad"):   # bookkeeping (the shard's own .grad), not compute
+            return func(*args, **kwargs)
+        used = []
+
+        def full(t):
+            entry = self.owner._entry_of_piece.get(id(t))
+            if entry is None:
+                return t
+            used.append(entry.unit)
+            return self.owner._borrow(entry)
+
+        args, kwargs = _map_tensors((args, kwargs), full)
+        out = func(*args, **kwargs)
+        if used and torch.is_grad_enabled():
+            for unit in dict.fromkeys(used):
+                out = _map_tensors(out, lambda t, u=unit: _BeforeBackward.apply(self.owner, u, t)
+                                   if t.requires_grad else t)
+        return out
 
 
 class _BeforeBackward(torch.autograd.Function):

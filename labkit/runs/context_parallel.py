@@ -15,6 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from .. import numerics
 from ..parallel.context_parallel import (LAYOUTS, METHODS, ContextParallel, all_gather_attention,
                                          check_sequence, ring_attention, sequence_positions,
                                          shard_sequence)
@@ -25,7 +26,7 @@ from ..theory import memory as theory_memory
 from ..theory.time import wire_bytes_per_rank
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
 from .reference import gpt_config as reference_gpt_config, token_loss
-from .reference import train as reference_train
+from .reference import float64_reference, train as reference_train
 
 ATTENTION_TAGS = ("ring attention", "all-gather attention")
 
@@ -97,13 +98,17 @@ def train(ctx, cfg, layout="zigzag", method="ring", causal=True, check_shape=Non
 
 def attention_check(ctx, shape, causal, layout, method, seed=0):
     """One CP attention forward + backward on random (b, h, s, d) inputs against fp64
-    single-device attention; this rank's counted FLOPs, comm bytes, saved bytes, timeline."""
+    single-device attention, judged by fp32 single-device attention's own error
+    (labkit.numerics); this rank's counted FLOPs, comm bytes, saved bytes, timeline."""
     b, h, s, d = shape
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(b, h, s, d, generator=g) for _ in range(4))
     full = [t.double().requires_grad_() for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*full, is_causal=causal)
     expected.backward(do.double())
+    single = [t.clone().requires_grad_() for t in (q, k, v)]
+    one_device = F.scaled_dot_product_attention(*single, is_causal=causal)
+    one_device.backward(do)
     mine = [shard_sequence(t, None, layout, dim=2).requires_grad_() for t in (q, k, v)]
     ctx.comm.barrier(tag="attention check")        # start together on the modelled clock
     ctx.comm.reset()
@@ -113,14 +118,21 @@ def attention_check(ctx, shape, causal, layout, method, seed=0):
     with tracker.track_activations():
         out = fn(*mine, None, causal, layout)
     out.backward(shard_sequence(do, None, layout, dim=2))
-    rows = [(out, expected)] + [(m.grad, f.grad) for m, f in zip(mine, full)]
-    diffs = {name: (a.double() - shard_sequence(e.detach(), None, layout, dim=2)).abs().max()
-             .item() for name, (a, e) in zip(("out", "dq", "dk", "dv"), rows)}
+    names = ("out", "dq", "dk", "dv")
+    mine_rows, exact_rows, single_rows = (
+        {n: shard_sequence(t.detach(), None, layout, dim=2) if rows else t.detach()
+         for n, t in zip(names, ts)}
+        for ts, rows in (([out] + [m.grad for m in mine], False),
+                         ([expected] + [f.grad for f in full], True),
+                         ([one_device] + [t.grad for t in single], True)))
+    diffs = {n: (mine_rows[n].double() - exact_rows[n]).abs().max().item() for n in names}
+    agreement = numerics.compare(mine_rows, single_rows, exact_rows)
     wire = sum(r["wire_bytes_per_rank"] for r in ctx.comm.summary(by=("op", "tag"))
                if r["tag"].startswith(ATTENTION_TAGS))
     timeline = [dict(e, start=e["start"] - start, end=e["end"] - start)
                 for e in ctx.clock.timeline()[first_event:]]
-    return dict(max_diff=diffs, flops=ctx.clock.flops - flops, wire_bytes=wire,
+    return dict(max_diff=diffs, agreement=agreement, flops=ctx.clock.flops - flops,
+                wire_bytes=wire,
                 saved_bytes=tracker.max_saved_bytes, modelled_s=ctx.clock.t - start,
                 timeline=timeline)
 
@@ -172,6 +184,8 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", layout="zigzag", met
     attention = dict(
         shape=dict(batch=b, heads=h, seq=s, head_dim=d), causal=causal, method=method,
         max_diff={k: max(ch["max_diff"][k] for ch in checks) for k in checks[0]["max_diff"]},
+        within_rounding=all(ch["agreement"].ok for ch in checks),
+        verdict=str(max((ch["agreement"] for ch in checks), key=lambda a: a.error / a.limit)),
         flops_per_rank=flops,
         predicted_flops_per_rank=(theory_cp.attention_flops_per_rank(b, h, s, d, world_size,
                                                                       layout, causal)
@@ -185,7 +199,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", layout="zigzag", met
                                                                        dtype_bytes=4),
         modelled_s=max(ch["modelled_s"] for ch in checks))
     out = build_report(
-        "cp", cfg, results, reference=reference_train(cfg),
+        "cp", cfg, results, reference=reference_train(cfg), exact=float64_reference(cfg),
         config=dict(cp=world_size, layout=layout, method=method, causal=causal),
         predicted_memory=predict_memory(cfg, world_size),
         predicted_comm_bytes_per_rank=predict_comm(cfg, world_size, method),

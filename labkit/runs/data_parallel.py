@@ -21,6 +21,7 @@ from ..theory.data_parallel import inference_throughput, ring_all_reduce_bytes
 from .reference import (RunConfig, activation_bytes, batch, build_model, build_optimizer,
                         full_params, predict_memory as single_device_memory,
                         train as reference_train)
+from .reference import float64_reference
 from .report import build_report, rank_result
 from .report import mean_loss as global_loss   # the full-batch loss of shard losses
 
@@ -206,7 +207,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", bucket_mb=DEFAULT_BU
     results[0] = dict(results[0], loss=loss)
     grad_bytes = gradient_bytes(cfg)
     return build_report(
-        "dp", cfg, results, reference=reference_train(cfg),
+        "dp", cfg, results, reference=reference_train(cfg), exact=float64_reference(cfg),
         config=dict(mode=mode, bucket_mb=bucket_mb, overlap=not no_overlap,
                     accumulate=accumulate, gradient_bytes=grad_bytes),
         predicted_memory=predict_memory(cfg, world_size, mode, accumulate),

@@ -217,6 +217,7 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
     v = virtual if schedule == "interleaved" else 1
     return build_report(
         "hybrid", run, results, reference=reference.train(run),
+        exact=reference.float64_reference(run),
         config=dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, schedule=schedule,
                     microbatches=microbatches, virtual=v, sequence_parallel=sequence_parallel,
                     experts=experts, top_k=top_k if experts else None, order=list(dims)),

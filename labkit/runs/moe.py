@@ -147,14 +147,15 @@ def infer(ctx, cfg=None, moe=MoEConfig(), ep=None, batches=()):
                 comm=ctx.comm.summary(), timeline=ctx.clock.timeline())
 
 
-def reference_train(cfg=None, moe=MoEConfig(), groups=1):
-    """The single-process MoE run every EP layout must reproduce (routing groups = DP degree)."""
+def reference_train(cfg=None, moe=MoEConfig(), groups=1, dtype=torch.float32):
+    """The single-process MoE run every EP layout must reproduce (routing groups = DP degree);
+    `dtype=torch.float64`: the exact run that rounding is measured from (labkit.numerics)."""
     cfg = cfg or RunConfig()
-    model = build_model(cfg, moe, groups)
+    model = build_model(cfg, moe, groups).to(dtype)
     optimizer = build_optimizer(model.parameters(), cfg)
     losses, stats = [], []
     for step in range(cfg.steps):
-        x, y = batch(model, cfg, step)
+        x, y = batch(model, cfg, step, dtype)
         optimizer.zero_grad(set_to_none=True)
         loss = model(x, y)
         loss.backward()
@@ -256,6 +257,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", experts=4, top_k=1,
     results[0] = dict(results[0], loss=loss)
     return build_report(
         "moe", cfg, results, reference=ref,
+        exact=reference_train(cfg, moe, groups=dp, dtype=torch.float64),
         config=dict(moe.as_dict(), ep=ep, dp=dp, capacity=moe.capacity(tokens // dp)),
         predicted_memory=predicted_memory(cfg, moe, ep),
         predicted_comm_bytes_per_rank=sum(by_op.values()), predicted_comm_by_op=by_op,

@@ -240,6 +240,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", stages=None, microba
                                balance=split or "params")[::world_size]
     return build_report(
         "pipeline", cfg, results, reference=reference.train(cfg),
+        exact=reference.float64_reference(cfg),
         config=dict(stages=world_size, microbatches=m, schedule=schedule, virtual=v,
                     recompute=recompute),
         predicted_memory=predict_memory(cfg, world_size, schedule, m, v, recompute, split),

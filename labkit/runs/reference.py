@@ -1,7 +1,9 @@
 """The single-device reference run that every parallel technique is checked against.
 
 One process, the full global batch, plain `loss.backward(); optimizer.step()`. A technique run
-on N ranks must end with the same loss curve and the same parameters (within float32 rounding).
+on N ranks must end with the same loss curve and the same parameters within float32 rounding:
+within a few times this run's own distance to the same run in float64 (`float64_reference`,
+labkit.numerics).
 Memory on one device, for mixed-precision-free fp32 Adam: 4Ψ weights + 4Ψ grads + 8Ψ moments.
 """
 from contextlib import nullcontext
@@ -68,31 +70,39 @@ def build_optimizer(params, cfg):
 
     Adam's eps is 1e-6, not 1e-8: the attention key bias has a true gradient of exactly zero
     (softmax ignores a constant shift of a row of scores), so what backward computes for it is
-    float rounding noise (~1e-10), which differs between layouts. With eps 1e-8 Adam divides
-    that noise by itself and takes lr-sized steps; with 1e-6 they stay ~1e-6 of lr.
+    float rounding noise (~1e-10), which differs between layouts. Adam's step is then
+    lr * noise / (|noise| + eps): with eps 1e-8 that is ~lr/100 and more, far above rounding;
+    with eps 1e-6 it stays ~lr * 1e-4. Runs are still judged against a float64 reference
+    (labkit.numerics), whose float32 twin makes the same kind of noise.
     """
     optimizer_class, options = optimizer_spec(cfg)
     return optimizer_class(params, **options)
 
 
-def batch(model, cfg, step):
-    """The global batch of `step`: the same tensors on every rank and in the reference."""
-    return data.batch_for(model, step, cfg.global_batch, cfg.seed)
+def batch(model, cfg, step, dtype=None):
+    """The global batch of `step`: the same tensors on every rank and in the reference
+    (floating ones cast to `dtype` if given: the float64 reference)."""
+    x, y = data.batch_for(model, step, cfg.global_batch, cfg.seed)
+    if dtype is None:
+        return x, y
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in (x, y))
 
 
-def train(cfg=None, ctx=None, track_memory=True):
+def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32):
     """Train on one device; returns losses, final parameters and measured memory.
 
     With a `ctx` (a one-rank launch) the step is also placed on the modelled clock.
+    `dtype=torch.float64`: the same run in float64, the "exact" answer that float32 runs are
+    judged against (labkit.numerics).
     """
     cfg = cfg or RunConfig()
-    model = build_model(cfg)
+    model = build_model(cfg).to(dtype)
     optimizer = build_optimizer(model.parameters(), cfg)
     memory = ctx.memory if ctx is not None else MemoryTracker()
     memory.watch(model=model, optimizer=optimizer)
     losses = []
     for step in range(cfg.steps):
-        x, y = batch(model, cfg, step)
+        x, y = batch(model, cfg, step, dtype)
         optimizer.zero_grad(set_to_none=True)
         with _maybe(memory.track_activations(), track_memory), _compute(ctx, "forward+backward"):
             loss = model(x, y)
@@ -110,6 +120,11 @@ def train(cfg=None, ctx=None, track_memory=True):
 def full_params(model):
     """Name -> a detached copy of every parameter (what `max_param_diff` compares)."""
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def float64_reference(cfg):
+    """The reference run in float64 (losses and parameters, no memory tracking)."""
+    return train(cfg, track_memory=False, dtype=torch.float64)
 
 
 def max_param_diff(params, reference):

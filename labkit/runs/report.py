@@ -2,7 +2,10 @@
 
 Each rank's `fn` returns `rank_result(ctx, ...)`; `build_report` puts the ranks together with
 the single-device reference's result it is handed (`reference.train(cfg)`, or a technique's
-own reference) and adds `max_param_diff_vs_reference`.
+own reference) and adds `max_param_diff_vs_reference`, and, when it is handed the same run in
+float64 (`exact`), `agreement`: the parallel run and the float32 reference both measured
+against the float64 run (labkit.numerics), the verdict "equals one device" that holds on any
+CPU.
 """
 import json
 import math
@@ -30,11 +33,12 @@ def mean_loss(results, key="local_loss"):
     return [sum(step) / len(step) for step in zip(*per_rank)]
 
 
-def build_report(technique, cfg, results, *, reference, config=None, predicted_memory=None,
-                 predicted_comm_bytes_per_rank=None, **extra):
+def build_report(technique, cfg, results, *, reference, exact=None, config=None,
+                 predicted_memory=None, predicted_comm_bytes_per_rank=None, **extra):
     """The JSON-able report of a run, plus `timeline` and `params` for notebooks.
     `reference`: the single-device run's result ({loss, params}) the ranks are checked
-    against."""
+    against; `exact`: the same run in float64 (`reference.float64_reference(cfg)`), for
+    `agreement`."""
     from .reference import max_param_diff
     first = results[0]
     params = first.get("params")
@@ -52,10 +56,24 @@ def build_report(technique, cfg, results, *, reference, config=None, predicted_m
         wall_s=max(r["wall_s"] for r in results),
         modelled_step_s=max(step_times[1:] or step_times) if step_times else None,
     )
+    report["agreement"] = agreement(report["loss"], params, reference, exact)
     report.update(extra)
     report["timeline"] = [e for r in results for e in r["timeline"]]
     report["params"] = params
     return report
+
+
+def agreement(loss, params, reference, exact):
+    """{"loss": ..., "params": ...}: each a dict of `numerics.Agreement`'s numbers and `ok`
+    (None without a float64 run, or without gathered parameters)."""
+    from .. import numerics
+    if exact is None:
+        return None
+    found = dict(loss=numerics.compare_loss(loss, reference["loss"], exact["loss"]))
+    if params is not None:
+        found["params"] = numerics.compare(params, reference["params"], exact["params"])
+    return {k: dict(error=a.error, own_error=a.own_error, limit=a.limit, ok=a.ok,
+                    verdict=str(a)) for k, a in found.items()}
 
 
 def to_json(report, timeline=False):
@@ -112,6 +130,8 @@ def format_table(report):
     diff = report["max_param_diff_vs_reference"]
     if diff is not None:
         lines.append(f"  max |param - reference| after the last step: {diff:.2e}")
+    for name, a in (report.get("agreement") or {}).items():
+        lines.append(f"  {name} vs the float64 single-device run: {a['verdict']}")
     lines.append("  memory per rank (measured, MB): " + ", ".join(
         f"r{r}: params {m['params'] / 1e6:.2f} grads {m['grads'] / 1e6:.2f} "
         f"opt {m['optimizer'] / 1e6:.2f} act {m['activations'] / 1e6:.2f} "

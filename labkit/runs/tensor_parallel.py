@@ -19,6 +19,7 @@ from ..theory import memory as theory_memory
 from ..theory import tensor_parallel as theory_tp
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
 from .reference import gpt_config as reference_gpt_config, train as reference_train
+from .reference import float64_reference
 
 
 def gpt_plan(sequence_parallel=False):
@@ -153,7 +154,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", sequence_parallel=Fa
     comm = predict_comm(cfg, world_size, sequence_parallel, regather)
     first = results[0]
     return build_report(
-        "tp", cfg, results, reference=reference_train(cfg),
+        "tp", cfg, results, reference=reference_train(cfg), exact=float64_reference(cfg),
         config=dict(tp=world_size, sequence_parallel=sequence_parallel, regather=regather,
                     plan=gpt_plan(sequence_parallel)),
         predicted_memory=predict_memory(cfg, world_size, sequence_parallel, regather),

@@ -22,6 +22,7 @@ from ..theory import memory as theory_memory
 from ..theory import zero as theory_zero
 from .reference import (RunConfig, activation_bytes, batch, build_model, build_optimizer,
                         optimizer_spec, train as reference_train)
+from .reference import float64_reference
 from .report import build_report, rank_result
 from .report import mean_loss as global_loss   # the full-batch loss of shard losses
 
@@ -231,6 +232,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", stage=1, mixed_preci
     return build_report(
         "zero", cfg, results,
         reference=reference_mixed_precision(cfg) if mixed_precision else reference_train(cfg),
+        exact=None if mixed_precision else float64_reference(cfg),
         config=dict(stage=stage, mixed_precision=mixed_precision, offload=offload,
                     prefetch=not no_prefetch, param_count=psi,
                     padded_param_count=results[0]["padded_numel"],

@@ -163,21 +163,32 @@ runs = {layout: run_cp.report(4, cfg, layout=layout) for layout in ("contiguous"
 for layout, r in runs.items():
     a = r["attention_check"]
     print(f"{layout:>10}: loss {[round(x, 4) for x in r['loss']]} reference "
-          f"{[round(x, 4) for x in r['reference_loss']]}, max |param - reference| "
-          f"{r['max_param_diff_vs_reference']:.1e}; attention check max diff: " + ", ".join(
-              f"{k} {v:.1e}" for k, v in a["max_diff"].items()))
+          f"{[round(x, 4) for x in r['reference_loss']]}\n  parameters vs the float64 run: "
+          f"{r['agreement']['params']['verdict']}\n  attention check vs fp64: {a['verdict']}")
+
+# %% [markdown]
+# "Equal" cannot mean bit for bit: 4 ranks add the same numbers in another order, and float32
+# rounds each order differently (and each CPU's kernels differently again). So labkit runs the
+# single-device reference twice, in float32 and in float64 (nearly exact), and calls a parallel
+# run equal when its distance to the float64 run is at most a few times the float32 run's own
+# distance to it (`labkit.numerics`): the verdict below holds on any CPU.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 for layout, r in runs.items():
     a = r["attention_check"]
-    print(f"{layout}: parameters equal one device's (< 1e-5): "
-          f"{r['max_param_diff_vs_reference'] < 1e-5}; attention output and q, k, v gradients "
-          f"equal (< 1e-5): {max(a['max_diff'].values()) < 1e-5}")
+    print(f"{layout}: parameters and loss equal one device's (within float32 rounding): "
+          f"{r['agreement']['params']['ok'] and r['agreement']['loss']['ok']}; attention "
+          f"output and q, k, v gradients equal (within rounding): {a['within_rounding']}")
 
 # %% [markdown]
-# (Adam divides each gradient by its own running size, so a gradient that is pure rounding
-# noise, the attention key bias that softmax cancels, moves by ~lr·1e-4: that is the 1e-6 here.)
+# Adam makes the parameter errors above larger than plain SGD's would be. Its step is
+# lr·m/(√v + eps). The attention key bias has a true gradient of exactly 0 (softmax does not
+# change when a whole row of scores moves together), so what backward computes for it is
+# rounding noise, different on one device and on 4 ranks. Where that noise is far below eps (here
+# eps = 1e-6, `build_optimizer`) the step is about lr·noise/eps: small, but far above rounding.
+# Were eps below the noise, Adam would turn pure noise into steps of up to lr. The float32
+# reference makes the same kind of noise, which is why the verdict measures both against float64.
 #
 # ## The causal imbalance, measured
 #
