@@ -1,0 +1,180 @@
+"""FullyShard's layout: units, their flat buffers and shards, and gathering on use.
+
+A unit (`_Unit`) is a module whose parameters are sharded together; its parameters of one dtype
+and requires_grad are packed into one flat buffer padded to a multiple of N (`_Flat`), rank r
+keeping elements [r*S, (r+1)*S). `_make_units` assigns each parameter to the nearest unit above
+its first holder (tied weights once). `_GatherOnUse` makes every parameter a forward reads
+gathered, even one read without calling its module (nn.MultiheadAttention's out_proj.weight).
+The idea and the byte counts: `fully_shard.py`.
+"""
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+
+class _Entry:
+    """One original parameter: its place in its flat buffer, and where modules hold it."""
+
+    def __init__(self, param, unit):
+        self.param, self.unit, self.offset = param, unit, 0
+        self.numel, self.shape = param.numel(), param.shape
+        self.uses = []   # (module, attribute name)
+
+
+class _Flat:
+    """A unit's parameters of one dtype and requires_grad, in one flat buffer padded to a
+    multiple of N. `shard`: this rank's slice (what the optimizer steps; `pieces` are its
+    views, one nn.Parameter per original parameter). `full`: the gathered buffer in the compute
+    dtype, its storage freed between uses; `leaves` (views of it) are what modules compute with.
+    """
+
+    def __init__(self, unit, entries, owner):
+        group, first = owner.group, entries[0].param
+        self.unit, self.entries, self.sharded = unit, entries, unit.sharded
+        self.requires_grad = first.requires_grad
+        self.name = unit.name + ("" if self.requires_grad else " (frozen)")
+        n = group.size if self.sharded else 1
+        self.numel = sum(e.numel for e in entries)
+        self.padded = -(-self.numel // n) * n
+        self.lo = group.rank * self.padded // n if self.sharded else 0  # mine: [lo, hi)
+        self.hi = self.lo + self.padded // n
+        whole = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
+        for e in entries:
+            whole[e.offset:e.offset + e.numel] = e.param.detach().reshape(-1)
+        host = torch.device("cpu") if owner.offload else first.device
+        self.shard = whole[self.lo:self.hi].clone().to(host)   # unrounded: the fp32 masters
+        if host != first.device:
+            self.shard = self.shard.pin_memory()
+        dtype = owner.compute_dtype or first.dtype
+        unit.casts = unit.casts or dtype != first.dtype or owner.offload
+        # replicated in the same dtype and place, `full` is the shard: nothing to gather
+        self.full = whole.to(dtype) if self.sharded or unit.casts else self.shard
+        self.pieces = [nn.Parameter(v, requires_grad=self.requires_grad)
+                       for v in self.views(self.shard)]
+        self.leaves = []
+        for e, piece in zip(entries, self.pieces):
+            leaf = nn.Parameter(torch.empty(0, dtype=dtype, device=self.full.device),
+                                requires_grad=self.requires_grad)
+            # `.data =` keeps the leaf's own version counter: refilling `full` in place
+            # later does not look, to autograd, like a change of a tensor saved for backward
+            leaf.data = self.full[e.offset:e.offset + e.numel].view(e.shape)
+            leaf._labkit_slot = (self, e)
+            if self.requires_grad:
+                leaf.register_post_accumulate_grad_hook(owner._on_gradient)
+            e.piece, e.leaf, e.param = piece, leaf, None   # the full original tensor goes
+            self.leaves.append(leaf)
+        if self.full is not self.shard:
+            self.full.untyped_storage().resize_(0)
+        self.bucket = self.reduced = None
+        self.arrived, self.issued = 0, False
+
+    def views(self, shard):
+        """Each original parameter's part of `shard` (1-D; whole-shaped when replicated)."""
+        if not self.sharded:
+            return [shard[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries]
+        ranges = [(max(e.offset, self.lo), min(e.offset + e.numel, self.hi))
+                  for e in self.entries]
+        return [shard[a - self.lo:max(a, b) - self.lo] for a, b in ranges]
+
+
+class _Unit:
+    def __init__(self, name, module, sharded):
+        self.name, self.module, self.sharded = name, module, sharded
+        self.entries, self.flats, self.needs = [], [], [self]
+        self.active, self.gathered, self.casts = 0, False, False
+
+    def swap_in(self):    # modules compute with the full weights...
+        for e in self.entries:
+            for module, attr in e.uses:
+                module._parameters[attr] = e.leaf
+
+    def swap_out(self):   # ...and show the shards otherwise
+        for e in self.entries:
+            for module, attr in e.uses:
+                module._parameters[attr] = e.piece
+
+
+def _make_units(root, pick, owner):
+    """Units in pre-order; a parameter belongs to the nearest unit above its first holder,
+    or to the replicated pseudo-unit (hooked on the root) when no unit is above it."""
+    replicated = _Unit("replicated", root, sharded=False)
+    units, entry_of, region = [replicated], {}, {}
+    for name, module in root.named_modules():
+        unit = region.get(module, replicated)
+        if pick(module):
+            unit = _Unit(name or "root", module, sharded=True)
+            units.append(unit)
+        for child in module.children():
+            region.setdefault(child, unit)
+        for attr, p in module.named_parameters(recurse=False):
+            if p not in entry_of:
+                entry_of[p] = _Entry(p, unit)
+                unit.entries.append(entry_of[p])
+            entry_of[p].uses.append((module, attr))
+            if entry_of[p].unit not in unit.needs:   # a tied weight another unit owns
+                unit.needs.append(entry_of[p].unit)
+    for unit in units:
+        kinds = {}
+        for e in unit.entries:
+            kinds.setdefault((e.param.requires_grad, e.param.dtype), []).append(e)
+        for entries in kinds.values():
+            for before, e in zip([None] + entries, entries):
+                e.offset = before.offset + before.numel if before else 0
+            unit.flats.append(_Flat(unit, entries, owner))
+        unit.swap_out()
+    return [u for u in units if u.flats or len(u.needs) > 1]
+
+
+class _GatherOnUse(TorchFunctionMode):
+    """While the wrapped module runs: a shard reaching an op (a forward that reads a child's
+    parameter directly) becomes its gathered full parameter, and the op's outputs gather that
+    unit again before their backward (which reads the full parameter)."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.owner._in_hook or getattr(getattr(func, "__self__", None), "__name__", "") \
+                in ("grad", "_grad"):   # bookkeeping (the shard's own .grad), not compute
+            return func(*args, **kwargs)
+        used = []
+
+        def full(t):
+            entry = self.owner._entry_of_piece.get(id(t))
+            if entry is None:
+                return t
+            used.append(entry.unit)
+            return self.owner._borrow(entry)
+
+        args, kwargs = _map_tensors((args, kwargs), full)
+        out = func(*args, **kwargs)
+        if used and torch.is_grad_enabled():
+            for unit in dict.fromkeys(used):
+                out = _map_tensors(out, lambda t, u=unit: _BeforeBackward.apply(self.owner, u, t)
+                                   if t.requires_grad else t)
+        return out
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity in forward; in backward it first has the unit's weights gathered again."""
+
+    @staticmethod
+    def forward(ctx, owner, unit, x):
+        ctx.owner, ctx.unit = owner, unit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.owner._pre_backward(ctx.unit)
+        return None, None, grad
+
+
+def _map_tensors(value, fn):
+    """`fn` on every tensor in nested tuples, lists and dicts (a module's inputs or outputs)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return fn(value) if isinstance(value, torch.Tensor) else value
