@@ -101,22 +101,22 @@ def to_trace(report, path):
 
 def _finite(value, where, flagged):
     """`value` as plain JSON data, each NaN/inf float replaced by None and its path noted."""
-    if isinstance(value, torch.Tensor):
-        value = value.tolist()
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+        value = value.tolist()   # numpy's scalars too: Python's own bool, int, float
     if isinstance(value, dict):
         return {str(k): _finite(v, f"{where}.{k}" if where else str(k), flagged)
                 for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_finite(v, f"{where}[{i}]", flagged) for i, v in enumerate(value)]
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    if value is None or isinstance(value, (bool, str)):   # before numbers: a bool is a Real
+        return value
+    if isinstance(value, numbers.Integral):
         return int(value)   # numpy's integers too
     if isinstance(value, numbers.Real):
         value = float(value)
         if not math.isfinite(value):
             flagged.append(where)
             return None
-        return value
-    if value is None or isinstance(value, (bool, str)):
         return value
     return str(value)
 
