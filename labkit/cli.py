@@ -166,7 +166,8 @@ def run_technique(args):
         _check_gpt_shape(cfg)
     options = {k: v for k, v in vars(args).items()
                if k not in ("command", "technique", "model", "steps", "batch", "lr",
-                            "optimizer", "seed", "json", "timeline", "trace", "world_size", "cluster")
+                            "optimizer", "seed", "json", "timeline", "trace", "world_size",
+                            "cluster")
                + SHAPE}
     options.pop("explicit", None)
     if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):

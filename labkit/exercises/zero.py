@@ -177,8 +177,8 @@ def check_fsdp_critical_batch(answer, gpus=ROOFLINE["gpus"], gpu=ROOFLINE["gpu"]
                 f"that uses the line rate {ln.bandwidth / 1e9:.0f} GB/s; the lab's link model "
                 f"delivers {ln.efficiency:.0%} of it ({ln.effective_bandwidth / 1e9:.0f} GB/s)"),
         Mistake(expected / 8, "bits", "that reads 400 Gb/s as 400 GB/s: 8 bits to a byte"),
-        Mistake(expected / 2, "bytes per value", "off by 2: weights and gradients travel in bf16, 2 bytes "
-                "each, not 1"),
+        Mistake(expected / 2, "bytes per value", "off by 2: weights and gradients travel in "
+                "bf16, 2 bytes each, not 1"),
     ]
     return check_number(
         answer, expected, unit="tokens", tolerance=0.02,   # dropping (N-1)/N = 63/64 is fine
