@@ -10,11 +10,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = """
 import labkit.theory.catalog as catalog, labkit.theory.hardware as hardware
-import labkit.theory.planner as planner
+import labkit.theory.planner as planner, labkit.theory.published as published
 assert hardware.__file__.startswith(INSTALLED), hardware.__file__
 assert str(hardware.TABLES).startswith(INSTALLED)
 print(hardware.gpu("H100").name, catalog.model("llama-3-70b").param_count(),
-      len(hardware.table()), len(catalog.table()), len(planner.published_runs()), sep="|")
+      len(hardware.table()), len(catalog.table()), len(published.runs()), sep="|")
 """
 
 
@@ -36,7 +36,7 @@ def test_a_wheel_install_finds_its_tables(tmp_path):
     out = subprocess.run([sys.executable, "-c", f"INSTALLED = {str(installed)!r}\n" + CHECK],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
-    from labkit.theory import catalog, hardware, planner  # the checkout's, for comparison
+    from labkit.theory import catalog, hardware, published  # the checkout's, for comparison
     expected = [hardware.gpu("H100").name, catalog.model("llama-3-70b").param_count(),
-                len(hardware.table()), len(catalog.table()), len(planner.published_runs())]
+                len(hardware.table()), len(catalog.table()), len(published.runs())]
     assert out.stdout.strip().split("|") == [str(x) for x in expected]

@@ -2,7 +2,7 @@
 what cannot fit with a reason, keeps TP inside a node, and agrees with the catalog's counts."""
 import pytest
 
-from labkit.theory import catalog, planner, transformer as tf
+from labkit.theory import catalog, planner, published, transformer as tf
 
 # Calibration tolerance: the two fitted constants leave a mean absolute error of 1.6% and every
 # row within 4% on Table 1 (the table reports whole TFLOP/s; run-to-run noise on Selene was a
@@ -13,7 +13,7 @@ ROW_TOLERANCE, MEAN_TOLERANCE = 0.06, 0.03
 
 @pytest.fixture(scope="module")
 def calibration():
-    return planner.published_check(planner.published_runs("calibration"))
+    return published.check(published.runs("calibration"))
 
 
 def test_published_table_1_rows_are_predicted(calibration):
@@ -28,7 +28,7 @@ def test_published_table_1_rows_are_predicted(calibration):
 def test_every_published_layout_fits_its_gpus(calibration):
     for row in calibration:
         assert row["plan"]["fits"], (row["name"], row["plan"]["reason"])
-    for row in planner.published_check(planner.published_runs("check")):
+    for row in published.check(published.runs("check")):
         assert row["plan"]["fits"], (row["name"], row["plan"]["reason"])
 
 
@@ -332,6 +332,6 @@ def test_held_out_runs_stay_predicted():
     # labkit's mean absolute error on them is ~10% (bench/planner.py; llm-analysis at half of
     # peak: ~26%; without overlap, megatron-2021 everywhere: ~13%; without the MAMF scaling of
     # the A100 fit: ~16%); 15% leaves room for the model's known gaps.
-    rows = planner.published_check(planner.published_runs("check"))
+    rows = published.check(published.runs("check"))
     assert len(rows) >= 25
     assert sum(abs(r["error"]) for r in rows) / len(rows) < 0.15

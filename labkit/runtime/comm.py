@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Union
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,9 @@ from .stamps import (equal_splits, needed as stamp_needed, reduction_slots, unpa
 if TYPE_CHECKING:
     import pandas
 
-    from .context import Context, GroupLike
+# what `group=` takes: a runtime.context Group, a torch ProcessGroup, or None (the world); named
+# here, not imported from context.py (which imports this module)
+GroupLike = Union[object, dist.ProcessGroup, None]
 
 ReduceOpName = Literal["sum", "avg", "max", "min"]   # what `op=` takes
 
@@ -102,7 +104,7 @@ KEEP_RECORDS = 10_000   # single calls kept for inspection; totals are kept for 
 
 
 class Comm:
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx) -> None:   # ctx: the rank's runtime Context
         self.ctx = ctx
         self.records = deque(maxlen=KEEP_RECORDS)
         self.totals = {}        # (op, group, tag) -> calls, bytes, wire bytes, seconds

@@ -16,13 +16,9 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-
-if TYPE_CHECKING:
-    from .context import Context
 
 TensorSource = Callable[[], Iterable[torch.Tensor]]   # a category's source: returns its tensors
 
@@ -139,7 +135,7 @@ def _modules_of(model):
 
 
 class MemoryTracker:
-    def __init__(self, ctx: Context | None = None) -> None:
+    def __init__(self, ctx=None) -> None:   # ctx: the rank's Context (runtime.context)
         self.ctx = ctx
         self.sources = {c: (lambda: ()) for c in CATEGORIES if c != "activations"}
         self.buffers = {}          # name -> tensor: transient buffers (gathered weights, comm)

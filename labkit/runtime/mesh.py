@@ -18,10 +18,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .context import Context, Group
 
 DIMS = ("pp", "dp", "cp", "tp")   # outermost to innermost
 
@@ -30,7 +26,7 @@ class Mesh:
     find_context = None   # set by runtime.context: how a Mesh built without ctx finds it
 
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                 order: Sequence[str] = DIMS, ctx: Context | None = None) -> None:
+                 order: Sequence[str] = DIMS, ctx=None) -> None:   # ctx: a runtime Context
         ctx = ctx if ctx is not None else Mesh.find_context()
         self.ctx = ctx
         self.sizes = dict(dp=dp, tp=tp, pp=pp, cp=cp)
@@ -71,7 +67,7 @@ class Mesh:
             groups.setdefault((fixed, split(c) if split else 0), []).append(rank)
         return list(groups.values())
 
-    def __getitem__(self, name: str) -> Group:
+    def __getitem__(self, name: str):   # -> the dimension's Group (runtime.context)
         if name not in self.groups:
             raise KeyError(f"mesh has groups {sorted(self.groups)}, not {name!r}")
         return self.groups[name]

@@ -346,24 +346,6 @@ def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_lin
                 considered=len(legal), plans=legal[:top] if top else legal)
 
 
-def published_check(rows, achievable=None, hbm_passes=None):
-    """Predicted vs published throughput for rows of data/published_runs.csv (published.py)."""
-    from .published import check
-    return check(rows, achievable, hbm_passes)
-
-
-def published_runs(source=None):
-    """Rows of data/published_runs.csv, optionally only those whose `use` is `source`."""
-    from .published import runs
-    return runs(source)
-
-
-def calibrate(rows, achievable=(0.40, 0.90, 0.01), hbm_passes=(0.0, 12.0, 0.5)):
-    """The two fitted constants on a grid (published.calibrate)."""
-    from .published import calibrate as fit
-    return fit(rows, achievable, hbm_passes)
-
-
 def recompute_label(p):
     """'none', 'selective', 'full' (every layer) or 'full 3/16' (3 of a stage's 16 layers)."""
     if p["recompute"] != "full":
