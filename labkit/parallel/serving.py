@@ -83,19 +83,20 @@ def _run(module, x, cache):
 
 
 @torch.no_grad()
-def generate(model, prompt, new_tokens, cache=None, return_logits=False):
+def generate(model, prompt, new_tokens, cache=None, return_logits=False, pick=None):
     """Greedy generation: (b, P) prompt ids -> (b, new_tokens) ids, prefill then decode.
 
     cache: the KVCache to fill (default: a new one). return_logits: also the
     (b, new_tokens, vocab) logits each token was picked from (to compare with a reference
-    within float tolerance)."""
+    within float tolerance). pick: (b, V) logits -> (b,) ids, default argmax (a head whose
+    logits stay split by vocabulary passes `vocab_parallel_argmax`)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
     cache = new_cache() if cache is None else cache
     ids, tokens, logits = prompt, [], []
     for _ in range(new_tokens):
         out = _run(model, ids, cache)[:, -1]
-        ids = out.argmax(dim=-1, keepdim=True)
+        ids = (out.argmax(dim=-1) if pick is None else pick(out)).unsqueeze(1)
         tokens.append(ids)
         logits.append(out)
     tokens = torch.cat(tokens, dim=1)

@@ -55,14 +55,6 @@ def build_cp_model(cfg, group=None, layout="zigzag", method="ring"):
     return model
 
 
-def gpt_forward(model, ids, positions):
-    """TinyGPT's forward on a sequence shard: the position embedding at global positions."""
-    x = model.tok(ids) + model.pos(positions)
-    for block in model.blocks:
-        x = block(x)
-    return model.head(model.ln_f(x))
-
-
 def train(ctx, cfg, layout="zigzag", method="ring", causal=True, check_shape=None):
     """Train the CP tiny GPT on ctx.world (the CP group), then run the attention check."""
     from .report import rank_result
@@ -79,7 +71,7 @@ def train(ctx, cfg, layout="zigzag", method="ring", causal=True, check_shape=Non
             x, y = shard_sequence(x, None, layout), shard_sequence(y, None, layout)
             optimizer.zero_grad(set_to_none=True)
             with ctx.memory.track_activations(), ctx.clock.compute("forward+backward"):
-                logits = gpt_forward(model, x, positions)
+                logits = model(x, positions=positions)
                 loss = token_loss(logits, y)
                 loss.backward()
             # replicated weights, each rank's loss the mean over its tokens: average

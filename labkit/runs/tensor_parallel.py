@@ -6,14 +6,13 @@ cross-entropy over the head's vocabulary shards (3 all-reduces of b*s numbers in
 gathering b*s*V logits); the report compares the gathered parameters with the single-device
 run and the comm log and memory with labkit.theory.tensor_parallel.
 """
-import math
-
 import torch
 
 from .. import models
 from ..parallel.tensor_parallel import (gather_from_tp, gather_grads, gather_params,
                                         parallelize, vocab_parallel_argmax,
                                         vocab_parallel_cross_entropy)
+from ..parallel import serving
 from ..parallel.tensor_parallel_plan import resolve_plan
 from ..theory import memory as theory_memory
 from ..theory import tensor_parallel as theory_tp
@@ -165,52 +164,23 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", sequence_parallel=Fa
 
 # ------------------------------------------------------------------------------- inference
 
-def _attend_cached(attn, x, cache):
-    """This rank's heads over the cached keys/values plus the new tokens' ones."""
-    b, s_new, _ = x.shape
-    d = attn.head_dim
-    q, k, v = (t.reshape(b, s_new, -1, d).transpose(1, 2) for t in attn.qkv(x).chunk(3, -1))
-    if cache:
-        k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-    cache[:] = [k, v]
-    s_all = k.shape[2]
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
-    mask = torch.ones(s_new, s_all, dtype=torch.bool).triu(s_all - s_new + 1)
-    probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
-    return attn.proj((probs @ v).transpose(1, 2).reshape(b, s_new, -1))
-
-
-def _forward_cached(model, idx, caches, start):
-    x = model.tok(idx) + model.pos(torch.arange(start, start + idx.shape[1]))
-    for block, cache in zip(model.blocks, caches):
-        x = x + _attend_cached(block.attn, block.ln1(x), cache)
-        x = x + block.mlp(block.ln2(x))
-    return model.head(model.ln_f(x))   # (b, s_new, V/t): this rank's vocabulary shard
-
-
-@torch.no_grad()
 def generate(ctx, model, prompt, new_tokens):
-    """Greedy decoding with a KV cache of this rank's heads; returns (tokens, cache bytes).
-    `model`: from build_tp_model without sequence parallelism."""
+    """Greedy decoding through the model's own KV-cache path (`serving.generate`): each rank
+    caches the keys/values of its own heads, and the next token is the argmax over the
+    vocabulary shards (`vocab_parallel_argmax`: 2 numbers per row, not V/t logits).
+    Returns (prompt + new tokens, this rank's cache bytes). `model`: from build_tp_model
+    without sequence parallelism."""
     if model.head.sequence_parallel:
         raise ValueError("generate runs without sequence parallelism: build the model with "
                          "sequence_parallel=False (one new token has no sequence to split)")
     if prompt.shape[1] + new_tokens > model.cfg.seq:
         raise ValueError(f"prompt + new tokens must fit the {model.cfg.seq} positions")
-    caches = [[] for _ in model.blocks]
-    tokens, start, step_input = prompt, 0, prompt
-    for _ in range(new_tokens):
-        logits = _forward_cached(model, step_input, caches, start)
-        start += step_input.shape[1]
-        step_input = vocab_parallel_argmax(logits[:, -1], model.head.group).unsqueeze(1)
-        tokens = torch.cat([tokens, step_input], dim=1)
-    return tokens, sum(t.nbytes for cache in caches for t in cache)
+    cache = serving.KVCache()
+    new = serving.generate(model, prompt, new_tokens, cache,
+                           pick=lambda logits: vocab_parallel_argmax(logits, model.head.group))
+    return torch.cat([prompt, new], dim=1), cache.nbytes()
 
 
-@torch.no_grad()
 def reference_generate(model, prompt, new_tokens):
     """The single-device TinyGPT, greedy, recomputing the whole prefix each token (no cache)."""
-    tokens = prompt
-    for _ in range(new_tokens):
-        tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return tokens
+    return torch.cat([prompt, serving.generate_without_cache(model, prompt, new_tokens)], dim=1)
