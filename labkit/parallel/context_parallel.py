@@ -41,10 +41,13 @@ per rank each way, falling as 1/N; it needs N <= KV heads (h_kv divisible by N).
 The cores live in `ring_attention.py` (ring, layouts, shards) and `head_attention.py`
 (all-gather, Ulysses); this module applies them to a model (`ContextParallel`).
 """
+from collections.abc import Callable, Iterable, Mapping
+
 import torch.nn as nn
 
 from torch.overrides import TorchFunctionMode
 
+from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from .head_attention import all_gather_attention, check_ulysses_heads, ulysses_attention
 from .ring_attention import (LAYOUTS, SEQ_DIM, _check_layout, _sdpa, check_sequence,
@@ -115,8 +118,10 @@ class ContextParallel(nn.Module):
     gradients over the group (e.g. DataParallel).
     """
 
-    def __init__(self, module, group=None, layout="contiguous", method="ring", cores=None,
-                 attention=None):
+    def __init__(self, module: nn.Module, group: GroupLike = None, layout: str = "contiguous",
+                 method: str = "ring", cores: Mapping[Callable | str, Callable] | None = None,
+                 attention: nn.Module | Iterable[nn.Module] | Callable[[nn.Module], bool]
+                 | None = None) -> None:
         super().__init__()
         _check_layout(layout)
         if method not in CORES:

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from .flat import FlatBuffer, bucket_params
 
@@ -50,8 +51,8 @@ class DataParallel(nn.Module):
     twice (tied weights) is reduced once. Buffers are broadcast once, when the wrapper is built.
     """
 
-    def __init__(self, module, group=None, bucket_mb=25.0, overlap=True,
-                 gradient_as_bucket_view=False):
+    def __init__(self, module: nn.Module, group: GroupLike = None, bucket_mb: float = 25.0,
+                 overlap: bool = True, gradient_as_bucket_view: bool = False) -> None:
         super().__init__()
         if bucket_mb < 0:
             raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")

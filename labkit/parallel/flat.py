@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ..runtime.comm import GroupLike
 from ..runtime.context import context
 
 
@@ -34,8 +35,8 @@ class FlatBuffer:
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor], *, pad_to: int = 1,
-                 dtype: torch.dtype | None = None, device=None, index: int = 0,
-                 copy: bool = True):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 index: int = 0, copy: bool = True) -> None:
         self.tensors, self.index = list(tensors), index
         if not self.tensors:
             raise ValueError("a FlatBuffer needs at least one tensor")
@@ -63,14 +64,15 @@ class FlatBuffer:
         return [self.view(t, buffer) for t in self.tensors]
 
     @torch.no_grad()
-    def pack(self, values, buffer=None):
+    def pack(self, values: Iterable[torch.Tensor | None],
+             buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Copy `values` (one per tensor, in order; None: zeros) into `buffer` (default data)."""
         for t, value in zip(self.tensors, values):
             view = self.view(t, buffer)
             view.zero_() if value is None else view.copy_(value)
         return self.data if buffer is None else buffer
 
-    def bind(self):
+    def bind(self) -> None:
         """The tensors (parameters) become views of the buffer: updating one updates both."""
         for t in self.tensors:
             t.data = self.view(t)
@@ -81,7 +83,7 @@ class FlatBuffer:
         buffer = self.data if buffer is None else buffer
         return buffer[rank * n:(rank + 1) * n]
 
-    def part_views(self, rank, size, part):
+    def part_views(self, rank: int, size: int, part: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's piece (1-D, maybe empty) inside `part`, member rank's slice of a
         buffer laid out like this one: what a shard holds of each tensor (FullyShard)."""
         lo = rank * self.padded // size
@@ -119,8 +121,9 @@ def bucket_params(params: Iterable[torch.Tensor], cap_bytes: float,
 
 
 @torch.no_grad()
-def average_gradients(params: Iterable[torch.Tensor], group=None, *, skip_unused: bool = False,
-                      per_tensor: bool = False, tag: str = "grad average") -> None:
+def average_gradients(params: Iterable[torch.Tensor], group: GroupLike = None, *,
+                      skip_unused: bool = False, per_tensor: bool = False,
+                      tag: str = "grad average") -> None:
     """Average the `.grad` of `params` over `group` (None: the world) in one flat all-reduce.
 
     A parameter without a gradient on this rank contributes zeros. skip_unused: one presence

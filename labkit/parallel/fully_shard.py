@@ -39,9 +39,12 @@ on the CPU and cross PCIe; on a CPU-only run host and device are the same memory
     loss_fn(model(x_shard), y_shard).backward()   # gradients reduce-scattered during backward
     optimizer.step()
 """
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
+from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from .fully_shard_layout import _make_units, _GatherOnUse, _BeforeBackward, _map_tensors
 from ..theory import hardware   # PCIe numbers for the modelled host <-> device copies
@@ -68,8 +71,10 @@ class FullyShard(nn.Module):
     prefetch: gather the next unit (in forward order; previous in backward) asynchronously.
     """
 
-    def __init__(self, module, group=None, compute_dtype=None, reshard_after_forward=True,
-                 offload=False, units=None, *, prefetch=True):
+    def __init__(self, module: nn.Module, group: GroupLike = None,
+                 compute_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
+                 offload: bool = False, units: Callable[[nn.Module], bool] | None = None, *,
+                 prefetch: bool = True) -> None:
         super().__init__()
         self.module = module
         self._ctx = context()

@@ -48,6 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from .flat import FlatBuffer
 
@@ -137,7 +138,7 @@ class _AllToAll(torch.autograd.Function):
 class ExpertParallel(nn.Module):
     """`layer`'s experts spread over `group` (None: the world); see the module docstring."""
 
-    def __init__(self, moe_layer, group=None, tag="moe"):
+    def __init__(self, moe_layer: nn.Module, group: GroupLike = None, tag: str = "moe") -> None:
         super().__init__()
         self.group = context().group(group)
         self.tag = tag

@@ -23,10 +23,12 @@ Idle share (bubble) with equal stages and free links: (P-1)/(V*M + P-1).
     optimizer.step()
 """
 from collections import deque
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
+from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from ..theory import pipeline as schedules
 
@@ -79,8 +81,9 @@ class PipelineStage:
     micro-batch's input to this stage looks like; when every stage but the first is given one,
     no shapes are exchanged, otherwise each boundary sends a small header once."""
 
-    def __init__(self, module, stage_index, num_stages, group=None, input_shape=None,
-                 input_dtype=torch.float32):
+    def __init__(self, module: nn.Module, stage_index: int, num_stages: int,
+                 group: GroupLike = None, input_shape: Sequence[int] | None = None,
+                 input_dtype: torch.dtype = torch.float32) -> None:
         self.group = context().group(group)
         p = self.group.size
         if not 0 <= stage_index < num_stages:
@@ -116,7 +119,9 @@ class PipelineSchedule:
     backward (activation checkpointing; the forward must be deterministic).
     """
 
-    def __init__(self, stages, schedule, loss_fn, n_microbatches, recompute=False):
+    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], schedule: str | Sequence,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                 n_microbatches: int, recompute: bool = False) -> None:
         self.stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not self.stages:
             raise ValueError("PipelineSchedule needs this rank's stage(s)")
@@ -153,7 +158,8 @@ class PipelineSchedule:
         self._exchange = self._vote_on_shapes()
 
     # --- one step ------------------------------------------------------------------------
-    def step(self, x=None, target=None, losses=None):
+    def step(self, x: torch.Tensor | None = None, target: torch.Tensor | None = None,
+             losses: list | None = None) -> torch.Tensor | None:
         """Forward and backward of one batch as n_microbatches micro-batches; the gradients
         accumulate in .grad (zero them before, step the optimizer after).
 

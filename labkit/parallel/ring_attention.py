@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..runtime.comm import GroupLike
 from ..runtime.context import context
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -250,8 +251,9 @@ def _setup(q, k, v, group, layout):
     return group
 
 
-def ring_attention(q, k, v, group=None, causal=True, layout="contiguous", scale=None,
-                   reduce_dtype=torch.float32):
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike = None,
+                   causal: bool = True, layout: str = "contiguous", scale: float | None = None,
+                   reduce_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """softmax(Q K^T * scale [causal]) V over the whole sequence, each rank holding its shard.
 
     q, k, v: (batch, heads, local_seq, head_dim), this rank's positions of the `layout`

@@ -27,12 +27,14 @@ all-gather); activations per layer sbh(10 + 24/t + 5as/(ht)) -> sbh/t (34 + 5as/
 the group by a hook (so the whole module must run on sequence shards: a position embedding
 joins the plan as "vocab", which hands each rank the rows of its own positions).
 """
+from collections.abc import Mapping
 from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from .tensor_parallel_plan import fused_parts, resolve_plan
 
@@ -326,8 +328,9 @@ def _build(style, layer, name, group, shared, sequence_parallel, regather, gathe
                                 gather_output=gather_output and style == "vocab", **options)
 
 
-def parallelize(module, plan, group=None, sequence_parallel=False, *, regather=True,
-                gather_output=True):
+def parallelize(module: nn.Module, plan: Mapping[str, str], group: GroupLike = None,
+                sequence_parallel: bool = False, *, regather: bool = True,
+                gather_output: bool = True) -> nn.Module:
     """Split the layers `plan` names ({glob: "colwise" | "rowwise" | "vocab"}) over `group`
     (None: the world), in place; returns `module`. Every rank of the group calls it on the
     same (identically initialised) module and feeds the same input (with sequence_parallel:

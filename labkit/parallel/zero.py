@@ -35,9 +35,11 @@ How the work is cut:
 Frozen parameters are left alone; a tied parameter is one tensor, stepped once.
 """
 import weakref
+from collections.abc import Iterable
 
 import torch
 
+from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from ..runtime.memory import optimizer_state_tensors
 from .flat import FlatBuffer, all_gather_objects, bucket_params
@@ -63,8 +65,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     the gradients (stage 2: its shards and the bucket in flight), its optimizer state.
     """
 
-    def __init__(self, params, optimizer_class, group=None, stage=1, *, bucket_mb=25.0,
-                 **defaults):
+    def __init__(self, params: Iterable, optimizer_class: type[torch.optim.Optimizer],
+                 group: GroupLike = None, stage: int = 1, *, bucket_mb: float = 25.0,
+                 **defaults) -> None:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {stage!r} (stage 3: FullyShard)")
         if stage == 2 and issubclass(optimizer_class, NOT_ELEMENTWISE):
