@@ -1,10 +1,9 @@
 """ShardedOptimizer: ZeRO stages 1 and 2 - data parallelism without N copies of the optimizer.
 
 In plain data parallelism every rank holds the same weights, gradients and optimizer state and
-takes the same optimizer step: N-fold redundancy. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory
-Optimizations Toward Training Trillion Parameter Models", arXiv 1910.02054) gives each rank
-about 1/N of the parameters to *own*: it keeps optimizer state for those only, steps only those,
-and then sends the updated values to everyone. Bytes per rank for Psi parameters in 2-byte
+takes the same optimizer step: N-fold redundancy. ZeRO (Rajbhandari et al. 2020, arXiv
+1910.02054) gives each rank about 1/N of the parameters to *own*: it keeps optimizer state for
+those only, steps only those, and then sends the updated values to everyone. Bytes per rank for Psi parameters in 2-byte
 weights and gradients, with K bytes of optimizer state per parameter (K = 12 for mixed-precision
 Adam: fp32 master, momentum, variance; K = 8 for fp32 Adam, whose 2s are 4s):
 
