@@ -18,8 +18,10 @@ import torch.nn.functional as F
 import labkit
 from labkit import models, numerics
 from labkit.exercises.data_parallel import check_ring_all_reduce
+from labkit.parallel.data_parallel import ring_all_reduce
 from labkit.runs import data_parallel as dp
 from labkit.runs import reference
+from labkit.theory import data_parallel as theory_dp
 from spawn_helpers import spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -252,7 +254,7 @@ def in_subgroup(ctx, todo):
         for _ in range(5):
             ctx.comm.all_reduce(t, group=even, tag="elsewhere")
         return dict(elsewhere=t)
-    ring = dp.ring_all_reduce(ctx, torch.arange(6.0) * (ctx.rank + 1), group=odd)
+    ring = ring_all_reduce(ctx, torch.arange(6.0) * (ctx.rank + 1), group=odd)
     return dict(cases=train_cases(ctx, odd, todo), broadcast=broadcast_check(ctx, odd),
                 ring=ring)
 
@@ -295,7 +297,7 @@ def test_driver_modes_match_the_reference_and_the_ring_formula(mode, sgd_referen
     assert numerics.compare_loss(dp.global_loss(results), single["loss"], exact["loss"])
     assert results[0]["local_loss"] != pytest.approx(results[1]["local_loss"], abs=1e-6)
     rows = [row for row in results[0]["comm"] if row["op"] == "all_reduce"]
-    grad_bytes = dp.gradient_bytes(SGD)
+    grad_bytes = theory_dp.gradient_bytes(reference.build_model(SGD))
     wire = sum(row["wire_bytes_per_rank"] for row in rows)
     assert wire == pytest.approx(2 * (n - 1) / n * grad_bytes * SGD.steps, rel=1e-12)
     assert sum(row["bytes"] for row in rows) == grad_bytes * SGD.steps   # each byte once
@@ -324,7 +326,7 @@ def test_overlap_shortens_the_modelled_step():
 
 def ring_vs_all_reduce(ctx, numel):
     t = torch.arange(numel, dtype=torch.float32) * (ctx.rank + 1) + 0.25 * ctx.rank
-    mine = dp.ring_all_reduce(ctx, t.clone())
+    mine = ring_all_reduce(ctx, t.clone())
     sent = sum(r.wire_bytes_per_rank for r in ctx.comm.records if r.op == "send")
     return mine, ctx.comm.all_reduce(t.clone()), sent
 
@@ -358,7 +360,7 @@ def reduce_scatter_only(ctx, tensor):
 
 
 def test_the_checker_accepts_the_ring_and_explains_mistakes(capsys):
-    ok = check_ring_all_reduce(dp.ring_all_reduce)
+    ok = check_ring_all_reduce(ring_all_reduce)
     assert ok and ok.problem == "" and "96 bytes" in ok.message
     half = check_ring_all_reduce(reduce_scatter_only)
     assert not half and half.problem == "wrong chunk"
@@ -383,11 +385,11 @@ def test_inference_one_batch_per_replica():
             assert numerics.compare(outputs[i], model(x), exact(x))
     # rank 0 ran two batches one after the other, rank 1 one: the second replica idles half
     assert results[0]["finished_s"] == pytest.approx(2 * results[1]["finished_s"])
-    one = dp.inference_throughput(2.6, replicas=1, batches=2)
-    two = dp.inference_throughput(2.6, replicas=2, batches=2)
+    one = theory_dp.inference_throughput(2.6, replicas=1, batches=2)
+    two = theory_dp.inference_throughput(2.6, replicas=2, batches=2)
     assert two["seconds_per_batch"] == pytest.approx(1.3) and two["latency_s"] == 2.6
     assert two["throughput_per_s"] == pytest.approx(2 * one["throughput_per_s"])
-    lone = dp.inference_throughput(2.6, replicas=2, batches=1)   # one batch: no gain at all
+    lone = theory_dp.inference_throughput(2.6, replicas=2, batches=1)   # one batch: no gain at all
     assert lone["makespan_s"] == pytest.approx(2.6) and lone["utilisation"] == 0.5
 
 

@@ -308,7 +308,7 @@ def test_mistakes_are_one_line_before_ranks_start(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "4 pipeline stages need at least 4 GPT layers" in err, err
     cfg = reference.RunConfig(model_kwargs=dict(layers=8))
-    for kwargs, message in ((dict(microbatches=0), ">= 1"),
+    for kwargs, message in ((dict(microbatches=0), "--microbatches must be a positive integer"),
                             (dict(microbatches=3), "does not split into 3"),
                             (dict(schedule="interleaved", microbatches=2), "multiple of the"),
                             (dict(stages=2), "--world-size 2")):

@@ -66,6 +66,22 @@ def test_a_run_too_large_names_its_need_and_what_is_available(capsys, no_rank_ma
     assert available == pytest.approx(cpus.available_memory() / 1e9, abs=2.0)
 
 
+@pytest.mark.parametrize("technique, driver", [("dp", "data_parallel"), ("zero", "zero"),
+                                               ("pipeline", "pipeline")])
+def test_a_driver_called_directly_refuses_as_the_cli_does(technique, driver, capsys,
+                                                           no_rank_may_start):
+    import importlib
+    module = importlib.import_module(f"labkit.runs.{driver}")
+    huge = RunConfig(model_kwargs=dict(layers=100000))   # ~10^11 parameters on every rank
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="GB is available") as refused:
+        module.report(world_size=2, cfg=huge)
+    assert "\n" not in str(refused.value)
+    assert time.monotonic() - started < 10   # no model of that size was built
+    assert main(["run", technique, "--world-size", "2", "--layers", "100000"]) == 2
+    assert capsys.readouterr().err == f"error: {refused.value}\n"
+
+
 def test_the_cli_refuses_in_a_fresh_process_within_seconds():
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "labkit", "run", "cp", "--world-size", "2",

@@ -70,7 +70,8 @@ def results(n):
 def ref(cfg, mixed=False):
     key = (repr(cfg), mixed)
     if key not in _REFERENCES:
-        _REFERENCES[key] = zero.reference_mixed_precision(cfg) if mixed else reference.train(cfg)
+        _REFERENCES[key] = (reference.train_mixed_precision(cfg, zero.COMPUTE_DTYPE) if mixed
+                            else reference.train(cfg))
     return _REFERENCES[key]
 
 
@@ -156,7 +157,8 @@ def test_bytes_per_rank_follow_the_zero_formulas(name):
     n = 4
     res = results(n)[name]
     cfg, kwargs = runs_for(n)[name]
-    predicted = zero.predict_memory(cfg, n, kwargs["stage"], kwargs.get("mixed_precision"))
+    predicted = tz.state_bytes(res[0]["param_count"], n, kwargs["stage"], cfg.optimizer,
+                               kwargs.get("mixed_precision", False))
     exact = layout_bytes(res, name, n)
     for r in res:
         mem = r["memory"]
@@ -212,9 +214,9 @@ def test_comm_per_step_is_3psi_2psi_3psi(n):
                        (3, {"reduce_scatter", "all_gather"})):
         res = runs[f"{prefix} {stage}"]
         measured = wire(res)
-        plan = zero.predicted_wire_bytes(res[0]["flat_numels"], n, stage, 4) * STEPS
+        plan = tz.plan_wire_bytes(tz.comm_plan(res[0]["flat_numels"], n, stage, 4), n) * STEPS
         assert measured == pytest.approx(plan, rel=1e-12)
-        assert measured == pytest.approx(zero.formula_wire_bytes(psi, n, stage, 4) * STEPS,
+        assert measured == pytest.approx(tz.formula_wire_bytes(psi, n, stage, 4) * STEPS,
                                          rel=0.01)
         assert {row["op"] for row in res[0]["comm"]} == ops
     calls = {row["op"]: row["calls"] for row in runs[f"{prefix} 3"][0]["comm"]}

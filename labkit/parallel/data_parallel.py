@@ -26,6 +26,7 @@ DistributedDataParallel does (Li et al. 2020, "PyTorch Distributed", arXiv 2006.
 
 Every rank issues the bucket all-reduces in the same order (bucket 0, 1, 2, ...), whatever order
 its hooks fire in: a collective matches the others' by its place in that sequence.
+`ring_all_reduce(ctx, tensor)` is that all-reduce's ring, from send and recv only.
 """
 import itertools
 from contextlib import contextmanager
@@ -187,3 +188,42 @@ class DataParallel(nn.Module):
         return (f"group={list(self.group.ranks)}, bucket_mb={self.bucket_mb}, "
                 f"overlap={self.overlap}, buckets={len(self._buckets)}")
 
+
+
+def ring_all_reduce(ctx, tensor, group: GroupLike = None, op: str = "sum") -> torch.Tensor:
+    """Sum (or average, op="avg") `tensor` over the group in place, with only send and recv:
+    the algorithm under the all-reduce above, written out (lesson 01's exercise answer).
+
+    Cut the tensor into N chunks. Reduce-scatter: in step s (of N-1) member r sends chunk
+    (r - s) mod N to its right neighbour and adds what its left neighbour sends into chunk
+    (r - s - 1) mod N; afterwards member r owns the full sum of chunk (r + 1) mod N. All-gather:
+    N-1 more steps pass the finished chunks around the ring. Each rank sent 2(N-1) chunks of
+    S/N bytes: 2(N-1)/N x S. Sends are async (post the send, then receive, then wait): if every
+    rank first waited in recv, nobody would ever send. Neighbours are ranks of the group.
+    """
+    g = ctx.group(group)
+    n, r = g.size, g.rank
+    if n == 1:
+        return tensor
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
+    chunks = list(torch.tensor_split(flat, n))
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):                        # reduce-scatter
+        send_i, recv_i = (r - s) % n, (r - s - 1) % n
+        incoming = torch.empty_like(chunks[recv_i])
+        tag = f"ring reduce-scatter step {s}"
+        handle = ctx.comm.send(chunks[send_i], right, group=g, async_op=True, tag=tag)
+        ctx.comm.recv(incoming, left, group=g, tag=tag)
+        handle.wait()
+        chunks[recv_i].add_(incoming)
+    for s in range(n - 1):                        # all-gather
+        send_i, recv_i = (r + 1 - s) % n, (r - s) % n
+        tag = f"ring all-gather step {s}"
+        handle = ctx.comm.send(chunks[send_i], right, group=g, async_op=True, tag=tag)
+        ctx.comm.recv(chunks[recv_i], left, group=g, tag=tag)
+        handle.wait()
+    if op == "avg":
+        flat.div_(n)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor

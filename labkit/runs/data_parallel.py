@@ -5,9 +5,9 @@
 bucket all-reduces started from backward hooks, what PyTorch DDP does); "naive": after
 backward, one blocking all-reduce per gradient (`average_gradients(per_tensor=True)`). Both
 end with the parameters of one device trained on the full batch. Also here, for lesson 01:
-`ring_all_reduce` (the ring built from send and recv, the exercise's model answer) and
 inference data parallelism (`infer`).
-The block: labkit/parallel/data_parallel.py; the formulas: labkit/theory/data_parallel.py.
+The block (and `ring_all_reduce`, the ring from send and recv): labkit/parallel/data_parallel.py;
+the formulas: labkit/theory/data_parallel.py.
 """
 import time
 from contextlib import nullcontext
@@ -17,17 +17,15 @@ import torch
 from .. import data
 from ..parallel.data_parallel import DataParallel
 from ..parallel.flat import average_gradients
-from ..theory.data_parallel import inference_throughput, ring_all_reduce_bytes
+from ..theory import data_parallel as theory
+from ..theory.memory import fp32_rank_bytes
 from .reference import (RunConfig, activation_bytes, batch, build_model, build_optimizer,
-                        full_params, predict_memory as single_device_memory,
-                        train as reference_train)
-from .reference import float64_reference
-from .report import build_report, rank_result
+                        full_params)
+from .report import build_report, launch_checked, rank_result, single_device
 from .report import mean_loss as global_loss   # the full-batch loss of shard losses
 
-__all__ = ["DEFAULT_BUCKET_MB", "MODES", "add_arguments",
-           "check_config", "global_loss", "gradient_bytes", "infer", "inference_throughput",
-           "predict_memory", "predicted_wire_bytes", "report", "ring_all_reduce", "train"]
+__all__ = ["DEFAULT_BUCKET_MB", "MODES", "add_arguments", "check_config", "global_loss", "infer",
+           "report", "train"]
 
 DEFAULT_BUCKET_MB = 0.25   # the tiny model's gradients are ~0.47 MB: two buckets
 MODES = ("bucketed", "naive")
@@ -96,57 +94,6 @@ def train(ctx, cfg=None, mode="bucketed", bucket_mb=DEFAULT_BUCKET_MB, overlap=T
                        local_loss=losses, step_wall_s=step_wall)
 
 
-def gradient_bytes(cfg):
-    """Bytes of one full set of gradients (what every rank all-reduces per step)."""
-    model = build_model(cfg)
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def predicted_wire_bytes(grad_bytes, world_size, steps=1):
-    """Ring all-reduce: each rank sends 2(N-1)/N x gradient bytes per step."""
-    return ring_all_reduce_bytes(grad_bytes, world_size, steps)
-
-
-# ---------------------------------------------------------------------- a ring from send/recv
-
-def ring_all_reduce(ctx, tensor, group=None, op="sum"):
-    """Sum (or average) `tensor` over the group in place, with only send and recv.
-
-    Cut the tensor into N chunks. Reduce-scatter: in step s (of N-1) member r sends chunk
-    (r - s) mod N to its right neighbour and adds what its left neighbour sends into chunk
-    (r - s - 1) mod N; afterwards member r owns the full sum of chunk (r + 1) mod N. All-gather:
-    N-1 more steps pass the finished chunks around the ring. Each rank sent 2(N-1) chunks of
-    S/N bytes: 2(N-1)/N x S. Sends are async (post the send, then receive, then wait): if every
-    rank first waited in recv, nobody would ever send. Neighbours are ranks of the group.
-    """
-    g = ctx.group(group)
-    n, r = g.size, g.rank
-    if n == 1:
-        return tensor
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
-    chunks = list(torch.tensor_split(flat, n))
-    right, left = (r + 1) % n, (r - 1) % n
-    for s in range(n - 1):                        # reduce-scatter
-        send_i, recv_i = (r - s) % n, (r - s - 1) % n
-        incoming = torch.empty_like(chunks[recv_i])
-        tag = f"ring reduce-scatter step {s}"
-        handle = ctx.comm.send(chunks[send_i], right, group=g, async_op=True, tag=tag)
-        ctx.comm.recv(incoming, left, group=g, tag=tag)
-        handle.wait()
-        chunks[recv_i].add_(incoming)
-    for s in range(n - 1):                        # all-gather
-        send_i, recv_i = (r + 1 - s) % n, (r - s) % n
-        tag = f"ring all-gather step {s}"
-        handle = ctx.comm.send(chunks[send_i], right, group=g, async_op=True, tag=tag)
-        ctx.comm.recv(chunks[recv_i], left, group=g, tag=tag)
-        handle.wait()
-    if op == "avg":
-        flat.div_(n)
-    if flat.data_ptr() != tensor.data_ptr():
-        tensor.copy_(flat.view_as(tensor))
-    return tensor
-
-
 # ------------------------------------------------------------------------------- inference
 
 def infer(ctx, cfg=None, batches=()):
@@ -183,32 +130,23 @@ def add_arguments(parser):
                         help="micro-batches per step (gradient accumulation, one sync)")
 
 
-def predict_memory(cfg, world_size, mode="bucketed", accumulate=1):
-    """Bytes per rank (theory/): a full replica of params, grads and Adam state on every rank,
-    activations for global_batch / (N x K) examples, plus one flat copy of the gradients as
-    buckets in bucketed mode. `peak` adds them all (an upper bound)."""
-    model = build_model(cfg)
-    out = single_device_memory(cfg, model)
-    out["activations"] = activation_bytes(model, cfg.global_batch // (world_size * accumulate))
-    out["buffers"] = gradient_bytes(cfg) if mode == "bucketed" else 0
-    out["peak"] = sum(out[k] for k in ("params", "grads", "optimizer", "activations", "buffers"))
-    return out
-
-
 def report(world_size=2, cfg=None, cluster="8xH100-NVLink", bucket_mb=DEFAULT_BUCKET_MB,
            no_overlap=False, accumulate=1, mode="bucketed", **_):
     """Run data-parallel training and return the run report of DESIGN.md."""
-    from ..runtime.launch import launch
     cfg = cfg or RunConfig()
-    check_config(cfg, world_size, mode, accumulate)
-    results = launch(train, world_size, cfg, mode=mode, bucket_mb=bucket_mb,
-                     overlap=not no_overlap, accumulate=accumulate, cluster=cluster)
-    loss = global_loss(results)
-    results[0] = dict(results[0], loss=loss)
-    grad_bytes = gradient_bytes(cfg)
-    return build_report(
-        "dp", cfg, results, reference=reference_train(cfg), exact=float64_reference(cfg),
-        config=dict(mode=mode, bucket_mb=bucket_mb, overlap=not no_overlap,
-                    accumulate=accumulate, gradient_bytes=grad_bytes),
-        predicted_memory=predict_memory(cfg, world_size, mode, accumulate),
-        predicted_comm_bytes_per_rank=predicted_wire_bytes(grad_bytes, world_size, cfg.steps))
+    options = dict(mode=mode, bucket_mb=bucket_mb, overlap=not no_overlap, accumulate=accumulate)
+    results = launch_checked("dp", train, world_size, cfg, options, cluster=cluster,
+                             check=lambda: check_config(cfg, world_size, mode, accumulate))
+    results[0] = dict(results[0], loss=global_loss(results))
+    model = build_model(cfg)
+    grad_bytes = theory.gradient_bytes(model)
+    # a whole replica per rank, the activations of its 1/(N x K) of the batch, the buckets
+    memory = fp32_rank_bytes(
+        sum(p.numel() for p in model.parameters()),
+        activation_bytes(model, cfg.global_batch // (world_size * accumulate)), cfg.optimizer,
+        buffers=grad_bytes if mode == "bucketed" else 0)
+    return build_report("dp", cfg, results, **single_device(cfg),
+                        config=dict(options, gradient_bytes=grad_bytes),
+                        predicted_memory=memory,
+                        predicted_comm_bytes_per_rank=theory.ring_all_reduce_bytes(
+                            grad_bytes, world_size, cfg.steps))

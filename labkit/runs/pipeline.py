@@ -11,9 +11,11 @@ import torch.nn as nn
 
 from .. import models
 from ..parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
-from ..theory import memory as theory_memory
 from ..theory import pipeline as schedules
+from ..theory import pipeline_memory as theory
+from ..theory.memory import fp32_rank_bytes
 from . import reference
+from .report import build_report, launch_checked, rank_result, single_device
 
 SCHEDULES = schedules.SCHEDULES
 
@@ -38,13 +40,10 @@ def layer_count(cfg):
 
 
 def check_config(cfg, world_size, schedule, microbatches, virtual, split=None):
-    """Every mistake that can be seen before ranks start, as one ValueError line."""
+    """Every mistake that can be seen before ranks start, as one ValueError line (counts below
+    one end earlier, in runs/preflight.py)."""
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
-    if microbatches < 1:
-        raise ValueError(f"--microbatches must be >= 1, got {microbatches}")
-    if virtual < 1:
-        raise ValueError(f"--virtual must be >= 1, got {virtual}")
     if cfg.global_batch % microbatches:
         raise ValueError(f"the batch of {cfg.global_batch} does not split into {microbatches} "
                          f"equal micro-batches: pick --microbatches dividing {cfg.global_batch}")
@@ -68,7 +67,6 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
     `schedule` is a name or the data (a list of per-rank op lists, e.g. a learner's own).
     `split`: layers per stage (default: balanced by parameter count).
     """
-    from .report import rank_result
     p = ctx.world_size
     n = 1 if schedule == "naive" else microbatches
     model = reference.build_model(cfg)
@@ -90,11 +88,10 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
             losses.append(loss.item())
     own = {id(q) for q in stage.parameters()}
     named = {k: q.detach().clone() for k, q in model.named_parameters() if id(q) in own}
-    batch = cfg.global_batch // n
+    sizes = stage_sizes(cfg, [s.module for s in mine], cfg.global_batch // n)
     return rank_result(ctx, losses, stage_params=named,
-                       predicted_activations=predicted_activation_bytes(
-                           pipe.schedule, ctx.rank, [s.module for s in mine], batch, cfg,
-                           recompute),
+                       predicted_activations=theory.peak_activation_bytes(
+                           pipe.schedule, ctx.rank, [a for a, _ in sizes], recompute),
                        in_flight=schedules.microbatches_in_flight(pipe.ops),
                        schedule=pipe.schedule)
 
@@ -122,89 +119,26 @@ def merge_results(results):
     return [first] + list(results[1:])
 
 
-# ============================================================ memory and comm: formulas
+# ==================================================== the stages as theory/ counts them
 
-def stage_activation_bytes(module, batch, cfg):
-    """What one stage saves for backward on a micro-batch of `batch` (formula, fp32).
-
-    TinyGPT: per block 16sbh + as^2b elements (theory.memory.tiny_gpt_activation_bytes), plus
-    the last stage's ln_f / head / log-softmax. MLP: each Linear's input and GELU's input;
-    the last layer's MSE keeps output and target."""
+def stage_sizes(cfg, modules, batch):
+    """Each stage in `modules` as theory/pipeline_memory takes it: (the activation bytes it
+    saves on a micro-batch of `batch`, (input, output) elements per example)."""
     if cfg.model == "gpt":
         c = models.GPTConfig(**cfg.model_kwargs)
-        kw = dict(seq=c.seq, batch=batch, hidden=c.hidden, heads=c.heads, vocab=c.vocab)
-        head = theory_memory.tiny_gpt_activation_bytes(layers=0, **kw)
-        per_block = theory_memory.tiny_gpt_activation_bytes(layers=1, **kw) - head
-        blocks = sum(isinstance(m, models.Block) for m in module)
-        last = any(type(m).__name__ == "_NormHead" for m in module)
-        return blocks * per_block + (head if last else 0)
-    elements = 0
-    for layer in module:
-        if isinstance(layer, nn.Sequential):           # Linear + GELU
-            elements += layer[0].in_features + layer[0].out_features
-        else:                                           # the model's last Linear + MSE
-            elements += layer.in_features + 2 * layer.out_features
-    return 4 * batch * elements
-
-
-def predicted_activation_bytes(schedule, rank, modules, batch, cfg, recompute=False):
-    """Most activation bytes held at once on `rank`: the schedule's in-flight micro-batches
-    times each stage's bytes (GPipe: M micro-batches, 1F1B: min(M, P - rank)). With recompute
-    only one stage's forward is saved at a time, during its backward (the stage inputs kept
-    meanwhile are counted as buffers)."""
-    sizes = [stage_activation_bytes(m, batch, cfg) for m in modules]
-    if recompute:
-        return max(sizes)
-    held, now, most = set(), 0, 0
-    for kind, m, c in schedule[rank]:
-        if kind == "F":
-            held.add((m, c))
-            now += sizes[c]
-            most = max(most, now)
-        elif (m, c) in held:
-            held.discard((m, c))
-            now -= sizes[c]
-    return most
-
-
-def boundary_elements(cfg, module, side):
-    """Elements per sequence (GPT) or row (MLP) at a stage's input ('in') or output ('out')."""
-    if cfg.model == "gpt":
-        c = models.GPTConfig(**cfg.model_kwargs)
-        return c.seq * c.hidden
-    layer = module[0] if side == "in" else module[-1]
-    layer = layer[0] if isinstance(layer, nn.Sequential) else layer
-    return layer.in_features if side == "in" else layer.out_features
-
-
-def predicted_send_bytes(schedule, rank, modules, batch, cfg, steps=1):
-    """Bytes `rank` sends: each F's output to the next stage, each B's input gradient back."""
-    p, n_stages = len(schedule), len(schedule) * len(modules)
-    total = 0
-    for kind, _, c in schedule[rank]:
-        stage = c * p + rank
-        if kind == "F" and stage < n_stages - 1:
-            total += 4 * batch * boundary_elements(cfg, modules[c], "out")
-        elif kind == "B" and stage > 0:
-            total += 4 * batch * boundary_elements(cfg, modules[c], "in")
-    return total * steps
-
-
-def predict_memory(cfg, world_size, schedule="1f1b", microbatches=4, virtual=1,
-                   recompute=False, split=None, rank=0):
-    """theory/'s bytes on `rank`: fp32 states of its stages and the in-flight activations."""
-    n = 1 if schedule == "naive" else microbatches
-    modules = split_into_stages(model_layers(reference.build_model(cfg)), world_size * virtual,
-                                balance=split or "params")[rank::world_size]
-    count = sum(q.numel() for m in modules for q in m.parameters())
-    states = theory_memory.model_state_bytes(count, mixed_precision=False,
-                                             optimizer=cfg.optimizer)
-    ops = schedules.make_schedule(schedule, world_size, n, virtual)
-    out = dict(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
-               activations=predicted_activation_bytes(ops, rank, modules, cfg.global_batch // n,
-                                                      cfg, recompute))
-    out["peak"] = sum(out.values())
-    return out
+        shape = dict(seq=c.seq, batch=batch, hidden=c.hidden, heads=c.heads, vocab=c.vocab)
+        return [(theory.gpt_stage_activation_bytes(
+                    sum(isinstance(m, models.Block) for m in stage),
+                    any(type(m).__name__ == "_NormHead" for m in stage), **shape),
+                 (c.seq * c.hidden, c.seq * c.hidden)) for stage in modules]
+    sizes = []
+    for stage in modules:   # Linear + GELU pairs, and the model's last Linear alone
+        linears = [(m[0] if isinstance(m, nn.Sequential) else m) for m in stage]
+        dims = [(m.in_features, m.out_features) for m in linears]
+        last = not isinstance(stage[-1], nn.Sequential)
+        sizes.append((theory.mlp_stage_activation_bytes(dims, last, batch),
+                      (dims[0][0], dims[-1][1])))
+    return sizes
 
 
 # ============================================================================ the report
@@ -223,30 +157,32 @@ def add_arguments(parser):
 def report(world_size=2, cfg=None, cluster="8xH100-NVLink", stages=None, microbatches=4,
            schedule="1f1b", virtual=2, recompute=False, split=None, timeout_s=120, **_):
     """Run the pipeline and return the run report (bubble_fraction: modelled)."""
-    from ..runtime.launch import launch
-    from .report import build_report
     cfg = cfg or reference.RunConfig()
     if stages is not None and stages != world_size:
         raise ValueError(f"--stages {stages} but --world-size {world_size}: the pipeline runs "
                          f"one stage per rank, so pass --world-size {stages} (or drop --stages)")
     m = 1 if schedule == "naive" else microbatches
     v = virtual if schedule == "interleaved" else 1
-    check_config(cfg, world_size, schedule, m, v, split)
-    results = merge_results(launch(train, world_size, cfg, schedule, m, v, recompute, split,
-                                   cluster=cluster, timeout_s=timeout_s))
+    options = dict(schedule=schedule, microbatches=m, virtual=v, recompute=recompute,
+                   split=split)
+    results = merge_results(launch_checked(
+        "pipeline", train, world_size, cfg, options, cluster=cluster, timeout_s=timeout_s,
+        check=lambda: check_config(cfg, world_size, schedule, m, v, split)))
     timeline = [e for r in results for e in r["timeline"]]
-    ops = results[0]["schedule"]
-    stage0 = split_into_stages(model_layers(reference.build_model(cfg)), world_size * v,
-                               balance=split or "params")[::world_size]
+    ops, batch = results[0]["schedule"], cfg.global_batch // m
+    mine = split_into_stages(model_layers(reference.build_model(cfg)), world_size * v,
+                             balance=split or "params")[::world_size]   # rank 0's stages
+    sizes = stage_sizes(cfg, mine, batch)
+    memory = fp32_rank_bytes(sum(q.numel() for stage in mine for q in stage.parameters()),
+                             theory.peak_activation_bytes(ops, 0, [a for a, _ in sizes],
+                                                          recompute), cfg.optimizer)
     return build_report(
-        "pipeline", cfg, results, reference=reference.train(cfg),
-        exact=reference.float64_reference(cfg),
+        "pipeline", cfg, results, **single_device(cfg),
         config=dict(stages=world_size, microbatches=m, schedule=schedule, virtual=v,
                     recompute=recompute),
-        predicted_memory=predict_memory(cfg, world_size, schedule, m, v, recompute, split),
-        predicted_comm_bytes_per_rank=predicted_send_bytes(ops, 0, stage0,
-                                                           cfg.global_batch // m, cfg,
-                                                           cfg.steps),
+        predicted_memory=memory,
+        predicted_comm_bytes_per_rank=theory.send_bytes(ops, 0, [b for _, b in sizes], batch,
+                                                        cfg.steps),
         bubble_fraction=schedules.timeline_bubble_fraction(timeline, world_size),
         bubble_fraction_formula=schedules.bubble_formula(world_size, m, v),
         bubble_fraction_free_links=schedules.timeline_bubble_fraction(
@@ -254,4 +190,3 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", stages=None, microba
         bubble_note="modelled: read off the virtual clock on the cluster, not wall time",
         in_flight_stage0=results[0]["in_flight"],
         schedule_table=schedules.format_schedule(ops))
-

@@ -117,6 +117,31 @@ def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32):
                 param_count=sum(p.numel() for p in model.parameters()))
 
 
+def train_mixed_precision(cfg=None, compute_dtype=torch.bfloat16):
+    """One device, full batch, the mixed-precision algorithm: a `compute_dtype` copy of the
+    weights computes forward and backward; the optimizer steps fp32 masters that start from the
+    unrounded fp32 weights; the low-precision copy is refreshed from them before each step."""
+    cfg = cfg or RunConfig()
+    master = build_model(cfg)
+    work = build_model(cfg).to(compute_dtype)
+    optimizer = build_optimizer(master.parameters(), cfg)
+    pairs = list(zip(master.parameters(), work.parameters()))
+    losses = []
+    for step in range(cfg.steps):
+        x, y = batch(master, cfg, step, compute_dtype)
+        with torch.no_grad():
+            for m, w in pairs:
+                w.copy_(m)
+                w.grad = None
+        loss = work(x, y)
+        loss.backward()
+        for m, w in pairs:
+            m.grad = None if w.grad is None else w.grad.float()
+        optimizer.step()
+        losses.append(loss.item())
+    return dict(loss=losses, params=full_params(master))
+
+
 def full_params(model):
     """Name -> a detached copy of every parameter (what `max_param_diff` compares)."""
     return {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -149,14 +174,10 @@ def predict_memory(cfg, model=None):
     `peak` is params + grads + optimizer + activations: an upper bound, since backward frees
     activations while it fills in gradients.
     """
-    from ..theory import memory as tm
+    from ..theory.memory import fp32_rank_bytes
     model = model or build_model(cfg)
-    n = sum(p.numel() for p in model.parameters())
-    states = tm.model_state_bytes(n, mixed_precision=False, optimizer=cfg.optimizer)
-    out = dict(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
-               activations=activation_bytes(model, cfg.global_batch))
-    out["peak"] = sum(out.values())
-    return out
+    return fp32_rank_bytes(sum(p.numel() for p in model.parameters()),
+                           activation_bytes(model, cfg.global_batch), cfg.optimizer)
 
 
 def activation_bytes(model, batch_size):

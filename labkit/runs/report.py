@@ -26,6 +26,26 @@ def rank_result(ctx, loss, params=None, **extra):
     return out
 
 
+def launch_checked(technique, train, world_size, cfg, options, check=None, **launch_options):
+    """The ranks' results of `train(ctx, cfg, **options)` on `world_size` ranks, after the
+    checks `python -m labkit run` makes: the preflight's one-line refusal of options no run can
+    take and of a run that cannot fit here (runs/preflight.py), then the technique's `check()`.
+    A lesson calling a driver's `report` is refused as the CLI is, before any rank starts."""
+    from ..runtime.launch import launch
+    from .preflight import check_run
+    check_run(technique, cfg, world_size, options)
+    if check is not None:
+        check()
+    return launch(train, world_size, cfg, **options, **launch_options)
+
+
+def single_device(cfg):
+    """{reference, exact}: the single-device run of `cfg` (reference.train) and the same run in
+    float64, what `build_report` judges a run against."""
+    from .reference import float64_reference, train
+    return dict(reference=train(cfg), exact=float64_reference(cfg))
+
+
 def mean_loss(results, key="local_loss"):
     """The full-batch loss per step: the mean over ranks of each rank's shard loss (equal
     shards: the mean of the means is the mean)."""

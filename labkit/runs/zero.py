@@ -18,23 +18,20 @@ from ..parallel.fully_shard import OFFLOAD_LINK, FullyShard
 from ..parallel.mixed_precision import MasterWeights
 from ..parallel.zero import ShardedOptimizer
 from ..runtime.memory import optimizer_state_tensors
-from ..theory import memory as theory_memory
-from ..theory import zero as theory_zero
+from ..theory import zero as theory
 from .reference import (RunConfig, activation_bytes, batch, build_model, build_optimizer,
-                        optimizer_spec, train as reference_train)
-from .reference import float64_reference
-from .report import build_report, rank_result
+                        optimizer_spec, train_mixed_precision)
+from .report import build_report, launch_checked, rank_result, single_device
 from .report import mean_loss as global_loss   # the full-batch loss of shard losses
 
 __all__ = ["BUCKET_MB", "COMPUTE_DTYPE", "OFFLOAD_LINK", "STAGES", "add_arguments",
-           "check_config", "comm_plan", "formula_wire_bytes", "global_loss", "layer_units",
-           "predict_memory", "predicted_wire_bytes", "reference_mixed_precision", "report",
-           "train"]
+           "check_config", "global_loss", "layer_units", "report", "train"]
 
 STAGES = (1, 2, 3)
 COMPUTE_DTYPE = torch.bfloat16   # weights and gradients under --mixed-precision
 BUCKET_MB = 0.1   # the tiny GPT (0.47 MB of fp32 gradients) in several buckets: overlap shows
-comm_plan, formula_wire_bytes = theory_zero.comm_plan, theory_zero.formula_wire_bytes
+BLOCKS = {1: "DataParallel + ShardedOptimizer(stage=1)", 2: "ShardedOptimizer(stage=2)",
+          3: "FullyShard"}
 
 
 def check_config(cfg, world_size, stage, offload=False):
@@ -95,7 +92,8 @@ def train(ctx, cfg=None, stage=1, mixed_precision=False, offload=False, prefetch
     """ZeRO training on this rank; returns `rank_result` with the full params on rank 0.
 
     fp32: compare with `reference.train`; mixed_precision (bf16 compute, fp32 masters): with
-    `reference_mixed_precision`. `step_callback(step)`, if given, runs after each step.
+    `reference.train_mixed_precision(cfg, COMPUTE_DTYPE)`. `step_callback(step)`, if given,
+    runs after each step.
     """
     cfg = cfg or RunConfig()
     check_config(cfg, ctx.world_size, stage, offload)
@@ -141,67 +139,9 @@ def train(ctx, cfg=None, stage=1, mixed_precision=False, offload=False, prefetch
                        else None,
                        step_memory=list(step_samples), flat_numels=flats,
                        padded_numel=flats[0] if stage == 1 else
-                       sum(theory_zero.padded(u, ctx.world_size) for u in flats),
+                       sum(theory.padded(u, ctx.world_size) for u in flats),
                        param_count=sum(p.numel() for p in build_model(cfg).parameters()),
                        offloaded_bytes=host)
-
-
-def reference_mixed_precision(cfg=None):
-    """One device, full batch, the mixed-precision algorithm the ranks run: a bf16 copy of the
-    weights computes forward and backward; Adam steps fp32 masters that start from the
-    unrounded fp32 weights; the bf16 copy is refreshed from them after each step."""
-    cfg = cfg or RunConfig()
-    master = build_model(cfg)
-    work = build_model(cfg).to(COMPUTE_DTYPE)
-    optimizer = build_optimizer(master.parameters(), cfg)
-    pairs = list(zip(master.parameters(), work.parameters()))
-    losses = []
-    for step in range(cfg.steps):
-        x, y = (t.to(COMPUTE_DTYPE) if t.is_floating_point() else t
-                for t in batch(master, cfg, step))
-        with torch.no_grad():
-            for m, w in pairs:
-                w.copy_(m)
-                w.grad = None
-        loss = work(x, y)
-        loss.backward()
-        for m, w in pairs:
-            m.grad = None if w.grad is None else w.grad.float()
-        optimizer.step()
-        losses.append(loss.item())
-    return dict(loss=losses, params={k: p.detach().clone()
-                                     for k, p in master.named_parameters()})
-
-
-# ------------------------------------------------------------------------------- predictions
-
-def predict_memory(cfg, world_size, stage, mixed_precision=False, offload=False):
-    """Bytes per rank: model states from theory/ (stages 1, 2: the ZeRO paper's split; stage 3:
-    FullyShard's, the same total), activations for global_batch/N examples, and stage 3's
-    buffers: the two largest layers gathered at once (one computing, one prefetched)."""
-    model = build_model(cfg)
-    psi = sum(p.numel() for p in model.parameters())
-    if stage == 3:
-        out = theory_zero.fully_shard_state_bytes(psi, world_size, cfg.optimizer, offload)
-    else:
-        out = theory_memory.model_state_bytes(psi, mixed_precision=mixed_precision,
-                                              optimizer=cfg.optimizer, zero_stage=stage,
-                                              world_size=world_size)
-        out = {k: out[k] for k in ("params", "grads", "optimizer")}
-    out["activations"] = activation_bytes(model, cfg.global_batch // world_size) \
-        * (0.5 if mixed_precision else 1.0)
-    largest = sorted(sum(p.numel() for p in m.parameters()) for _, m in layer_units(model))
-    w = 2 if mixed_precision else 4
-    out["buffers"] = w * sum(largest[-2:]) if stage == 3 and world_size > 1 else 0.0
-    out["peak"] = sum(out[k] for k in ("params", "grads", "optimizer", "activations",
-                                       "buffers"))
-    return out
-
-
-def predicted_wire_bytes(flat_numels, world_size, stage, elem_bytes):
-    """Ring-model bytes per rank and step of `comm_plan` over the run's flat buffers."""
-    return theory_zero.plan_wire_bytes(comm_plan(flat_numels, world_size, stage, elem_bytes),
-                                       world_size)
 
 
 # ------------------------------------------------------------------------------ CLI and report
@@ -221,30 +161,30 @@ def add_arguments(parser):
 def report(world_size=2, cfg=None, cluster="8xH100-NVLink", stage=1, mixed_precision=False,
            offload=False, no_prefetch=False, **_):
     """Run ZeRO training and return the run report of DESIGN.md."""
-    from ..runtime.launch import launch
     cfg = cfg or RunConfig()
-    check_config(cfg, world_size, stage, offload)
-    results = launch(train, world_size, cfg, stage=stage, mixed_precision=mixed_precision,
-                     offload=offload, prefetch=not no_prefetch, cluster=cluster)
+    options = dict(stage=stage, mixed_precision=mixed_precision, offload=offload,
+                   prefetch=not no_prefetch)
+    results = launch_checked("zero", train, world_size, cfg, options, cluster=cluster,
+                             check=lambda: check_config(cfg, world_size, stage, offload))
     results[0] = dict(results[0], loss=global_loss(results))
     elem_bytes = 2 if mixed_precision else 4
     flats, psi = results[0]["flat_numels"], results[0]["param_count"]
+    model = build_model(cfg)
+    memory = theory.memory_per_rank(
+        psi, world_size, stage, activation_bytes(model, cfg.global_batch // world_size),
+        [sum(p.numel() for p in m.parameters()) for _, m in layer_units(model)],
+        cfg.optimizer, mixed_precision, offload)
+    plan = theory.comm_plan(flats, world_size, stage, elem_bytes)
     return build_report(
         "zero", cfg, results,
-        reference=reference_mixed_precision(cfg) if mixed_precision else reference_train(cfg),
-        exact=None if mixed_precision else float64_reference(cfg),
-        config=dict(stage=stage, mixed_precision=mixed_precision, offload=offload,
-                    prefetch=not no_prefetch, param_count=psi,
-                    padded_param_count=results[0]["padded_numel"],
-                    block="FullyShard" if stage == 3 else
-                    "DataParallel + ShardedOptimizer(stage=1)" if stage == 1 else
-                    "ShardedOptimizer(stage=2)",
-                    reference="mixed-precision single device" if mixed_precision
-                    else "fp32 single device"),
-        predicted_memory=predict_memory(cfg, world_size, stage, mixed_precision, offload),
-        predicted_comm_bytes_per_rank=predicted_wire_bytes(flats, world_size, stage,
-                                                           elem_bytes) * cfg.steps,
-        formula_comm_bytes_per_rank=formula_wire_bytes(psi, world_size, stage,
-                                                       elem_bytes) * cfg.steps,
+        **(dict(reference=train_mixed_precision(cfg, COMPUTE_DTYPE), exact=None)
+           if mixed_precision else single_device(cfg)),
+        config=dict(options, param_count=psi, padded_param_count=results[0]["padded_numel"],
+                    block=BLOCKS[stage], reference="mixed-precision single device"
+                    if mixed_precision else "fp32 single device"),
+        predicted_memory=memory,
+        predicted_comm_bytes_per_rank=theory.plan_wire_bytes(plan, world_size) * cfg.steps,
+        formula_comm_bytes_per_rank=theory.formula_wire_bytes(psi, world_size, stage,
+                                                              elem_bytes) * cfg.steps,
         offloaded_bytes=results[0]["offloaded_bytes"], flat_numels=flats,
         step_memory={r["rank"]: r["step_memory"] for r in results})

@@ -1,12 +1,20 @@
 """Data parallelism in closed form: the ring all-reduce's bytes and inference throughput.
 
-Training: each rank all-reduces the S gradient bytes every step; a ring (reduce-scatter, then
-all-gather, N-1 steps of one S/N chunk each) sends 2(N-1)/N x S bytes per rank (Patarasuk &
-Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations").
+Training: each rank all-reduces the S gradient bytes (4Ψ in fp32) every step; a ring
+(reduce-scatter, then all-gather, N-1 steps of one S/N chunk each) sends 2(N-1)/N x S bytes per
+rank (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations"). Memory: a whole replica per rank (theory.memory.fp32_rank_bytes), plus S of
+gradient buckets.
 Inference: independent batches need no communication at all; N replicas multiply throughput
 and leave the latency of one batch unchanged.
 """
 import math
+
+
+def gradient_bytes(model):
+    """S: the bytes of one full set of `model`'s gradients (what every rank all-reduces per
+    step), each trainable parameter's elements times its element size."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def ring_all_reduce_bytes(nbytes, world_size, steps=1):

@@ -176,3 +176,15 @@ def tiny_gpt_activation_bytes(*, layers, seq, batch, hidden, heads, vocab,
     if dropout:
         per_layer += 2 * s * b * h + a * s * s * b + a * s * s * b * B
     return layers * per_layer + (2 * s * b * h + b * s * vocab) * B
+
+
+def fp32_rank_bytes(params, activations, optimizer="adam", **extra) -> dict:
+    """One rank's bytes when it trains `params` parameters in fp32: {params, grads, optimizer}
+    (`model_state_bytes`: 4Ψ + 4Ψ + KΨ), the `activations` it saves for backward, `peak` and any
+    `extra` categories (e.g. buffers=). `peak` adds them all: an upper bound, since backward
+    frees activations while it fills in gradients."""
+    states = model_state_bytes(params, mixed_precision=False, optimizer=optimizer)
+    out = dict(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
+               activations=activations)
+    out["peak"] = sum(out.values()) + sum(extra.values())
+    return dict(out, **extra)

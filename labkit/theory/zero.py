@@ -7,8 +7,11 @@ the same 2Ψ); stage 3 gathers every unit before its forward and again before it
 3Ψ. Stage 1 as PyTorch's ZeroRedundancyOptimizer runs it (after DDP's all-reduce, then the
 updated weights sent out) moves 2Ψ + Ψ = 3Ψ; the paper's stage 1 reduce-scatters instead (2Ψ).
 Zhao et al. 2023 (PyTorch FSDP, arXiv 2304.11277) is stage 3 with units = wrapped modules.
+Memory per rank (fp32 Adam): states (4 + 4 + 8/N)Ψ, (4 + 12/N)Ψ, 16Ψ/N for stages 1, 2, 3 (the
+paper's Figure 1), the activations of global_batch/N examples, and stage 3's buffers: the two
+largest units gathered at once.
 """
-from .memory import OPTIMIZER_K
+from .memory import OPTIMIZER_K, model_state_bytes
 from .time import wire_bytes_per_rank
 
 
@@ -81,4 +84,30 @@ def fully_shard_state_bytes(psi, world_size, optimizer="adam", offload=False):
                optimizer=k * psi / world_size)
     if offload:
         return dict(params=0.0, grads=0.0, optimizer=0.0, host=sum(out.values()))
+    return out
+
+
+def state_bytes(psi, world_size, stage, optimizer="adam", mixed_precision=False, offload=False):
+    """{params, grads, optimizer} bytes per rank: stages 1, 2 the ZeRO paper's split
+    (`memory.model_state_bytes`); stage 3 FullyShard's (`fully_shard_state_bytes`, the same
+    total, with `host` under offload)."""
+    if stage == 3:
+        return fully_shard_state_bytes(psi, world_size, optimizer, offload)
+    out = model_state_bytes(psi, mixed_precision=mixed_precision, optimizer=optimizer,
+                            zero_stage=stage, world_size=world_size)
+    return {k: out[k] for k in ("params", "grads", "optimizer")}
+
+
+def memory_per_rank(psi, world_size, stage, activations, unit_numels, optimizer="adam",
+                    mixed_precision=False, offload=False):
+    """Bytes per rank: `state_bytes`, `activations` (the fp32 bytes of global_batch/N examples;
+    half of them in bf16) and stage 3's buffers: the two largest of `unit_numels` gathered at
+    once (one computing, one prefetched). `peak` adds them (an upper bound)."""
+    out = state_bytes(psi, world_size, stage, optimizer, mixed_precision, offload)
+    out["activations"] = activations * (0.5 if mixed_precision else 1.0)
+    largest = sorted(unit_numels)[-2:]
+    w = 2 if mixed_precision else 4
+    out["buffers"] = w * sum(largest) if stage == 3 and world_size > 1 else 0.0
+    out["peak"] = sum(out[k] for k in ("params", "grads", "optimizer", "activations",
+                                       "buffers"))
     return out
