@@ -33,12 +33,6 @@ def model_layers(model):
     raise TypeError(f"the pipeline driver knows TinyGPT and MLP, not {type(model).__name__}")
 
 
-def layer_count(cfg):
-    """What --layers counts: the GPT's blocks, or the MLP's Linear layers."""
-    model = reference.build_model(cfg)
-    return len(model.blocks) if cfg.model == "gpt" else len(model.layers)
-
-
 def check_config(cfg, world_size, schedule, microbatches, virtual, split=None):
     """Every mistake that can be seen before ranks start, as one ValueError line (counts below
     one end earlier, in runs/preflight.py)."""
@@ -47,7 +41,9 @@ def check_config(cfg, world_size, schedule, microbatches, virtual, split=None):
     if cfg.global_batch % microbatches:
         raise ValueError(f"the batch of {cfg.global_batch} does not split into {microbatches} "
                          f"equal micro-batches: pick --microbatches dividing {cfg.global_batch}")
-    n_stages, layers = world_size * virtual, layer_count(cfg)
+    model = reference.build_model(cfg)   # --layers counts the GPT's blocks, the MLP's Linears
+    layers = len(model.blocks) if cfg.model == "gpt" else len(model.layers)
+    n_stages = world_size * virtual
     if n_stages > layers:
         what = "GPT layers (blocks)" if cfg.model == "gpt" else "MLP layers"
         fix = (f"pass --layers {n_stages} (or more)" if cfg.model == "gpt" else
@@ -55,8 +51,7 @@ def check_config(cfg, world_size, schedule, microbatches, virtual, split=None):
         raise ValueError(f"{n_stages} pipeline stages need at least {n_stages} {what}, the "
                          f"model has {layers}: {fix}")
     schedules.make_schedule(schedule, world_size, microbatches, virtual)
-    split_into_stages(model_layers(reference.build_model(cfg)), n_stages,
-                      balance=split or "params")
+    split_into_stages(model_layers(model), n_stages, balance=split or "params")
 
 
 # ======================================================================= a training run

@@ -55,10 +55,10 @@ from IPython.display import Markdown, display
 import labkit
 from labkit import numerics
 from labkit.exercises.data_parallel import check_ring_all_reduce, check_ring_bytes
-from labkit.parallel.data_parallel import DataParallel
+from labkit.parallel.data_parallel import DataParallel, ring_all_reduce
 from labkit.runs import data_parallel as dp
 from labkit.runs.reference import RunConfig, batch, build_model, float64_reference, train
-from labkit.theory import catalog, memory as tm, time as tt
+from labkit.theory import catalog, data_parallel as theory_dp, memory as tm, time as tt
 from labkit.viz import comm_bars, gantt, speedup_curve
 from labkit.viz import dp_widgets
 
@@ -213,7 +213,7 @@ log.loc[log.op == "all_reduce", ["op", "tag", "group_size", "bytes", "wire_bytes
 # %%
 # NBVAL_CHECK_OUTPUT
 n = 4
-grad_bytes = dp.gradient_bytes(cfg)
+grad_bytes = theory_dp.gradient_bytes(build_model(cfg))
 measured = log.loc[log.op == "all_reduce", "wire_bytes_per_rank"].sum()
 formula = 2 * (n - 1) / n * grad_bytes * cfg.steps
 print(f"gradient bytes per step S      = {grad_bytes:,}")
@@ -227,10 +227,11 @@ fig = comm_bars(results[0]["comm"], title="rank 0, 3 steps on 4 ranks (logged)")
 # %% [markdown]
 # ## 4 · The ring all-reduce, from `send` and `recv`
 #
-# `dp.ring_all_reduce(ctx, tensor, group=None)` is written with nothing but point-to-point
-# messages. Cut the tensor into N chunks. **Reduce-scatter:** in step s (of N−1), rank r sends
-# chunk (r−s) mod N to its right neighbour and adds the chunk arriving from its left into chunk
-# (r−s−1) mod N. After N−1 steps, rank r holds the complete sum of chunk (r+1) mod N.
+# `ring_all_reduce(ctx, tensor, group=None)` (in `labkit/parallel/data_parallel.py`) is written
+# with nothing but point-to-point messages. Cut the tensor into N chunks. **Reduce-scatter:** in
+# step s (of N−1), rank r sends chunk (r−s) mod N to its right neighbour and adds the chunk
+# arriving from its left into chunk (r−s−1) mod N. After N−1 steps, rank r holds the complete
+# sum of chunk (r+1) mod N.
 # **All-gather:** N−1 more steps pass the finished chunks around the ring. Each step moves one
 # chunk of S/N bytes per rank, so each rank sends 2(N−1)·S/N: at most 2S whatever N is, while a
 # naive "everyone sends everything to everyone" would send (N−1)·S.
@@ -241,7 +242,7 @@ fig = comm_bars(results[0]["comm"], title="rank 0, 3 steps on 4 ranks (logged)")
 # NBVAL_CHECK_OUTPUT
 def ring_vs_library(ctx, numel):
     t = torch.arange(numel, dtype=torch.float32) * (ctx.rank + 1)
-    mine = dp.ring_all_reduce(ctx, t.clone())
+    mine = ring_all_reduce(ctx, t.clone())
     sent = sum(r.bytes for r in ctx.comm.records if r.op == "send")
     return torch.equal(mine, ctx.comm.all_reduce(t.clone())), sent
 
@@ -271,7 +272,7 @@ print(pd.DataFrame(rows).to_string(index=False))
 big = RunConfig(steps=2, global_batch=128, optimizer="sgd",
                 model_kwargs=dict(hidden=128, layers=4, ffn=512))
 print(f"{sum(p.numel() for p in build_model(big).parameters()):,} parameters, "
-      f"{dp.gradient_bytes(big) / 1e6:.1f} MB of fp32 gradients")
+      f"{theory_dp.gradient_bytes(build_model(big)) / 1e6:.1f} MB of fp32 gradients")
 runs = {}
 for overlap in (True, False):
     runs[overlap] = labkit.launch(dp.train, 2, big, bucket_mb=1.0, overlap=overlap)
@@ -481,7 +482,7 @@ latency = 2.6   # seconds per batch on one node (the article's number)
 rows = []
 for batches in (1, 2, 3, 10, 100):
     for nodes in (1, 2):
-        r = dp.inference_throughput(latency, replicas=nodes, batches=batches)
+        r = theory_dp.inference_throughput(latency, replicas=nodes, batches=batches)
         rows.append(dict(batches=batches, nodes=nodes, makespan_s=r["makespan_s"],
                          s_per_batch=round(r["seconds_per_batch"], 2),
                          latency_per_batch_s=r["latency_s"], utilisation=r["utilisation"]))

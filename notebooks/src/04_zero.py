@@ -57,8 +57,8 @@ from labkit import FullyShard
 from labkit.exercises.zero import check_gradient_shard, check_stage_memory_answer, show_solution
 from labkit.runs import data_parallel as dp
 from labkit.runs import zero
-from labkit.runs.reference import RunConfig, build_model
-from labkit.theory import catalog, hardware, memory as tm
+from labkit.runs.reference import RunConfig, build_model, train_mixed_precision
+from labkit.theory import catalog, hardware, memory as tm, zero as theory_zero
 from labkit.viz import memory_stack
 from labkit.viz import zero_widgets as zw
 
@@ -252,7 +252,7 @@ def per_step(label, r):
 comm_rows, table = {}, []
 dp_formula = 2 * (N - 1) / N * psi * 4        # ring all-reduce of 4Ψ bytes of fp32 gradients
 for stage, (label, r) in enumerate(runs.items()):
-    formula = dp_formula if stage == 0 else zero.formula_wire_bytes(psi, N, stage, 4)
+    formula = dp_formula if stage == 0 else theory_zero.formula_wire_bytes(psi, N, stage, 4)
     comm_rows[label] = dict(measured=per_step(label, r), formula=formula)
     ops = ", ".join(f"{row['calls'] // cfg.steps} {row['op']}" for row in r["comm"]
                     if label != "baseline DP" or row["op"] == "all_reduce")
@@ -476,7 +476,7 @@ print(f"on the device (rank 0, modelled split): params {mem['params']:,} B, grad
       f"{mem['grads']:,} B, optimizer {mem['optimizer']:,} B")
 print(f"in host memory: {off['offloaded_bytes']:,} B = (4 + 4 + 8) x padded Ψ / N = "
       f"{16 * padded // N:,} (fp32 shards, their gradients, Adam's moments)")
-mixed_reference = zero.reference_mixed_precision(cfg)["params"]
+mixed_reference = train_mixed_precision(cfg, zero.COMPUTE_DTYPE)["params"]
 gaps = torch.cat([(off["params"][k] - mixed_reference[k]).abs().reshape(-1)
                   for k in mixed_reference])
 close = (gaps < 1e-4).float().mean().item()
