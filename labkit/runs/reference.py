@@ -120,7 +120,7 @@ def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32):
 def train_mixed_precision(cfg=None, compute_dtype=torch.bfloat16):
     """One device, full batch, the mixed-precision algorithm: a `compute_dtype` copy of the
     weights computes forward and backward; the optimizer steps fp32 masters that start from the
-    unrounded fp32 weights; the low-precision copy is refreshed from them before each step."""
+    unrounded fp32 weights; the low-precision copy is refreshed from them before each forward."""
     cfg = cfg or RunConfig()
     master = build_model(cfg)
     work = build_model(cfg).to(compute_dtype)

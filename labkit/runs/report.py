@@ -5,7 +5,8 @@ the single-device reference's result it is handed (`reference.train(cfg)`, or a 
 own reference) and adds `max_param_diff_vs_reference`, and, when it is handed the same run in
 float64 (`exact`), `agreement`: the parallel run and the float32 reference both measured
 against the float64 run (labkit.numerics), the verdict "equals one device" that holds on any
-CPU.
+CPU. A driver's `report` runs its ranks with `launch_checked` (the CLI's one-line refusals
+first) and hands `build_report` the references of `single_device(cfg)`.
 """
 import json
 import math
