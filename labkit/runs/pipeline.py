@@ -4,6 +4,7 @@ The thin driver: the model is cut with `split_into_stages`, each rank runs its s
 `PipelineSchedule` executor (labkit.parallel.pipeline), and the run is compared with the
 single-device reference and reported. `bubble_fraction` is *modelled*: read off the virtual
 clock's timeline (compute bars of every rank over the step's span), not measured wall time.
+The formulas: theory/pipeline.py (schedules, bubble), theory/pipeline_memory.py (bytes).
 """
 import dataclasses
 
