@@ -288,12 +288,14 @@ def _check_comm_and_memory(report, cfg, n, sequence_parallel):
                                      sequence_parallel=sequence_parallel, bytes_per_element=4)
     assert block == {(r["direction"], r["op"]): (r["calls"] * cfg.steps, {r["bytes"]})
                      for r in predicted}
-    want = run_tp.predict_comm(cfg, n, sequence_parallel)
+    want = report["predicted_comm"]
     assert {r["op"]: (r["calls"], r["bytes"]) for r in report["comm"]} == \
         {op: (w["calls"], w["bytes"]) for op, w in want.items()}
     assert sum(r["wire_bytes_per_rank"] for r in report["comm"]) == \
         pytest.approx(report["predicted_comm_bytes_per_rank"])
-    mem, pred = report["memory"][0], run_tp.predict_memory(cfg, n, sequence_parallel)
+    mem, pred = report["memory"][0], theory_tp.tiny_gpt_training_memory(
+        **c.as_dict(), batch=cfg.global_batch, tp=n, sequence_parallel=sequence_parallel,
+        optimizer=cfg.optimizer)
     assert mem["params"] == mem["grads"] == pred["params"]
     assert mem["activations"] == pytest.approx(pred["activations"], rel=0.15)
 
