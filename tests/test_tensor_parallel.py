@@ -301,10 +301,10 @@ def _check_comm_and_memory(report, cfg, n, sequence_parallel):
 
 
 @pytest.mark.parametrize("overrides,sp,word", [
-    (dict(heads=4, hidden=64), False, "heads=4"),
-    (dict(ffn=90), False, "ffn=90"),
-    (dict(vocab=130), False, "vocab=130"),
-    (dict(seq=30), True, "seq=30"),
+    (dict(heads=4, hidden=64, vocab=129), False, "heads=4 of blocks.0.attn"),
+    (dict(ffn=90), False, "90 output features of blocks.0.mlp.fc1"),
+    (dict(vocab=130), False, "130 rows .vocabulary. of tok"),
+    (dict(seq=30), True, "30 rows .vocabulary. of pos"),
 ])
 def test_a_tp_degree_that_does_not_divide_fails_before_any_rank_starts(overrides, sp, word):
     cfg = reference.RunConfig(model_kwargs=overrides)
