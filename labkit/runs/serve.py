@@ -21,6 +21,7 @@ from ..parallel.pipeline import PipelineStage, split_into_stages
 from ..parallel.serving import (PipelineGenerator, gather_requests, generate, new_cache,
                                 split_requests)
 from ..parallel.tensor_parallel import parallelize
+from ..parallel.tensor_parallel_plan import resolve_plan
 from ..runtime.launch import launch
 from ..theory import serving as theory
 
@@ -77,10 +78,8 @@ def check_config(cfg, world_size=None):
         check_expert_parallel(cfg.experts, cfg.top_k, None, cfg.ep)
     elif cfg.ep > 1:
         raise ValueError("--ep spreads experts: give --experts E too")
-    for name, size in (("heads", c.heads), ("ffn", c.ffn)):
-        if size % cfg.tp:
-            raise ValueError(f"--tp {cfg.tp} does not divide {name}={size} (each rank holds "
-                             "whole heads and an equal share of the MLP)")
+    with torch.device("meta"):      # the block's own check, on a model with no storage
+        resolve_plan(models.TinyGPT(c), GPT_TP_PLAN, cfg.tp)
     if cfg.pp > c.layers + 2:
         raise ValueError(f"--pp {cfg.pp} is more stages than the {c.layers + 2} pieces of the "
                          "model (embedding, each block, norm + head)")
