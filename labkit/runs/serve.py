@@ -11,7 +11,7 @@ report: tokens_equal_reference (greedy tokens of every request vs one device), k
 and the modelled TTFT / TPOT of the same layout on the chosen cluster (labkit.theory.serving).
 """
 import time
-from dataclasses import dataclass, field, asdict, replace
+from dataclasses import dataclass, field, asdict
 
 import torch
 
