@@ -10,10 +10,9 @@ single-process reference routes each EP group's tokens as one routing group (MoE
 
     python -m labkit run moe --world-size 2 --experts 4 --top-k 2 --capacity-factor 1.25 --json
 
-What is here: `train` (per rank), `infer`, `reference_train` (one process), the report, and
-the helpers the lesson reads (`load_imbalance`, `load_over_steps`). The mechanics (expert
-groups, gradient averaging, routing stats) are labkit.parallel.moe's; the predictions
-labkit.theory.moe's.
+What is here: `train` (per rank), `infer`, `reference_train` (one process) and the report.
+The mechanics (expert groups, gradient averaging, routing stats) are
+labkit.parallel.moe's; the predictions and load measures labkit.theory.moe's.
 """
 from dataclasses import replace
 
@@ -122,18 +121,6 @@ def reference_train(cfg=None, moe=MoEConfig(), groups=1, dtype=torch.float32):
     return dict(loss=losses, params=full_params(model), routing=stats, model=model)
 
 
-def load_imbalance(load):
-    """max load / mean load over experts: 1.0 is perfectly balanced."""
-    load = torch.as_tensor(load, dtype=torch.float64)
-    return (load.max() / load.mean()).item()
-
-
-def load_over_steps(routing, steps, layer=0):
-    """Per-expert assignments summed over `steps` (a range) of a run's routing stats."""
-    return [sum(routing[s]["load"][layer][e] for s in steps)
-            for e in range(len(routing[0]["load"][layer]))]
-
-
 # ------------------------------------------------------------------------- CLI and report
 
 def add_arguments(parser):
@@ -184,4 +171,4 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", experts=4, top_k=1,
         predicted_comm_bytes_per_rank=sum(by_op.values()), predicted_comm_by_op=by_op,
         tokens_dropped=dropped, reference_tokens_dropped=[s["dropped"] for s in ref["routing"]],
         assignments_per_step=tokens * top_k * layers, expert_load=load,
-        load_imbalance=[load_imbalance(layer) for layer in load])
+        load_imbalance=[theory_moe.load_imbalance(layer) for layer in load])

@@ -71,6 +71,19 @@ def expected_tokens_dropped(tokens, experts, top_k=1, capacity_factor=1.25, skew
                 dropped_if_exact_shares=mean_only)
 
 
+def load_imbalance(load) -> float:
+    """max load / mean load over experts (assignments per expert): 1.0 is perfectly balanced."""
+    load = [float(v) for v in load]
+    return max(load) / (sum(load) / len(load))
+
+
+def load_over_steps(routing, steps, layer=0) -> list:
+    """Per-expert assignments summed over `steps` (a range) of a run's per-step routing stats
+    ({"load": [per layer [per expert]]}, as labkit's MoE runs report them)."""
+    return [sum(routing[s]["load"][layer][e] for s in steps)
+            for e in range(len(routing[0]["load"][layer]))]
+
+
 # ---------------------------------------------------------------------------- all-to-all bytes
 
 def all_to_all_bytes_per_rank(tokens_per_rank, top_k, hidden, ep, *, bytes_per_value=4,
