@@ -163,18 +163,11 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", layout="zigzag", met
         max_diff={k: max(ch["max_diff"][k] for ch in checks) for k in checks[0]["max_diff"]},
         within_rounding=all(ch["agreement"].ok for ch in checks),
         verdict=str(max((ch["agreement"] for ch in checks), key=lambda a: a.error / a.limit)),
-        flops_per_rank=flops,
-        predicted_flops_per_rank=(theory_cp.attention_flops_per_rank(b, h, s, d, world_size,
-                                                                      layout, causal)
-                                  if method == "ring" else None),
-        imbalance=theory_cp.imbalance(flops) if sum(flops) else None,
+        flops_per_rank=flops, imbalance=theory_cp.imbalance(flops) if sum(flops) else None,
         comm_bytes_per_rank=[ch["wire_bytes"] for ch in checks],
-        predicted_comm_bytes_per_rank=theory_cp.comm_bytes_per_rank(
-            b, h, s, d, world_size, dtype_bytes=4, grad_bytes=4, method=method)["total"],
         saved_bytes_per_rank=[ch["saved_bytes"] for ch in checks],
-        predicted_saved_bytes_per_rank=theory_cp.attention_saved_bytes(b, h, s, d, world_size,
-                                                                       dtype_bytes=4),
-        modelled_s=max(ch["modelled_s"] for ch in checks))
+        modelled_s=max(ch["modelled_s"] for ch in checks),
+        **theory_cp.attention_call_prediction(b, h, s, d, world_size, layout, causal, method))
     out = build_report(
         "cp", cfg, results, reference=reference_train(cfg), exact=float64_reference(cfg),
         config=dict(cp=world_size, layout=layout, method=method, causal=causal),

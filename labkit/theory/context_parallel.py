@@ -66,6 +66,20 @@ def tiny_gpt_comm_bytes_per_rank(*, layers, batch, heads, seq, head_dim, params,
     return steps * (layers * attention + grads)
 
 
+def attention_call_prediction(batch, heads, seq, head_dim, cp, layout="zigzag", causal=True,
+                              method="ring") -> dict:
+    """One fp32 CP attention call, forward and backward, per rank: wire bytes (`method`'s),
+    matmul FLOPs (ring's blocks; None for the others) and saved bytes (ring's accounting)."""
+    return dict(
+        predicted_flops_per_rank=attention_flops_per_rank(batch, heads, seq, head_dim, cp,
+                                                          layout, causal)
+        if method == "ring" else None,
+        predicted_comm_bytes_per_rank=comm_bytes_per_rank(
+            batch, heads, seq, head_dim, cp, dtype_bytes=4, grad_bytes=4, method=method)["total"],
+        predicted_saved_bytes_per_rank=attention_saved_bytes(batch, heads, seq, head_dim, cp,
+                                                             dtype_bytes=4))
+
+
 def tiny_gpt_memory_per_rank(params, optimizer="adam"):
     """fp32 states of the whole model, replicated on every CP rank; activations not modelled
     here (`attention_saved_bytes` is attention's share)."""
