@@ -328,10 +328,10 @@ def test_aux_loss_evens_out_expert_load():
         mc = MoEConfig(experts=8, top_k=1, capacity_factor=4.0, aux_loss_coef=coef)
         run = moe.reference_train(cfg, mc)
         start[coef] = run["routing"][0]["load"][0]    # step 0: before any update
-        late[coef] = moe.load_imbalance(moe.load_over_steps(run["routing"], range(50, 60)))
+        late[coef] = tmoe.load_imbalance(tmoe.load_over_steps(run["routing"], range(50, 60)))
     assert start[0.0] == start[1.0]                   # the same model and batch at step 0
     # without the aux loss the router drifts away from even; with it the load stays nearer even
-    assert late[0.0] > 1.15 * moe.load_imbalance(start[0.0]), (late, start)
+    assert late[0.0] > 1.15 * tmoe.load_imbalance(start[0.0]), (late, start)
     assert late[1.0] < 0.7 * late[0.0], late
 
 

@@ -288,21 +288,23 @@ def _check_comm_and_memory(report, cfg, n, sequence_parallel):
                                      sequence_parallel=sequence_parallel, bytes_per_element=4)
     assert block == {(r["direction"], r["op"]): (r["calls"] * cfg.steps, {r["bytes"]})
                      for r in predicted}
-    want = run_tp.predict_comm(cfg, n, sequence_parallel)
+    want = report["predicted_comm"]
     assert {r["op"]: (r["calls"], r["bytes"]) for r in report["comm"]} == \
         {op: (w["calls"], w["bytes"]) for op, w in want.items()}
     assert sum(r["wire_bytes_per_rank"] for r in report["comm"]) == \
         pytest.approx(report["predicted_comm_bytes_per_rank"])
-    mem, pred = report["memory"][0], run_tp.predict_memory(cfg, n, sequence_parallel)
+    mem, pred = report["memory"][0], theory_tp.tiny_gpt_training_memory(
+        **c.as_dict(), batch=cfg.global_batch, tp=n, sequence_parallel=sequence_parallel,
+        optimizer=cfg.optimizer)
     assert mem["params"] == mem["grads"] == pred["params"]
     assert mem["activations"] == pytest.approx(pred["activations"], rel=0.15)
 
 
 @pytest.mark.parametrize("overrides,sp,word", [
-    (dict(heads=4, hidden=64), False, "heads=4"),
-    (dict(ffn=90), False, "ffn=90"),
-    (dict(vocab=130), False, "vocab=130"),
-    (dict(seq=30), True, "seq=30"),
+    (dict(heads=4, hidden=64, vocab=129), False, "heads=4 of blocks.0.attn"),
+    (dict(ffn=90), False, "90 output features of blocks.0.mlp.fc1"),
+    (dict(vocab=130), False, "130 rows .vocabulary. of tok"),
+    (dict(seq=30), True, "30 rows .vocabulary. of pos"),
 ])
 def test_a_tp_degree_that_does_not_divide_fails_before_any_rank_starts(overrides, sp, word):
     cfg = reference.RunConfig(model_kwargs=overrides)

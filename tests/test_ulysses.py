@@ -10,6 +10,10 @@ error for N > KV heads; ContextParallel(method="ulysses") on a module calling
 F.scaled_dot_product_attention and on labkit's GPT attention, selected by a predicate, with
 `F.scaled_dot_product_attention` and the modules' globals left as they were.
 """
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -163,3 +167,40 @@ def test_more_ranks_than_kv_heads_is_a_one_line_error(ranks):
     error = results[0]["error"]
     assert error and "\n" not in error and f"do not split over {n} ranks" in error
     assert "N <= KV heads" in error
+
+
+# ------------------------------------------------------------------------- the CLI driver
+
+def _labkit(*args):
+    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_runs_ulysses_and_its_bytes_are_the_formulas():
+    """`run cp --method ulysses` on 2 ranks: the training run's comm log and the attention
+    check's bytes equal theory/'s (Ulysses' volume, not ring's), the results one device's."""
+    out = _labkit("run", "cp", "--world-size", "2", "--method", "ulysses", "--steps", "2",
+                  "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["config"]["method"] == "ulysses"
+    assert report["agreement"]["params"]["ok"], report["agreement"]["params"]["verdict"]
+    measured = sum(row["wire_bytes_per_rank"] for row in report["comm"])
+    assert {row["op"] for row in report["comm"]} == {"all_to_all", "all_reduce"}
+    assert measured == pytest.approx(report["predicted_comm_bytes_per_rank"])
+    check = report["attention_check"]
+    assert check["within_rounding"], check["verdict"]
+    b, h, s, d = (check["shape"][k] for k in ("batch", "heads", "seq", "head_dim"))
+    expected = theory.comm_bytes_per_rank(b, h, s, d, 2, dtype_bytes=4, grad_bytes=4,
+                                          method="ulysses")["total"]
+    assert check["predicted_comm_bytes_per_rank"] == pytest.approx(expected)
+    assert check["comm_bytes_per_rank"] == pytest.approx([expected] * 2)
+    ring = theory.comm_bytes_per_rank(b, h, s, d, 2, dtype_bytes=4, grad_bytes=4)["total"]
+    assert expected != pytest.approx(ring)
+
+
+def test_cli_refuses_more_ranks_than_heads_in_one_line():
+    out = _labkit("run", "cp", "--world-size", "8", "--method", "ulysses")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "do not split over 8 ranks" in out.stderr
+    assert "N <= KV heads" in out.stderr

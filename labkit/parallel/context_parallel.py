@@ -57,7 +57,7 @@ from .ring_attention import (LAYOUTS, SEQ_DIM, _check_layout, _sdpa, check_seque
 __all__ = ["LAYOUTS", "METHODS", "SEQ_DIM", "CORES", "ContextParallel", "all_gather_attention",
            "check_sequence", "check_ulysses_heads", "gather_sequence", "merge_partials",
            "ring_attention", "sequence_positions", "shard_sequence", "ulysses_attention"]
-METHODS = ("ring", "all_gather")               # what the run driver offers (runs/)
+METHODS = ("ring", "all_gather")   # the cores for any head count (Ulysses: N <= KV heads)
 
 # ---------------------------------------------------------------- applying it to a module
 

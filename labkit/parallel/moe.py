@@ -43,6 +43,7 @@ loss. `aux_loss` (Switch) and `z_loss` are this rank's terms, scaled so that the
 the group equals the single-device layer's over the group's tokens.
 """
 import math
+import re
 
 import torch
 import torch.nn as nn
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
-from .flat import FlatBuffer
+from .flat import FlatBuffer, average_gradients
 
 
 # ----------------------------------------------------------------------------------- routing
@@ -266,6 +267,58 @@ def full_parameters(model):
     for name, layer in layers.items():
         out.update({f"{name}.{k}": t for k, t in layer.full_state_dict().items()})
     return out
+
+
+# --------------------------------------------------- a model's experts and their replicas
+
+EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")
+
+
+def is_expert(name):
+    """Whether a parameter name (`blocks.0.mlp.experts.5.fc1.weight`) is an expert's."""
+    return EXPERT_NAME.search(name) is not None
+
+
+def expert_groups(ep):
+    """(EP group, expert-replica group or None) of this rank: EP groups are neighbouring
+    ranks, as the `ep` of `ctx.mesh(dp=world, ep=ep)` lays them out; each expert then has
+    world/ep replicas. Every rank calls this, same order."""
+    ctx = context()
+    world = ctx.world_size
+    if ep == world:
+        return ctx.world, None
+    ep_group = ctx.split_groups([list(range(d * ep, (d + 1) * ep)) for d in range(world // ep)])
+    replicas = ctx.split_groups([list(range(i, world, ep)) for i in range(ep)])
+    return ep_group, replicas
+
+
+def average_moe_gradients(model, replicas):
+    """Dense gradients averaged over the world; expert gradients (already the EP group's mean,
+    see ExpertParallel) averaged over their replicas. An expert that got no token on any
+    replica keeps grad None, as on one device, instead of an Adam step on zeros."""
+    named = list(model.named_parameters())
+    average_gradients([p for n, p in named if not is_expert(n)], None, skip_unused=True,
+                      tag="dense grads")
+    if replicas is not None:
+        average_gradients([p for n, p in named if is_expert(n)], replicas, skip_unused=True,
+                          tag="expert grads")
+
+
+def routing_stats(model):
+    """Per layer of `model.moe_layers()`: this rank's assignments routed to each expert (before
+    drops), its dropped assignments and the rows it sent and received (a single-device MoE
+    layer, read from its `last` routing: the whole batch, nothing sent)."""
+    layers = model.moe_layers()
+    if layers and isinstance(layers[0], ExpertParallel):
+        routes = [m.routing for m in layers]
+        return dict(load=[r["load"].tolist() for r in routes],
+                    dropped=sum(r["dropped"] for r in routes),
+                    sent=[r["sent"] for r in routes], received=[r["received"] for r in routes])
+    load = [sum(((r.expert[:, :, None] == torch.arange(m.moe.experts)).sum((0, 1))
+                 for r in m.last), torch.zeros(m.moe.experts, dtype=torch.long)).tolist()
+            for m in layers]
+    return dict(load=load, dropped=sum(r.dropped for m in layers for r in m.last),
+                sent=[0] * len(layers), received=[0] * len(layers))
 
 
 # ------------------------------------------------------------------------ the duck type

@@ -1,11 +1,13 @@
-"""Context parallelism on labkit's tiny GPT: the sequence split across ranks, attention by ring.
+"""Context parallelism on labkit's tiny GPT: the sequence split across ranks, attention by ring,
+all-gather or Ulysses' all-to-all over heads.
 
-`python -m labkit run cp --world-size 4 --layout zigzag [--no-causal] [--method all_gather]
---json`. The world is the CP group: every rank sees the whole batch but only its shard of each
-sequence (`shard_sequence`, global positions for the position embedding); each block's attention
-is wrapped in `ContextParallel`; the replicated weights' gradients are averaged with one
-all-reduce per step. The parameters are compared with the single-device run. Then an attention
-check: one ring attention forward and backward on random q, k, v (causal or not, as asked),
+`python -m labkit run cp --world-size 4 --layout zigzag [--no-causal]
+[--method all_gather|ulysses] --json`. The world is the CP group: every rank sees the whole
+batch but only its shard of each sequence (`shard_sequence`, global positions for the position
+embedding); each block's attention is wrapped in `ContextParallel` (Ulysses: N <= heads, refused
+before ranks start); the replicated weights' gradients are averaged with one all-reduce per
+step. The parameters are compared with the single-device run. Then an attention check: one
+forward and backward of the method's attention on random q, k, v (causal or not, as asked),
 its output and q, k, v gradients against single-device fp64 attention, the FLOPs each rank's
 clock counted (contiguous causal: the last rank ~2x the mean; zigzag: balanced), its comm
 bytes and saved activation bytes against labkit.theory.context_parallel.
@@ -16,19 +18,17 @@ import torch
 import torch.nn.functional as F
 
 from .. import numerics
-from ..parallel.context_parallel import (LAYOUTS, METHODS, ContextParallel, all_gather_attention,
-                                         check_sequence, ring_attention, sequence_positions,
-                                         shard_sequence)
+from ..parallel.context_parallel import (CORES, LAYOUTS, ContextParallel, check_sequence,
+                                         check_ulysses_heads, sequence_positions, shard_sequence)
 from ..parallel.flat import average_gradients, unwrapped_name
 from ..runtime.memory import MemoryTracker
 from ..theory import context_parallel as theory_cp
-from ..theory import memory as theory_memory
-from ..theory.time import wire_bytes_per_rank
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
 from .reference import gpt_config as reference_gpt_config, token_loss
 from .reference import float64_reference, train as reference_train
 
-ATTENTION_TAGS = ("ring attention", "all-gather attention")
+ATTENTION_TAGS = ("ring attention", "all-gather attention", "ulysses attention")
+METHODS = tuple(CORES)        # ring, all_gather, ulysses
 
 
 def gpt_config(cfg):
@@ -36,15 +36,20 @@ def gpt_config(cfg):
                                      "model has no sequence)")
 
 
-def check_cp(cfg, cp, layout="zigzag", method="ring"):
-    """One-line ValueError before any rank starts."""
+def check_cp(cfg, cp, layout="zigzag", method="ring", heads=None):
+    """One-line ValueError before any rank starts (`heads`: the attention check's, if not the
+    model's; Ulysses needs both to split over the ranks)."""
     if layout not in LAYOUTS:
         raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     if not isinstance(cp, int) or cp < 1:
         raise ValueError(f"the CP degree must be a positive integer, got {cp!r}")
-    check_sequence(gpt_config(cfg).seq, cp, layout)
+    c = gpt_config(cfg)
+    check_sequence(c.seq, cp, layout)
+    if method == "ulysses":            # the tiny GPT's K, V have as many heads as its queries
+        for h in {c.heads, heads or c.heads}:
+            check_ulysses_heads(h, h, cp)
 
 
 def build_cp_model(cfg, group=None, layout="zigzag", method="ring"):
@@ -106,9 +111,8 @@ def attention_check(ctx, shape, causal, layout, method, seed=0):
     ctx.comm.reset()
     first_event, flops, start = len(ctx.clock.events), ctx.clock.flops, ctx.clock.t
     tracker = MemoryTracker()
-    fn = ring_attention if method == "ring" else all_gather_attention
     with tracker.track_activations():
-        out = fn(*mine, None, causal, layout)
+        out = CORES[method](*mine, None, causal, layout)
     out.backward(shard_sequence(do, None, layout, dim=2))
     names = ("out", "dq", "dk", "dv")
     mine_rows, exact_rows, single_rows = (
@@ -129,31 +133,12 @@ def attention_check(ctx, shape, causal, layout, method, seed=0):
                 timeline=timeline)
 
 
-def predict_comm(cfg, cp, method="ring"):
-    """Wire bytes per rank for the training run (theory/, fp32): per step and layer one CP
-    attention forward and backward, and the gradient all-reduce of the replicated weights."""
-    c = gpt_config(cfg)
-    attention = theory_cp.comm_bytes_per_rank(cfg.global_batch, c.heads, c.seq,
-                                              c.hidden // c.heads, cp, dtype_bytes=4,
-                                              grad_bytes=4, method=method)["total"]
-    grads = wire_bytes_per_rank("all_reduce", 4 * c.param_count(), cp)
-    return cfg.steps * (c.layers * attention + grads)
-
-
-def predict_memory(cfg, cp):
-    """fp32 Adam states of the whole (replicated) model; activations not modelled here (the
-    attention check compares ring attention's saved bytes with theory/)."""
-    n = gpt_config(cfg).param_count()
-    states = theory_memory.model_state_bytes(n, mixed_precision=False, optimizer=cfg.optimizer)
-    return dict(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
-                activations=None, peak=None)
-
-
 def add_arguments(parser):
     parser.add_argument("--layout", choices=LAYOUTS, default="zigzag",
                         help="which positions each rank holds (zigzag balances causal work)")
     parser.add_argument("--method", choices=METHODS, default="ring",
-                        help="ring: K, V passed around a ring; all_gather: Llama 3's way")
+                        help="ring: K, V passed around a ring; all_gather: Llama 3's way; "
+                        "ulysses: all-to-all over heads (N <= heads)")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction,
                         default=True, help="causal mask in the attention check")
 
@@ -164,9 +149,9 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", layout="zigzag", met
     from ..runtime.launch import launch
     from .report import build_report
     cfg = cfg or RunConfig()
-    check_cp(cfg, world_size, layout, method)
     c = gpt_config(cfg)
     shape = tuple(check_shape or (2, c.heads, c.seq, c.hidden // c.heads))
+    check_cp(cfg, world_size, layout, method, heads=shape[1])
     check_sequence(shape[2], world_size, layout)
     results = launch(train, world_size, cfg, layout, method, causal, shape, cluster=cluster,
                      timeout_s=600)
@@ -178,23 +163,19 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", layout="zigzag", met
         max_diff={k: max(ch["max_diff"][k] for ch in checks) for k in checks[0]["max_diff"]},
         within_rounding=all(ch["agreement"].ok for ch in checks),
         verdict=str(max((ch["agreement"] for ch in checks), key=lambda a: a.error / a.limit)),
-        flops_per_rank=flops,
-        predicted_flops_per_rank=(theory_cp.attention_flops_per_rank(b, h, s, d, world_size,
-                                                                      layout, causal)
-                                  if method == "ring" else None),
-        imbalance=theory_cp.imbalance(flops) if sum(flops) else None,
+        flops_per_rank=flops, imbalance=theory_cp.imbalance(flops) if sum(flops) else None,
         comm_bytes_per_rank=[ch["wire_bytes"] for ch in checks],
-        predicted_comm_bytes_per_rank=theory_cp.comm_bytes_per_rank(
-            b, h, s, d, world_size, dtype_bytes=4, grad_bytes=4, method=method)["total"],
         saved_bytes_per_rank=[ch["saved_bytes"] for ch in checks],
-        predicted_saved_bytes_per_rank=theory_cp.attention_saved_bytes(b, h, s, d, world_size,
-                                                                       dtype_bytes=4),
-        modelled_s=max(ch["modelled_s"] for ch in checks))
+        modelled_s=max(ch["modelled_s"] for ch in checks),
+        **theory_cp.attention_call_prediction(b, h, s, d, world_size, layout, causal, method))
     out = build_report(
         "cp", cfg, results, reference=reference_train(cfg), exact=float64_reference(cfg),
         config=dict(cp=world_size, layout=layout, method=method, causal=causal),
-        predicted_memory=predict_memory(cfg, world_size),
-        predicted_comm_bytes_per_rank=predict_comm(cfg, world_size, method),
+        predicted_memory=theory_cp.tiny_gpt_memory_per_rank(c.param_count(), cfg.optimizer),
+        predicted_comm_bytes_per_rank=theory_cp.tiny_gpt_comm_bytes_per_rank(
+            layers=c.layers, batch=cfg.global_batch, heads=c.heads, seq=c.seq,
+            head_dim=c.hidden // c.heads, params=c.param_count(), cp=world_size,
+            steps=cfg.steps, method=method),
         attention_check=attention)
     out["attention_timeline"] = [e for ch in checks for e in ch["timeline"]]
     return out

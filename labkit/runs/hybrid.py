@@ -14,8 +14,8 @@ from dataclasses import replace
 from .. import data, models
 from ..parallel.hybrid import HybridParallel
 from ..runtime.mesh import DIMS
+from ..theory import hybrid as theory_hybrid
 from ..theory import pipeline as schedules
-from ..theory import planner
 from . import reference
 from .report import build_report, mean_loss, rank_result
 
@@ -149,34 +149,6 @@ def comm_by_dim(results):
                                                   row["op"]))
 
 
-def predict_memory(cfg, dp, tp, pp, microbatches=2, virtual=1, sequence_parallel=False,
-                   zero=0):
-    """The planner's bytes per GPU (worst stage) for this tiny shape and layout: fp32 Adam, no
-    dropout, the softmax stored, as the tiny GPT trains. None where the planner has no such plan
-    (e.g. more stages than blocks: the planner gives the embedding and head no stage of their
-    own) or for the MoE variant."""
-    if cfg.model != "gpt":
-        return None
-    c = models.GPTConfig(**cfg.model_kwargs)
-    shape = (f"layers={c.layers},hidden={c.hidden},heads={c.heads},ffn={c.ffn},"
-             f"vocab={c.vocab},seq={c.seq},arch=gpt,tied=false")
-    fix = dict(dp=dp, tp=tp, pp=pp, v=virtual, zero_stage=zero, recompute="none",
-               micro_batch_size=cfg.global_batch // (dp * microbatches),
-               sequence_parallel=sequence_parallel)
-    try:
-        plan = planner.plan(shape, dp * tp * pp, "H100", global_batch=cfg.global_batch,
-                            seq=c.seq, precision="fp32", dropout=False, flash_attention=False,
-                            fix=fix, top=1)["plans"][0]
-    except ValueError:
-        return None
-    # a CPU run has no CUDA context or caching allocator: the reserve is left out
-    out = {k: v for k, v in plan["memory_bytes"].items() if k not in ("total", "reserved")}
-    if cfg.optimizer == "sgd":
-        out["optimizer"] = 0
-    out["peak"] = sum(out.values())
-    return out
-
-
 def add_arguments(parser):
     """Options of `python -m labkit run hybrid` (the world size is dp x tp x pp)."""
     parser.set_defaults(world_size=None)
@@ -221,7 +193,9 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
         config=dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, schedule=schedule,
                     microbatches=microbatches, virtual=v, sequence_parallel=sequence_parallel,
                     experts=experts, top_k=top_k if experts else None, order=list(dims)),
-        predicted_memory=predict_memory(run, dp, tp, pp, microbatches, v, sequence_parallel,
-                                        zero),
+        predicted_memory=None if experts else theory_hybrid.tiny_gpt_memory(
+            **models.GPTConfig(**run.model_kwargs).as_dict(), global_batch=run.global_batch,
+            dp=dp, tp=tp, pp=pp, microbatches=microbatches, virtual=v,
+            sequence_parallel=sequence_parallel, zero=zero, optimizer=run.optimizer),
         comm_by_dim=comm_by_dim(results), mesh_table=results[0]["mesh_table"],
         bubble_fraction_formula=schedules.bubble_formula(pp, microbatches, v))

@@ -11,7 +11,7 @@ report: tokens_equal_reference (greedy tokens of every request vs one device), k
 and the modelled TTFT / TPOT of the same layout on the chosen cluster (labkit.theory.serving).
 """
 import time
-from dataclasses import dataclass, field, asdict, replace
+from dataclasses import dataclass, field, asdict
 
 import torch
 
@@ -21,8 +21,8 @@ from ..parallel.pipeline import PipelineStage, split_into_stages
 from ..parallel.serving import (PipelineGenerator, gather_requests, generate, new_cache,
                                 split_requests)
 from ..parallel.tensor_parallel import parallelize
+from ..parallel.tensor_parallel_plan import resolve_plan
 from ..runtime.launch import launch
-from ..theory import catalog, hardware
 from ..theory import serving as theory
 
 GPT_TP_PLAN = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
@@ -78,10 +78,8 @@ def check_config(cfg, world_size=None):
         check_expert_parallel(cfg.experts, cfg.top_k, None, cfg.ep)
     elif cfg.ep > 1:
         raise ValueError("--ep spreads experts: give --experts E too")
-    for name, size in (("heads", c.heads), ("ffn", c.ffn)):
-        if size % cfg.tp:
-            raise ValueError(f"--tp {cfg.tp} does not divide {name}={size} (each rank holds "
-                             "whole heads and an equal share of the MLP)")
+    with torch.device("meta"):      # the block's own check, on a model with no storage
+        resolve_plan(models.TinyGPT(c), GPT_TP_PLAN, cfg.tp)
     if cfg.pp > c.layers + 2:
         raise ValueError(f"--pp {cfg.pp} is more stages than the {c.layers + 2} pieces of the "
                          "model (embedding, each block, norm + head)")
@@ -148,14 +146,6 @@ def serve(ctx, cfg):
                 cluster=ctx.clock.cluster.name)
 
 
-def predicted_kv_cache_bytes(cfg, layers_here, requests_here):
-    """2 x layers on this rank x its requests x cached tokens (P + T - 1: the last token is
-    never fed back) x hidden / tp x 4 bytes."""
-    c = cfg.gpt_config()
-    tokens = cfg.prompt_len + cfg.new_tokens - 1
-    return 2 * layers_here * requests_here * tokens * (c.hidden // cfg.tp) * BYTES
-
-
 def comm_per_token(rows, new_tokens):
     """Per group and op: calls, payload bytes and ring wire bytes per rank, per generated
     token (payloads measured; wire bytes modelled)."""
@@ -172,22 +162,6 @@ def comm_per_token(rows, new_tokens):
             for r in out.values()]
 
 
-def modelled(cfg, cluster):
-    """TTFT and TPOT of this tiny model and layout on the modelled cluster (bf16 there)."""
-    c = cfg.gpt_config()
-    shape = catalog.ModelShape(   # the MoE as the nearest catalog layout (SwiGLU experts)
-        name="tiny-gpt", display_name="labkit tiny GPT",
-        arch="mixtral" if cfg.experts else "gpt2", layers=c.layers,
-        hidden=c.hidden, heads=c.heads, kv_heads=c.heads, ffn=c.ffn, vocab=c.vocab,
-        experts=max(cfg.experts, 1), top_k=cfg.top_k, tied_embeddings=False, max_seq=c.seq)
-    cl = hardware.cluster(cluster)
-    return theory.serving_time(shape, gpu=cl.gpu.name, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep,
-                               replicas=cfg.replicas, batch=cfg.batch,
-                               prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens,
-                               gpus_per_node=cl.gpus_per_node, intra_link=cl.intra.name,
-                               inter_link=cl.inter.name if cl.inter else None)
-
-
 def report(world_size=None, cfg=None, cluster="8xH100-NVLink", timeout_s=300):
     """Run the serving layout, compare with one device, and return the report (a dict)."""
     cfg = cfg or ServeConfig()
@@ -199,7 +173,10 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", timeout_s=300):
     tokens = results[0]["tokens"]
     equal = all(torch.equal(r["tokens"], ref["tokens"]) for r in results)
     gen_s = max(r["wall_s"] for r in results)
-    times = modelled(cfg, cluster)
+    times = theory.tiny_gpt_serving_time(
+        **cfg.gpt_config().as_dict(), experts=cfg.experts, top_k=cfg.top_k, cluster=cluster,
+        tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, replicas=cfg.replicas, batch=cfg.batch,
+        prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens)
     return dict(
         technique="serve", world_size=cfg.world_size, backend=results[0]["backend"],
         cluster=cluster, config=cfg.as_dict(),
@@ -207,8 +184,10 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", timeout_s=300):
         tokens_differing=int((tokens != ref["tokens"]).sum()),
         memory={r["rank"]: r["memory"] for r in results},
         kv_cache_bytes={r["rank"]: r["kv_cache_bytes"] for r in results},
-        predicted_kv_cache_bytes={r["rank"]: predicted_kv_cache_bytes(
-            cfg, r["layers_here"], r["requests_here"]) for r in results},
+        predicted_kv_cache_bytes={r["rank"]: theory.cached_kv_bytes(
+            layers=r["layers_here"], requests=r["requests_here"], prompt_len=cfg.prompt_len,
+            new_tokens=cfg.new_tokens, hidden=cfg.gpt_config().hidden, tp=cfg.tp,
+            bytes_per_value=BYTES) for r in results},
         reference_kv_cache_bytes=ref["kv_cache_bytes"],
         comm=comm_per_token(results[0]["comm"], cfg.new_tokens),
         comm_by_rank={r["rank"]: comm_per_token(r["comm"], cfg.new_tokens) for r in results},

@@ -14,7 +14,6 @@ from ..parallel.tensor_parallel import (gather_from_tp, gather_grads, gather_par
                                         vocab_parallel_cross_entropy)
 from ..parallel import serving
 from ..parallel.tensor_parallel_plan import resolve_plan
-from ..theory import memory as theory_memory
 from ..theory import tensor_parallel as theory_tp
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
 from .reference import gpt_config as reference_gpt_config, train as reference_train
@@ -42,23 +41,12 @@ def gpt_config(cfg):
 
 
 def check_tp_degree(cfg, tp, sequence_parallel=False):
-    """Raise a ValueError naming what `tp` fails to divide (before any rank starts)."""
-    c = gpt_config(cfg)
+    """The block's one-line ValueError naming what `tp` fails to divide (heads, features,
+    vocabulary, sequence with SP), on a model with no storage, before any rank starts."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"the TP degree must be a positive integer, got {tp!r}")
-    sizes = dict(heads=(c.heads, "each rank computes whole attention heads"),
-                 hidden=(c.hidden, "the attention output projection is split by it"),
-                 ffn=(c.ffn, "the MLP's inner features are split across ranks"),
-                 vocab=(c.vocab, "the embedding and the logits are split by vocabulary"))
-    if sequence_parallel:
-        sizes["seq"] = (c.seq, "sequence parallelism splits the sequence across ranks")
-    for name, (size, why) in sizes.items():
-        if size % tp:
-            fits = [d for d in range(1, size + 1) if all(v % d == 0 for v, _ in sizes.values())]
-            raise ValueError(f"TP degree {tp} does not divide {name}={size} ({why}); "
-                             f"TP degrees that fit this model: {fits[:8]}")
-    with torch.device("meta"):  # the block's own check, on a model with no storage
-        resolve_plan(models.TinyGPT(c), gpt_plan(sequence_parallel), tp)
+    with torch.device("meta"):
+        resolve_plan(models.TinyGPT(gpt_config(cfg)), gpt_plan(sequence_parallel), tp)
 
 
 def build_tp_model(cfg, group=None, sequence_parallel=False, regather=True):
@@ -105,37 +93,6 @@ def train(ctx, cfg, sequence_parallel=False, regather=True, details=False):
     return rank_result(ctx, losses, params=params, comm_by_tag=comm_by_tag, **extra)
 
 
-def predict_memory(cfg, tp, sequence_parallel=False, regather=True):
-    """theory/'s bytes per rank: fp32 model states of the local parameters, TP activations."""
-    c = gpt_config(cfg)
-    n = theory_tp.tiny_gpt_params_per_rank(layers=c.layers, hidden=c.hidden, ffn=c.ffn,
-                                           vocab=c.vocab, seq=c.seq, tp=tp,
-                                           sharded_positions=sequence_parallel)
-    states = theory_memory.model_state_bytes(n, mixed_precision=False, optimizer=cfg.optimizer)
-    out = dict(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
-               activations=predict_activations(cfg, tp, sequence_parallel, regather))
-    out["peak"] = sum(out.values())
-    return out
-
-
-def predict_activations(cfg, tp, sequence_parallel=False, regather=True):
-    c = gpt_config(cfg)
-    return theory_tp.tiny_gpt_activation_bytes(
-        layers=c.layers, seq=c.seq, batch=cfg.global_batch, hidden=c.hidden, heads=c.heads,
-        vocab=c.vocab, ffn=c.ffn, tp=tp, sequence_parallel=sequence_parallel, regather=regather)
-
-
-def predict_comm(cfg, tp, sequence_parallel=False, regather=True):
-    """{op: {calls, bytes, wire_bytes_per_rank}} for the whole run (theory/, fp32)."""
-    c = gpt_config(cfg)
-    step = theory_tp.tiny_gpt_comm(layers=c.layers, seq=c.seq, batch=cfg.global_batch,
-                                   hidden=c.hidden, vocab=c.vocab, tp=tp,
-                                   sequence_parallel=sequence_parallel, regather=regather,
-                                   sharded_positions=sequence_parallel,
-                                   per_parameter_grad_sync=True)
-    return {op: {k: v * cfg.steps for k, v in row.items()} for op, row in step.items()}
-
-
 def add_arguments(parser):
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="shard LayerNorm regions along the sequence (Korthikanti 2022)")
@@ -150,13 +107,18 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", sequence_parallel=Fa
     check_tp_degree(cfg, world_size, sequence_parallel)
     results = launch(train, world_size, cfg, sequence_parallel, regather, details,
                      cluster=cluster)
-    comm = predict_comm(cfg, world_size, sequence_parallel, regather)
+    c = gpt_config(cfg)
+    layout = dict(batch=cfg.global_batch, tp=world_size, sequence_parallel=sequence_parallel,
+                  regather=regather)
+    comm = theory_tp.tiny_gpt_run_comm(steps=cfg.steps, layers=c.layers, seq=c.seq,
+                                       hidden=c.hidden, vocab=c.vocab, **layout)
     first = results[0]
     return build_report(
         "tp", cfg, results, reference=reference_train(cfg), exact=float64_reference(cfg),
         config=dict(tp=world_size, sequence_parallel=sequence_parallel, regather=regather,
                     plan=gpt_plan(sequence_parallel)),
-        predicted_memory=predict_memory(cfg, world_size, sequence_parallel, regather),
+        predicted_memory=theory_tp.tiny_gpt_training_memory(**c.as_dict(), **layout,
+                                                            optimizer=cfg.optimizer),
         predicted_comm_bytes_per_rank=sum(r["wire_bytes_per_rank"] for r in comm.values()),
         predicted_comm=comm, comm_by_tag=first["comm_by_tag"],
         logits=first.get("logits"), grads=first.get("grads"))

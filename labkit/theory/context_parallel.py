@@ -16,7 +16,8 @@ the output back: (N-1)/N (2h + 2h_kv) b (s/N) d values per rank each way, fallin
 from __future__ import annotations
 
 from . import hardware
-from .time import collective_time
+from .memory import model_state_bytes
+from .time import collective_time, wire_bytes_per_rank
 
 LAYOUTS = ("contiguous", "zigzag")
 METHODS = ("ring", "all_gather", "ulysses")
@@ -52,6 +53,39 @@ def comm_bytes_per_rank(batch, heads, seq, head_dim, cp, *, dtype_bytes=2, grad_
     else:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     return dict(forward=fwd, backward=bwd, total=fwd + bwd)
+
+
+def tiny_gpt_comm_bytes_per_rank(*, layers, batch, heads, seq, head_dim, params, cp, steps,
+                                 method="ring"):
+    """Wire bytes per rank of a CP training run of a GPT in fp32: per step and layer one
+    attention forward and backward (`comm_bytes_per_rank`), and one all-reduce of the
+    replicated weights' gradients (4 bytes x `params`)."""
+    attention = comm_bytes_per_rank(batch, heads, seq, head_dim, cp, dtype_bytes=4,
+                                    grad_bytes=4, method=method)["total"]
+    grads = wire_bytes_per_rank("all_reduce", 4 * params, cp)
+    return steps * (layers * attention + grads)
+
+
+def attention_call_prediction(batch, heads, seq, head_dim, cp, layout="zigzag", causal=True,
+                              method="ring") -> dict:
+    """One fp32 CP attention call, forward and backward, per rank: wire bytes (`method`'s),
+    matmul FLOPs (ring's blocks; None for the others) and saved bytes (ring's accounting)."""
+    return dict(
+        predicted_flops_per_rank=attention_flops_per_rank(batch, heads, seq, head_dim, cp,
+                                                          layout, causal)
+        if method == "ring" else None,
+        predicted_comm_bytes_per_rank=comm_bytes_per_rank(
+            batch, heads, seq, head_dim, cp, dtype_bytes=4, grad_bytes=4, method=method)["total"],
+        predicted_saved_bytes_per_rank=attention_saved_bytes(batch, heads, seq, head_dim, cp,
+                                                             dtype_bytes=4))
+
+
+def tiny_gpt_memory_per_rank(params, optimizer="adam"):
+    """fp32 states of the whole model, replicated on every CP rank; activations not modelled
+    here (`attention_saved_bytes` is attention's share)."""
+    states = model_state_bytes(params, mixed_precision=False, optimizer=optimizer)
+    return dict(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
+                activations=None, peak=None)
 
 
 def attention_saved_bytes(batch, heads, seq, head_dim, cp, dtype_bytes=2):

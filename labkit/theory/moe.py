@@ -71,6 +71,19 @@ def expected_tokens_dropped(tokens, experts, top_k=1, capacity_factor=1.25, skew
                 dropped_if_exact_shares=mean_only)
 
 
+def load_imbalance(load) -> float:
+    """max load / mean load over experts (assignments per expert): 1.0 is perfectly balanced."""
+    load = [float(v) for v in load]
+    return max(load) / (sum(load) / len(load))
+
+
+def load_over_steps(routing, steps, layer=0) -> list:
+    """Per-expert assignments summed over `steps` (a range) of a run's per-step routing stats
+    ({"load": [per layer [per expert]]}, as labkit's MoE runs report them)."""
+    return [sum(routing[s]["load"][layer][e] for s in steps)
+            for e in range(len(routing[0]["load"][layer]))]
+
+
 # ---------------------------------------------------------------------------- all-to-all bytes
 
 def all_to_all_bytes_per_rank(tokens_per_rank, top_k, hidden, ep, *, bytes_per_value=4,
@@ -97,6 +110,28 @@ def all_gather_dispatch_bytes_per_rank(tokens_per_rank, hidden, ep, *, bytes_per
     per_layer = (wire_bytes_per_rank("all_gather", payload, ep)
                  + wire_bytes_per_rank("reduce_scatter", payload * ep, ep))
     return layers * per_layer * (2 if training else 1)
+
+
+def expert_parallel_run_comm(*, steps, layers, dense_params, dense_tensors, expert_params,
+                             expert_tensors, experts, top_k, hidden, ep, world,
+                             rows) -> dict:
+    """Ring-model bytes per rank by op for a run of labkit's EP training (fp32, modelled).
+
+    all_to_all: 4 per layer-step on the `rows` this rank sent and received (summed over the
+    run). all_reduce once per step: dense grads over the world, and (world > ep) this rank's
+    E/ep experts over their world/ep replicas, a presence flag per tensor in each. all_gather
+    of the k E + 1 routing counts (8-byte integers) per layer-step, and of each layer's local
+    experts once at the end (the report's parameters). Parameter counts are the whole model's.
+    """
+    local_expert, local_tensors = expert_params // ep, expert_tensors // ep
+    reduce = steps * wire_bytes_per_rank("all_reduce", 4 * (dense_params + dense_tensors), world)
+    if world > ep:
+        reduce += steps * wire_bytes_per_rank(
+            "all_reduce", 4 * (local_expert + local_tensors), world // ep)
+    gather = (steps * layers * wire_bytes_per_rank("all_gather", 8 * (top_k * experts + 1), ep)
+              + layers * wire_bytes_per_rank("all_gather", 4 * local_expert // layers, ep))
+    return dict(all_to_all=all_to_all_wire_bytes_from_rows(rows, hidden, ep),
+                all_reduce=reduce, all_gather=gather)
 
 
 # ------------------------------------------------------------------ parameters, FLOPs, memory
@@ -131,6 +166,15 @@ def memory_per_gpu(model, ep, *, bytes_per_param=2, training=False) -> dict:
     per_param = 16 if training else bytes_per_param
     dense, experts = s["dense"] * per_param, s["experts"] / ep * per_param
     return dict(dense=dense, experts=experts, total=dense + experts, ep=ep)
+
+
+def expert_parallel_state_bytes(dense_params, expert_params, ep, optimizer="adam") -> dict:
+    """fp32 states per rank under expert parallelism: 4 B weights + 4 B grads (+ 8 B Adam
+    moments unless plain SGD) for the dense params + E/ep of the experts' params."""
+    local = dense_params + expert_params // ep
+    out = dict(params=4 * local, grads=4 * local, optimizer=0 if optimizer == "sgd" else 8 * local)
+    out["model_states"] = sum(out.values())
+    return out
 
 
 def with_experts(model, experts, top_k=None):

@@ -57,6 +57,14 @@ def kv_cache_bytes(model, batch, context, kv_dtype="bf16", tp=1, pp=1) -> float:
     return batch * context * kv_bytes_per_token(m, kv_dtype) / (min(tp, m.kv_heads) * pp)
 
 
+def cached_kv_bytes(*, layers, requests, prompt_len, new_tokens, hidden, tp=1,
+                    bytes_per_value=4) -> float:
+    """KV cache a rank holds after greedy generation (labkit's tiny GPT, kv_heads = heads):
+    2 x its layers x its requests x cached tokens (P + T - 1: the last token is never fed
+    back) x hidden / tp x bytes."""
+    return 2 * layers * requests * (prompt_len + new_tokens - 1) * (hidden // tp) * bytes_per_value
+
+
 def layer_param_split(model) -> dict:
     """Parameters: `matrices` (the layers' Linear weights: quantised), `experts` (the part of
     them in experts), `other` (embeddings, head, norms, routers: kept in bf16)."""
@@ -199,6 +207,21 @@ def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, pr
                                             context=prompt_len + new_tokens,
                                             prompt_len=prompt_len / M, weights=weights,
                                             kv_dtype=kv_dtype))
+
+
+def tiny_gpt_serving_time(*, layers, hidden, heads, ffn, vocab, seq, experts=0, top_k=1,
+                          cluster="8xH100-NVLink", **layout) -> dict:
+    """`serving_time` of labkit's tiny GPT (the MoE as the nearest catalog layout, SwiGLU
+    experts) on a modelled cluster, bf16 there; `layout`: serving_time's tp, pp, ep,
+    replicas, batch, prompt_len, new_tokens."""
+    shape = catalog.ModelShape(
+        name="tiny-gpt", display_name="labkit tiny GPT", arch="mixtral" if experts else "gpt2",
+        layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn, vocab=vocab,
+        experts=max(experts, 1), top_k=top_k, tied_embeddings=False, max_seq=seq)
+    cl = hardware.cluster(cluster)
+    return serving_time(shape, gpu=cl.gpu.name, gpus_per_node=cl.gpus_per_node,
+                        intra_link=cl.intra.name, inter_link=cl.inter.name if cl.inter else None,
+                        **layout)
 
 
 def memory_per_gpu(model, *, tp=1, pp=1, ep=1, batch_per_gpu=1, context=4096, prompt_len=None,

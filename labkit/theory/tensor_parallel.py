@@ -10,7 +10,8 @@ from __future__ import annotations
 import pandas as pd
 
 from . import catalog, hardware
-from .memory import activation_bytes_per_layer, dtype_bytes, inference_memory, training_memory
+from .memory import (activation_bytes_per_layer, dtype_bytes, inference_memory,
+                     model_state_bytes, training_memory)
 from .time import collective_time, training_flops, wire_bytes_per_rank
 
 # ------------------------------------------------------------------------ comm per block
@@ -143,6 +144,31 @@ def tiny_gpt_activation_bytes(*, layers, seq, batch, hidden, heads, vocab, ffn, 
         final_ln_input, head_input = sbh / t, sbh / (t if regather else 1)
     outside = final_ln_input + head_input + b * s * vocab / t
     return (layers * (ln_inputs + linear_inputs + sharded) + outside) * bytes_per_element
+
+
+def tiny_gpt_run_comm(*, steps, layers, seq, batch, hidden, vocab, tp, sequence_parallel=False,
+                      regather=True) -> dict:
+    """`tiny_gpt_comm` of a whole fp32 run of labkit's plan (`steps` steps; with SP the position
+    table split by rows; one all-reduce per replicated tensor, as parallelize's hooks do)."""
+    step = tiny_gpt_comm(layers=layers, seq=seq, batch=batch, hidden=hidden, vocab=vocab, tp=tp,
+                         sequence_parallel=sequence_parallel, regather=regather,
+                         sharded_positions=sequence_parallel, per_parameter_grad_sync=True)
+    return {op: {k: v * steps for k, v in row.items()} for op, row in step.items()}
+
+
+def tiny_gpt_training_memory(*, layers, hidden, heads, ffn, vocab, seq, batch, tp,
+                             optimizer="adam", sequence_parallel=False, regather=True) -> dict:
+    """Bytes per TP rank of labkit's fp32 run: model states of the rank's parameters (the
+    position table split with SP, as labkit's plan does) and `tiny_gpt_activation_bytes`."""
+    n = tiny_gpt_params_per_rank(layers=layers, hidden=hidden, ffn=ffn, vocab=vocab, seq=seq,
+                                 tp=tp, sharded_positions=sequence_parallel)
+    states = model_state_bytes(n, mixed_precision=False, optimizer=optimizer)
+    out = {k: states[k] for k in ("params", "grads", "optimizer")}
+    out["activations"] = tiny_gpt_activation_bytes(
+        layers=layers, seq=seq, batch=batch, hidden=hidden, heads=heads, vocab=vocab, ffn=ffn,
+        tp=tp, sequence_parallel=sequence_parallel, regather=regather)
+    out["peak"] = sum(out.values())
+    return out
 
 
 def korthikanti_bytes_per_layer(seq, batch, hidden, heads, tp, sequence_parallel=False):

@@ -232,10 +232,11 @@ plt.show()
 runs4 = labkit.launch(run_tp.train, 4, cfg, True)
 measured = {(2, False): runs[False]["memory"][0], (2, True): runs[True]["memory"][0],
             (4, True): runs4[0]["memory"]}
-one = run_tp.predict_memory(cfg, 1)
+shape = dict(c.as_dict(), batch=cfg.global_batch, optimizer=cfg.optimizer)
+one = ttp.tiny_gpt_training_memory(**shape, tp=1)
 rows = []
 for (t, sp), mem in measured.items():
-    pred = run_tp.predict_memory(cfg, t, sp)
+    pred = ttp.tiny_gpt_training_memory(**shape, tp=t, sequence_parallel=sp)
     korth = ttp.korthikanti_bytes_per_layer(c.seq, cfg.global_batch, c.hidden, c.heads, t, sp)
     korth1 = ttp.korthikanti_bytes_per_layer(c.seq, cfg.global_batch, c.hidden, c.heads, 1)
     rows.append(dict(tp=t, SP=sp, params_measured=mem["params"], params_vs_1_over_t=(

@@ -175,12 +175,12 @@ runs = {coef: moe.reference_train(train_cfg, MoEConfig(experts=8, top_k=1, capac
                                                        aux_loss_coef=coef))
         for coef in (0.0, 1.0)}
 before = runs[0.0]["routing"][0]["load"][0]
-after = {c: moe.load_over_steps(r["routing"], range(50, 60)) for c, r in runs.items()}
+after = {c: tmoe.load_over_steps(r["routing"], range(50, 60)) for c, r in runs.items()}
 load_histogram([before, after[0.0], after[1.0]],
                ["before (step 0)", "after, no aux loss", "after, aux loss 1.0"])
 plt.show()
-print(f"max/mean load: step 0 {moe.load_imbalance(before):.2f}; steps 50-59 without the aux "
-      f"loss {moe.load_imbalance(after[0.0]):.2f}, with it {moe.load_imbalance(after[1.0]):.2f}")
+print(f"max/mean load: step 0 {tmoe.load_imbalance(before):.2f}; steps 50-59 without the aux "
+      f"loss {tmoe.load_imbalance(after[0.0]):.2f}, with it {tmoe.load_imbalance(after[1.0]):.2f}")
 
 # %% [markdown]
 # ## 5 · Total against active parameters, FLOPs and memory: Mixtral 8x7B
