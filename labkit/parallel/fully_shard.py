@@ -202,7 +202,7 @@ class FullyShard(nn.Module):
         flat, e = leaf._labkit_slot
         if flat.bucket is None:   # zeros: padding and gradients that never come reduce 0
             self._new_bucket(flat)
-        flat.bucket[e.offset:e.offset + e.numel].copy_(leaf.grad.view(-1))
+        flat.layout.view(e.slot, flat.bucket).copy_(leaf.grad)
         leaf.grad = None          # the full gradient lives only until its bucket is reduced
         flat.arrived += 1
         if flat.arrived == len(flat.entries):
@@ -288,11 +288,11 @@ class FullyShard(nn.Module):
     @property
     def unit_numels(self):
         """Parameters per sharded flat buffer (a unit's trainable or frozen ones), unpadded."""
-        return [f.numel for f in self._flats if f.sharded]
+        return [f.layout.numel for f in self._flats if f.sharded]
 
     @property
     def padded_numel(self):
-        return sum(f.padded for f in self._flats if f.sharded)
+        return sum(f.layout.padded for f in self._flats if f.sharded)
 
     @torch.no_grad()
     def full_state_dict(self):
@@ -304,7 +304,7 @@ class FullyShard(nn.Module):
                 if flat.sharded:
                     data = self._ctx.comm.all_gather(data, group=self.group)
                 for e in flat.entries:
-                    full[e.piece] = data[e.offset:e.offset + e.numel].view(e.shape).clone()
+                    full[e.piece] = flat.layout.view(e.slot, data).clone()
         return {name: full[p] for name, p in self.module.named_parameters()}
 
     def extra_repr(self):
