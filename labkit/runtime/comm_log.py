@@ -14,7 +14,7 @@ it. The clock's own time stamps (comm.py) are counted apart, in `clock_totals`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -146,7 +146,7 @@ def _total(totals, key):
     return total
 
 
-def group_name(ranks):
+def group_name(ranks: Iterable[int]) -> str:
     """A short name for a set of ranks: "0-3", "1,3"."""
     ranks = sorted(ranks)
     if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
