@@ -31,7 +31,7 @@ SWEEP = 12   # values of the first slider walked once, end to end
 def explorers():
     """{lesson explorer name: the function that makes it}: every explorer in labkit.viz."""
     from labkit.viz import (cp_widgets, dp_widgets, moe_widgets, pipeline_widgets,
-                            planner_widgets, tp_widgets, widgets, zero_widgets)
+                            planner_widgets, serving_widgets, tp_widgets, widgets, zero_widgets)
     return {"memory_explorer (00)": widgets.memory_explorer,
             "dp_explorer (01)": dp_widgets.dp_explorer,
             "pipeline_explorer (02)": pipeline_widgets.pipeline_explorer,
@@ -39,7 +39,8 @@ def explorers():
             "zero_explorer (04)": zero_widgets.zero_explorer,
             "moe_explorer (05)": moe_widgets.moe_explorer,
             "planner_explorer (06)": planner_widgets.planner_explorer,
-            "cp_explorer (08)": cp_widgets.cp_explorer}
+            "cp_explorer (08)": cp_widgets.cp_explorer,
+            "serving_explorer (09)": serving_widgets.serving_explorer}
 
 
 def first_slider(box):

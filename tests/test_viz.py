@@ -478,3 +478,38 @@ def test_layout_keeps_margins_for_slightly_longer_x_ticks_only():
     ax.set_yticks([0, 1], ["a", "a much longer label"])
     layout.refresh()
     assert layout.runs == 1
+
+
+def test_png_bytes_decode_to_the_canvas_pixels():
+    """The explorers' own PNG writer (rows unfiltered) gives back exactly what Agg painted."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from labkit.viz import live
+    fig = live.live_figure((3, 2))
+    ax = fig.subplots()
+    ax.bar([0, 1], [1, 2], color=["#123456", "#abcdef"], alpha=0.6)
+    ax.set_title("pixels")
+    png = live.png_bytes(fig)
+    decoded = np.asarray(Image.open(io.BytesIO(png)))
+    painted = np.asarray(fig.canvas.buffer_rgba())[..., :3]
+    assert decoded.shape == (200, 300, 3) and np.array_equal(decoded, painted)
+    assert len(np.unique(decoded.reshape(-1, 3), axis=0)) > 10   # not a blank picture
+
+
+def test_serving_titles_stay_put_because_nothing_sits_above_the_axes():
+    """ServingDrawing fixes its titles at the top of the axes (no automatic placement, which
+    measures every tick label at each paint): right only while no axes has ticks on top or a
+    y offset text (1e6 above the numbers), so check the extremes of every control."""
+    from labkit.viz import serving_widgets
+    box = serving_widgets.serving_explorer()
+    controls = {w.description: w for row in box.children[:-2] for w in row.children}
+    for name, value in (("model", "Llama 3.1 405B"), ("GPUs", 2), ("batch", 256),
+                        ("prompt", 32768), ("weights", "int4"), ("batch", 1), ("GPUs", 16)):
+        controls[name].value = value
+        box.figure.canvas.draw()
+        for ax in box.figure.axes:
+            assert ax.xaxis.get_ticks_position() == "bottom" and ax.title.get_position()[1] == 1
+            assert ax.yaxis.offsetText.get_text() == "", (name, value)

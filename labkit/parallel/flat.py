@@ -3,7 +3,8 @@
 A collective costs a latency α per call on top of its bytes (α + S/β per message, ring model),
 so the blocks send many small tensors as one: they pack them end to end into a flat buffer and
 read each back as a view at its offset. `FlatBuffer` is that packing (DataParallel's gradient
-buckets, ZeRO's sharded buckets, ZeRO-1's owner broadcasts, the experts MoE gathers);
+buckets, ZeRO's sharded buckets, ZeRO-1's owner broadcasts, the experts MoE gathers, FullyShard's
+units: a layout of meta tensors laid over buffers it keeps itself);
 `bucket_params` cuts parameters into buckets of about a byte budget (backward order: backward
 produces the last layer's gradients first, PyTorch DDP, Li et al. 2020, arXiv 2006.15704).
 

@@ -202,10 +202,10 @@ class FullyShard(nn.Module):
         flat, e = leaf._labkit_slot
         if flat.bucket is None:   # zeros: padding and gradients that never come reduce 0
             self._new_bucket(flat)
-        flat.bucket[e.offset:e.offset + e.numel].copy_(leaf.grad.view(-1))
+        flat.view(e.slot, flat.bucket).copy_(leaf.grad)
         leaf.grad = None          # the full gradient lives only until its bucket is reduced
-        flat.arrived += 1
-        if flat.arrived == len(flat.entries):
+        flat.arrived.add(e.slot)
+        if flat.complete:
             self._reduce(flat)
 
     def _new_bucket(self, flat):
@@ -249,9 +249,10 @@ class FullyShard(nn.Module):
                 if self.offload:
                     self._pcie(flat.reduced.nbytes, "offload: gradient shard to host")
                     grad = grad.to(flat.shard.device)
-                for piece, view in zip(flat.pieces, flat.views(grad)):
+                for piece, view in zip(flat.pieces, flat.shard_views(grad)):
                     piece.grad = view if piece.grad is None else piece.grad.add_(view)
-                flat.reduced, flat.arrived, flat.issued = None, 0, False
+                flat.reduced, flat.issued = None, False
+                flat.arrived.clear()
         for unit, sources in self._inflight.items():   # a prefetch nobody used still lands
             for flat, handle in zip(unit.flats, sources):
                 handle.wait()
@@ -304,7 +305,7 @@ class FullyShard(nn.Module):
                 if flat.sharded:
                     data = self._ctx.comm.all_gather(data, group=self.group)
                 for e in flat.entries:
-                    full[e.piece] = data[e.offset:e.offset + e.numel].view(e.shape).clone()
+                    full[e.piece] = flat.view(e.slot, data).clone()
         return {name: full[p] for name, p in self.module.named_parameters()}
 
     def extra_repr(self):

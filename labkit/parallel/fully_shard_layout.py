@@ -1,48 +1,50 @@
 """FullyShard's layout: units, their flat buffers and shards, and gathering on use.
 
 A unit (`_Unit`) is a module whose parameters are sharded together; its parameters of one dtype
-and requires_grad are packed into one flat buffer padded to a multiple of N (`_Flat`), rank r
-keeping elements [r*S, (r+1)*S). `_make_units` assigns each parameter to the nearest unit above
-its first holder (tied weights once). `_GatherOnUse` makes every parameter a forward reads
-gathered, even one read without calling its module (nn.MultiheadAttention's out_proj.weight).
-The idea and the byte counts: `fully_shard.py`.
+and requires_grad are packed into one flat buffer padded to a multiple of N (`_UnitFlat`, a
+flat.py `FlatBuffer`), rank r keeping elements [r*S, (r+1)*S). `_make_units` assigns each
+parameter to the nearest unit above its first holder (tied weights once). `_GatherOnUse` makes
+every parameter a forward reads gathered, even one read without calling its module
+(nn.MultiheadAttention's out_proj.weight). The idea and the byte counts: `fully_shard.py`.
 """
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from .flat import FlatBuffer
+
 
 class _Entry:
-    """One original parameter: its place in its flat buffer, and where modules hold it."""
+    """One original parameter: its slot in its flat buffer's layout, where modules hold it."""
 
     def __init__(self, param, unit):
-        self.param, self.unit, self.offset = param, unit, 0
-        self.numel, self.shape = param.numel(), param.shape
+        self.param, self.unit, self.slot = param, unit, None
         self.uses = []   # (module, attribute name)
 
 
-class _Flat:
-    """A unit's parameters of one dtype and requires_grad, in one flat buffer padded to a
-    multiple of N. `shard`: this rank's slice (what the optimizer steps; `pieces` are its
-    views, one nn.Parameter per original parameter). `full`: the gathered buffer in the compute
-    dtype, its storage freed between uses; `leaves` (views of it) are what modules compute with.
+class _UnitFlat(FlatBuffer):
+    """A unit's parameters of one dtype and requires_grad: a FlatBuffer padded to a multiple
+    of N that holds the layout only (meta tensors: each parameter's `slot`). `shard`: this
+    rank's part of the buffer (what the optimizer steps; `pieces` are its views, one
+    nn.Parameter per original parameter). `full`: the gathered buffer in the compute dtype, its
+    storage freed between uses; `leaves` (views of it) are what modules compute with.
+    `arrived`: the slots whose gradient is in this step's `bucket`.
     """
 
     def __init__(self, unit, entries, owner):
         group, first = owner.group, entries[0].param
+        self.size = group.size if unit.sharded else 1
+        self.rank = group.rank if unit.sharded else 0
+        super().__init__([e.param.detach().to("meta") for e in entries], pad_to=self.size)
         self.unit, self.entries, self.sharded = unit, entries, unit.sharded
         self.requires_grad = first.requires_grad
         self.name = unit.name + ("" if self.requires_grad else " (frozen)")
-        n = group.size if self.sharded else 1
-        self.numel = sum(e.numel for e in entries)
-        self.padded = -(-self.numel // n) * n
-        self.lo = group.rank * self.padded // n if self.sharded else 0  # mine: [lo, hi)
-        self.hi = self.lo + self.padded // n
-        whole = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
-        for e in entries:
-            whole[e.offset:e.offset + e.numel] = e.param.detach().reshape(-1)
+        for e, slot in zip(entries, self.tensors):
+            e.slot = slot
+        whole = self.pack([e.param.detach() for e in entries], torch.zeros(
+            self.padded, dtype=first.dtype, device=first.device))
         host = torch.device("cpu") if owner.offload else first.device
-        self.shard = whole[self.lo:self.hi].clone().to(host)   # unrounded: the fp32 masters
+        self.shard = self.part(self.rank, self.size, whole).clone().to(host)   # fp32 masters
         if host != first.device:
             self.shard = self.shard.pin_memory()
         dtype = owner.compute_dtype or first.dtype
@@ -50,14 +52,14 @@ class _Flat:
         # replicated in the same dtype and place, `full` is the shard: nothing to gather
         self.full = whole.to(dtype) if self.sharded or unit.casts else self.shard
         self.pieces = [nn.Parameter(v, requires_grad=self.requires_grad)
-                       for v in self.views(self.shard)]
+                       for v in self.shard_views(self.shard)]
         self.leaves = []
         for e, piece in zip(entries, self.pieces):
             leaf = nn.Parameter(torch.empty(0, dtype=dtype, device=self.full.device),
                                 requires_grad=self.requires_grad)
             # `.data =` keeps the leaf's own version counter: refilling `full` in place
             # later does not look, to autograd, like a change of a tensor saved for backward
-            leaf.data = self.full[e.offset:e.offset + e.numel].view(e.shape)
+            leaf.data = self.view(e.slot, self.full)
             leaf._labkit_slot = (self, e)
             if self.requires_grad:
                 leaf.register_post_accumulate_grad_hook(owner._on_gradient)
@@ -66,15 +68,13 @@ class _Flat:
         if self.full is not self.shard:
             self.full.untyped_storage().resize_(0)
         self.bucket = self.reduced = None
-        self.arrived, self.issued = 0, False
+        self.issued = False
 
-    def views(self, shard):
+    def shard_views(self, shard):
         """Each original parameter's part of `shard` (1-D; whole-shaped when replicated)."""
         if not self.sharded:
-            return [shard[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries]
-        ranges = [(max(e.offset, self.lo), min(e.offset + e.numel, self.hi))
-                  for e in self.entries]
-        return [shard[a - self.lo:max(a, b) - self.lo] for a, b in ranges]
+            return self.views(shard)
+        return self.part_views(self.rank, self.size, shard)
 
 
 class _Unit:
@@ -118,9 +118,7 @@ def _make_units(root, pick, owner):
         for e in unit.entries:
             kinds.setdefault((e.param.requires_grad, e.param.dtype), []).append(e)
         for entries in kinds.values():
-            for before, e in zip([None] + entries, entries):
-                e.offset = before.offset + before.numel if before else 0
-            unit.flats.append(_Flat(unit, entries, owner))
+            unit.flats.append(_UnitFlat(unit, entries, owner))
         unit.swap_out()
     return [u for u in units if u.flats or len(u.needs) > 1]
 

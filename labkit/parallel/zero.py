@@ -143,7 +143,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket.bind()                        # the model computes with the buffer
         bucket.group_index, bucket.grad = group_index, None
         bucket.shard = bucket.part(self.group.rank, self.group.size)
-        bucket.lo = self.group.rank * bucket.shard.numel()
         self.buckets.append(bucket)
         me = weakref.ref(self)
         for p in params:
@@ -385,7 +384,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 flat = torch.zeros(bucket.padded, dtype=value.dtype)
                 for p in saved:
                     bucket.view(p, flat).copy_(full[self._index[p]][key])
-                value = flat[bucket.lo:bucket.lo + bucket.shard.numel()]
+                value = bucket.part(self.group.rank, self.group.size, flat)
             out[key] = value.clone() if torch.is_tensor(value) else value
         return out
 

@@ -1,10 +1,7 @@
 """The only place that calls torch.distributed collectives; every call is logged and timed.
 
-Each record: op, group, tag, payload bytes (the tensor this rank handed in, measured), the
-ring-model bytes this rank would send on the wire (all_reduce 2(n-1)/n S, all_gather and
-reduce_scatter (n-1)/n of the full tensor: *modelled*, gloo does not report its own), wall
-seconds (measured) and modelled seconds on the clock. The log keeps running totals per
-(op, group, tag) and only the last `KEEP_RECORDS` single calls, so a long run does not grow it.
+What each call records (op, group, tag, bytes measured and modelled, seconds) and the totals
+and tables read from them: comm_log.py (`CommLog`, which `Comm` extends).
 
 Every op takes `group=` (None: the world; a labkit Group; or a torch ProcessGroup) and `tag=`
 (a label kept in the log, e.g. "grad bucket 3"). Point-to-point peers are ranks *of the group*.
@@ -23,20 +20,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Union
+from typing import Literal, Union
 
 import torch
 import torch.distributed as dist
 
-from ..theory import time as theory_time
+from .comm_log import CommLog, CommRecord
 from .stamps import (equal_splits, needed as stamp_needed, reduction_slots, unpack as
                      unpack_stamps, unpack_reduced, with_slots, with_stamp)
-
-if TYPE_CHECKING:
-    import pandas
 
 # what `group=` takes: a runtime.context Group, a torch ProcessGroup, or None (the world); named
 # here, not imported from context.py (which imports this module)
@@ -46,22 +39,6 @@ ReduceOpName = Literal["sum", "avg", "max", "min"]   # what `op=` takes
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "avg": dist.ReduceOp.SUM}  # gloo has no AVG: sum, then divide by the group size
-_FIELDS = ("calls", "bytes", "wire_bytes_per_rank", "wall_s", "modelled_s")
-
-
-@dataclass
-class CommRecord:
-    op: str
-    group_size: int
-    dtype: str
-    bytes: int
-    wire_bytes_per_rank: float
-    wall_s: float
-    modelled_s: float
-    async_op: bool
-    tag: str = ""
-    peer: int = -1
-    group: str = ""
 
 
 @dataclass
@@ -100,17 +77,12 @@ class Handle:
             finish()
 
 
-KEEP_RECORDS = 10_000   # single calls kept for inspection; totals are kept for every call
+class Comm(CommLog):
+    """The collectives and messages of one rank (the log they keep: `CommLog`)."""
 
-
-class Comm:
     def __init__(self, ctx) -> None:   # ctx: the rank's runtime Context
+        super().__init__()
         self.ctx = ctx
-        self.records = deque(maxlen=KEEP_RECORDS)
-        self.totals = {}        # (op, group, tag) -> calls, bytes, wire bytes, seconds
-        self.clock_totals = {}  # (op, group) -> the same, for the clock's own time stamps
-        self.recording = True   # False inside ctx.off_the_record()
-        self._names = {}        # ranks -> group name, dtype -> name (asked on every call)
 
     # --- collectives -------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum", group: GroupLike = None,
@@ -256,81 +228,7 @@ class Comm:
             self.ctx.clock.start_recv(peer, tensor.nbytes, sent)))
         return tensor
 
-    # --- the log ---------------------------------------------------------------------------
-    def dataframe(self) -> pandas.DataFrame:
-        """The last single calls, one row each (pandas DataFrame)."""
-        import pandas as pd
-        return pd.DataFrame([r.__dict__ for r in self.records])
-
-    def summary(self, by: Sequence[str] = ("op", "group"), clock: bool = False) -> list[dict]:
-        """Totals per op and group (or `by` any of op, group, tag): calls, payload bytes
-        (measured), ring-model wire bytes per rank (modelled), wall and modelled seconds.
-        `clock=True` adds the clock's own time stamps as rows tagged "clock" (they cost no
-        modelled time: a real cluster has no virtual clock to synchronise)."""
-        rows = {}
-        for (op, group, tag), total in self.totals.items():
-            values = dict(op=op, group=group, tag=tag)
-            _accumulate(rows, tuple(values[k] for k in by), by, total)
-        if clock:
-            for (op, group), total in self.clock_totals.items():
-                values = dict(op=op, group=group, tag="clock")
-                key = tuple(values[k] for k in by) + ("the clock's own",)  # never merged
-                _accumulate(rows, key, by, total)["tag"] = "clock"
-        return list(rows.values())
-
-    def wire_bytes(self, op: str | None = None, clock: bool = False) -> float:
-        """Ring-model bytes this rank sent, for one op or all of them (modelled); with
-        `clock=True`, those of the clock's time stamps instead."""
-        if clock:
-            return sum(t["wire_bytes_per_rank"] for (o, _), t in self.clock_totals.items()
-                       if op in (None, o))
-        return sum(t["wire_bytes_per_rank"] for (o, _, _), t in self.totals.items()
-                   if op in (None, o))
-
-    def reset(self) -> None:
-        self.records.clear()
-        self.totals.clear()
-        self.clock_totals.clear()
-
     # --- one place that runs and logs a collective -------------------------------------------
-    def _record(self, op, tensor, ranks, tag="", peer=-1):
-        names = self._names
-        group, dtype = names.get(ranks), names.get(tensor.dtype)
-        if group is None:
-            group = names[ranks] = _group_name(ranks)
-        if dtype is None:
-            dtype = names[tensor.dtype] = str(tensor.dtype).replace("torch.", "")
-        nbytes = tensor.nbytes
-        record = CommRecord(op, len(ranks), dtype, nbytes,
-                            theory_time.wire_bytes_per_rank(op, nbytes, len(ranks)),
-                            0.0, 0.0, False, tag, peer, group)
-        if self.recording:
-            self.records.append(record)
-            total = _total(self.totals, (op, group, tag))
-            total["calls"] += 1
-            total["bytes"] += nbytes
-            total["wire_bytes_per_rank"] += record.wire_bytes_per_rank
-        return record
-
-    def _log_clock(self, op, group, size, nbytes, carrier=None):
-        """Count `nbytes` of time stamps this rank handed to `op` (or to the `carrier` op that
-        took them beside it) as the clock's own; a receiver sends none of them."""
-        if self.recording:
-            total = _total(self.clock_totals, (op, group))
-            total["calls"] += 1
-            total["bytes"] += nbytes
-            if op != "recv":
-                total["wire_bytes_per_rank"] += theory_time.wire_bytes_per_rank(
-                    carrier or op, nbytes, size)
-
-    def _finished(self, record, wall_s, modelled_s):
-        record.wall_s, record.modelled_s = wall_s, modelled_s
-        if self.recording:
-            total = self.totals.get((record.op, record.group, record.tag))
-            if total is not None:
-                total["wall_s"] += wall_s
-                total["modelled_s"] += modelled_s
-
     def _start(self, op, tensor, group, async_op, tag):
         record = self._record(op, tensor, group.ranks, tag)
         record.async_op = async_op
@@ -407,28 +305,3 @@ def _then(first, second):
         first()
         second()
     return both
-
-
-def _accumulate(rows, key, by, total):
-    row = rows.get(key)
-    if row is None:
-        row = rows[key] = dict(zip(by, key), **{k: 0 for k in _FIELDS})
-    for k in _FIELDS:
-        row[k] += total[k]
-    return row
-
-
-def _total(totals, key):
-    total = totals.get(key)
-    if total is None:
-        total = totals[key] = dict(calls=0, bytes=0, wire_bytes_per_rank=0.0, wall_s=0.0,
-                                   modelled_s=0.0)
-    return total
-
-
-def _group_name(ranks):
-    """A short name for a set of ranks: "0-3", "1,3"."""
-    ranks = sorted(ranks)
-    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ",".join(map(str, ranks))

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from .clock import Clock
-from .comm import Comm, _group_name
+from .comm import Comm
+from .comm_log import group_name
 from .memory import MemoryTracker
 from .mesh import Mesh
 
@@ -48,7 +49,7 @@ class Group:
     @property
     def name(self):
         """The group's short name in the comm log ("0-3", "1,3")."""
-        return _group_name(self.ranks)
+        return group_name(self.ranks)
 
 
 def context() -> Context:

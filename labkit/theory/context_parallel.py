@@ -154,7 +154,7 @@ def ring_schedule(batch, heads, seq, head_dim, cp, layout="contiguous", causal=T
                   kv_heads=None, gpu="H100", link="NVLink 4", mfu=0.5, dtype_bytes=2,
                   overlap=True):
     """The forward ring of one attention layer as events {rank, lane, kind, name, start, end}
-    (modelled seconds; what labkit.viz.plots.gantt draws), and the layer's time.
+    (modelled seconds; what labkit.viz.gantt draws), and the layer's time.
 
     Each step a rank computes its (useful part of the) block at mfu x peak and sends the KV
     block on; the next step starts when both its block arrived (the slowest neighbour's send)

@@ -12,8 +12,8 @@ import matplotlib.pyplot as plt
 from ..theory import catalog, hardware, planner
 from ..theory import context_parallel as tcp
 from .live import Drawing
-from .plots import (TIME_UNITS, fmt, gantt, memory_stack, pick_time_unit, restack,
-                    stack_shape)
+from .plots import TIME_UNITS, fmt, memory_stack, pick_time_unit, restack, stack_shape
+from .timeline import gantt
 from .widgets import explorer_models, figure_explorer
 
 SEQ_CHOICES = [2 ** k for k in range(13, 21)]      # 8K ... 1M tokens
@@ -113,7 +113,7 @@ def _cp_numbers(model="Llama 3 8B", seq=131072, cp=8, layout="zigzag"):
 
 
 def regantt(ax, events, title):
-    """Move `plots.gantt`'s bars on `ax` (one per event, in order) to new times of the
+    """Move `timeline.gantt`'s bars on `ax` (one per event, in order) to new times of the
     same events: bars, time unit, limits and title."""
     t_max = max([float(e["end"]) for e in events] + [0.0])
     unit = pick_time_unit(t_max)

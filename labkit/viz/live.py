@@ -10,17 +10,20 @@ A slider step costs what the figure costs to change and to paint, nothing more:
   puts back a layout it made before for the same texts;
 - text is painted from cached glyph layouts and bitmaps (`agg_text`: the same pixels);
 - the picture is painted once (no `bbox_inches="tight"`, which paints twice) and encoded
-  straight to PNG into an `ipywidgets.Image`, whose bytes travel as one binary buffer
-  (an Output widget re-sends a base64 display message and re-lays out its output area);
+  straight to PNG (`png_bytes`: rows unfiltered) into an `ipywidgets.Image`, whose bytes travel
+  as one binary buffer (an Output widget re-sends a base64 display message and re-lays out its
+  output area);
 - sliders send their value when released (`continuous_update=False`), and a control that
   resets another (`linked`) causes one redraw, not one per reset.
 """
 from __future__ import annotations
 
 import contextlib
-import io
+import struct
 import threading
+import zlib
 
+import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.offsetbox import HPacker, PackerBase, TextArea
 
@@ -227,15 +230,23 @@ def one_tight_layout(fig):
 
 
 def png_bytes(fig):
-    """Paint `fig` once on its Agg canvas and encode the pixels as PNG (RGB, fast zlib)."""
-    from PIL import Image
+    """Paint `fig` once on its Agg canvas and encode the pixels as PNG: 8-bit RGB, each row
+    unfiltered, zlib level PNG_LEVEL. (PIL tries all five PNG row filters on every row: on
+    these flat-coloured pictures that is most of its encoding time, for ~10% fewer bytes.)"""
     canvas = fig.canvas
     canvas.draw()
-    width, height = canvas.get_width_height(physical=True)
-    pixels = Image.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
-    out = io.BytesIO()
-    pixels.convert("RGB").save(out, format="png", compress_level=PNG_LEVEL)
-    return out.getvalue()
+    rgba = np.asarray(canvas.buffer_rgba())
+    height, width = rgba.shape[:2]
+    rows = np.zeros((height, 1 + 3 * width), np.uint8)   # a row: filter type 0 (none), RGB...
+    rows[:, 1:] = rgba[..., :3].reshape(height, 3 * width)
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)   # 8 bits, RGB, no interlace
+    return b"".join([b"\x89PNG\r\n\x1a\n", _png_chunk(b"IHDR", header),
+                     _png_chunk(b"IDAT", zlib.compress(rows, PNG_LEVEL)), _png_chunk(b"IEND", b"")])
+
+
+def _png_chunk(kind, data):
+    """A PNG chunk: length, type, data, CRC-32 of type and data."""
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
 class LiveFigure:

@@ -14,8 +14,8 @@ from matplotlib.patches import Patch
 
 from ..theory import pipeline as pp
 from .live import Drawing
-from .plots import (GANTT_COLORS, GANTT_LABELS, TIME_UNITS, _gantt_style, fmt, gantt,
-                    pick_time_unit)
+from .plots import TIME_UNITS, fmt, pick_time_unit
+from .timeline import GANTT_COLORS, GANTT_LABELS, gantt, gantt_style
 
 T_FORWARD = 1e-3  # modelled seconds for one stage's forward of one micro-batch (an assumption)
 MANY_BARS = 300   # above this, the Gantt bars carry no micro-batch numbers, thinner edges
@@ -66,7 +66,7 @@ class PipelineDrawing(Drawing):
 
     def shape(self, **values):
         self.d = _pipeline_numbers(**values)
-        used = {_gantt_style(e) for e in self.d["timeline"]}
+        used = {gantt_style(e) for e in self.d["timeline"]}
         self.key = len(self.d["timeline"]) > MANY_BARS, tuple(k for k in GANTT_COLORS
                                                                if k in used)
         return self.key
@@ -81,7 +81,7 @@ class PipelineDrawing(Drawing):
         if many:   # quick_gantt's legend: no numbers on the bars, no comm lane
             handles = [Patch(facecolor=GANTT_COLORS[k], edgecolor="white", linewidth=0.3,
                              label=k) for k in used]
-        else:      # plots.gantt's legend
+        else:      # timeline.gantt's legend
             handles = [Patch(color=GANTT_COLORS[k], label=GANTT_LABELS[k]) for k in used]
             handles.append(Patch(color="none", label="thin bar: comm lane (async)"))
         ax_gantt.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
@@ -99,7 +99,7 @@ class PipelineDrawing(Drawing):
         return d["text"]
 
     def _gantt(self, ax, timeline, stages, title):
-        """plots.gantt's bars, numbers, ticks and limits (then _pad) for `timeline`."""
+        """timeline.gantt's bars, numbers, ticks and limits (then _pad) for `timeline`."""
         t_max = max([e["end"] for e in timeline] + [0.0])
         t_min = min([e["start"] for e in timeline] + [0.0])
         unit = pick_time_unit(t_max)
@@ -108,7 +108,7 @@ class PipelineDrawing(Drawing):
         labelled = len(timeline) <= MANY_BARS
         verts, colors, numbers = np.empty((len(timeline), 4, 2)), [], []
         for i, e in enumerate(timeline):
-            key = _gantt_style(e)
+            key = gantt_style(e)
             y, height = ((-e["rank"] - 0.38, 0.16) if e.get("lane", "compute") == "comm"
                          else (-e["rank"], 0.5))
             left, width = e["start"] / scale, (e["end"] - e["start"]) / scale

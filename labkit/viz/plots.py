@@ -1,4 +1,4 @@
-"""The lab's figures: memory stacks, per-rank Gantt timelines, speedup curves, comm bars.
+"""The lab's figures: memory stacks, speedup curves, comm bars, time splits (Gantt: timeline.py).
 
 Every function takes plain data (dicts of bytes, lists of event dicts, summary rows), draws on
 a given `ax` or on a new figure, and returns the matplotlib Figure. Nothing is saved. Numbers
@@ -8,7 +8,6 @@ which, and the axes always carry units.
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
-from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
 from .live import show_legend_entries
@@ -32,7 +31,7 @@ NOT_STACKED = ("total", "peak", "peak_phase", "peak_allocator")
 EXTRA_COLORS = ("#da8bc3", "#8c8c8c", "#ccb974", "#17becf")
 
 
-def _figure(ax, size):
+def figure_and_axes(ax, size):
     """The axes to draw on: the given one, or a fresh figure of `size` inches."""
     if ax is None:
         fig, ax = plt.subplots(figsize=size)
@@ -124,7 +123,7 @@ def memory_stack(bars, capacity=None, title="", unit="GB", ax=None, keep=()):
     """
     lay = _stack_layout(bars, capacity, unit, keep)
     labels = lay["labels"]
-    fig, ax = _figure(ax, (max(5.5, 1.3 * len(labels) + 4.5), 4.6))
+    fig, ax = figure_and_axes(ax, (max(5.5, 1.3 * len(labels) + 4.5), 4.6))
     x = list(range(len(labels)))
     drawn = dict(bars=[], totals=[], peaks=None, lines=[])
     for i, cat in enumerate(lay["cats"]):
@@ -195,92 +194,6 @@ def restack(ax, bars, capacity=None, title="", unit="GB", keep=()):
     ax.set_title(title)
 
 
-# ---------------------------------------------------------------------------------------- gantt
-
-GANTT_COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "weight grad": "#ffbb78",
-                "compute": "#2ca02c", "comm": "#9467bd", "p2p": "#c5b0d5", "idle": "#dcdcdc"}
-GANTT_LABELS = {"forward": "forward", "backward": "backward",
-                "weight grad": "weight grad (W)", "compute": "other compute",
-                "comm": "collective (comm)", "p2p": "send / recv", "idle": "idle (waiting)"}
-
-
-def _gantt_style(event):
-    """Which colour key an event gets: by kind, and for compute by its name."""
-    kind = event["kind"]
-    if kind == "compute":
-        name = str(event.get("name", "")).lower()
-        if "forward" in name:
-            return "forward"
-        if "weight grad" in name:
-            return "weight grad"
-        if "backward" in name:
-            return "backward"
-        return "compute"
-    if kind in ("send", "recv"):
-        return "p2p"
-    return "idle" if kind == "idle" else "comm"
-
-
-def gantt(timeline, *, clock="modelled", ax=None, title=""):
-    """Per-rank timeline: rank 0 on top, its comm lane as a thin bar under its compute lane.
-
-    clock='modelled' draws start/end (modelled seconds on the run's cluster); clock='wall' draws
-    wall_start/wall_end (seconds measured on this machine). Bars show meta['microbatch'].
-    """
-    if clock not in ("modelled", "wall"):
-        raise ValueError(f"clock must be 'modelled' or 'wall', not {clock!r}")
-    lo, hi = ("start", "end") if clock == "modelled" else ("wall_start", "wall_end")
-    ranks = sorted({int(e["rank"]) for e in timeline})
-    fig, ax = _figure(ax, (10, 0.9 * len(ranks) + 1.6))
-    t_max = max([float(e[hi]) for e in timeline] + [0.0])
-    t_min = min([float(e[lo]) for e in timeline] + [0.0])
-    unit = pick_time_unit(t_max) if clock == "modelled" else "s"
-    scale = TIME_UNITS[unit]
-    span = max(t_max - t_min, 1e-30) / scale
-
-    used, bars = [], []
-    for e in timeline:
-        row = -ranks.index(int(e["rank"]))
-        key = _gantt_style(e)
-        used.append(key)
-        if e.get("lane", "compute") == "comm":
-            y, height = row - 0.38, 0.16
-        else:
-            y, height = row, 0.5
-        left, width = float(e[lo]) / scale, (float(e[hi]) - float(e[lo])) / scale
-        bars.append((y, width, left, height, GANTT_COLORS[key]))
-        mb = (e.get("meta") or {}).get("microbatch")
-        if mb is not None and width > 0.025 * span and height > 0.3:
-            ax.text(left + width / 2, y, str(mb), ha="center", va="center", fontsize=7,
-                    color="white" if key in ("forward", "comm") else "black")
-    if bars:   # one call for all the bars, in the events' order: hundreds of calls are slow
-        y, width, left, height, color = zip(*bars)
-        ax.barh(y, width, left=left, height=height, color=color, edgecolor="white",
-                linewidth=0.4)
-
-    ax.set_yticks([-i for i in range(len(ranks))], [f"rank {r}" for r in ranks])
-    ax.set_ylim(-len(ranks) + 0.4, 0.5)
-    if clock == "modelled":
-        ax.set_xlabel(f"modelled time ({unit})")
-    else:
-        ax.set_xlabel("measured wall-clock time (s) on this machine")
-    word = "modelled" if clock == "modelled" else "measured"
-    if not title:
-        title = ("per-rank timeline, modelled clock" if clock == "modelled"
-                 else "per-rank timeline, measured wall clock")
-    elif word not in title.lower():
-        title = f"{title} ({word})"
-    ax.set_title(title)
-    order = [k for k in GANTT_COLORS if k in used]
-    handles = [Patch(color=GANTT_COLORS[k], label=GANTT_LABELS[k]) for k in order]
-    handles.append(Patch(color="none", label="thin bar: comm lane (async)"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
-              frameon=False)
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
 # -------------------------------------------------------------------------------- speedup_curve
 
 def speedup_curve(gpus, series, *, ideal=True, ax=None, title="", ylabel="speedup"):
@@ -288,7 +201,7 @@ def speedup_curve(gpus, series, *, ideal=True, ax=None, title="", ylabel="speedu
 
     Label each series 'modelled ...' or 'measured ...'. ideal=True adds y = x, dashed.
     """
-    fig, ax = _figure(ax, (6, 4.2))
+    fig, ax = figure_and_axes(ax, (6, 4.2))
     gpus = list(gpus)
     markers = "osD^vP*X"
     for i, (label, values) in enumerate(series.items()):
@@ -317,7 +230,7 @@ def comm_bars(summary, ax=None, title=""):
     (modelled: gloo does not report what it sends).
     """
     rows = summary.to_dict("records") if hasattr(summary, "to_dict") else list(summary)
-    fig, ax = _figure(ax, (max(5.0, 1.1 * len(rows) + 3), 4.2))
+    fig, ax = figure_and_axes(ax, (max(5.0, 1.1 * len(rows) + 3), 4.2))
     largest = max([float(r["bytes"]) for r in rows] +
                   [float(r["wire_bytes_per_rank"]) for r in rows] + [1.0])
     unit = pick_byte_unit(largest)
@@ -384,7 +297,7 @@ def time_split(rows, ax=None, title="", unit="ms", colors=None, hide_zero=False)
     """
     colors = dict(TIME_COLORS, **(colors or {}))
     lay = _time_layout(rows, unit)
-    fig, ax = _figure(ax, (7.5, 0.6 * len(lay["labels"]) + 2))
+    fig, ax = figure_and_axes(ax, (7.5, 0.6 * len(lay["labels"]) + 2))
     y = [-i for i in range(len(lay["labels"]))]
     ax.labkit_split = [
         ax.barh(y, widths, 0.6, left=lefts, label=TIME_LABELS.get(cat, cat),

@@ -12,8 +12,9 @@ from matplotlib.patches import Patch
 from ..theory import catalog, hardware
 from ..theory import memory as tm
 from .live import Drawing
-from .plots import (MEMORY_COLORS, MEMORY_LABELS, TIME_UNITS, UNITS, fmt, gantt, memory_stack,
+from .plots import (MEMORY_COLORS, MEMORY_LABELS, TIME_UNITS, UNITS, fmt, memory_stack,
                     pick_time_unit, restack, stack_shape)
+from .timeline import gantt
 
 STAGE_LABELS = ["baseline DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
 STATE_CATEGORIES = ("params", "grads", "optimizer")
@@ -219,7 +220,7 @@ PCIE_COLOR = "#e377c2"
 
 
 def offload_gantt(timeline, ranks=(0, 1), title=""):
-    """`plots.gantt` of some ranks (modelled clock) with ZeRO-Offload's PCIe copies (events named
+    """`timeline.gantt` of some ranks (modelled clock) with ZeRO-Offload's PCIe copies (events named
     'offload: ...') drawn over in their own colour, so they stand out from the collectives."""
     events = [e for e in timeline if int(e["rank"]) in ranks]
     fig = gantt(events, clock="modelled", title=title)
