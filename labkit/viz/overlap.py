@@ -40,12 +40,13 @@ def _key(event):
     return event["name"] if event["name"] in COMM_COLORS else "comm"
 
 
-def overlap_timeline(runs, ranks=(0, 1), clock="modelled", summaries=None, title="",
-                     size=None):
+def overlap_timeline(runs, ranks=(0, 1), clock="modelled", summaries=None, summary_of="rank 0",
+                     title="", size=None):
     """One panel per run ({label: timeline}), sharing the time axis: per rank, compute on top
     and the comm lane under it. clock='modelled' uses start/end and hatches each collective's
     exposed part; clock='wall' uses wall_start/wall_end (each run's first event at 0).
-    summaries: {label: `trace.overlap_by_op` rows} to print exposed/hidden under each title."""
+    summaries: {label: `trace.overlap_by_op` rows} of `summary_of` (e.g. rank 0), printed as
+    exposed/hidden seconds under each run's title."""
     if clock not in ("modelled", "wall"):
         raise ValueError(f"clock must be 'modelled' or 'wall', not {clock!r}")
     lo, hi = ("start", "end") if clock == "modelled" else ("wall_start", "wall_end")
@@ -62,7 +63,7 @@ def overlap_timeline(runs, ranks=(0, 1), clock="modelled", summaries=None, title
     for ax, (label, events) in zip(axes[:, 0], shown.items()):
         used |= _draw_panel(ax, events, ranks, lo, hi, offsets[label], scale, clock)
         line = _summary_line((summaries or {}).get(label), unit, scale)
-        ax.set_title(label + (f"\n{line}" if line else ""), fontsize=9, loc="left")
+        ax.set_title(label + (f"\n{summary_of}: {line}" if line else ""), fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
     word = "modelled" if clock == "modelled" else "measured wall-clock"
     axes[-1, 0].set_xlabel(f"{word} time ({unit})"
