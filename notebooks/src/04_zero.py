@@ -342,9 +342,10 @@ on the link either way. Without prefetch all of it is exposed; with it
 unit's forward or the next unit's backward, and the step takes {step_on * 1e6:.1f} µs instead of
 {step_off * 1e6:.1f} µs. What stays exposed (hatched) follows layers with almost no compute to
 hide under: the token and position embeddings come first, so the first block's gather waits in
-full, and the final LayerNorm comes before the head. Every gather costs at least
-{shortest * 1e6:.1f} µs, the link's latency, however few its bytes. The reduce-scatters share
-the one comm lane with the backward prefetches, and the last ones end the step.
+full, and the final LayerNorm comes before the head. Even the smallest gather takes
+{shortest * 1e6:.1f} µs, nearly all of it the link's latency: few bytes do not make it free.
+The reduce-scatters share the one comm lane with the backward prefetches, and the last ones end
+the step.
 
 The same two runs on this machine's wall clock: a collective's bar runs from its issue to the
 moment its result was there. With prefetch each gather is issued a unit early, so its bar spans
