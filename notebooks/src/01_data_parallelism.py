@@ -61,6 +61,7 @@ from labkit.runs.reference import RunConfig, batch, build_model, float64_referen
 from labkit.theory import catalog, data_parallel as theory_dp, memory as tm, time as tt
 from labkit.viz import comm_bars, gantt, speedup_curve
 from labkit.viz import dp_widgets
+from labkit.viz.overlap import accumulation_bars
 
 pd.set_option("display.precision", 3)
 pd.set_option("display.width", 120)
@@ -577,12 +578,166 @@ print(f"wrote {len(spans)} spans to {trace_path}")
 pd.DataFrame(spans[:4])[["name", "ph", "ts", "dur", "pid", "tid", "args"]]
 
 # %% [markdown]
-# Reading the two kinds side by side: a `torch.profiler` trace of this CPU run would show the
-# *measured* operators of each process (aten::mm, gloo's allreduce) at this machine's speed; the
-# modelled lanes show the same program's ops timed as on H100s over NVLink. Where they agree is
-# the order and the overlap structure; where they differ is every proportion (section 5).
+# Reading the two kinds side by side: `torch.profiler` records what PyTorch *ran* in a process
+# (every aten operator, autograd node, and the backend's collectives such as `gloo:all_reduce`)
+# at this machine's speed; the lab's timeline records what the program *meant* (forward,
+# backward, each bucket's all-reduce) on the modelled clock and on the wall clock. Below, rank 0
+# of the same DP program (the wider GPT, 1 MB buckets, 2 ranks) runs under
+# `torch.profiler.profile(activities=[CPU], record_shapes=False)` (`labkit.runtime.profiler
+# .profiled`: only rank 0 is profiled, inside its worker process; the other rank runs plainly).
+# To keep it fast it is one step of a quarter of the batch, and the profile covers all of
+# `dp.train`: the wrapper's set-up broadcasts, then the step. Both traces go to the same folder:
+
+# %%
+from labkit.runtime import profiler
+
+one_step = RunConfig(steps=1, global_batch=32, optimizer="sgd", model_kwargs=big.model_kwargs)
+folder = os.path.dirname(trace_path)
+torch_path = os.path.join(folder, "dp_torch_profiler_rank0.json")
+profiled_run = labkit.launch(profiler.profiled, 2, dp.train, one_step, bucket_mb=1.0,
+                             path=torch_path)
+summary = profiled_run[0]["profile"]
+lab_path = os.path.join(folder, "dp_profiled_run_trace.json")
+lab_timeline = [e for r in profiled_run for e in r["result"]["timeline"]]
+trace.to_trace(lab_timeline, lab_path, cluster=profiled_run[0]["result"]["cluster"])
+torch_events, lab_events = profiler.trace_events(torch_path), profiler.trace_events(lab_path)
+print(f"torch.profiler, rank 0: {len(torch_events):,} events, {summary['operator_names']} "
+      f"operator names -> {torch_path}")
+print(f"lab timeline, both ranks, modelled and wall: {len(lab_events):,} events -> {lab_path}")
+pd.DataFrame(summary["top_ops"], columns=["top ops by self CPU time (torch.profiler)",
+                                          "self CPU µs", "calls"]).round(0)
+
+# %%
+lab_ops = {}
+for row in profiled_run[0]["result"]["comm"]:   # rank 0's comm log: the program's collectives
+    lab_ops[row["op"]] = lab_ops.get(row["op"], 0) + row["calls"]
+lab_spans = {op: sum(1 for e in profiled_run[0]["result"]["timeline"]
+                     if e["kind"] == "comm" and e["name"] == op) for op in lab_ops}
+stamps = lab_ops.get("broadcast", 0)   # each broadcast's time stamps travel in an all_reduce
+rows = [{"collective": op, "lab comm log (calls)": lab_ops[op], "lab timeline (spans)":
+         lab_spans[op], "torch.profiler (gloo events)":
+         summary["collectives"].get(f"gloo:{op}", 0)} for op in sorted(lab_ops)]
+pd.DataFrame(rows).set_index("collective")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+gloo_all_reduce = summary["collectives"].get("gloo:all_reduce", 0)
+print("every broadcast of the log is a gloo:broadcast in the profile:",
+      summary["collectives"].get("gloo:broadcast", 0) == lab_ops["broadcast"])
+print("gloo:all_reduce = the buckets' all-reduces + one for the clock's stamps per broadcast:",
+      gloo_all_reduce == lab_ops["all_reduce"] + stamps)
+
+# %%
+top_names = [name for name, _, _ in summary["top_ops"]]
+matmuls = ", ".join(f"`{n}`" for n in top_names if n in ("aten::mm", "aten::addmm",
+                                                           "aten::bmm", "aten::matmul"))
+counter = ("`PythonDispatchMode` among them is the lab's own FLOP counter (a dispatch mode that "
+           "sees every op, to time it on the modelled clock): a cost of this lab's "
+           "instrumentation, not of training. " if "PythonDispatchMode" in top_names else "")
+display(Markdown(f'''
+Both files describe the same program. The profiler's top operators by self CPU time include the
+matmuls of forward and backward ({matmuls or "none in the top five this time"}): the compute bars
+of the lab's timeline. {counter}Its gloo events are the lab's collectives, one for one:
+{lab_ops["broadcast"]} broadcasts (the replicas start from rank 0's weights) and
+{lab_ops["all_reduce"]} bucket all-reduces. The profiler shows {gloo_all_reduce}
+`gloo:all_reduce`, {stamps} more than the lab's log: the virtual clock's time stamps, which
+ride inside most collectives, travel beside a broadcast in a small all-reduce of their own
+(logged by the lab as the clock's, tagged "clock"): the profiler sees the instrumentation too.
+What the profiler cannot show is the H100 picture: its times are this CPU's, and the modelled
+lanes are the lab's. Open both files at https://ui.perfetto.dev.
+'''))
+
+# %% [markdown]
+# ## 10 · Gradient accumulation: what `no_sync` saves
 #
-# ## 10 · The roofline: when can the all-reduce hide at all?
+# A global batch too large for memory is split into K **micro-batches** per optimizer step:
+# forward and backward each one, let the gradients add up in `.grad`, step once. Done naively,
+# every backward all-reduces its gradients: K all-reduces of the S gradient bytes per step. But
+# only the sum matters, and the average of sums is the sum of averages, so one all-reduce after
+# the last micro-batch gives the same gradient. `DataParallel.no_sync()` (as in PyTorch DDP) is
+# that switch: a forward and backward inside it only accumulate locally. Per optimizer step:
+#
+#   bytes all-reduced = K·S without it,  S with it: **1/K of the traffic**.
+#
+# `dp.train(ctx, cfg, accumulate=K)` wraps the first K−1 micro-batches in `no_sync()`. The loop
+# below does the same, with a switch to all-reduce every micro-batch instead, and both run on
+# 2 ranks (the tiny GPT, 16 sequences per step, K = 4):
+
+# %%
+from contextlib import nullcontext
+
+from labkit import data
+
+
+def accumulate(ctx, cfg, k, use_no_sync):
+    model = DataParallel(build_model(cfg), bucket_mb=dp.DEFAULT_BUCKET_MB)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    for step in range(cfg.steps):
+        with ctx.step(step, cfg.steps):
+            x, y = (data.shard(t, ctx.rank, ctx.world_size) for t in batch(model.module, cfg,
+                                                                             step))
+            optimizer.zero_grad(set_to_none=True)
+            for i, (mx, my) in enumerate(zip(x.chunk(k), y.chunk(k))):
+                last = i == k - 1
+                with model.no_sync() if use_no_sync and not last else nullcontext():
+                    with ctx.clock.compute("forward"):
+                        loss = model(mx, my) / k     # K micro-means add up to the mean
+                    with ctx.clock.compute("backward"):
+                        loss.backward()
+            optimizer.step()
+    return dict(comm=ctx.comm.summary(), timeline=ctx.clock.timeline(),
+                params={n: p.detach().clone() for n, p in model.module.named_parameters()})
+
+
+K = 4
+small = RunConfig(steps=2, global_batch=16, optimizer="sgd")
+acc = {"all-reduce after\nevery micro-batch": labkit.launch(accumulate, 2, small, K, False),
+       "no_sync on the first\nK−1 micro-batches": labkit.launch(accumulate, 2, small, K, True)}
+S = dp.gradient_bytes(small)
+acc_rows = {}
+for (label, res), formula in zip(acc.items(), (K * S, S)):
+    log = [row for row in res[0]["comm"] if row["op"] == "all_reduce"]
+    ops = trace.overlap_by_op(res[0]["timeline"], rank=0)["all_reduce"]
+    acc_rows[label] = dict(bytes_per_step=sum(r["bytes"] for r in log) / small.steps,
+                           calls_per_step=sum(r["calls"] for r in log) / small.steps,
+                           formula_bytes=formula,
+                           exposed_s=ops["exposed_s"] / small.steps)
+fig = accumulation_bars(acc_rows, title=f"gradient accumulation, K = {K} micro-batches, 2 ranks:"
+                        f" per optimizer step (S = {S / 1e6:.2f} MB of fp32 gradients)")
+plt.show()
+pd.DataFrame(acc_rows).T.assign(exposed_us=lambda d: d.exposed_s * 1e6).drop(
+    columns="exposed_s").rename(index=lambda label: label.replace("\n", " "))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+every, quiet = acc_rows.values()
+print("no_sync all-reduces 1/K of the bytes per step:",
+      every["bytes_per_step"] == K * quiet["bytes_per_step"])
+print("both equal the formula (K·S and S):", all(r["bytes_per_step"] == r["formula_bytes"]
+                                                 for r in acc_rows.values()))
+same = max((a - b).abs().max().item() for a, b in zip(
+    *(res[0]["params"].values() for res in acc.values())))
+print("the same parameters either way (float32 rounding):", same < 1e-5)
+driver = labkit.launch(dp.train, 2, small, accumulate=K)   # the lab's driver: no_sync inside
+print("dp.train(accumulate=K) all-reduces the same bytes per step:",
+      sum(r["bytes"] for r in driver[0]["comm"] if r["op"] == "all_reduce") / small.steps
+      == quiet["bytes_per_step"])
+
+# %%
+display(Markdown(f'''
+Measured from rank 0's comm log: {every["bytes_per_step"] / 1e6:.2f} MB in
+{every["calls_per_step"]:g} all-reduces per step without `no_sync`, {quiet["bytes_per_step"] /
+1e6:.2f} MB in {quiet["calls_per_step"]:g} with it: 1/{K}, the formula. On the modelled clock
+the exposed all-reduce time per step falls from {every["exposed_s"] * 1e6:.1f} µs to
+{quiet["exposed_s"] * 1e6:.1f} µs (modelled, 2 H100s over NVLink): only the last micro-batch's
+backward has buckets to overlap, the others compute without waiting for the link. The
+parameters agree within {same:.0e}: the same step. `no_sync` costs nothing but the memory of
+the local `.grad`s, which the loop holds anyway; it is why accumulation is almost free in
+communication and why large global batches are cheap to reach with data parallelism.
+'''))
+
+# %% [markdown]
+# ## 11 · The roofline: when can the all-reduce hide at all?
 #
 # Overlap hides communication only when there is more compute than communication. A step on B
 # tokens per GPU computes 6·Ψ·B FLOPs (Ψ matmul weights) and all-reduces 2(N−1)/N·Ψ·e bytes of
@@ -606,7 +761,7 @@ for gpus, link in ((8, "NVLink 4"), (64, "InfiniBand NDR")):   # one node; 8 nod
           f"({b / 4096:.1f} sequences of 4,096) (modelled)")
 
 # %% [markdown]
-# ## 11 · Measured here: all-reduce time against message size
+# ## 12 · Measured here: all-reduce time against message size
 #
 # The alpha-beta model says an all-reduce of S bytes on N ranks takes 2(N−1)·α + 2(N−1)/N·S/β:
 # a latency α per ring step, and bandwidth β. Measured on these CPU ranks (gloo over loopback,
@@ -667,6 +822,10 @@ print(f"latency = bandwidth time at {half_here / 1e6:.2f} MB here, "
 #   by **tokens per GPU** against gradient bytes and link bandwidth.
 # - Buckets launched from gradient hooks overlap the all-reduce with backward (what PyTorch DDP
 #   does); the modelled step gets shorter, and only the last bucket is always exposed.
+# - Gradient accumulation over K micro-batches needs one all-reduce per step, not K: `no_sync()`
+#   on the first K−1 cuts the bytes to 1/K (measured in the comm log) and the same parameters.
+# - The lab's trace and `torch.profiler`'s are the same Chrome trace format: the profiler shows
+#   what PyTorch ran at this CPU's speed, the lab's modelled lanes the same program on H100s.
 # - "Twice as fast with twice the GPUs" holds for big batches inside a node, not for small batches
 #   or across the NVLink → InfiniBand boundary; a second inference node doubles throughput, not
 #   the speed of one batch.

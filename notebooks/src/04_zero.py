@@ -53,6 +53,7 @@ import pandas as pd
 import torch
 from IPython.display import Markdown, display
 
+import labkit
 from labkit import FullyShard
 from labkit.exercises.zero import check_gradient_shard, check_stage_memory_answer, show_solution
 from labkit.runs import data_parallel as dp
@@ -286,6 +287,74 @@ dp_bytes:.2f}× DP: the extra Ψ is the second gather of every layer before its 
 costs {extra / 1e6:.2f} MB per rank and step (ring model); on a real model the price is paid only
 if the gathers cannot hide behind compute, which is what the prefetch is for.
 '''))
+
+# %% [markdown]
+# ## Watch the prefetch hide the gathers
+#
+# `FullyShard(prefetch=True)` (the default) starts the all-gather of the *next* unit as soon as
+# this one begins its forward (and of the previous unit in backward), so its weights travel
+# while this unit computes; `prefetch=False` gathers each unit only when it is needed, and the
+# compute waits for every gather. The virtual clock runs the async collectives on a comm lane
+# beside compute (a GPU's comm stream), one at a time, and notes for each how much the compute
+# had to wait for it (**exposed**) and how much ran under compute (**hidden**).
+#
+# The gathers can hide only if a unit computes for longer than the next one takes to arrive:
+# the tokens per GPU decide it (the roofline section below). So this run uses the wider GPT of
+# lesson 01 (hidden 128, 4 layers) and 128 sequences of 32 tokens per rank, ZeRO-3 on 2 ranks,
+# one step each way, modelled on an 8xH100 NVLink node:
+
+# %%
+from labkit.runtime import trace
+from labkit.viz.overlap import overlap_timeline
+
+wide = RunConfig(steps=1, global_batch=256, optimizer="sgd",
+                 model_kwargs=dict(hidden=128, layers=4, ffn=512))
+fsdp = {f"FullyShard, prefetch={p}": labkit.launch(zero.train, 2, wide, stage=3, prefetch=p)
+        for p in (True, False)}
+timelines = {label: [e for r in res for e in r["timeline"]] for label, res in fsdp.items()}
+hiding = {label: trace.overlap_by_op(tl, rank=0) for label, tl in timelines.items()}
+fig = overlap_timeline(timelines, summaries=hiding,
+                       title=f"ZeRO-3 on 2 ranks, one step (modelled on "
+                             f"{fsdp['FullyShard, prefetch=True'][0]['cluster']})")
+plt.show()
+rows = [dict(run=label, op=op, calls=r["calls"], modelled_us=r["modelled_s"] * 1e6,
+             exposed_us=r["exposed_s"] * 1e6, hidden_us=r["hidden_s"] * 1e6,
+             hidden_share=r["hidden_s"] / r["modelled_s"])
+        for label, ops in hiding.items() for op, r in ops.items()]
+pd.DataFrame(rows).set_index(["run", "op"]).round(2)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+on, off = (hiding[f"FullyShard, prefetch={p}"]["all_gather"] for p in (True, False))
+step_on, step_off = (fsdp[f"FullyShard, prefetch={p}"][0]["modelled_step_s"][-1]
+                     for p in (True, False))
+print("prefetch leaves less all-gather time exposed:", on["exposed_s"] < off["exposed_s"])
+print("the same gathers either way:", on["calls"] == off["calls"])
+print("modelled step shorter with prefetch:", step_on < step_off)
+
+# %%
+shortest = min(e["end"] - e["start"] for e in timelines["FullyShard, prefetch=True"]
+               if e["rank"] == 0 and e["name"] == "all_gather")
+display(Markdown(f'''
+Rank 0, one step (modelled): the {on["calls"]} all-gathers take {on["modelled_s"] * 1e6:.1f} µs
+on the link either way. Without prefetch all of it is exposed; with it
+{on["hidden_s"] * 1e6:.1f} µs ({on["hidden_s"] / on["modelled_s"]:.0%}) runs under the previous
+unit's forward or the next unit's backward, and the step takes {step_on * 1e6:.1f} µs instead of
+{step_off * 1e6:.1f} µs. What stays exposed (hatched) follows layers with almost no compute to
+hide under: the token and position embeddings come first, so the first block's gather waits in
+full, and the final LayerNorm comes before the head. Even the smallest gather takes
+{shortest * 1e6:.1f} µs, nearly all of it the link's latency: few bytes do not make it free.
+The reduce-scatters share the one comm lane with the backward prefetches, and the last ones end
+the step.
+
+The same two runs on this machine's wall clock: a collective's bar runs from its issue to the
+moment its result was there. With prefetch each gather is issued a unit early, so its bar spans
+the previous unit's forward: the communication is in flight while the compute runs, the
+structure the modelled chart times as on H100s. (Two CPU processes on a shared machine: the
+proportions are this machine's.)
+'''))
+fig = overlap_timeline(timelines, clock="wall", title="the same runs, measured on this machine")
+plt.show()
 
 # %% [markdown]
 # ## The peak over a step, not only the steady state
