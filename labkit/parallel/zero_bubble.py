@@ -168,8 +168,8 @@ def torch_order(name, stages, microbatches):
     """The order of torch.distributed.pipelining's `name` schedule (one of TORCH_V_SCHEDULES,
     two stages per rank in a V) for P = `stages` ranks and M micro-batches, computed as every
     rank computes it, without ranks or a process group, as a
-    `labkit.theory.pipeline_layouts.LaidOut` (torch's I: B; its B: B then W; its OVERLAP_F_B:
-    an F&B slot). Reads torch's private `_calculate_single_rank_operations`."""
+    `labkit.theory.pipeline_layouts.LaidOut` (torch's I: B; its full backward B: a slot B, W;
+    its OVERLAP_F_B: a slot F, B, W). Reads torch's private `_calculate_single_rank_operations`."""
     from torch.distributed.pipelining import schedules as torch_schedules
     from ..theory.pipeline_layouts import LaidOut
 
@@ -178,25 +178,24 @@ def torch_order(name, stages, microbatches):
     schedule = object.__new__(getattr(torch_schedules, name))   # no stages, no group
     schedule.pp_group_size, schedule._n_microbatches = stages, microbatches
     schedule.num_stages = schedule._num_stages = 2 * stages
-    ops, overlapped = [], []
+    ops, slots = [], []
     for rank in range(stages):
-        mine, pairs = [], []
+        mine, spans = [], []
 
         def add(action, rank=rank, mine=mine):
             chunk = 0 if action.stage_index == rank else 1     # the V: r and 2P-1-r
             kind = action.computation_type.value
             op = (kind if kind in "FW" else "B", action.microbatch_index, chunk)
             mine.extend([op, ("W",) + op[1:]] if kind == "B" else [op])
+            return 2 if kind == "B" else 1
 
         for action in schedule._calculate_single_rank_operations(rank):
             if action is None:
                 continue
-            if action.sub_actions:                 # (F; B) run overlapped
-                pairs.append(len(mine))
-                for sub in action.sub_actions:
-                    add(sub)
-            else:
-                add(action)
+            start = len(mine)
+            n = sum(add(sub) for sub in action.sub_actions or [action])
+            if n > 1:                      # a full backward, or (F; B) overlapped
+                spans.append((start, n))
         ops.append(mine)
-        overlapped.append(tuple(pairs))
-    return LaidOut(ops, "v", microbatches, 2, tuple(overlapped))
+        slots.append(tuple(spans))
+    return LaidOut(ops, "v", microbatches, 2, tuple(slots))

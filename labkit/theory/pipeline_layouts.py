@@ -14,9 +14,11 @@ stages otherwise, and this module replays them with the same timing rules:
 
 A schedule here is a `LaidOut`: per rank the ops (kind, micro-batch, chunk), kind "F", "B"
 (input gradient) or "W" (weight gradient; a full backward is B then W), the layout, and per
-rank the indices i at which ops i and i+1 run as one overlapped slot "F&B" (DualPipe overlaps
-the forward of one micro-batch with the backward of another: the slot starts when both inputs
-are there; with free links it takes T_F + T_B (+ T_W), the overlap hiding communication only).
+rank its slots: ops run as one unit, whose outputs leave together at its end. A full
+backward (B and W in one autograd call, its input gradient sent after both) is a slot B, W;
+DualPipe's "F&B" overlaps the forward of one micro-batch with the full backward of another:
+a slot F, B, W that starts when both inputs are there; with free links it takes
+T_F + T_B + T_W, the overlap hiding communication only.
 
 Idle per rank, the report's Table 2 (F, B full backward, W weight part, F&B one overlapped
 slot; here B = T_B + T_W and, with free links, F&B = T_F + T_B + T_W):
@@ -38,7 +40,7 @@ class LaidOut(NamedTuple):
     layout: str              # "loop", "v" or "dual"
     microbatches: int
     chunks: int = 1          # chunks per rank (2 for "v" and "dual")
-    overlapped: tuple = ()   # per rank: indices i where ops i, i+1 form one F&B slot
+    slots: tuple = ()        # per rank: ((i, n), ...): ops i .. i+n-1 run as one slot
 
 
 def route(layout, stages, microbatches, m, chunks=1):
@@ -98,11 +100,11 @@ def simulate_laid_out(sched, t_forward, t_backward_input, t_weight, t_comm=0.0):
     times = {"F": _as_fn(t_forward), "B": _as_fn(t_backward_input), "W": _as_fn(t_weight)}
     last = {m: max(k for (mm, _, _), k in where.items() if mm == m)
             for m in range(sched.microbatches)}
-    pairs = [set(sched.overlapped[r]) if sched.overlapped else set() for r in range(p)]
+    spans = [dict(sched.slots[r]) if sched.slots else {} for r in range(p)]
     done, pos, free, timeline = {}, [0] * p, [0.0] * p, []
 
-    def ready(rank, op):
-        """When op's inputs are there, or None if they are not yet."""
+    def ready(rank, op, inside=()):
+        """When op's inputs (but those made `inside` its slot) are there, else None."""
         kind, m, c = op
         k = where[(m, rank, c)]
         own = {"F": None, "B": ("F", m, k), "W": ("B", m, k)}[kind]
@@ -111,6 +113,7 @@ def simulate_laid_out(sched, t_forward, t_backward_input, t_weight, t_comm=0.0):
         needs = [(own, False)] if own else []
         if peer is not None:
             needs.append(((kind, m, peer), at[(m, peer)][0] != rank))
+        needs = [(key, remote) for key, remote in needs if key not in inside]
         if any(key not in done for key, _ in needs):
             return None
         return max([done[key] + (t_comm if remote else 0.0) for key, remote in needs] + [0.0])
@@ -120,10 +123,9 @@ def simulate_laid_out(sched, t_forward, t_backward_input, t_weight, t_comm=0.0):
         for r in range(p):
             while pos[r] < len(sched.ops[r]):
                 i = pos[r]
-                slot = sched.ops[r][i:i + 2] if i in pairs[r] else sched.ops[r][i:i + 1]
-                starts = [ready(r, slot[0])]
-                if len(slot) == 2 and slot[1][1] != slot[0][1]:   # F&B: two micro-batches
-                    starts.append(ready(r, slot[1]))
+                slot = sched.ops[r][i:i + spans[r].get(i, 1)]
+                inside = {(kind, m, where[(m, r, c)]) for kind, m, c in slot}
+                starts = [ready(r, op, inside) for op in slot]
                 if any(s is None for s in starts):
                     break
                 t = max([free[r]] + starts)
@@ -137,7 +139,7 @@ def simulate_laid_out(sched, t_forward, t_backward_input, t_weight, t_comm=0.0):
                                            dict(microbatch=m, stage=k, chunk=c)))
                     keys.append((kind, m, k))
                     done[keys[-1]], t = end, end
-                for key in keys:        # an F&B slot's outputs leave together, at its end
+                for key in keys:        # a slot's outputs leave together, at its end
                     done[key] = t
                 free[r], pos[r], progressed = t, i + len(slot), True
         if not progressed:
@@ -195,12 +197,12 @@ def dualpipe_schedule(stages, microbatches):
         raise ValueError(f"DualPipe needs an even M >= 2P micro-batches (half from each end), "
                          f"got M={m_total} for P={p}")
     half_p, half_m = p // 2, m_total // 2
-    ops, overlapped = [], []
+    ops, slots = [], []
     for rank in range(p):
         h = min(rank, p - 1 - rank)
         near = 0 if rank < half_p else 1          # the direction entering at this half's end
         count = {"F": [0, 0], "B": [0, 0]}
-        mine, pairs, queue = [], set(), []
+        mine, spans, queue = [], [], []
 
         def op(kind, side):
             direction = near if side == "near" else 1 - near
@@ -211,22 +213,24 @@ def dualpipe_schedule(stages, microbatches):
         def forward(side):
             mine.append(op("F", side))
 
-        def backward(side, zero_bubble=False):
+        def backward(side, zero_bubble=False, in_slot=False):
             b = op("B", side)
-            mine.append(b)
             if zero_bubble:
+                mine.append(b)
                 queue.append(("W",) + b[1:])
-            else:
-                mine.append(("W",) + b[1:])
+                return
+            if not in_slot:                       # a full backward: one slot B, W
+                spans.append((len(mine), 2))
+            mine.extend([b, ("W",) + b[1:]])
 
         def weight():
             if queue:
                 mine.append(queue.pop(0))
 
-        def overlap(f_side, b_side):
-            pairs.add(len(mine))
+        def overlap(f_side, b_side):              # one slot F, B, W
+            spans.append((len(mine), 3))
             forward(f_side)
-            backward(b_side)
+            backward(b_side, in_slot=True)
 
         for _ in range(2 * (half_p - h - 1)):
             forward("near")
@@ -261,8 +265,8 @@ def dualpipe_schedule(stages, microbatches):
         for _ in range(h + 1):
             weight()
         ops.append(mine)
-        overlapped.append(tuple(sorted(pairs)))
-    return LaidOut(ops, "dual", m_total, 2, tuple(overlapped))
+        slots.append(tuple(spans))
+    return LaidOut(ops, "dual", m_total, 2, tuple(slots))
 
 
 def table2_idle(schedule, stages, t_forward, t_backward_input, t_weight, t_overlap=None):
@@ -280,12 +284,20 @@ def table2_idle(schedule, stages, t_forward, t_backward_input, t_weight, t_overl
 
 
 def from_loop(schedule):
-    """A `labkit.theory.pipeline` schedule (looped layout) as a `LaidOut`; a schedule without
-    W ops gets each W right after its B (a full backward)."""
+    """A `labkit.theory.pipeline` schedule (looped layout) as a `LaidOut`; in a schedule
+    without W ops each B becomes a full backward (a slot B, W)."""
     split = any(k == "W" for ops in schedule for k, _, _ in ops)
-    ops = [[x for (k, m, c) in rank_ops
-            for x in ([(k, m, c)] if split or k == "F" else [(k, m, c), ("W", m, c)])]
-           for rank_ops in schedule]
+    ops, slots = [], []
+    for rank_ops in schedule:
+        mine, spans = [], []
+        for kind, m, c in rank_ops:
+            if kind == "B" and not split:
+                spans.append((len(mine), 2))
+                mine.extend([(kind, m, c), ("W", m, c)])
+            else:
+                mine.append((kind, m, c))
+        ops.append(mine)
+        slots.append(tuple(spans))
     flat = [op for rank_ops in ops for op in rank_ops]
     return LaidOut(ops, "loop", 1 + max(m for _, m, _ in flat),
-                   1 + max(c for _, _, c in flat))
+                   1 + max(c for _, _, c in flat), tuple(slots))
