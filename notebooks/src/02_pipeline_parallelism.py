@@ -567,9 +567,10 @@ pd.DataFrame(rows).round(3)
 # data/bench.csv).
 #
 # **Explore.** Schedule, P, M, and the weight gradient's share of the 2 ms backward (0.5: T_B =
-# T_W = T_F = 1 ms). Try: DualPipe at P = 8 against ZB-H1 (the idle halves, the weights
-# double); a W share of 0.1 (little to fill the bubbles with: ZB-H1 falls back towards 1F1B);
-# M from 2P to 24 (DualPipe's idle stays, its bubble share falls).
+# T_W = T_F = 1 ms). Try: DualPipe against ZB-H1 at P = 8 with a W share of 0.5, then 0.25
+# (with equal times DualPipe saves one T_F + T_B − T_W; with a small W it idles about half as
+# long, for twice the weights); a W share of 0.1 (little to fill the bubbles with: ZB-H1 falls
+# back towards 1F1B); M from 2P to 24 (the idle stays, the bubble's share falls).
 
 # %%
 zero_bubble_explorer()
@@ -589,8 +590,9 @@ zero_bubble_explorer()
 #   and more in-flight activations. Recomputation trades a forward per backward for memory.
 # - Zero bubble splits the backward into B and W and moves the W's into the idle slots: ZB-H1
 #   idles (P−1)(T_F+T_B−T_W), with 1F1B's memory. DualPipe feeds both ends and overlaps a
-#   forward with a backward: about half ZB-H1's idle for twice the weights and P+1
-#   activations; torch's ZBV and DualPipeV orders replay with labkit's rules.
+#   forward with a backward: less idle than ZB-H1 (Table 2's formula, exact when T_F = T_B)
+#   for twice the weights and P+1 activations; its F&B overlap pays off most where it hides
+#   communication. torch's ZBV and DualPipeV orders replay with labkit's rules.
 # - The source article's "half the memory on two GPUs" holds for the per-GPU memory; "some
 #   execution speed" is really idle GPUs for a single batch, which micro-batches win back.
 
