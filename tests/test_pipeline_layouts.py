@@ -153,3 +153,25 @@ def test_torch_dualpipev_idle_is_dualpipes_on_2p_half_stages(p, times):
     sched = zero_bubble.torch_order("ScheduleDualPipeV", p, 2 * p)
     idle = lay.idle_per_rank(lay.simulate_laid_out(sched, *half))
     assert idle == pytest.approx([lay.table2_idle("dualpipe", 2 * p, *half)] * p)
+
+
+# ------------------------------------------------------------------ the explorer (lesson 02)
+
+def test_zero_bubble_explorer_redraws_in_place():
+    import matplotlib.pyplot as plt
+    from labkit.viz import zero_bubble_widgets as zbw
+
+    box = zbw.zero_bubble_explorer()
+    controls = {w.description: w for row in box.children[:-2] for w in row.children
+                if hasattr(w, "description")}
+    gantt_ax, mem_ax = box.figure.axes
+    before = box.image.value
+    controls["stages P"].value = 5                  # DualPipe: moved to P = 6, M = 12
+    assert [t.get_text() for t in gantt_ax.get_yticklabels()] == [f"rank {r}" for r in range(6)]
+    assert "P = 6, M = 12" in box.text.value and box.image.value != before
+    assert sum(bar.get_visible() for bar in mem_ax.patches) == 6
+    controls["schedule"].value = "ZB-H1"            # ZB-H1 runs P = 5 as it is
+    assert len(gantt_ax.get_yticklabels()) == 5
+    numbers = zbw.zero_bubble_numbers("ZB-H1", 5, 8, 0.5)
+    assert f"{max(lay.idle_per_rank(numbers['timeline'])) * 1e3:.2f} ms" in box.text.value
+    assert plt.get_fignums() == []
