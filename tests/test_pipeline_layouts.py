@@ -144,6 +144,18 @@ def test_torch_orders_run_on_the_v(name, p, m):
     assert max(idle) < max(zb)               # the V: half the ramp of ZB-H1
 
 
+@pytest.mark.skipif(not HAS_V, reason="this torch has no ScheduleZBVZeroBubble")
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 24)])
+def test_torch_zbv_idles_only_the_ramp_when_times_are_equal(p, m):
+    """T_F = T_B = T_W: each rank idles exactly what rank P-1 waits before its first op (the
+    first micro-batch's way down the V), which no order avoids: zero bubble but the ramp."""
+    timeline = lay.simulate_laid_out(zero_bubble.torch_order("ScheduleZBVZeroBubble", p, m),
+                                     0.5, 0.5, 0.5)
+    ramp = min(e["start"] for e in timeline if e["rank"] == p - 1 and e["kind"] == "compute")
+    assert ramp > 0
+    assert lay.idle_per_rank(timeline) == pytest.approx([ramp] * p)
+
+
 @pytest.mark.skipif(not HAS_V, reason="this torch has no ScheduleDualPipeV")
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("times", EQUAL_F_B)

@@ -24,6 +24,8 @@ Idle per rank, the report's Table 2 (F, B full backward, W weight part, F&B one 
 slot; here B = T_B + T_W and, with free links, F&B = T_F + T_B + T_W):
 1F1B (P-1)(F+B); ZB1P (ZB-H1) (P-1)(F+B-2W); DualPipe (P/2-1)(F&B+B-3W).
 Parameters per rank 1x, 1x, 2x; activations P, P, P+1 (micro-batches x one stage).
+Replayed here, DualPipe's order idles exactly the table's amount, the same on every rank, when
+T_F = T_B; less when T_B > T_F, more when T_F > T_B (tests/test_pipeline_layouts.py).
 No torch here.
 """
 from __future__ import annotations
