@@ -28,7 +28,7 @@ from labkit.parallel.zero_bubble import ZeroBubbleSchedule  # noqa: E402
 from labkit.runs import reference  # noqa: E402
 import common  # noqa: E402
 
-WORLD, MICRO, WARMUP, ROUNDS = 4, 8, 2, 7
+WORLD, MICRO, WARMUP, ROUNDS = 4, 8, 2, 11
 CFG = reference.RunConfig(steps=1, global_batch=32, optimizer="sgd",
                           model_kwargs=dict(layers=8, hidden=128, heads=4, seq=64, vocab=256,
                                             ffn=512))

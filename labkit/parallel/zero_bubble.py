@@ -19,6 +19,10 @@ stage boundary, point to point; W sends nothing.
     stage = PipelineStage(stages[rank], rank, P, group=pp_group, input_shape=(mb, hidden))
     pipe = ZeroBubbleSchedule(stage, loss_fn, n_microbatches=8)       # ZB-H1 by default
     loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+
+torch.distributed.pipelining's own zero-bubble orders (ScheduleZBVZeroBubble, ScheduleDualPipeV,
+two stages per rank in a V) are read as labkit data by `torch_order`, to be replayed and
+compared (labkit.theory.pipeline_layouts; bench/zero_bubble.py times torch's against ZB-H1).
 """
 import torch
 
@@ -164,22 +168,33 @@ def _split(tensor, n, name, which):
 TORCH_V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
-def torch_order(name, stages, microbatches):
-    """The order of torch.distributed.pipelining's `name` schedule (one of TORCH_V_SCHEDULES,
-    two stages per rank in a V) for P = `stages` ranks and M micro-batches, computed as every
-    rank computes it, without ranks or a process group, as a
-    `labkit.theory.pipeline_layouts.LaidOut` (torch's I: B; its full backward B: a slot B, W;
-    its OVERLAP_F_B: a slot F, B, W). Reads torch's private `_calculate_single_rank_operations`."""
+def torch_actions(name, stages, microbatches):
+    """torch.distributed.pipelining's own order for `name` (one of TORCH_V_SCHEDULES, two
+    stages per rank in a V), P = `stages` ranks and M micro-batches: per rank its list of
+    actions (e.g. `0F3`, `7I0`, `(0F7;7B3)OVERLAP_F_B`), computed as every rank computes it at
+    construction, here without ranks or a process group (torch's private
+    `_calculate_single_rank_operations`)."""
     from torch.distributed.pipelining import schedules as torch_schedules
-    from ..theory.pipeline_layouts import LaidOut
 
     if name not in TORCH_V_SCHEDULES:
         raise ValueError(f"name must be one of {TORCH_V_SCHEDULES}, not {name!r}")
-    schedule = object.__new__(getattr(torch_schedules, name))   # no stages, no group
+    kind = getattr(torch_schedules, name, None)
+    if kind is None or not hasattr(kind, "_calculate_single_rank_operations"):
+        raise RuntimeError(f"this torch ({torch.__version__}) has no {name} order to read")
+    schedule = object.__new__(kind)              # no stages, no group: the order only
     schedule.pp_group_size, schedule._n_microbatches = stages, microbatches
     schedule.num_stages = schedule._num_stages = 2 * stages
+    return [[a for a in schedule._calculate_single_rank_operations(rank) if a is not None]
+            for rank in range(stages)]
+
+
+def torch_order(name, stages, microbatches):
+    """`torch_actions` as a `labkit.theory.pipeline_layouts.LaidOut` on the "v" layout
+    (torch's I: B; its full backward B: a slot B, W; its OVERLAP_F_B: a slot F, B, W)."""
+    from ..theory.pipeline_layouts import LaidOut
+
     ops, slots = [], []
-    for rank in range(stages):
+    for rank, actions in enumerate(torch_actions(name, stages, microbatches)):
         mine, spans = [], []
 
         def add(action, rank=rank, mine=mine):
@@ -189,9 +204,7 @@ def torch_order(name, stages, microbatches):
             mine.extend([op, ("W",) + op[1:]] if kind == "B" else [op])
             return 2 if kind == "B" else 1
 
-        for action in schedule._calculate_single_rank_operations(rank):
-            if action is None:
-                continue
+        for action in actions:
             start = len(mine)
             n = sum(add(sub) for sub in action.sub_actions or [action])
             if n > 1:                      # a full backward, or (F; B) overlapped

@@ -528,13 +528,10 @@ pd.DataFrame(rows)
 # it with the same rules, a V chunk taking half a stage's times. Rank 0's ops, torch's first:
 
 # %%
-from labkit.parallel.zero_bubble import torch_order
-from torch.distributed.pipelining import schedules as torch_schedules
+from labkit.parallel.zero_bubble import torch_actions, torch_order
 
-probe = object.__new__(torch_schedules.ScheduleDualPipeV)   # torch's own list, for rank 0
-probe.pp_group_size, probe._n_microbatches, probe.num_stages = 4, 8, 8
-print("torch ScheduleDualPipeV, rank 0:", " ".join(
-    str(a) for a in probe._calculate_single_rank_operations(0) if a is not None))
+print("torch ScheduleDualPipeV, rank 0:",
+      " ".join(map(str, torch_actions("ScheduleDualPipeV", 4, 8)[0])))
 print("as labkit data (Fm.c: micro-batch m, chunk c):",
       " ".join(f"{k}{m}.{c}" for k, m, c in torch_order("ScheduleDualPipeV", 4, 8).ops[0]))
 
