@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 import labkit
 from labkit import PipelineSchedule, PipelineStage, numerics, split_into_stages
-from labkit.exercises.pipeline import check_gpipe_bubble, check_stage_order
+from labkit.exercises.pipeline import check_dualpipe_idle, check_gpipe_bubble, check_stage_order
 from labkit.runs import pipeline as run_pp, reference
 from labkit.theory import catalog, hardware, memory as tm, pipeline as sched, time as tt
 from labkit.viz.pipeline_widgets import pipeline_explorer, run_gantts, stage0_memory_plot
@@ -596,7 +596,7 @@ zero_bubble_explorer()
 # %% [markdown]
 # ## Exercises
 #
-# Two exercises; each answer goes in its own cell (in the student edition it raises
+# Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
 #
 # **1 · Write the 1F1B order for one stage.** Below, `my_stage0` is the order of ops on stage 0 of
@@ -627,3 +627,17 @@ gpipe_bubble = (6 - 1) / (20 + 6 - 1)   # idle slots (P-1) over the step's M + P
 
 # %%
 check_gpipe_bubble(gpipe_bubble);
+
+# %% [markdown]
+# **3 · DualPipe's idle time.** P = 8 ranks run DualPipe with free links; one stage's forward
+# of a micro-batch takes T_F = 1 ms, its input gradient T_B = 1 ms and its weight gradient
+# T_W = 0.5 ms. How many milliseconds does each rank idle per step? Use Table 2 (section 10):
+# what is its B, and what does an F&B slot take when the overlap has no communication to hide?
+# The check compares with DualPipe's order replayed by the simulator.
+
+# %% tags=["solution"]
+full_backward = 1.0 + 0.5                        # Table 2's B: input and weight gradients
+dualpipe_idle = (8 / 2 - 1) * ((1.0 + full_backward) + full_backward - 3 * 0.5)   # F&B = F + B
+
+# %%
+check_dualpipe_idle(dualpipe_idle);
