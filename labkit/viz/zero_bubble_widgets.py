@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from ..theory import pipeline as pp
 from ..theory import pipeline_layouts as lay
+import numpy as np
+from matplotlib.collections import PolyCollection
+from matplotlib.patches import Patch
+
 from .pipeline_widgets import MANY_BARS, T_FORWARD, PipelineDrawing
-from .plots import GANTT_COLORS, _gantt_style
+from .plots import GANTT_COLORS, TIME_UNITS, _gantt_style, pick_time_unit
 
 SCHEDULES = {"1F1B": "1f1b", "ZB-H1": "zb1p", "DualPipe": "dualpipe"}
 PARAMETERS = {"1F1B": 1, "ZB-H1": 1, "DualPipe": 2}     # copies of a stage's weights per rank
@@ -55,11 +59,21 @@ def zero_bubble_numbers(schedule, stages, microbatches, weight_share=0.5):
               if schedule == "DualPipe" else "")
     return dict(
         stages=stages, timeline=timeline, held=lay.activations_held(sched),
+        overlapped=overlapped_spans(sched, timeline),
         title=f"{schedule}, P={stages}, M={microbatches} (simulated, modelled times){enters}",
         text=(f"idle per rank (simulated): <b>{idle * 1e3:.2f} ms</b> &nbsp; Table 2 formula "
               f"{formula * 1e3:.2f} ms &nbsp; bubble {pp.timeline_bubble_fraction(timeline):.3f}"
               f" &nbsp; step {step * 1e3:.1f} ms &nbsp; weights per rank "
               f"{PARAMETERS[schedule]}x a stage{note}"))
+
+
+def overlapped_spans(sched, timeline):
+    """(rank, start, end) of every F&B slot (three ops: F, then a full backward B, W)."""
+    spans = []
+    for rank, slots in enumerate(sched.slots or [()] * len(sched.ops)):
+        bars = [e for e in timeline if e["rank"] == rank and e["kind"] == "compute"]
+        spans += [(rank, bars[i]["start"], bars[i + n - 1]["end"]) for i, n in slots if n == 3]
+    return spans
 
 
 class ZeroBubbleDrawing(PipelineDrawing):
@@ -74,8 +88,28 @@ class ZeroBubbleDrawing(PipelineDrawing):
 
     def build(self, fig, **values):
         super().build(fig, **values)
+        ax_gantt = fig.axes[0]
+        self.outlines = PolyCollection([], facecolors="none", edgecolors="black",
+                                       linewidths=1.2)
+        ax_gantt.add_collection(self.outlines, autolim=False)
+        old = ax_gantt.get_legend()
+        handles = [h for h in old.legend_handles if "comm lane" not in h.get_label()]
+        handles.append(Patch(facecolor="none", edgecolor="black",
+                             label="outline: one F&B slot\n(a forward overlapped\nwith a "
+                                   "full backward)"))
+        ax_gantt.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                        fontsize=8, frameon=False)
         fig.axes[1].set_title("peak activations per rank: micro-batches whose F is done and W "
                               "not yet (x one stage)", fontsize=10)
+
+    def update(self, fig, **values):
+        text = super().update(fig, **values)
+        scale = TIME_UNITS[pick_time_unit(max(e["end"] for e in self.d["timeline"]))]
+        verts = np.array([((a / scale, -r - 0.3), (b / scale, -r - 0.3), (b / scale, -r + 0.3),
+                           (a / scale, -r + 0.3)) for r, a, b in self.d["overlapped"]]
+                         ).reshape(-1, 4, 2)
+        self.outlines.set_verts(verts)
+        return text
 
 
 def draw_zero_bubble(fig, schedule, stages, microbatches, weight_share=0.5):
