@@ -498,9 +498,9 @@ plt.show()
 # Every rank idles the same, and the simulated idle equals Table 2's when the forward and the
 # input gradient take the same time (T_F = T_B, the first two rows of each P below). When they
 # differ, the replayed order idles less than the table when T_B > T_F and more when T_F > T_B
-# (as in 300 random settings, `tests/test_pipeline_layouts.py`): the table's formula is exact
-# for T_F = T_B, a close estimate otherwise. Each rank holds P+1 micro-batches' activations
-# (from F until W), as the table says. Idle per rank, simulated against Table 2, P = 4 and 8:
+# (in every setting tried; `tests/test_pipeline_layouts.py` checks a few): the table's
+# formula is exact for T_F = T_B, a close estimate otherwise. Each rank holds P+1
+# micro-batches' activations (from F until W), as the table says. Idle per rank, simulated against Table 2, P = 4 and 8:
 
 # %%
 rows = []
