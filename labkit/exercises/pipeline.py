@@ -7,7 +7,9 @@ compares the parameters with one device. A valid order that is not 1F1B is said 
 with what 1F1B would change (its warm-up and its bubble, simulated with the run's own op times).
 It answers with a `Check`; it never raises.
 `check_gpipe_bubble(answer)` checks a number: GPipe's bubble fraction for P stages and M
-micro-batches, against `theory.time.bubble_fraction`.
+micro-batches, against `theory.time.bubble_fraction`. `check_dualpipe_idle(answer)` checks
+DualPipe's idle milliseconds per rank against its order replayed by the simulator
+(`theory.pipeline_layouts`), not against the formula the learner is asked to use.
 """
 import torch
 import torch.nn as nn
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 from ..parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from ..theory import pipeline as schedules
+from ..theory import pipeline_layouts as layouts
 from ..theory.time import bubble_fraction, bubble_over_ideal
 from . import Check, Mistake, check_number, say
 
@@ -167,3 +170,33 @@ def check_gpipe_bubble(answer, stages=BUBBLE_STAGES, microbatches=BUBBLE_MICROBA
                         hint="draw the forward slots: stage P-1 starts after P-1 slots and "
                              "the backward drains the same way; idle slots / all slots.",
                         explain="1F1B has the same bubble, with less memory.")
+
+
+DUALPIPE_STAGES, DUALPIPE_TIMES = 8, (1.0, 1.0, 0.5)     # ms: T_F, T_B (input grad), T_W
+
+
+def check_dualpipe_idle(answer, stages=DUALPIPE_STAGES, times=DUALPIPE_TIMES, verbose=True):
+    """How long each rank idles per step under DualPipe (ms), free links, F&B = F + B."""
+    p, (t_f, t_b, t_w) = stages, times
+    schedule = layouts.dualpipe_schedule(p, 2 * p)
+    expected = max(layouts.idle_per_rank(layouts.simulate_laid_out(schedule, *times)))
+    full = t_b + t_w
+    mistakes = [
+        Mistake((p - 1) * (t_f + t_b + t_w + full - 3 * t_w), "P-1",
+                "DualPipe's factor is P/2-1: each direction fills only half the pipe"),
+        Mistake((p / 2 - 1) * (t_f + t_b + t_b - 3 * t_w), "input grad only",
+                "Table 2's B is the full backward, input and weight gradients: B = T_B + T_W, "
+                "and F&B = F + B"),
+        Mistake((p / 2 - 1) * (t_f + full - 3 * t_w), "F&B = F",
+                "with free links the overlap hides nothing: F&B takes F + B"),
+        Mistake((p - 1) * (t_f + full - 2 * t_w), "ZB-H1's",
+                "that is ZB-H1's (ZB1P's) idle, (P-1)(F+B-2W); DualPipe's is in Table 2's "
+                "last row"),
+    ]
+    return check_number(answer, expected, what=f"DualPipe's idle per rank, P = {p}, "
+                        f"T_F = {t_f:g} ms, T_B = {t_b:g} ms, T_W = {t_w:g} ms", unit="ms",
+                        mistakes=mistakes, verbose=verbose,
+                        hint="Table 2: (P/2-1)(F&B + B - 3W), B the full backward "
+                             "(T_B + T_W), F&B = F + B with free links.",
+                        explain="The replayed order idles just that (T_F = T_B); ZB-H1 idles "
+                                f"{(p - 1) * (t_f + t_b - t_w):g} ms, with half the weights.")

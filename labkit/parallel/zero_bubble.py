@@ -19,6 +19,10 @@ stage boundary, point to point; W sends nothing.
     stage = PipelineStage(stages[rank], rank, P, group=pp_group, input_shape=(mb, hidden))
     pipe = ZeroBubbleSchedule(stage, loss_fn, n_microbatches=8)       # ZB-H1 by default
     loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+
+torch.distributed.pipelining's own zero-bubble orders (ScheduleZBVZeroBubble, ScheduleDualPipeV,
+two stages per rank in a V) are read as labkit data by `torch_order`, to be replayed and
+compared (labkit.theory.pipeline_layouts; bench/zero_bubble.py times torch's against ZB-H1).
 """
 import torch
 
@@ -157,3 +161,54 @@ def _split(tensor, n, name, which):
         raise ValueError(f"{name} has {tensor.shape[0]} rows, which do not split into {n} "
                          "equal micro-batches")
     return tensor.chunk(n)
+
+
+# ------------------------------------------------------------ torch's orders, as labkit data
+
+TORCH_V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+def torch_actions(name, stages, microbatches):
+    """torch.distributed.pipelining's own order for `name` (one of TORCH_V_SCHEDULES, two
+    stages per rank in a V), P = `stages` ranks and M micro-batches: per rank its list of
+    actions (e.g. `0F3`, `7I0`, `(0F7;7B3)OVERLAP_F_B`), computed as every rank computes it at
+    construction, here without ranks or a process group (torch's private
+    `_calculate_single_rank_operations`)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    if name not in TORCH_V_SCHEDULES:
+        raise ValueError(f"name must be one of {TORCH_V_SCHEDULES}, not {name!r}")
+    kind = getattr(torch_schedules, name, None)
+    if kind is None or not hasattr(kind, "_calculate_single_rank_operations"):
+        raise RuntimeError(f"this torch ({torch.__version__}) has no {name} order to read")
+    schedule = object.__new__(kind)              # no stages, no group: the order only
+    schedule.pp_group_size, schedule._n_microbatches = stages, microbatches
+    schedule.num_stages = schedule._num_stages = 2 * stages
+    return [[a for a in schedule._calculate_single_rank_operations(rank) if a is not None]
+            for rank in range(stages)]
+
+
+def torch_order(name, stages, microbatches):
+    """`torch_actions` as a `labkit.theory.pipeline_layouts.LaidOut` on the "v" layout
+    (torch's I: B; its full backward B: a slot B, W; its OVERLAP_F_B: a slot F, B, W)."""
+    from ..theory.pipeline_layouts import LaidOut
+
+    ops, slots = [], []
+    for rank, actions in enumerate(torch_actions(name, stages, microbatches)):
+        mine, spans = [], []
+
+        def add(action, rank=rank, mine=mine):
+            chunk = 0 if action.stage_index == rank else 1     # the V: r and 2P-1-r
+            kind = action.computation_type.value
+            op = (kind if kind in "FW" else "B", action.microbatch_index, chunk)
+            mine.extend([op, ("W",) + op[1:]] if kind == "B" else [op])
+            return 2 if kind == "B" else 1
+
+        for action in actions:
+            start = len(mine)
+            n = sum(add(sub) for sub in action.sub_actions or [action])
+            if n > 1:                      # a full backward, or (F; B) overlapped
+                spans.append((start, n))
+        ops.append(mine)
+        slots.append(tuple(spans))
+    return LaidOut(ops, "v", microbatches, 2, tuple(slots))

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 import labkit
 from labkit import PipelineSchedule, PipelineStage, numerics, split_into_stages
-from labkit.exercises.pipeline import check_gpipe_bubble, check_stage_order
+from labkit.exercises.pipeline import check_dualpipe_idle, check_gpipe_bubble, check_stage_order
 from labkit.runs import pipeline as run_pp, reference
 from labkit.theory import catalog, hardware, memory as tm, pipeline as sched, time as tt
 from labkit.viz.pipeline_widgets import pipeline_explorer, run_gantts, stage0_memory_plot
@@ -462,6 +462,117 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# ## 10 · DualPipe, and torch's own zero-bubble orders
+#
+# **DualPipe** (DeepSeek-V3 technical report, arXiv 2412.19437, sec. 3.2.1) feeds micro-batches
+# from **both ends**: each rank holds two stages, stage r and stage P−1−r of the same model
+# (twice the weights), so half the micro-batches run rank 0 → P−1 and the other half
+# rank P−1 → 0, and each direction's work fills the other's bubbles. In its steady state a
+# rank runs an **F&B** slot: the forward of one micro-batch overlapped with the full backward
+# of another (on GPUs this hides the expert-parallel all-to-all behind compute; with free links,
+# as here, F&B takes T_F + T_B + T_W). The report's Table 2 gives the idle time per rank, with
+# F, B the *full* backward, W its weight part:
+#
+# | schedule | idle per rank | weights | activations |
+# |---|---|---|---|
+# | 1F1B | (P−1)(F+B) | 1× | P |
+# | ZB1P (ZB-H1) | (P−1)(F+B−2W) | 1× | P |
+# | DualPipe | (P/2−1)(F&B+B−3W) | 2× | P+1 |
+#
+# `labkit.theory.pipeline_layouts` holds DualPipe's order as data (its 8 steps per rank, from
+# the report and DeepSeek's public implementation) on the "dual" layout, and replays it with
+# the executor's timing rules: a full backward and an F&B are *slots* whose outputs leave
+# together at their end. Below, P = 4 and M = 8 (micro-batches 0–3 enter at rank 0, 4–7 at
+# rank 3), T_F = T_B = T_W = 1 ms (modelled):
+
+# %%
+from labkit.theory import pipeline_layouts as layouts
+from labkit.viz.zero_bubble_widgets import draw_zero_bubble, zero_bubble_explorer
+
+fig = plt.figure(figsize=(10, 6))
+print(draw_zero_bubble(fig, "DualPipe", 4, 8, weight_share=0.5).replace("&nbsp;", " ")
+      .replace("<b>", "").replace("</b>", ""))
+plt.show()
+
+# %% [markdown]
+# Every rank idles the same, and the simulated idle equals Table 2's when the forward and the
+# input gradient take the same time (T_F = T_B, the first two rows of each P below). When they
+# differ, the replayed order idles less than the table when T_B > T_F and more when T_F > T_B
+# (in every setting tried; `tests/test_pipeline_layouts.py` checks a few): the table's
+# formula is exact for T_F = T_B, a close estimate otherwise. Each rank holds P+1
+# micro-batches' activations (from F until W), as the table says. Idle per rank, simulated against Table 2, P = 4 and 8:
+
+# %%
+rows = []
+for p in (4, 8):
+    for t_f, t_b, t_w in ((1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 1.5, 0.5), (2.0, 1.5, 0.5)):
+        times = (t_f, t_b, t_w)
+        row = {"P": p, "T_F, T_B, T_W (ms)": f"{t_f:g}, {t_b:g}, {t_w:g}"}
+        for name, schedule in (("1F1B", layouts.from_loop(sched.one_f_one_b_schedule(p, 2 * p))),
+                               ("ZB-H1", layouts.from_loop(sched.zb_h1_schedule(p, 2 * p))),
+                               ("DualPipe", layouts.dualpipe_schedule(p, 2 * p))):
+            key = {"1F1B": "1f1b", "ZB-H1": "zb1p", "DualPipe": "dualpipe"}[name]
+            idle = max(layouts.idle_per_rank(layouts.simulate_laid_out(schedule, *times)))
+            row[f"{name} simulated"] = idle
+            row[f"{name} Table 2"] = layouts.table2_idle(key, p, *times)
+        rows.append(row)
+pd.DataFrame(rows)
+
+# %% [markdown]
+# **torch's orders.** `torch.distributed.pipelining` has zero-bubble schedules of its own,
+# `ScheduleZBVZeroBubble` (ZB-V, Qi et al. sec. 6) and `ScheduleDualPipeV` (DualPipe folded
+# into a V), both with two stages per rank in a V (rank r holds stages r and 2P−1−r of a
+# 2P-stage model). Every rank computes the whole order at construction, so labkit reads it
+# without ranks (`labkit.parallel.zero_bubble.torch_order`), turns it into labkit's data
+# (torch's I is labkit's B; its full B a slot B, W; its OVERLAP_F_B a slot F, B, W) and replays
+# it with the same rules, a V chunk taking half a stage's times. Rank 0's ops, torch's first:
+
+# %%
+from labkit.parallel.zero_bubble import torch_actions, torch_order
+
+print("torch ScheduleDualPipeV, rank 0:",
+      " ".join(map(str, torch_actions("ScheduleDualPipeV", 4, 8)[0])))
+print("as labkit data (Fm.c: micro-batch m, chunk c):",
+      " ".join(f"{k}{m}.{c}" for k, m, c in torch_order("ScheduleDualPipeV", 4, 8).ops[0]))
+
+rows = []
+for p, m in ((4, 8), (4, 16), (8, 16)):
+    ours = {"ZB-H1 (labkit)": layouts.from_loop(sched.zb_h1_schedule(p, m)),
+            "DualPipe (labkit)": layouts.dualpipe_schedule(p, m)}
+    torch_side = {f"{n} (torch)": torch_order(n, p, m)
+                  for n in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")}
+    for name, schedule in {**ours, **torch_side}.items():
+        scale = 0.5 if schedule.layout == "v" else 1.0          # a V chunk: half a stage
+        timeline = layouts.simulate_laid_out(schedule, scale, scale, scale)
+        layouts.check_laid_out(schedule)
+        rows.append({"P": p, "M": m, "schedule": name,
+                     "idle per rank (ms)": max(layouts.idle_per_rank(timeline)),
+                     "bubble": sched.timeline_bubble_fraction(timeline),
+                     "activations (x stage)": max(layouts.activations_held(schedule))})
+pd.DataFrame(rows).round(3)
+
+# %% [markdown]
+# Read with T_F = T_B = T_W = 1 ms per stage: labkit's ZB-H1 idles (P−1)(T_F+T_B−T_W), the
+# paper's; torch's ZBV idles half of that, (P−1) × T_F/2, the time the first micro-batch takes
+# to reach rank P−1 down the V (that rank waits so long whatever the order; torch's docstring
+# calls this schedule zero bubble for equal times, apart from that ramp); torch's DualPipeV
+# idles exactly what Table 2 gives DualPipe on 2P half stages, (2P/2−1)(F&B+B−3W) with half
+# the times, and holds fewer activations (x one whole stage) than DualPipe (its half stages).
+# All four run every op once and in order on their layout (checked,
+# no deadlock). `bench/zero_bubble.py` runs labkit's ZB-H1 executor against torch's
+# `ScheduleZBVZeroBubble` and `Schedule1F1B` on 4 gloo ranks (step time, ratio with spread, in
+# data/bench.csv).
+#
+# **Explore.** Schedule, P, M, and the weight gradient's share of the 2 ms backward (0.5: T_B =
+# T_W = T_F = 1 ms). Try: DualPipe against ZB-H1 at P = 8 with a W share of 0.5, then 0.25
+# (with equal times DualPipe saves one T_F + T_B − T_W; with a small W it idles about half as
+# long, for twice the weights); a W share of 0.1 (little to fill the bubbles with: ZB-H1 falls
+# back towards 1F1B); M from 2P to 24 (the idle stays, the bubble's share falls).
+
+# %%
+zero_bubble_explorer()
+
+# %% [markdown]
 # ## Takeaways
 #
 # - `split_into_stages`, `PipelineStage` and `PipelineSchedule` pipeline any `nn.Sequential`
@@ -474,13 +585,18 @@ plt.show()
 # - GPipe and 1F1B have the same bubble; 1F1B bounds the first stage's activations by P
 #   micro-batches instead of M. Interleaving shrinks the bubble at the price of V× the messages
 #   and more in-flight activations. Recomputation trades a forward per backward for memory.
+# - Zero bubble splits the backward into B and W and moves the W's into the idle slots: ZB-H1
+#   idles (P−1)(T_F+T_B−T_W), with 1F1B's memory. DualPipe feeds both ends and overlaps a
+#   forward with a backward: less idle than ZB-H1 (Table 2's formula, exact when T_F = T_B)
+#   for twice the weights and P+1 activations; its F&B overlap pays off most where it hides
+#   communication. torch's ZBV and DualPipeV orders replay with labkit's rules.
 # - The source article's "half the memory on two GPUs" holds for the per-GPU memory; "some
 #   execution speed" is really idle GPUs for a single batch, which micro-batches win back.
 
 # %% [markdown]
 # ## Exercises
 #
-# Two exercises; each answer goes in its own cell (in the student edition it raises
+# Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
 #
 # **1 · Write the 1F1B order for one stage.** Below, `my_stage0` is the order of ops on stage 0 of
@@ -511,3 +627,17 @@ gpipe_bubble = (6 - 1) / (20 + 6 - 1)   # idle slots (P-1) over the step's M + P
 
 # %%
 check_gpipe_bubble(gpipe_bubble);
+
+# %% [markdown]
+# **3 · DualPipe's idle time.** P = 8 ranks run DualPipe with free links; one stage's forward
+# of a micro-batch takes T_F = 1 ms, its input gradient T_B = 1 ms and its weight gradient
+# T_W = 0.5 ms. How many milliseconds does each rank idle per step? Use Table 2 (section 10):
+# what is its B, and what does an F&B slot take when the overlap has no communication to hide?
+# The check compares with DualPipe's order replayed by the simulator.
+
+# %% tags=["solution"]
+full_backward = 1.0 + 0.5                        # Table 2's B: input and weight gradients
+dualpipe_idle = (8 / 2 - 1) * ((1.0 + full_backward) + full_backward - 3 * 0.5)   # F&B = F + B
+
+# %%
+check_dualpipe_idle(dualpipe_idle);
