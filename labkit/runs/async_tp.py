@@ -39,7 +39,7 @@ def wide_mlp(hidden=512, ffn=2048):
 MLP_PLAN = {"0": "colwise", "2": "rowwise"}
 
 
-def mlp_loss(model, step, tokens=1024):
+def mlp_loss(model, step, tokens=512):
     """Mean squared error over the whole sequence; split (sequence parallel), this rank's share
     of it: its tokens' squared errors / all the elements, so the shares sum to the mean."""
     g = torch.Generator().manual_seed(step)
