@@ -60,7 +60,7 @@ def compare(ctx):
     full = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN))
     x = torch.randn(BATCH, SEQ, HIDDEN).chunk(ctx.world_size, dim=1)[ctx.rank]
     sides = {name: tp.parallelize(copy.deepcopy(full), PLAN, sequence_parallel=True,
-                                  regather=False, async_tp=name == "async")
+                                  async_tp=name == "async")
              for name in ("async", "plain")}
 
     def measure(side):

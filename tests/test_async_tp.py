@@ -30,15 +30,20 @@ MODELS = {  # name -> (build, plan, loss, the loss is each rank's share of it)
     "gpt": (run.gpt, gpt_plan(True), run.gpt_loss, False),
     "mlp": (small_mlp, run.MLP_PLAN, partial(run.mlp_loss, tokens=8), True),
 }
-CASES = [(m, d) for m in MODELS for d in (torch.float32, BF16)]
+# (model, dtype, regather): the lab's default regather=True (backward gathers the colwise
+# input again, in a ring beside the reduce-scatter ring) in both dtypes; regather=False in fp32
+CASES = [(m, d, True) for m in MODELS for d in (torch.float32, BF16)] + [
+    (m, torch.float32, False) for m in MODELS]
+IDS = [f"{m}-{str(d)[6:]}-{'regather' if r else 'keep gathered'}" for m, d, r in CASES]
 
 
-def case(name, dtype, steps=2):
+def case(name, dtype, regather, steps=2):
     build, plan, loss_fn, sharded = MODELS[name]
     single = run.train_single(build, loss_fn, steps=steps, dtype=dtype)
     exact = run.train_single(build, loss_fn, steps=steps, dtype=torch.float64)
     runs = {mode: run.train_one(build, plan, loss_fn, async_tp=mode == "async", steps=steps,
-                                dtype=dtype, sharded_loss=sharded) for mode in ("plain", "async")}
+                                dtype=dtype, sharded_loss=sharded, regather=regather)
+            for mode in ("plain", "async")}
     a, p = runs["async"], runs["plain"]
     return dict(
         vs_single=(numerics.compare_loss(a["losses"], single["losses"], exact["losses"]),
@@ -82,7 +87,7 @@ def results(request):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("c", CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}")
+@pytest.mark.parametrize("c", CASES, ids=IDS)
 def test_equal_to_one_device_and_to_plain_tp(results, c):
     for rank in results:
         r = rank[c]
@@ -91,7 +96,7 @@ def test_equal_to_one_device_and_to_plain_tp(results, c):
         assert r["plain_vs_single"], str(r["plain_vs_single"])   # the yardstick holds too
 
 
-@pytest.mark.parametrize("c", CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}")
+@pytest.mark.parametrize("c", CASES, ids=IDS)
 def test_same_bytes_as_the_plain_collectives(results, c):
     for rank in results:
         (async_wire, plain_wire), (async_calls, plain_calls) = rank[c]["wire"], rank[c]["calls"]

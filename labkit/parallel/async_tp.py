@@ -20,8 +20,10 @@ Each is the other's backward (the dual ring): an all-gather's gradient is a redu
 the gradient and vice versa; the weight gradient is summed chunk by chunk in the same steps.
 Communication: the same bytes as the plain collectives, in t-1 messages per ring; hidden when
 one chunk's matmul (2 b (s/t) h_in h_out / t FLOPs) takes longer than one chunk's message.
-Memory: the colwise layer keeps the gathered input for backward (as torch's fused op returns
-it), the sequence-parallel regather trades that memory for one more all-gather.
+Memory: with `regather` (the lab's default) a colwise layer keeps only its input's shard and
+gathers it again in backward, in a ring beside the reduce-scatter ring (Korthikanti et al. 2022
+sec. 4.2.2: s/t of the activation for one more all-gather's bytes); without, the gathered input
+(as torch's fused op returns it).
 """
 import torch
 import torch.nn.functional as F
@@ -76,6 +78,29 @@ def ring_reduce_scatter(partial, group, tag=""):
     return total
 
 
+def ring_all_gather_and_reduce_scatter(shard, visit, partial, group, tags=("", "")):
+    """Both rings at once, one step of each per chunk: visit(chunk, member) on every member's
+    chunk of `shard` (as ring_all_gather) and partial(c) summed as ring_reduce_scatter, whose
+    result it returns. The backward of a colwise layer that kept only its input's shard."""
+    n, me = group.size, group.rank
+    held, owner, total = shard.contiguous(), me, None
+    for step in range(n):
+        gather = scatter = None
+        if step < n - 1:
+            gather = _start_exchange(held, (me + 1) % n, (me - 1) % n, group, tags[0])
+        if step > 0:
+            scatter = _start_exchange(total, (me - 1) % n, (me + 1) % n, group, tags[1])
+        visit(held, owner)
+        mine = partial((me + step + 1) % n)     # both matmuls hide both messages
+        total = mine if scatter is None else scatter[1].wait() + mine
+        for pending in (scatter, gather):
+            if pending is not None:
+                pending[0].wait()
+        if gather is not None:
+            held, owner = gather[1].wait(), (owner - 1) % n
+    return total
+
+
 def _sum_dtype(dtype):
     """Weight gradients are summed over chunks in at least float32 (bf16 chunks round once each
     before the sum, as one whole matmul rounds its sum once)."""
@@ -89,42 +114,53 @@ def _rows(t):
 class AllGatherLinear(torch.autograd.Function):
     """F.linear(all_gather(x along the sequence), weight, bias), the gather done as a ring under
     the chunk matmuls; backward: the input gradient reduce-scattered as a ring under its chunk
-    matmuls, the weight gradient summed chunk by chunk in the same steps."""
+    matmuls, the weight gradient summed chunk by chunk in the same steps. `regather`: keep only
+    the shard x for backward and all-gather it again there, in a ring beside the other."""
 
     @staticmethod
-    def forward(fctx, x, weight, bias, group, tag):
+    def forward(fctx, x, weight, bias, group, tag, regather):
         size, n = x.shape[SEQUENCE_DIM], group.size
         lead = x.shape[:SEQUENCE_DIM]
         out = x.new_empty(lead + (n * size, weight.shape[0]))
-        gathered = x.new_empty(lead + (n * size, x.shape[-1]))
+        gathered = None if regather else x.new_empty(lead + (n * size, x.shape[-1]))
 
         def visit(chunk, owner):
-            _chunk(gathered, owner, size).copy_(chunk)
+            if gathered is not None:
+                _chunk(gathered, owner, size).copy_(chunk)
             _chunk(out, owner, size).copy_(F.linear(chunk, weight, bias))
         ring_all_gather(x, visit, group, f"{tag} fwd (ring all-gather)")
-        fctx.save_for_backward(gathered, weight)
+        fctx.save_for_backward(x if regather else gathered, weight)
         fctx.group, fctx.tag, fctx.size, fctx.has_bias = group, tag, size, bias is not None
+        fctx.regather = regather
         return out
 
     @staticmethod
     def backward(fctx, grad):
-        gathered, weight = fctx.saved_tensors
-        grad, size = grad.contiguous(), fctx.size
+        kept, weight = fctx.saved_tensors
+        grad, size, group, tag = grad.contiguous(), fctx.size, fctx.group, fctx.tag
         grad_weight = weight.new_zeros(weight.shape, dtype=_sum_dtype(weight.dtype))
 
-        def weight_part(c):   # this chunk's share of the weight gradient; its output grad
-            g = _chunk(grad, c, size)
-            grad_weight.add_(_rows(g).t() @ _rows(_chunk(gathered, c, size)))
-            return g
-        grad_x = None
-        if fctx.needs_input_grad[0]:
-            grad_x = ring_reduce_scatter(lambda c: weight_part(c) @ weight, fctx.group,
-                                         f"{fctx.tag} bwd (ring reduce-scatter)")
-        else:   # the input is data: no input gradient to send, only the weight's to sum
-            for c in range(fctx.group.size):
-                weight_part(c)
+        def add_weight_grad(chunk, owner):   # chunk: member owner's piece of the input
+            g = _chunk(grad, owner, size)
+            grad_weight.add_(_rows(g).t() @ _rows(chunk))
+
+        def input_grad(c):
+            return _chunk(grad, c, size) @ weight
+        scatter_tag, gather_tag = f"{tag} bwd (ring reduce-scatter)", f"{tag} bwd (regather)"
+        wants_input = fctx.needs_input_grad[0]
+        if not fctx.regather:
+            for c in range(group.size):     # the gathered input is here: chunk by chunk
+                add_weight_grad(_chunk(kept, c, size), c)
+            grad_x = ring_reduce_scatter(input_grad, group, scatter_tag) if wants_input \
+                else None
+        elif wants_input:
+            grad_x = ring_all_gather_and_reduce_scatter(kept, add_weight_grad, input_grad,
+                                                        group, (gather_tag, scatter_tag))
+        else:   # the input is data: no input gradient, only the weight's (regathered)
+            ring_all_gather(kept, add_weight_grad, group, gather_tag)
+            grad_x = None
         grad_bias = _rows(grad).sum(dim=0) if fctx.has_bias else None
-        return grad_x, grad_weight.to(weight.dtype), grad_bias, None, None
+        return grad_x, grad_weight.to(weight.dtype), grad_bias, None, None, None
 
 
 class LinearReduceScatter(torch.autograd.Function):
@@ -159,10 +195,11 @@ class LinearReduceScatter(torch.autograd.Function):
         return grad_x, grad_weight.to(weight.dtype), None, None
 
 
-def all_gather_linear(x, weight, bias=None, group=None, tag=""):
+def all_gather_linear(x, weight, bias=None, group=None, tag="", regather=True):
     """Y = F.linear(all_gather(x, sequence dim), weight, bias) with the gather hidden under the
-    chunk matmuls (x: this rank's (..., s/t, h_in) sequence shard)."""
-    return AllGatherLinear.apply(x, weight, bias, context().group(group), tag)
+    chunk matmuls (x: this rank's (..., s/t, h_in) sequence shard). regather: keep only x for
+    backward and gather it again there (False: keep the gathered input)."""
+    return AllGatherLinear.apply(x, weight, bias, context().group(group), tag, regather)
 
 
 def linear_reduce_scatter(x, weight, group=None, tag=""):

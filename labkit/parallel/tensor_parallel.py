@@ -157,7 +157,8 @@ class _GatherLinear(torch.autograd.Function):
         x, weight = fctx.saved_tensors
         pending = context().comm.all_gather(x.movedim(SEQUENCE_DIM, 0), group=group,
                                             async_op=True, tag=f"{tag} bwd (regather)")
-        grad_input = _reduce_scatter(grad @ weight, SEQUENCE_DIM, group, f"{tag} bwd")
+        grad_input = _reduce_scatter(grad @ weight, SEQUENCE_DIM, group, f"{tag} bwd") \
+            if fctx.needs_input_grad[0] else None   # data in: no gradient to reduce
         full = pending.wait().movedim(0, SEQUENCE_DIM)
         flat_grad = grad.reshape(-1, grad.shape[-1])
         grad_weight = flat_grad.t() @ full.reshape(-1, full.shape[-1])
@@ -210,7 +211,7 @@ class ColumnParallelLinear(nn.Module):
         if not self.sequence_parallel:
             y = F.linear(copy_to_tp(x, group, tag), self.weight, self.bias)
         elif self.async_tp:
-            y = all_gather_linear(x, self.weight, self.bias, group, tag)
+            y = all_gather_linear(x, self.weight, self.bias, group, tag, self.regather)
         elif self.regather:
             y = _GatherLinear.apply(x, self.weight, self.bias, group, tag)
         else:

@@ -79,13 +79,13 @@ def train_single(build, loss_fn, *, steps=2, dtype=torch.float32, lr=0.1):
 
 
 def train_one(build, plan, loss_fn, *, async_tp, steps=2, dtype=torch.float32, lr=0.1,
-              group=None, sharded_loss=False):
-    """The module split over `group` with sequence parallelism (regather=False: both paths keep
-    the gathered input for backward), plain or async; what the comparison looks at."""
+              group=None, sharded_loss=False, regather=True):
+    """The module split over `group` with sequence parallelism, plain or async (`regather`
+    as in parallelize); what the comparison looks at."""
     ctx = context()
     ctx.comm.reset()
     torch.manual_seed(0)
-    model = parallelize(build().to(dtype), plan, group, sequence_parallel=True, regather=False,
+    model = parallelize(build().to(dtype), plan, group, sequence_parallel=True, regather=regather,
                         async_tp=async_tp)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     first_event = len(ctx.clock.events)
