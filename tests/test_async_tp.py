@@ -139,3 +139,15 @@ def test_modelled_schedule():
     below = theory.all_gather_matmul(tokens // 2, 8192, 28672, 8)
     assert below["exposed_s"] > 0 and theory.all_gather_matmul(
         tokens, 8192, 28672, 8)["exposed_s"] == pytest.approx(0, abs=1e-15)
+
+
+def test_the_chunk_timeline_figure():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit.viz.async_tp import COMPUTE, SEND, chunk_timeline
+    fig = chunk_timeline(256, 4096, 14336, 8)
+    bars = [p for p in fig.axes[0].patches if hasattr(p, "get_width") and p.get_width() > 0]
+    colours = [matplotlib.colors.to_hex(p.get_facecolor()) for p in bars]
+    assert colours.count(COMPUTE) == 2 * 8           # 8 chunk matmuls, plain and async
+    assert colours.count(SEND) == 2 * 7              # 7 ring steps each
+    assert "MODELLED" in fig.axes[0].get_title(loc="left")

@@ -54,7 +54,8 @@ def chunk_timeline(tokens=4096, in_features=8192, out_features=28672, tp=4, *,
     ax.legend(handles=[Patch(color=COMPUTE, label="matmul of chunk k (compute)"),
                        Patch(color=SEND, label="chunk k arrives (NVLink message)"),
                        Patch(facecolor="none", edgecolor=WAIT, hatch="//",
-                             label="compute waits")], loc="upper center", fontsize=8, ncol=3, bbox_to_anchor=(0.5, -0.3), frameon=False)
+                             label="compute waits")],
+              loc="upper center", fontsize=8, ncol=3, bbox_to_anchor=(0.5, -0.3), frameon=False)
     ax.set_title(title or (f"MODELLED, {s['gpu']} over {s['link']}, tp={tp}: colwise "
                            f"{in_features}->{out_features} on {tokens} tokens ({dtype})"),
                  fontsize=10, loc="left")
