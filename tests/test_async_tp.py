@@ -135,10 +135,12 @@ def test_modelled_schedule():
     # the ring moves the all-gather's bytes: the same modelled wire time
     layer = theory.all_gather_matmul(4096, 8192, 28672, 8)
     assert layer["comm_s"] == pytest.approx(layer["all_gather_s"])
-    tokens = theory.break_even_tokens(8192, 28672, 8)
-    below = theory.all_gather_matmul(tokens // 2, 8192, 28672, 8)
-    assert below["exposed_s"] > 0 and theory.all_gather_matmul(
-        tokens, 8192, 28672, 8)["exposed_s"] == pytest.approx(0, abs=1e-15)
+    tokens = theory.break_even_tokens(8192, 28672, 8)   # the schedule agrees on each side
+    below, above = (8 * round(tokens * f / 8) for f in (0.9, 1.1))
+    assert theory.all_gather_matmul(below, 8192, 28672, 8)["exposed_s"] > 0
+    assert theory.all_gather_matmul(above, 8192, 28672, 8)["exposed_s"] == pytest.approx(
+        0, abs=1e-12)
+    assert theory.break_even_tokens(64, 64, 8) == float("inf")   # too narrow to ever hide
 
 
 def test_the_chunk_timeline_figure():
@@ -151,3 +153,20 @@ def test_the_chunk_timeline_figure():
     assert colours.count(COMPUTE) == 2 * 8           # 8 chunk matmuls, plain and async
     assert colours.count(SEND) == 2 * 7              # 7 ring steps each
     assert "MODELLED" in fig.axes[0].get_title(loc="left")
+
+
+def test_the_break_even_exercise():
+    from labkit.exercises.tensor_parallel import check_break_even_tokens
+    from labkit.theory import hardware
+    node = hardware.cluster("8xH100-NVLink")
+    link, peak = node.intra, node.gpu.bf16_flops
+
+    def solve(flops_per_s=peak * node.mfu, value_bytes=2, bandwidth=link.effective_bandwidth):
+        per_token = 8192 * (2 * 28672 / 8 / flops_per_s - value_bytes / bandwidth)
+        return 8 * link.latency / per_token
+    assert check_break_even_tokens(solve(), verbose=False).ok   # derived here, by hand
+    for wrong, problem in ((solve(flops_per_s=peak), "peak"), (solve(value_bytes=4), "fp32"),
+                           (solve(bandwidth=link.bandwidth), "line rate"), (0, "no latency")):
+        check = check_break_even_tokens(wrong, verbose=False)
+        assert not check.ok and check.problem == problem, (wrong, check)
+    assert check_break_even_tokens(None, verbose=False).problem == "no answer"

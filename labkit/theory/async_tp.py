@@ -56,12 +56,15 @@ def all_gather_matmul(tokens, in_features, out_features, tp, *, cluster="8xH100-
 
 
 def break_even_tokens(in_features, out_features, tp, *, cluster="8xH100-NVLink", dtype="bf16"):
-    """The fewest tokens per micro-batch (b*s, a multiple of tp) at which one chunk's matmul
-    takes as long as its message: above it async TP hides the whole all-gather."""
-    tokens = tp
-    while True:
-        s = all_gather_matmul(tokens, in_features, out_features, tp, cluster=cluster,
-                              dtype=dtype)
-        if s["compute_s"] >= s["send_s"]:
-            return tokens
-        tokens *= 2
+    """Tokens per micro-batch (b*s) at which one chunk's matmul takes as long as its message:
+    2 (T/t) h_in (h_out/t) / F = alpha + (T/t) h_in e / B, with F = mfu * peak FLOP/s, B the
+    link's effective bandwidth and e bytes per value, so
+        T* = t alpha / (h_in (2 h_out / (t F) - e / B));
+    above it async TP hides the whole all-gather. inf if the matmul never keeps up (a chunk's
+    FLOPs per byte below the link's F / B)."""
+    c = hardware.cluster(cluster)
+    link = c.link_for(range(tp))
+    flops_per_s = c.gpu.flops(dtype) * c.mfu
+    per_token = in_features * (2 * out_features / tp / flops_per_s
+                               - BYTES[dtype] / link.effective_bandwidth)
+    return tp * link.latency / per_token if per_token > 0 else float("inf")

@@ -54,7 +54,8 @@ import torch.nn.functional as F
 
 import labkit
 from labkit import numerics
-from labkit.exercises.tensor_parallel import check_block_bytes, check_row_parallel
+from labkit.exercises.tensor_parallel import (check_block_bytes, check_break_even_tokens,
+                                              check_row_parallel)
 from labkit.parallel import tensor_parallel as tp
 from labkit.runs import tensor_parallel as run_tp
 from labkit.runs.reference import RunConfig, build_model
@@ -498,18 +499,17 @@ plt.show()
 
 # %%
 big = theory_async.all_gather_matmul(4096, 8192, 28672, 8)
-need = theory_async.break_even_tokens(8192, 28672, 8)
 print(f"Modelled, Llama-3-70B fc1 at TP=8 on H100 NVLink, 4096 tokens: the plain all-gather "
       f"takes {big['all_gather_s'] * 1e6:.0f} µs before {8 * big['compute_s'] * 1e6:.0f} µs of "
       f"matmul; async hides {big['hidden_s'] / big['comm_s']:.0%} of it, "
       f"{big['plain_s'] * 1e6:.0f} -> {big['total_s'] * 1e6:.0f} µs "
-      f"({1 - big['total_s'] / big['plain_s']:.0%} less) per colwise layer, and hides it whole "
-      f"from {need} tokens per micro-batch up.")
+      f"({1 - big['total_s'] / big['plain_s']:.0%} less) per colwise layer.")
 
 # %% [markdown]
 # At scale it buys back the TP communication that sequence parallelism leaves on the critical
-# path (the sentence above: the whole all-gather, once a micro-batch holds more tokens than the
-# break-even printed); below it, only the part of each message that a chunk's matmul covers.
+# path (the sentence above: the whole all-gather, once a chunk's matmul outlasts its message;
+# exercise 3 finds from how many tokens); below that, only the part of each message that a
+# chunk's matmul covers.
 # On these CPU ranks it does not pay in wall time: two shared cores have no spare engine to
 # move data while they multiply (`bench/async_tp.py` measures it), and PyTorch's own
 # `fused_all_gather_matmul` needs CUDA symmetric memory (on CPU it raises NotImplementedError).
@@ -537,7 +537,7 @@ print(f"Modelled, Llama-3-70B fc1 at TP=8 on H100 NVLink, 4096 tokens: the plain
 # %% [markdown]
 # ## Exercises
 #
-# Two exercises; each answer goes in its own cell (in the student edition it raises
+# Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
 #
 # **1 · The row-parallel forward.** Write the forward of a row-parallel linear. You get this
@@ -570,3 +570,21 @@ block_bytes_per_gpu = 4 * 2 * (8 - 1) / 8 * S      # 2 all-reduces forward + 2 b
 
 # %%
 check_block_bytes(block_bytes_per_gpu);
+
+# %% [markdown]
+# **3 · When does the ring hide?** Llama 3 70B's fc1 (h_in = 8,192 → h_out = 28,672) runs with
+# TP = 8 and sequence parallelism on H100s over NVLink 4, bf16, async TP: a chunk holds T/8 of
+# the micro-batch's T tokens. Find the T at which one chunk's matmul (at the modelled mfu ×
+# peak) takes exactly as long as the message carrying the chunk (latency alpha + bytes /
+# effective bandwidth). `hardware.cluster("8xH100-NVLink")` has `.mfu`, `.gpu.bf16_flops` and
+# the link `.intra` with `.latency` and `.effective_bandwidth`.
+
+# %% tags=["solution"]
+node = hardware.cluster("8xH100-NVLink")
+matmul_s_per_token = 2 * 8192 * (28672 / 8) / (node.gpu.bf16_flops * node.mfu)
+message_s_per_token = 8192 * 2 / node.intra.effective_bandwidth
+# (T/8) * matmul_s_per_token = alpha + (T/8) * message_s_per_token, solved for T
+break_even = 8 * node.intra.latency / (matmul_s_per_token - message_s_per_token)
+
+# %%
+check_break_even_tokens(break_even);
