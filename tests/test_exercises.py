@@ -26,7 +26,7 @@ STUB_SAYS = {
     "00": ["NOT WRITTEN YET", "No answer yet", "No answer yet"],
     "01": ["NOT WRITTEN YET", "No answer yet"],
     "02": ["No answer yet", "No answer yet", "No answer yet"],
-    "03": ["NOT WRITTEN YET", "No answer yet"],
+    "03": ["NOT WRITTEN YET", "No answer yet", "No answer yet"],
     "04": ["NOT WRITTEN YET", "No answer yet", "No answer yet"],
     "05": ["NOT WRITTEN YET", "No answer yet"],
     "06": ["NOT WRITTEN YET", "Give a dict with at least dp, tp and pp", "No answer yet"],

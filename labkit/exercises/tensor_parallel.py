@@ -1,7 +1,8 @@
 """Lesson 03's exercises: write the forward of a row-parallel linear (the checker runs it on 2
 ranks against the full layer and says what is wrong, in plain words), and count the bytes one
 GPU sends per transformer block under TP (`check_block_bytes`, against
-`theory.tensor_parallel.block_wire_bytes`)."""
+`theory.tensor_parallel.block_wire_bytes`), and find the tokens at which async TP's ring hides
+(`check_break_even_tokens`, against `theory.async_tp.break_even_tokens`)."""
 import warnings
 
 import torch
@@ -9,6 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Check, Mistake, check_number, say
+from ..theory import hardware
+from ..theory.async_tp import break_even_tokens
 from ..theory.tensor_parallel import block_wire_bytes
 from ..parallel.tensor_parallel import reduce_from_tp
 
@@ -127,3 +130,38 @@ def check_block_bytes(answer, batch=BLOCK["batch"], seq=BLOCK["seq"], hidden=BLO
                         hint="S = b x s x h x 2 bytes; 2 all-reduces forward + 2 backward, each "
                              "2(t-1)/t x S per rank.",
                         explain="Every layer of the model sends this, on the critical path.")
+
+
+RING = dict(in_features=8192, out_features=28672, tp=8, cluster="8xH100-NVLink")
+
+
+def check_break_even_tokens(answer, in_features=RING["in_features"],
+                            out_features=RING["out_features"], tp=RING["tp"],
+                            cluster=RING["cluster"], verbose=True):
+    """Tokens per micro-batch at which one chunk's matmul (colwise, SP, bf16) lasts as long as
+    the ring message carrying the chunk (theory.async_tp.break_even_tokens)."""
+    c = hardware.cluster(cluster)
+    link, peak = c.link_for(range(tp)), c.gpu.flops("bf16")
+    expected = break_even_tokens(in_features, out_features, tp, cluster=cluster)
+
+    def solve(flops_per_s=peak * c.mfu, bytes_per_value=2, bandwidth=link.effective_bandwidth,
+              outputs=out_features / tp):
+        per_token = in_features * (2 * outputs / flops_per_s - bytes_per_value / bandwidth)
+        return tp * link.latency / per_token
+    mistakes = [
+        Mistake(0.0, "no latency", "without the latency alpha both times grow in proportion to "
+                "T, so no T is special: it is alpha, paid per message, that the matmul covers"),
+        Mistake(solve(flops_per_s=peak), "peak", f"that runs the matmul at peak; the lab "
+                f"models mfu = {c.mfu} of it"),
+        Mistake(solve(bytes_per_value=4), "fp32", "that sends 4 bytes per value; bf16 is 2"),
+        Mistake(solve(bandwidth=link.bandwidth), "line rate", f"that uses the line rate; the "
+                f"link delivers {link.efficiency:.0%} of it (effective_bandwidth)"),
+        Mistake(solve(outputs=out_features), "all outputs", "a rank multiplies only its h_out/t "
+                "output features (colwise)"),
+    ]
+    return check_number(answer, expected, what=f"tokens per micro-batch at which the ring hides "
+                        f"({in_features}->{out_features}, t={tp}, {c.gpu.name} over {link.name})",
+                        unit="tokens", mistakes=mistakes, verbose=verbose,
+                        hint="a chunk is T/t tokens: 2 (T/t) h_in (h_out/t) / (mfu x peak) = "
+                             "alpha + (T/t) h_in x 2 bytes / effective bandwidth; solve for T.",
+                        explain="Above it the whole all-gather hides under the chunk matmuls.")

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
+from .async_tp import all_gather_linear, linear_reduce_scatter
 from .tensor_parallel_plan import fused_parts, resolve_plan
 
 SEQUENCE_DIM = -2           # (..., s, h): sequence parallelism splits the tokens
@@ -156,7 +157,8 @@ class _GatherLinear(torch.autograd.Function):
         x, weight = fctx.saved_tensors
         pending = context().comm.all_gather(x.movedim(SEQUENCE_DIM, 0), group=group,
                                             async_op=True, tag=f"{tag} bwd (regather)")
-        grad_input = _reduce_scatter(grad @ weight, SEQUENCE_DIM, group, f"{tag} bwd")
+        grad_input = _reduce_scatter(grad @ weight, SEQUENCE_DIM, group, f"{tag} bwd") \
+            if fctx.needs_input_grad[0] else None   # data in: no gradient to reduce
         full = pending.wait().movedim(0, SEQUENCE_DIM)
         flat_grad = grad.reshape(-1, grad.shape[-1])
         grad_weight = flat_grad.t() @ full.reshape(-1, full.shape[-1])
@@ -189,16 +191,18 @@ def _shard(param, group, dim, parts=1, shared=None):
 class ColumnParallelLinear(nn.Module):
     """nn.Linear split by output features over `group`: f in front, output split (or gathered
     with `gather_output`). With sequence parallelism the input arrives as a sequence shard and
-    is all-gathered first (`regather`: only the shard is kept for backward)."""
+    is all-gathered first (`regather`: only the shard is kept for backward; `async_tp`: as a
+    ring under the chunk matmuls, async_tp.py)."""
 
     def __init__(self, linear, group=None, *, parts=1, sequence_parallel=False,
-                 gather_output=False, regather=True, tag="", shared=None):
+                 gather_output=False, regather=True, async_tp=False, tag="", shared=None):
         super().__init__()
         self.group = context().group(group)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.parts, self.tag = parts, tag
         self.sequence_parallel, self.gather_output, self.regather = (
             sequence_parallel, gather_output, regather)
+        self.async_tp = async_tp and sequence_parallel
         self.weight = _shard(linear.weight, self.group, 0, parts, shared)
         self.bias = _shard(linear.bias, self.group, 0, parts, shared)
 
@@ -206,6 +210,8 @@ class ColumnParallelLinear(nn.Module):
         group, tag = self.group, self.tag
         if not self.sequence_parallel:
             y = F.linear(copy_to_tp(x, group, tag), self.weight, self.bias)
+        elif self.async_tp:
+            y = all_gather_linear(x, self.weight, self.bias, group, tag, self.regather)
         elif self.regather:
             y = _GatherLinear.apply(x, self.weight, self.bias, group, tag)
         else:
@@ -220,19 +226,25 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """nn.Linear split by input features over `group`: partial sums, g (all-reduce, or a
-    reduce-scatter along the sequence with SP), then the replicated bias, once."""
+    reduce-scatter along the sequence with SP; `async_tp`: a ring under the chunk matmuls),
+    then the replicated bias, once."""
 
-    def __init__(self, linear, group=None, *, sequence_parallel=False, tag="", shared=None):
+    def __init__(self, linear, group=None, *, sequence_parallel=False, async_tp=False, tag="",
+                 shared=None):
         super().__init__()
         self.group = context().group(group)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.sequence_parallel, self.tag = sequence_parallel, tag
+        self.async_tp = async_tp and sequence_parallel
         self.weight = _shard(linear.weight, self.group, 1, 1, shared)
         self.bias = linear.bias   # replicated (the original object): added once, after g
 
     def forward(self, x):
-        combine = scatter_to_sp if self.sequence_parallel else reduce_from_tp
-        y = combine(F.linear(x, self.weight), self.group, self.tag)
+        if self.async_tp:
+            y = linear_reduce_scatter(x, self.weight, self.group, self.tag)
+        else:
+            combine = scatter_to_sp if self.sequence_parallel else reduce_from_tp
+            y = combine(F.linear(x, self.weight), self.group, self.tag)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
@@ -317,20 +329,21 @@ def vocab_parallel_argmax(logits, group=None, tag="greedy"):
 
 # ---------------------------------------------------------------------------- the plan
 
-def _build(style, layer, name, group, shared, sequence_parallel, regather, gather_output):
+def _build(style, layer, name, group, shared, sequence_parallel, regather, gather_output,
+           async_tp):
     options = dict(sequence_parallel=sequence_parallel, tag=name, shared=shared)
-    if style == "rowwise":
-        return RowParallelLinear(layer, group, **options)
     if isinstance(layer, nn.Embedding):
         return VocabParallelEmbedding(layer, group, **options)
+    if style == "rowwise":
+        return RowParallelLinear(layer, group, async_tp=async_tp, **options)
     parts = fused_parts(name, layer) if style == "colwise" else 1
-    return ColumnParallelLinear(layer, group, parts=parts, regather=regather,
+    return ColumnParallelLinear(layer, group, parts=parts, regather=regather, async_tp=async_tp,
                                 gather_output=gather_output and style == "vocab", **options)
 
 
 def parallelize(module: nn.Module, plan: Mapping[str, str], group: GroupLike = None,
                 sequence_parallel: bool = False, *, regather: bool = True,
-                gather_output: bool = True) -> nn.Module:
+                gather_output: bool = True, async_tp: bool = False) -> nn.Module:
     """Split the layers `plan` names ({glob: "colwise" | "rowwise" | "vocab"}) over `group`
     (None: the world), in place; returns `module`. Every rank of the group calls it on the
     same (identically initialised) module and feeds the same input (with sequence_parallel:
@@ -338,7 +351,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], group: GroupLike = N
     regather (SP): a colwise layer keeps only its input's sequence shard for backward and
     all-gathers it again there (False: keeps the gathered input). gather_output=False: a
     "vocab" Linear (the output layer) leaves its logits split by vocabulary, for
-    `vocab_parallel_cross_entropy`."""
+    `vocab_parallel_cross_entropy`. async_tp (needs SP): the Linears' sequence all-gather and
+    reduce-scatter run as rings of sends under the chunk matmuls (async_tp.py)."""
+    if async_tp and not sequence_parallel:
+        raise ValueError("async_tp=True needs sequence_parallel=True: it decomposes the "
+                         "sequence all-gather / reduce-scatter around the matmuls")
     group = context().group(group)
     targets = resolve_plan(module, plan, group.size)
     shared = {}
@@ -346,7 +363,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], group: GroupLike = N
         parent_name, _, leaf = name.rpartition(".")
         parent = module.get_submodule(parent_name)
         parent._modules[leaf] = _build(style, parent._modules[leaf], name, group, shared,
-                                       sequence_parallel, regather, gather_output)
+                                       sequence_parallel, regather, gather_output, async_tp)
     for name, param in module.named_parameters():
         if getattr(param, "tp_split", None) is not None:
             continue

@@ -145,10 +145,14 @@ class Clock:
                        timing.issued + timing.duration, timing.wall_issued, wall_now)
             return timing.duration
         if timing.op == "recv":
+            self._cut()
             sent = timing.group_ready
             arrival = sent + timing.duration
+            exposed = min(timing.duration, max(0.0, arrival - self.t))  # what compute waits
             self._emit("comm", "recv", f"recv from {timing.peer}", sent, arrival,
-                       timing.wall_issued, wall_now)
+                       timing.wall_issued, wall_now, meta=dict(
+                           bytes=timing.nbytes, exposed_s=exposed,
+                           hidden_s=timing.duration - exposed))
             self._advance_to(arrival, f"wait for rank {timing.peer}")
             return timing.duration
         # A collective: earlier async ones take the comm lane first, in issue order.

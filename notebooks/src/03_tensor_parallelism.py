@@ -54,7 +54,8 @@ import torch.nn.functional as F
 
 import labkit
 from labkit import numerics
-from labkit.exercises.tensor_parallel import check_block_bytes, check_row_parallel
+from labkit.exercises.tensor_parallel import (check_block_bytes, check_break_even_tokens,
+                                              check_row_parallel)
 from labkit.parallel import tensor_parallel as tp
 from labkit.runs import tensor_parallel as run_tp
 from labkit.runs.reference import RunConfig, build_model
@@ -447,6 +448,74 @@ plt.show()
 # while the next chunk multiplies.)
 
 # %% [markdown]
+# ## Async TP: hide the all-gather under the matmul
+#
+# With sequence parallelism each colwise layer **waits** for the all-gather of its input, and
+# each rowwise layer's reduce-scatter waits for its whole matmul. But a ring all-gather is
+# t−1 steps that each pass one sequence chunk to the next rank, and the matmul of the gathered
+# input is t independent matmuls, one per chunk. Interleave them: multiply the chunk you hold
+# while the next one travels. That is the *collective matmul* of Wang et al. 2023 ("Overlap
+# communication with dependent computation via decomposition in large deep learning models",
+# ASPLOS), which PyTorch ships as async TP (`torch.distributed._symmetric_memory`'s
+# `fused_all_gather_matmul` / `fused_matmul_reduce_scatter`). The reduce-scatter after a rowwise
+# matmul is the same ring run the other way: the running sum of a chunk travels while the next
+# chunk multiplies. In backward the two swap (an all-gather's gradient is a reduce-scatter).
+#
+# `labkit.parallelize(model, plan, sequence_parallel=True, async_tp=True)` does this with
+# visible `comm.send` / `comm.recv` calls (`labkit/parallel/async_tp.py`). It moves exactly
+# the bytes of the plain collectives, in t−1 messages. Below, 2 ranks train TinyGPT and a wider
+# MLP block one step each way, against one device (the lab's float64 rule), and the virtual
+# clock (modelled on 8×H100 NVLink) splits every message into exposed and hidden time.
+
+# %%
+from labkit.runs import async_tp as run_async
+from labkit.theory import async_tp as theory_async
+from labkit.viz.async_tp import chunk_timeline
+
+found = labkit.launch(run_async.compare, 2)[0]
+rows = []
+for (model, mode), r in found.items():
+    rows.append({"model": model, "TP": mode, "loss = 1 device": r["loss"].ok,
+                 "params = 1 device": r["params"].ok, "wire MB": r["wire_bytes"] / 1e6,
+                 "sends": r["calls"].get("send", 0),
+                 "seq. comm µs (modelled)": r["sequence"]["modelled_s"] * 1e6,
+                 "hidden": f"{r['sequence']['share']:.1%}",
+                 "step µs (modelled)": r["step_s"][-1] * 1e6})
+print(pd.DataFrame(rows).to_string(index=False))
+for (model, mode), r in found.items():
+    print(f"{model}, {mode}: parameters {r['params']}")
+
+# %% [markdown]
+# Both paths equal one device to rounding and send the same bytes; the async path's sequence
+# traffic is all sends. The modelled hidden share shows *when* the ring pays: in TinyGPT a
+# chunk's matmul takes nanoseconds on an H100 while each message pays the link's latency
+# (microseconds), so almost nothing hides; in the wider MLP a chunk's matmul is a fair part of
+# a message, and that part hides. How the steps line up, modelled for one layer on H100s:
+
+# %%
+fig, axes = plt.subplots(2, 1, figsize=(9, 6.4))
+chunk_timeline(4096, 8192, 28672, 4, ax=axes[0])   # Llama-3-70B's fc1, one 4k sequence
+chunk_timeline(256, 4096, 14336, 8, ax=axes[1])    # an 8B model's fc1, 256 tokens
+plt.show()
+
+# %%
+big = theory_async.all_gather_matmul(4096, 8192, 28672, 8)
+print(f"Modelled, Llama-3-70B fc1 at TP=8 on H100 NVLink, 4096 tokens: the plain all-gather "
+      f"takes {big['all_gather_s'] * 1e6:.0f} µs before {8 * big['compute_s'] * 1e6:.0f} µs of "
+      f"matmul; async hides {big['hidden_s'] / big['comm_s']:.0%} of it, "
+      f"{big['plain_s'] * 1e6:.0f} -> {big['total_s'] * 1e6:.0f} µs "
+      f"({1 - big['total_s'] / big['plain_s']:.0%} less) per colwise layer.")
+
+# %% [markdown]
+# At scale it buys back the TP communication that sequence parallelism leaves on the critical
+# path (the sentence above: the whole all-gather, once a chunk's matmul outlasts its message;
+# exercise 3 finds from how many tokens); below that, only the part of each message that a
+# chunk's matmul covers.
+# On these CPU ranks it does not pay in wall time: two shared cores have no spare engine to
+# move data while they multiply (`bench/async_tp.py` measures it), and PyTorch's own
+# `fused_all_gather_matmul` needs CUDA symmetric memory (on CPU it raises NotImplementedError).
+
+# %% [markdown]
 # ## Takeaways
 #
 # - Column-parallel then row-parallel needs **one all-reduce per MLP and one per attention** in
@@ -462,11 +531,14 @@ plt.show()
 #   table above). So TP stays inside a node; data and pipeline parallelism span the nodes
 #   (combining them: lesson 06).
 # - For serving, TP divides the weights and the KV cache across the GPUs of a node.
+# - **Async TP** cuts the sequence all-gather / reduce-scatter into a ring of chunk messages
+#   that travel while the previous chunk multiplies: the same bytes, hidden once a chunk's
+#   matmul outlasts its message.
 
 # %% [markdown]
 # ## Exercises
 #
-# Two exercises; each answer goes in its own cell (in the student edition it raises
+# Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
 #
 # **1 · The row-parallel forward.** Write the forward of a row-parallel linear. You get this
@@ -499,3 +571,21 @@ block_bytes_per_gpu = 4 * 2 * (8 - 1) / 8 * S      # 2 all-reduces forward + 2 b
 
 # %%
 check_block_bytes(block_bytes_per_gpu);
+
+# %% [markdown]
+# **3 · When does the ring hide?** Llama 3 70B's fc1 (h_in = 8,192 → h_out = 28,672) runs with
+# TP = 8 and sequence parallelism on H100s over NVLink 4, bf16, async TP: a chunk holds T/8 of
+# the micro-batch's T tokens. Find the T at which one chunk's matmul (at the modelled mfu ×
+# peak) takes exactly as long as the message carrying the chunk (latency alpha + bytes /
+# effective bandwidth). `hardware.cluster("8xH100-NVLink")` has `.mfu`, `.gpu.bf16_flops` and
+# the link `.intra` with `.latency` and `.effective_bandwidth`.
+
+# %% tags=["solution"]
+node = hardware.cluster("8xH100-NVLink")
+matmul_s_per_token = 2 * 8192 * (28672 / 8) / (node.gpu.bf16_flops * node.mfu)
+message_s_per_token = 8192 * 2 / node.intra.effective_bandwidth
+# (T/8) * matmul_s_per_token = alpha + (T/8) * message_s_per_token, solved for T
+break_even = 8 * node.intra.latency / (matmul_s_per_token - message_s_per_token)
+
+# %%
+check_break_even_tokens(break_even);
