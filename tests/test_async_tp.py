@@ -170,3 +170,30 @@ def test_the_break_even_exercise():
         check = check_break_even_tokens(wrong, verbose=False)
         assert not check.ok and check.problem == problem, (wrong, check)
     assert check_break_even_tokens(None, verbose=False).problem == "no answer"
+
+
+def _labkit(*args):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_runs_async_tp_and_equals_one_device():
+    """`run tp --sequence-parallel --async-tp`: the rings carry the SP traffic as sends, and
+    the run equals the single-device reference within rounding."""
+    import json
+    out = _labkit("run", "tp", "--world-size", "2", "--sequence-parallel", "--async-tp",
+                  "--steps", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["config"]["async_tp"] is True
+    assert report["agreement"]["params"]["ok"], report["agreement"]["params"]["verdict"]
+    ops = {row["op"]: row["wire_bytes_per_rank"] for row in report["comm"]}
+    assert ops.get("send", 0) > 0
+
+
+def test_cli_refuses_async_tp_without_sequence_parallel():
+    out = _labkit("run", "tp", "--world-size", "2", "--async-tp")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "add --sequence-parallel" in out.stderr

@@ -146,15 +146,18 @@ def add_arguments(parser):
 def report(world_size=2, cfg=None, cluster="8xH100-NVLink", layout="zigzag", method="ring",
            causal=True, check_shape=None, **_):
     """Run CP (world_size = CP degree) on the tiny GPT and return the run report."""
-    from ..runtime.launch import launch
-    from .report import build_report
+    from .report import build_report, launch_checked
     cfg = cfg or RunConfig()
     c = gpt_config(cfg)
     shape = tuple(check_shape or (2, c.heads, c.seq, c.hidden // c.heads))
-    check_cp(cfg, world_size, layout, method, heads=shape[1])
-    check_sequence(shape[2], world_size, layout)
-    results = launch(train, world_size, cfg, layout, method, causal, shape, cluster=cluster,
-                     timeout_s=600)
+
+    def check():
+        check_cp(cfg, world_size, layout, method, heads=shape[1])
+        check_sequence(shape[2], world_size, layout)
+    results = launch_checked(
+        "cp", train, world_size, cfg,
+        dict(layout=layout, method=method, causal=causal, check_shape=shape), check=check,
+        cluster=cluster, timeout_s=600)
     checks = [r["attention_check"] for r in results]
     b, h, s, d = shape
     flops = [ch["flops"] for ch in checks]

@@ -17,20 +17,11 @@ from ..runtime.mesh import DIMS
 from ..theory import hybrid as theory_hybrid
 from ..theory import pipeline as schedules
 from . import reference
-from .report import build_report, mean_loss, rank_result
+from .report import build_report, launch_checked, mean_loss, rank_result
+from .tensor_parallel import gpt_plan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 GROUP_ORDER = ("tp", "pp", "ep", "dp", "ep_dp", "cp")   # a set of ranks is named by the first
-
-
-def hybrid_plan(sequence_parallel=False):
-    """Megatron's TP plan, by the names of `TinyGPT.as_sequential()` (stage modules keep them):
-    "0" embeddings, "1".."L" blocks, "L+1" final norm + head."""
-    plan = {"0.tok": "vocab", "*.attn.qkv": "colwise", "*.attn.proj": "rowwise",
-            "*.mlp.fc1": "colwise", "*.mlp.fc2": "rowwise", "*.head": "vocab"}
-    if sequence_parallel:
-        plan["0.pos"] = "vocab"   # each rank gets the position rows of its sequence slice
-    return plan
 
 
 def moe_config(experts, top_k):
@@ -96,7 +87,7 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
     model_name = {name: by_identity[id(p)] for name, p in layers.named_parameters()}
     opt_class, options = reference.optimizer_spec(cfg)
     hybrid = HybridParallel(
-        layers, mesh, reference.token_loss, tp_plan=hybrid_plan(sequence_parallel),
+        layers, mesh, reference.token_loss, tp_plan=gpt_plan(sequence_parallel, sequential=True),
         sequence_parallel=sequence_parallel, schedule=schedule, n_microbatches=microbatches,
         virtual=virtual if schedule == "interleaved" else 1,
         expert_parallel=cfg.model == "moe", zero_stage=zero, optimizer_class=opt_class,
@@ -171,7 +162,6 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
            schedule="1f1b", microbatches=2, virtual=2, sequence_parallel=False, experts=0,
            top_k=2, order=",".join(DIMS), timeout_s=180, **_):
     """Run the hybrid and return the run report of DESIGN.md (+ mesh table, comm by group)."""
-    from ..runtime.launch import launch
     cfg = cfg or reference.RunConfig(model_kwargs=dict(layers=2))
     check_config(cfg, dp, tp, pp, ep, zero, schedule, microbatches, virtual, sequence_parallel,
                  experts, top_k)
@@ -183,8 +173,12 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
     if sorted(dims) != sorted(DIMS):
         raise ValueError(f"--order must name {', '.join(DIMS)} once each, got {order}")
     run = run_config(cfg, experts, top_k)
-    results = launch(train, world, run, dp, tp, pp, ep, zero, schedule, microbatches, virtual,
-                     sequence_parallel, dims, cluster=cluster, timeout_s=timeout_s)
+    options = dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, schedule=schedule,
+                   microbatches=microbatches, virtual=virtual,
+                   sequence_parallel=sequence_parallel)
+    results = launch_checked("hybrid", train, world, run, dict(options, order=dims),
+                             cli_options=dict(options, experts=experts, top_k=top_k),
+                             cluster=cluster, timeout_s=timeout_s)
     results = merge_results(results, dp)
     v = virtual if schedule == "interleaved" else 1
     return build_report(

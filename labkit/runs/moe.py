@@ -24,7 +24,7 @@ from ..parallel.moe import (ExpertParallel, average_moe_gradients, check_expert_
                             expert_groups, full_parameters, is_expert, routing_stats)
 from ..theory import moe as theory_moe
 from .reference import RunConfig, batch, build_optimizer, full_params
-from .report import build_report, rank_result
+from .report import build_report, launch_checked, rank_result
 
 
 def check_config(world_size, cfg, moe, ep):
@@ -138,13 +138,14 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", experts=4, top_k=1,
            capacity_factor=1.25, ep=None, aux_loss_coef=0.01, z_loss_coef=1e-3, **_):
     """Run expert-parallel training and return the run report, checked against the
     single-process MoE reference (same routing groups, same capacity, same drops)."""
-    from ..runtime.launch import launch
     cfg = cfg or RunConfig()
     moe = MoEConfig(experts=experts, top_k=top_k, capacity_factor=capacity_factor,
                     aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef)
     ep = ep or world_size
-    check_config(world_size, cfg, moe, ep)
-    results = launch(train, world_size, cfg, moe=moe, ep=ep, cluster=cluster)
+    results = launch_checked(
+        "moe", train, world_size, cfg, dict(moe=moe, ep=ep),
+        check=lambda: check_config(world_size, cfg, moe, ep), cluster=cluster,
+        cli_options=dict(experts=experts, top_k=top_k, capacity_factor=capacity_factor, ep=ep))
     dp = world_size // ep
     ref = reference_train(cfg, moe, groups=dp)
     loss = [sum(r["loss"][s] for r in results) / world_size for s in range(cfg.steps)]

@@ -27,14 +27,17 @@ def rank_result(ctx, loss, params=None, **extra):
     return out
 
 
-def launch_checked(technique, train, world_size, cfg, options, check=None, **launch_options):
+def launch_checked(technique, train, world_size, cfg, options, check=None, cli_options=None,
+                   **launch_options):
     """The ranks' results of `train(ctx, cfg, **options)` on `world_size` ranks, after the
     checks `python -m labkit run` makes: the preflight's one-line refusal of options no run can
     take and of a run that cannot fit here (runs/preflight.py), then the technique's `check()`.
-    A lesson calling a driver's `report` is refused as the CLI is, before any rank starts."""
+    A lesson calling a driver's `report` is refused as the CLI is, before any rank starts.
+    `cli_options`: the options as the CLI names them, where `train` takes them in another form
+    (MoE's `moe=MoEConfig(...)` is `experts=`, `top_k=`, ... there)."""
     from ..runtime.launch import launch
     from .preflight import check_run
-    check_run(technique, cfg, world_size, options)
+    check_run(technique, cfg, world_size, options if cli_options is None else cli_options)
     if check is not None:
         check()
     return launch(train, world_size, cfg, **options, **launch_options)

@@ -24,9 +24,9 @@ from ..parallel.tensor_parallel import parallelize
 from ..parallel.tensor_parallel_plan import resolve_plan
 from ..runtime.launch import launch
 from ..theory import serving as theory
+from .tensor_parallel import gpt_plan
 
-GPT_TP_PLAN = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
-               "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+GPT_TP_PLAN = gpt_plan(vocab=False)   # embedding and head whole: each rank picks the token
 BYTES = 4   # the tiny models run in float32
 
 

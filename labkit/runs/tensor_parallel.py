@@ -20,17 +20,21 @@ from .reference import gpt_config as reference_gpt_config, train as reference_tr
 from .reference import float64_reference
 
 
-def gpt_plan(sequence_parallel=False):
+def gpt_plan(sequence_parallel=False, vocab=True, sequential=False):
     """Megatron's plan for labkit's GPT: attention split by heads (the fused qkv colwise, the
-    output projection rowwise), the MLP colwise then rowwise, embedding and head by vocabulary.
-    With sequence parallelism the position table is split by rows too: its reduce-scatter
-    hands each rank the rows of its own slice of the sequence."""
-    plan = {"tok": "vocab",
-            "blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
-            "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise",
-            "head": "vocab"}
+    output projection rowwise), the MLP colwise then rowwise, embedding and head by vocabulary
+    (`vocab=False`: both whole, as serving keeps them). With sequence parallelism the position
+    table is split by rows too: its reduce-scatter hands each rank the rows of its own slice of
+    the sequence. `sequential`: by the names of `TinyGPT.as_sequential()` (stage modules keep
+    them: "0" embeddings, "1".."L" blocks, "L+1" final norm + head), for pipelines."""
+    blocks, embeddings, head = ("*.", "0.", "*.") if sequential else ("blocks.*.", "", "")
+    plan = {f"{embeddings}tok": "vocab"} if vocab else {}
+    plan.update({f"{blocks}attn.qkv": "colwise", f"{blocks}attn.proj": "rowwise",
+                 f"{blocks}mlp.fc1": "colwise", f"{blocks}mlp.fc2": "rowwise"})
+    if vocab:
+        plan[f"{head}head"] = "vocab"
     if sequence_parallel:
-        plan["pos"] = "vocab"
+        plan[f"{embeddings}pos"] = "vocab"
     return plan
 
 
@@ -40,20 +44,23 @@ def gpt_config(cfg):
                                      "(the MLP model has no heads to split)")
 
 
-def check_tp_degree(cfg, tp, sequence_parallel=False):
+def check_tp_degree(cfg, tp, sequence_parallel=False, async_tp=False):
     """The block's one-line ValueError naming what `tp` fails to divide (heads, features,
     vocabulary, sequence with SP), on a model with no storage, before any rank starts."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"the TP degree must be a positive integer, got {tp!r}")
+    if async_tp and not sequence_parallel:
+        raise ValueError("--async-tp overlaps sequence parallelism's all-gather and "
+                         "reduce-scatter: add --sequence-parallel")
     with torch.device("meta"):
         resolve_plan(models.TinyGPT(gpt_config(cfg)), gpt_plan(sequence_parallel), tp)
 
 
-def build_tp_model(cfg, group=None, sequence_parallel=False, regather=True):
+def build_tp_model(cfg, group=None, sequence_parallel=False, regather=True, async_tp=False):
     """The reference's GPT (same seed), split by `gpt_plan` over `group`; the head keeps its
     logits split by vocabulary (for `gpt_loss` and generation)."""
     return parallelize(build_model(cfg), gpt_plan(sequence_parallel), group, sequence_parallel,
-                       regather=regather, gather_output=False)
+                       regather=regather, gather_output=False, async_tp=async_tp)
 
 
 def gpt_loss(model, x, y):
@@ -63,11 +70,11 @@ def gpt_loss(model, x, y):
                                         model.head.group)
 
 
-def train(ctx, cfg, sequence_parallel=False, regather=True, details=False):
+def train(ctx, cfg, sequence_parallel=False, regather=True, details=False, async_tp=False):
     """Train the TP tiny GPT on the TP group ctx.world; every rank sees the whole batch."""
     from .report import rank_result
     check_tp_degree(cfg, ctx.world_size, sequence_parallel)
-    model = build_tp_model(cfg, None, sequence_parallel, regather)
+    model = build_tp_model(cfg, None, sequence_parallel, regather, async_tp)
     optimizer = build_optimizer(model.parameters(), cfg)
     ctx.memory.watch(model=model, optimizer=optimizer)
     losses, extra = [], {}
@@ -96,17 +103,22 @@ def train(ctx, cfg, sequence_parallel=False, regather=True, details=False):
 def add_arguments(parser):
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="shard LayerNorm regions along the sequence (Korthikanti 2022)")
+    parser.add_argument("--async-tp", action="store_true",
+                        help="with --sequence-parallel: the all-gather / reduce-scatter as p2p "
+                             "rings under the chunk matmuls (parallel/async_tp.py)")
 
 
 def report(world_size=2, cfg=None, cluster="8xH100-NVLink", sequence_parallel=False,
-           regather=True, details=False, **_):
+           regather=True, details=False, async_tp=False, **_):
     """Run TP (world_size = TP degree) on the tiny GPT and return the run report."""
-    from ..runtime.launch import launch
-    from .report import build_report
+    from .report import build_report, launch_checked
     cfg = cfg or RunConfig()
-    check_tp_degree(cfg, world_size, sequence_parallel)
-    results = launch(train, world_size, cfg, sequence_parallel, regather, details,
-                     cluster=cluster)
+    results = launch_checked(
+        "tp", train, world_size, cfg,
+        dict(sequence_parallel=sequence_parallel, regather=regather, details=details,
+             async_tp=async_tp),
+        check=lambda: check_tp_degree(cfg, world_size, sequence_parallel, async_tp),
+        cluster=cluster)
     c = gpt_config(cfg)
     layout = dict(batch=cfg.global_batch, tp=world_size, sequence_parallel=sequence_parallel,
                   regather=regather)
@@ -116,7 +128,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", sequence_parallel=Fa
     return build_report(
         "tp", cfg, results, reference=reference_train(cfg), exact=float64_reference(cfg),
         config=dict(tp=world_size, sequence_parallel=sequence_parallel, regather=regather,
-                    plan=gpt_plan(sequence_parallel)),
+                    async_tp=async_tp, plan=gpt_plan(sequence_parallel)),
         predicted_memory=theory_tp.tiny_gpt_training_memory(**c.as_dict(), **layout,
                                                             optimizer=cfg.optimizer),
         predicted_comm_bytes_per_rank=sum(r["wire_bytes_per_rank"] for r in comm.values()),
