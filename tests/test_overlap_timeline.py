@@ -13,6 +13,7 @@ from labkit.runs import data_parallel as dp
 from labkit.runs import zero
 from labkit.runs.reference import RunConfig, batch, build_model
 from labkit.runtime import profiler, trace
+from labkit.theory.data_parallel import gradient_bytes
 from labkit.viz.overlap import accumulation_bars, overlap_timeline
 
 matplotlib.use("Agg")
@@ -78,7 +79,7 @@ def test_no_sync_all_reduces_one_kth_of_the_bytes():
     quiet = labkit.launch(dp.train, 2, cfg, accumulate=k, timeout_s=300)[0]
     every_bytes, every_calls = all_reduce_per_step(every, cfg.steps)
     quiet_bytes, quiet_calls = all_reduce_per_step(quiet, cfg.steps)
-    assert quiet_bytes == dp.gradient_bytes(cfg)    # one all-reduce of the gradients per step
+    assert quiet_bytes == gradient_bytes(build_model(cfg))   # one all-reduce per step
     assert every_bytes == k * quiet_bytes and every_calls == k * quiet_calls
     # the same step either way: the average of sums is the sum of averages (float32 rounding)
     for name, p in quiet["params"].items():

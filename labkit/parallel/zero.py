@@ -3,9 +3,9 @@
 In plain data parallelism every rank holds the same weights, gradients and optimizer state and
 takes the same optimizer step: N-fold redundancy. ZeRO (Rajbhandari et al. 2020, arXiv
 1910.02054) gives each rank about 1/N of the parameters to *own*: it keeps optimizer state for
-those only, steps only those, and then sends the updated values to everyone. Bytes per rank for Psi parameters in 2-byte
-weights and gradients, with K bytes of optimizer state per parameter (K = 12 for mixed-precision
-Adam: fp32 master, momentum, variance; K = 8 for fp32 Adam, whose 2s are 4s):
+those only, steps only those, and then sends the updated values to everyone. Bytes per rank
+for Psi parameters in 2-byte weights and gradients, K bytes of optimizer state per parameter
+(K = 12 for mixed-precision Adam: fp32 master, momentum, variance; 8 for fp32 Adam, 2s are 4s):
 
     baseline (plain DP)  (2 + 2 + K) Psi
     stage 1  (P_os)      2 Psi + 2 Psi + K Psi / N     optimizer state sharded

@@ -141,7 +141,8 @@ def accumulation_bars(rows, title=""):
         f = rows[k]["formula_bytes"] / 1e6
         ax_bytes.plot([f, f], [i - 0.4, i + 0.4], color="black", lw=2,
                       label="formula (bytes per step)" if i == 0 else None)
-        ax_bytes.text(mb[i], i, f" {mb[i]:.2f} MB in {rows[k]['calls_per_step']:g} bucket all-reduces",
+        calls = rows[k]["calls_per_step"]
+        ax_bytes.text(mb[i], i, f" {mb[i]:.2f} MB in {calls:g} bucket all-reduces",
                       va="center", fontsize=8)
     ax_bytes.set_xlabel("MB all-reduced per optimizer step\n(measured: payloads in the comm log)")
     ax_bytes.set_xlim(0, 1.8 * max(mb))

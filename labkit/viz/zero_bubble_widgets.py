@@ -15,7 +15,8 @@ from matplotlib.collections import PolyCollection
 from matplotlib.patches import Patch
 
 from .pipeline_widgets import MANY_BARS, T_FORWARD, PipelineDrawing
-from .plots import GANTT_COLORS, TIME_UNITS, _gantt_style, pick_time_unit
+from .plots import TIME_UNITS, pick_time_unit
+from .timeline import GANTT_COLORS, gantt_style
 
 SCHEDULES = {"1F1B": "1f1b", "ZB-H1": "zb1p", "DualPipe": "dualpipe"}
 PARAMETERS = {"1F1B": 1, "ZB-H1": 1, "DualPipe": 2}     # copies of a stage's weights per rank
@@ -81,7 +82,7 @@ class ZeroBubbleDrawing(PipelineDrawing):
 
     def shape(self, **values):
         self.d = zero_bubble_numbers(**values)
-        used = {_gantt_style(e) for e in self.d["timeline"]}
+        used = {gantt_style(e) for e in self.d["timeline"]}
         self.key = len(self.d["timeline"]) > MANY_BARS, tuple(k for k in GANTT_COLORS
                                                                if k in used)
         return self.key

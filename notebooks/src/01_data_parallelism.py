@@ -693,7 +693,7 @@ K = 4
 small = RunConfig(steps=2, global_batch=16, optimizer="sgd")
 acc = {"all-reduce after\nevery micro-batch": labkit.launch(accumulate, 2, small, K, False),
        "no_sync on the first\nK−1 micro-batches": labkit.launch(accumulate, 2, small, K, True)}
-S = dp.gradient_bytes(small)
+S = theory_dp.gradient_bytes(build_model(small))
 acc_rows = {}
 for (label, res), formula in zip(acc.items(), (K * S, S)):
     log = [row for row in res[0]["comm"] if row["op"] == "all_reduce"]
