@@ -551,6 +551,20 @@ for overlap in (True, False):
 pd.DataFrame(rows).round(2)
 
 # %% [markdown]
+# The same step drawn per rank, compute on top and the comm lane under it; the hatched part of
+# each all-reduce is the time the compute lane waited for it:
+
+# %%
+from labkit.viz.overlap import overlap_timeline
+
+steps = {f"DataParallel, overlap={o}": last_step(runs[o]) for o in (True, False)}
+fig = overlap_timeline(steps, summaries={k: trace.overlap_by_op(v, rank=0)
+                                         for k, v in steps.items()},
+                       title=f"one step, bucket all-reduces (modelled on "
+                             f"{runs[True][0]['cluster']})")
+plt.show()
+
+# %% [markdown]
 # Without overlap every bucket is exposed; with it, the buckets launched during backward hide
 # under the rest of backward and only the tail is exposed, the share printed above.
 #
