@@ -118,23 +118,20 @@ def merge_results(results):
 # ==================================================== the stages as theory/ counts them
 
 def stage_sizes(cfg, modules, batch):
-    """Each stage in `modules` as theory/pipeline_memory takes it: (the activation bytes it
-    saves on a micro-batch of `batch`, (input, output) elements per example)."""
+    """Each stage in `modules` as theory/pipeline_memory.stage_sizes counts it: the GPT's
+    blocks and head, the MLP's Linears (each in a Linear + GELU pair, but the model's last)."""
     if cfg.model == "gpt":
         c = models.GPTConfig(**cfg.model_kwargs)
-        shape = dict(seq=c.seq, batch=batch, hidden=c.hidden, heads=c.heads, vocab=c.vocab)
-        return [(theory.gpt_stage_activation_bytes(
-                    sum(isinstance(m, models.Block) for m in stage),
-                    any(type(m).__name__ == "_NormHead" for m in stage), **shape),
-                 (c.seq * c.hidden, c.seq * c.hidden)) for stage in modules]
-    sizes = []
+        return theory.stage_sizes(
+            [(sum(isinstance(m, models.Block) for m in stage),
+              any(type(m).__name__ == "_NormHead" for m in stage)) for stage in modules],
+            batch, dict(seq=c.seq, hidden=c.hidden, heads=c.heads, vocab=c.vocab))
+    stages = []
     for stage in modules:   # Linear + GELU pairs, and the model's last Linear alone
         linears = [(m[0] if isinstance(m, nn.Sequential) else m) for m in stage]
-        dims = [(m.in_features, m.out_features) for m in linears]
-        last = not isinstance(stage[-1], nn.Sequential)
-        sizes.append((theory.mlp_stage_activation_bytes(dims, last, batch),
-                      (dims[0][0], dims[-1][1])))
-    return sizes
+        stages.append(([(m.in_features, m.out_features) for m in linears],
+                       not isinstance(stage[-1], nn.Sequential)))
+    return theory.stage_sizes(stages, batch)
 
 
 # ============================================================================ the report
