@@ -6,8 +6,6 @@ single-device reference and reported. `bubble_fraction` is *modelled*: read off 
 clock's timeline (compute bars of every rank over the step's span), not measured wall time.
 The formulas: theory/pipeline.py (schedules, bubble), theory/pipeline_memory.py (bytes).
 """
-import dataclasses
-
 import torch.nn as nn
 
 from .. import models
@@ -16,7 +14,7 @@ from ..theory import pipeline as schedules
 from ..theory import pipeline_memory as theory
 from ..theory.memory import fp32_rank_bytes
 from . import reference
-from .report import build_report, launch_checked, rank_result, single_device
+from .report import build_report, launch_checked, rank_result, single_device, sweep_runs
 
 SCHEDULES = schedules.SCHEDULES
 
@@ -93,17 +91,8 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
 
 
 def sweep(ctx, cfg, runs):
-    """Several pipeline runs in one launch (starting ranks is the slow part on a laptop).
-
-    runs: list of dicts of `train` keywords, plus optional 'cluster' (for the clock) and
-    'steps'. Each run gets a fresh clock, comm log and memory tracker; one result per run."""
-    out, launched_on = [], ctx.clock.cluster
-    for run in runs:
-        run = dict(run)
-        ctx.reset_instruments(run.pop("cluster", launched_on))
-        steps = run.pop("steps", cfg.steps)
-        out.append(train(ctx, dataclasses.replace(cfg, steps=steps), **run))
-    return out
+    """Several pipeline runs in one launch: `report.sweep_runs` with this driver's `train`."""
+    return sweep_runs(ctx, cfg, runs, train)
 
 
 def merge_results(results):
