@@ -58,6 +58,23 @@ def holds_parameters(module):
     return any(True for _ in module.parameters(recurse=False))
 
 
+def layer_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model cut into layers, in forward order: each child, each ModuleList entry (those
+    holding parameters), as (name, module); `units=one_unit_per_layer(model)` shards by them."""
+    units = []
+    for name, child in model.named_children():
+        members = ([(f"{name}.{i}", m) for i, m in enumerate(child)]
+                   if isinstance(child, nn.ModuleList) else [(name, child)])
+        units += [(n, m) for n, m in members if any(True for _ in m.parameters())]
+    return units
+
+
+def one_unit_per_layer(model: nn.Module) -> Callable[[nn.Module], bool]:
+    """A `units` predicate: the layers of `layer_units(model)`, each one unit."""
+    layers = {id(m) for _, m in layer_units(model)}
+    return lambda module: id(module) in layers
+
+
 class FullyShard(nn.Module):
     """ZeRO-3 on any nn.Module inside any process group (`group=None`: the world).
 

@@ -18,9 +18,7 @@ from .. import data
 from ..parallel.data_parallel import DataParallel
 from ..parallel.flat import average_gradients
 from ..theory import data_parallel as theory
-from ..theory.memory import fp32_rank_bytes
-from .reference import (RunConfig, activation_bytes, batch, build_model, build_optimizer,
-                        full_params)
+from .reference import RunConfig, batch, build_model, build_optimizer, full_params, predict_memory
 from .report import build_report, launch_checked, rank_result, single_device
 from .report import mean_loss as global_loss   # the full-batch loss of shard losses
 
@@ -141,10 +139,8 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", bucket_mb=DEFAULT_BU
     model = build_model(cfg)
     grad_bytes = theory.gradient_bytes(model)
     # a whole replica per rank, the activations of its 1/(N x K) of the batch, the buckets
-    memory = fp32_rank_bytes(
-        sum(p.numel() for p in model.parameters()),
-        activation_bytes(model, cfg.global_batch // (world_size * accumulate)), cfg.optimizer,
-        buffers=grad_bytes if mode == "bucketed" else 0)
+    memory = predict_memory(cfg, model, cfg.global_batch // (world_size * accumulate),
+                            buffers=grad_bytes if mode == "bucketed" else 0)
     return build_report("dp", cfg, results, **single_device(cfg),
                         config=dict(options, gradient_bytes=grad_bytes),
                         predicted_memory=memory,

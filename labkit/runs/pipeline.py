@@ -6,8 +6,6 @@ single-device reference and reported. `bubble_fraction` is *modelled*: read off 
 clock's timeline (compute bars of every rank over the step's span), not measured wall time.
 The formulas: theory/pipeline.py (schedules, bubble), theory/pipeline_memory.py (bytes).
 """
-import dataclasses
-
 import torch.nn as nn
 
 from .. import models
@@ -16,7 +14,7 @@ from ..theory import pipeline as schedules
 from ..theory import pipeline_memory as theory
 from ..theory.memory import fp32_rank_bytes
 from . import reference
-from .report import build_report, launch_checked, rank_result, single_device
+from .report import build_report, launch_checked, rank_result, single_device, sweep_runs
 
 SCHEDULES = schedules.SCHEDULES
 
@@ -93,17 +91,8 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
 
 
 def sweep(ctx, cfg, runs):
-    """Several pipeline runs in one launch (starting ranks is the slow part on a laptop).
-
-    runs: list of dicts of `train` keywords, plus optional 'cluster' (for the clock) and
-    'steps'. Each run gets a fresh clock, comm log and memory tracker; one result per run."""
-    out, launched_on = [], ctx.clock.cluster
-    for run in runs:
-        run = dict(run)
-        ctx.reset_instruments(run.pop("cluster", launched_on))
-        steps = run.pop("steps", cfg.steps)
-        out.append(train(ctx, dataclasses.replace(cfg, steps=steps), **run))
-    return out
+    """Several pipeline runs in one launch: `report.sweep_runs` with this driver's `train`."""
+    return sweep_runs(ctx, cfg, runs, train)
 
 
 def merge_results(results):
@@ -118,23 +107,20 @@ def merge_results(results):
 # ==================================================== the stages as theory/ counts them
 
 def stage_sizes(cfg, modules, batch):
-    """Each stage in `modules` as theory/pipeline_memory takes it: (the activation bytes it
-    saves on a micro-batch of `batch`, (input, output) elements per example)."""
+    """Each stage in `modules` as theory/pipeline_memory.stage_sizes counts it: the GPT's
+    blocks and head, the MLP's Linears (each in a Linear + GELU pair, but the model's last)."""
     if cfg.model == "gpt":
         c = models.GPTConfig(**cfg.model_kwargs)
-        shape = dict(seq=c.seq, batch=batch, hidden=c.hidden, heads=c.heads, vocab=c.vocab)
-        return [(theory.gpt_stage_activation_bytes(
-                    sum(isinstance(m, models.Block) for m in stage),
-                    any(type(m).__name__ == "_NormHead" for m in stage), **shape),
-                 (c.seq * c.hidden, c.seq * c.hidden)) for stage in modules]
-    sizes = []
+        return theory.stage_sizes(
+            [(sum(isinstance(m, models.Block) for m in stage),
+              any(type(m).__name__ == "_NormHead" for m in stage)) for stage in modules],
+            batch, dict(seq=c.seq, hidden=c.hidden, heads=c.heads, vocab=c.vocab))
+    stages = []
     for stage in modules:   # Linear + GELU pairs, and the model's last Linear alone
         linears = [(m[0] if isinstance(m, nn.Sequential) else m) for m in stage]
-        dims = [(m.in_features, m.out_features) for m in linears]
-        last = not isinstance(stage[-1], nn.Sequential)
-        sizes.append((theory.mlp_stage_activation_bytes(dims, last, batch),
-                      (dims[0][0], dims[-1][1])))
-    return sizes
+        stages.append(([(m.in_features, m.out_features) for m in linears],
+                       not isinstance(stage[-1], nn.Sequential)))
+    return theory.stage_sizes(stages, batch)
 
 
 # ============================================================================ the report

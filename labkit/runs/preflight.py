@@ -2,23 +2,20 @@
 
 A run's ranks all live on this machine, so what they need together must be available now.
 Each rank's bytes are estimated with theory/'s formulas applied to the tiny shape under the
-technique's layout, as a lower bound (a run refused here could never have fitted):
+technique's layout, as a lower bound (a run refused here could never have fitted; the
+formulas and their papers: theory/rank_memory.py):
 
-    per rank  = max(4Ψ, states(Ψ / shards, ZeRO) + activations(the rank's slice)) + overhead
-    parent    = states(Ψ) + activations(global batch)       (the single-device reference)
-    need      = max(world_size x per rank, parent)
+    need = max(world_size x per rank, the single-device reference)
 
-4Ψ: every driver builds the whole fp32 model on every rank before it keeps its shard. States:
-fp32 weights, grads and optimizer (ZeRO, arXiv 1910.02054); activations: what the tiny GPT
-saves for backward (Korthikanti et al. 2022, arXiv 2205.05198, `tiny_gpt_activation_bytes`);
-overhead: a CPU rank's Python + torch + gloo (`BYTES_PER_CPU_RANK`). The reference runs in the
-launching process after the ranks have ended, so it needs its bytes alone.
+per rank: 4Ψ (the whole fp32 model, built before a rank keeps its shard) or its model states
+and activations, whichever is more, plus a CPU rank's Python + torch + gloo
+(`BYTES_PER_CPU_RANK`). The reference runs in the launching process after the ranks have
+ended, so it needs its bytes alone.
 """
 import math
 
 from ..runtime.cpus import BYTES_PER_CPU_RANK, available_memory
-from ..theory import context_parallel as theory_cp
-from ..theory import memory as tm
+from ..theory import rank_memory
 
 VIRTUAL_SCHEDULES = ("interleaved",)   # the schedules that run more than one stage per rank
 
@@ -79,38 +76,11 @@ def check_fits(technique, cfg, world_size, options, available=None):
 
 
 def estimate(technique, cfg, world_size, options):
-    """{"ranks", "per_rank", "reference", "why"}: a lower bound of the bytes, see the docstring."""
-    o = options
-    world = world_size or 1
-    layers, seq, hidden, heads, vocab, n = _shape_numbers(cfg, o)
-    shards, zero, batch, cp = 1, 0, cfg.global_batch, 1
-    pipeline_stages, tp = 1, 1
-    if technique == "hybrid":
-        dp, tp, pp = o.get("dp", 2), o.get("tp", 2), o.get("pp", 2)
-        world, shards, zero, pipeline_stages = dp * tp * pp, tp * pp, o.get("zero", 0), pp
-        batch = cfg.global_batch / (dp * o.get("microbatches", 2))
-    elif technique == "tp":
-        shards, tp = world, world
-    elif technique == "pipeline":
-        shards = pipeline_stages = world
-        batch = cfg.global_batch / (1 if o.get("schedule") == "naive"
-                                    else o.get("microbatches", 4))
-    elif technique == "cp":
-        cp = world
-    elif technique == "zero":
-        zero, batch = min(o.get("stage", 1), 3), cfg.global_batch / world
-    elif technique in ("dp", "moe"):
-        batch = cfg.global_batch / world
-    states = _states(n / shards, cfg.optimizer, zero, world if technique == "zero" else
-                     o.get("dp", world) if technique == "hybrid" else 1)
-    activations = _activations(cfg, layers / pipeline_stages, seq, batch, hidden, heads, vocab,
-                               tp, cp)
-    per_rank = max(4 * n, states + activations) + BYTES_PER_CPU_RANK
-    reference = _states(n, cfg.optimizer, 0, 1) + _activations(
-        cfg, layers, seq, cfg.global_batch, hidden, heads, vocab, 1, 1)
-    why = (f"the whole model, {n:.3g} parameters, is built on every rank" if 4 * n >=
-           states + activations else "model states and activations of its share")
-    return dict(ranks=world, per_rank=per_rank, reference=reference, why=why)
+    """{"ranks", "per_rank", "reference", "why"}: a lower bound of the bytes, see the docstring
+    (the arithmetic: theory/rank_memory.py, on the numbers of the model `cfg` trains)."""
+    return rank_memory.run_bytes(technique, world_size, options, _shape_numbers(cfg, options),
+                                 gpt=cfg.model == "gpt", optimizer=cfg.optimizer,
+                                 global_batch=cfg.global_batch, overhead=BYTES_PER_CPU_RANK)
 
 
 def _shape_numbers(cfg, options):
@@ -126,26 +96,6 @@ def _shape_numbers(cfg, options):
     if experts > 1:   # every MoE layer holds `experts` MLPs where the dense GPT has one
         n += (experts - 1) * c.layers * (2 * c.hidden * c.ffn + c.ffn + c.hidden)
     return c.layers, c.seq, c.hidden, c.heads, c.vocab, n
-
-
-def _states(params, optimizer, zero_stage, dp):
-    out = tm.model_state_bytes(params, mixed_precision=False, optimizer=optimizer,
-                               zero_stage=zero_stage, world_size=dp)
-    return out["total"]
-
-
-def _activations(cfg, layers, seq, batch, hidden, heads, vocab, tp, cp):
-    """Bytes one rank saves for backward: its layers, its sequence slice, its heads."""
-    if cfg.model != "gpt":
-        return 4 * batch * hidden * 2 * layers
-    if cp > 1:   # ring attention keeps each K/V block's scores: the attention term of theory/
-        head_dim = hidden // heads
-        attention = theory_cp.attention_saved_bytes(batch, heads, seq, head_dim, cp,
-                                                     dtype_bytes=4)
-        block = 4 * batch * heads * (seq / cp) ** 2   # one block's scores, made at a time
-        return layers * (16 * seq / cp * batch * hidden * 4 + attention) + block
-    return tm.tiny_gpt_activation_bytes(layers=layers, seq=seq, batch=batch, hidden=hidden / tp,
-                                        heads=heads / tp, vocab=vocab / tp)
 
 
 def _shape(cfg):

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from .. import data, models
 from ..runtime.memory import MemoryTracker
+from ..theory.memory import fp32_rank_bytes, tiny_gpt_activation_bytes
+from ..theory.rank_memory import mlp_activation_bytes
 
 
 @dataclass
@@ -168,26 +170,24 @@ def _compute(ctx, name):
     return ctx.clock.compute(name) if ctx is not None else nullcontext()
 
 
-def predict_memory(cfg, model=None):
-    """theory/'s bytes for one device: fp32 Adam states (4+4+8)Ψ and the activations formula.
+def predict_memory(cfg, model=None, batch_size=None, **extra):
+    """theory/'s bytes for one replica of `model` (default: the model `cfg` builds): fp32 states
+    (4+4+8)Ψ for Adam, the activations of `batch_size` examples (default: the global batch),
+    and any `extra` named bytes (a technique's buffers).
 
     `peak` is params + grads + optimizer + activations: an upper bound, since backward frees
     activations while it fills in gradients.
     """
-    from ..theory.memory import fp32_rank_bytes
     model = model or build_model(cfg)
+    batch_size = cfg.global_batch if batch_size is None else batch_size
     return fp32_rank_bytes(sum(p.numel() for p in model.parameters()),
-                           activation_bytes(model, cfg.global_batch), cfg.optimizer)
+                           activation_bytes(model, batch_size), cfg.optimizer, **extra)
 
 
 def activation_bytes(model, batch_size):
     """What `model` saves for backward on a batch of `batch_size` (theory/ formulas)."""
-    from ..theory import memory as tm
     if isinstance(model, models.TinyGPT):
         c = model.cfg
-        return tm.tiny_gpt_activation_bytes(layers=c.layers, seq=c.seq, batch=batch_size,
-                                            hidden=c.hidden, heads=c.heads, vocab=c.vocab)
-    # MLP: each Linear keeps its input, each GELU its input; MSE keeps output and target.
-    dims = model.dims
-    elements = sum(dims[:-1]) + sum(dims[1:-1]) + 2 * dims[-1]
-    return 4 * batch_size * elements
+        return tiny_gpt_activation_bytes(layers=c.layers, seq=c.seq, batch=batch_size,
+                                         hidden=c.hidden, heads=c.heads, vocab=c.vocab)
+    return mlp_activation_bytes(model.dims, batch_size)

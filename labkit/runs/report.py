@@ -8,6 +8,7 @@ against the float64 run (labkit.numerics), the verdict "equals one device" that 
 CPU. A driver's `report` runs its ranks with `launch_checked` (the CLI's one-line refusals
 first) and hands `build_report` the references of `single_device(cfg)`.
 """
+import dataclasses
 import json
 import math
 import numbers
@@ -48,6 +49,21 @@ def single_device(cfg):
     float64, what `build_report` judges a run against."""
     from .reference import float64_reference, train
     return dict(reference=train(cfg), exact=float64_reference(cfg))
+
+
+def sweep_runs(ctx, cfg, runs, train):
+    """Several runs of a driver's `train(ctx, cfg, **run)` in one launch (starting ranks is the
+    slow part on a laptop): one result per run.
+
+    runs: list of dicts of `train` keywords, plus optional 'cluster' (for the clock) and
+    'steps'. Each run gets a fresh clock, comm log and memory tracker."""
+    out, launched_on = [], ctx.clock.cluster
+    for run in runs:
+        run = dict(run)
+        ctx.reset_instruments(run.pop("cluster", launched_on))
+        steps = run.pop("steps", cfg.steps)
+        out.append(train(ctx, dataclasses.replace(cfg, steps=steps), **run))
+    return out
 
 
 def mean_loss(results, key="local_loss"):

@@ -10,11 +10,11 @@ trained on the whole batch (fp32), or of one device running the same mixed-preci
 The blocks: labkit/parallel/zero.py, labkit/parallel/fully_shard.py; formulas: theory/zero.py.
 """
 import torch
-import torch.nn as nn
 
 from .. import data
 from ..parallel.data_parallel import DataParallel
-from ..parallel.fully_shard import OFFLOAD_LINK, FullyShard
+from ..parallel.fully_shard import (OFFLOAD_LINK, FullyShard, layer_units,
+                                    one_unit_per_layer)
 from ..parallel.mixed_precision import MasterWeights
 from ..parallel.zero import ShardedOptimizer
 from ..runtime.memory import optimizer_state_tensors
@@ -25,7 +25,7 @@ from .report import build_report, launch_checked, rank_result, single_device
 from .report import mean_loss as global_loss   # the full-batch loss of shard losses
 
 __all__ = ["BUCKET_MB", "COMPUTE_DTYPE", "OFFLOAD_LINK", "STAGES", "add_arguments",
-           "check_config", "global_loss", "layer_units", "report", "train"]
+           "check_config", "global_loss", "report", "train"]
 
 STAGES = (1, 2, 3)
 COMPUTE_DTYPE = torch.bfloat16   # weights and gradients under --mixed-precision
@@ -45,16 +45,6 @@ def check_config(cfg, world_size, stage, offload=False):
         raise ValueError("--offload keeps FullyShard's shards in host memory: use --stage 3")
 
 
-def layer_units(model):
-    """The model cut into layers, in forward order: each child, each ModuleList entry."""
-    units = []
-    for name, child in model.named_children():
-        members = ([(f"{name}.{i}", m) for i, m in enumerate(child)]
-                   if isinstance(child, nn.ModuleList) else [(name, child)])
-        units += [(n, m) for n, m in members if any(True for _ in m.parameters())]
-    return units
-
-
 # ------------------------------------------------------------------------------------- training
 
 def _setup(ctx, cfg, stage, mixed_precision, offload, prefetch):
@@ -62,9 +52,8 @@ def _setup(ctx, cfg, stage, mixed_precision, offload, prefetch):
     model = build_model(cfg).to(ctx.device)
     dtype = COMPUTE_DTYPE if mixed_precision else None
     if stage == 3:
-        layers = {id(m) for _, m in layer_units(model)}
         sharded = FullyShard(model, compute_dtype=dtype, offload=offload, prefetch=prefetch,
-                             units=lambda m: id(m) in layers)
+                             units=one_unit_per_layer(model))
         optimizer = build_optimizer(sharded.parameters(), cfg)
         ctx.memory.watch(optimizer_state=lambda: [] if offload
                          else optimizer_state_tensors(optimizer))

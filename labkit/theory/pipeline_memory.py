@@ -31,6 +31,19 @@ def mlp_stage_activation_bytes(linears, last, batch):
     return 4 * batch * (sum(i + o for i, o in linears) + (linears[-1][1] if last else 0))
 
 
+def stage_sizes(stages, batch, gpt_shape=None):
+    """Each stage as `peak_activation_bytes` and `send_bytes` take it: (the activation bytes it
+    saves on a micro-batch of `batch`, (input, output) elements per example). `stages`: for the
+    TinyGPT of `gpt_shape` (seq, hidden, heads, vocab), (blocks, last) per stage; for the MLP
+    (no `gpt_shape`), (its Linears as (in, out) features, last)."""
+    if gpt_shape is not None:
+        boundary = gpt_shape["seq"] * gpt_shape["hidden"]
+        return [(gpt_stage_activation_bytes(blocks, last, batch=batch, **gpt_shape),
+                 (boundary, boundary)) for blocks, last in stages]
+    return [(mlp_stage_activation_bytes(linears, last, batch), (linears[0][0], linears[-1][1]))
+            for linears, last in stages]
+
+
 def peak_activation_bytes(schedule, rank, stage_bytes, recompute=False):
     """Most activation bytes held at once on `rank`: each F adds its chunk's `stage_bytes`
     until its B (GPipe: M micro-batches, 1F1B: min(M, P - rank)). With recompute only one

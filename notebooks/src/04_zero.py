@@ -56,6 +56,7 @@ from IPython.display import Markdown, display
 import labkit
 from labkit import FullyShard
 from labkit.exercises.zero import check_gradient_shard, check_stage_memory_answer, show_solution
+from labkit.parallel.fully_shard import layer_units
 from labkit.runs import data_parallel as dp
 from labkit.runs import zero
 from labkit.runs.reference import RunConfig, build_model, train_mixed_precision
@@ -189,7 +190,7 @@ odd_cfg = RunConfig(model="mlp", steps=2, global_batch=8, optimizer="adam",
                     model_kwargs=dict(dims=(33, 65, 31, 7)))
 odd = zero.report(N, odd_cfg, stage=3)
 layers = [sum(p.numel() for p in m.parameters())
-          for _, m in zero.layer_units(build_model(odd_cfg))]
+          for _, m in layer_units(build_model(odd_cfg))]
 print("layer sizes:", layers, "-> padded to a multiple of 4:", [-(-u // N) * N for u in layers])
 odd_formula = tm.model_state_bytes(sum(layers), mixed_precision=False, zero_stage=3,
                                    world_size=N)
