@@ -16,7 +16,7 @@ from .. import models, numerics
 from ..parallel.tensor_parallel import gather_params, parallelize
 from ..runtime.context import context
 from ..runtime.trace import overlap_by_op
-from .tensor_parallel import gpt_plan
+from ..parallel.tensor_parallel_plan import gpt_plan
 
 RING = ("send", "recv")
 

@@ -13,15 +13,14 @@ from dataclasses import replace
 
 from .. import data, models
 from ..parallel.hybrid import HybridParallel
-from ..runtime.mesh import DIMS
+from ..runtime.mesh import DIMS, comm_by_dim
 from ..theory import hybrid as theory_hybrid
 from ..theory import pipeline as schedules
 from . import reference
 from .report import build_report, launch_checked, mean_loss, rank_result
-from .tensor_parallel import gpt_plan
+from ..parallel.tensor_parallel_plan import gpt_plan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-GROUP_ORDER = ("tp", "pp", "ep", "dp", "ep_dp", "cp")   # a set of ranks is named by the first
 
 
 def moe_config(experts, top_k):
@@ -102,14 +101,7 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
             losses.append(loss.item())
     with ctx.off_the_record():
         params = {model_name[k]: v for k, v in hybrid.full_params().items()}
-    names = {}
-    for dim in GROUP_ORDER:
-        if dim in mesh.groups:
-            names.setdefault(mesh[dim].name, dim)
-    comm = ctx.comm.summary(by=("op", "group", "tag"))
-    for row in comm:   # the DP averages say which group they use; else the group's ranks do
-        tag_dim = row["tag"].split(" ")[0]
-        row["dim"] = tag_dim if tag_dim in ("dp", "ep_dp") else names.get(row["group"], "other")
+    comm = mesh.label_comm(ctx.comm.summary(by=("op", "group", "tag")))
     return rank_result(ctx, losses, stage_params=params, coords=mesh.coords,
                        mesh_table=mesh.table(), is_last=last, comm_by_group=comm)
 
@@ -120,24 +112,6 @@ def merge_results(results, dp):
     last = [r for r in results if r["is_last"] and r["coords"]["tp"] == 0]
     params = {k: v for r in reversed(results) for k, v in r["stage_params"].items()}
     return [dict(results[0], loss=mean_loss(last, key="loss"), params=params)] + results[1:]
-
-
-def comm_by_dim(results):
-    """Payload bytes and ring-model bytes per rank, summed over every rank, by mesh dimension
-    (dp / tp / pp / ep / ep_dp) and op: a list of rows."""
-    rows = {}
-    for r in results:
-        for row in r["comm_by_group"]:
-            key = (row["dim"], row["op"])
-            out = rows.setdefault(key, dict(dim=row["dim"], op=row["op"], calls=0, bytes=0,
-                                            wire_bytes=0.0, modelled_s=0.0))
-            out["calls"] += row["calls"]
-            out["bytes"] += row["bytes"]
-            out["wire_bytes"] += row["wire_bytes_per_rank"]
-            out["modelled_s"] += row["modelled_s"]
-    return sorted(rows.values(), key=lambda row: (GROUP_ORDER.index(row["dim"])
-                                                  if row["dim"] in GROUP_ORDER else 99,
-                                                  row["op"]))
 
 
 def add_arguments(parser):
@@ -191,5 +165,6 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
             **models.GPTConfig(**run.model_kwargs).as_dict(), global_batch=run.global_batch,
             dp=dp, tp=tp, pp=pp, microbatches=microbatches, virtual=v,
             sequence_parallel=sequence_parallel, zero=zero, optimizer=run.optimizer),
-        comm_by_dim=comm_by_dim(results), mesh_table=results[0]["mesh_table"],
+        comm_by_dim=comm_by_dim(r["comm_by_group"] for r in results),
+        mesh_table=results[0]["mesh_table"],
         bubble_fraction_formula=schedules.bubble_formula(pp, microbatches, v))

@@ -24,7 +24,7 @@ from ..parallel.tensor_parallel import parallelize
 from ..parallel.tensor_parallel_plan import resolve_plan
 from ..runtime.launch import launch
 from ..theory import serving as theory
-from .tensor_parallel import gpt_plan
+from ..parallel.tensor_parallel_plan import gpt_plan
 
 GPT_TP_PLAN = gpt_plan(vocab=False)   # embedding and head whole: each rank picks the token
 BYTES = 4   # the tiny models run in float32
