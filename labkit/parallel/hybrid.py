@@ -21,6 +21,10 @@ stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the sta
     mesh = ctx.mesh(dp=2, tp=2, pp=2)
     hybrid = HybridParallel(model, mesh, loss_fn, tp_plan=plan, n_microbatches=4)
     loss = hybrid.step(x, y)                # forward, backward, DP average, optimizer step
+
+Serving composes the same blocks (`HybridGenerator`, labkit.parallel.serving's idea): the
+requests split over the replicas (dp), the model split by TP, its MoE layers spread over EP
+(attention replicated) or its layers cut into pp stages run by `PipelineGenerator`.
 """
 import itertools
 
@@ -31,6 +35,7 @@ from ..runtime.context import context
 from ..runtime.memory import optimizer_state_tensors
 from .moe import ExpertParallel
 from .pipeline import PipelineSchedule, PipelineStage, split_into_stages
+from .serving import PipelineGenerator, generate, new_cache, split_requests
 from .flat import average_gradients, unwrapped_name
 from .tensor_parallel import gather_params, parallelize
 from .tensor_parallel_plan import plan_for
@@ -129,3 +134,41 @@ class HybridParallel:
                 out.update({k: p.detach().clone() for k, p in module.named_parameters()})
         return {unwrapped_name(k): v for k, v in out.items()}
 
+
+class HybridGenerator:
+    """Greedy generation of `model` (a TinyGPT-shaped module with `cfg.hidden`) on a `mesh`.
+
+    tp > 1: split by `parallelize(model, tp_plan, mesh["tp"])` (each rank caches its own
+    heads); expert_parallel and ep > 1: every MoE layer in ExpertParallel over mesh["ep"];
+    pp > 1: cut into pp stages by layers, run by `PipelineGenerator` (the requests in pp
+    micro-batches). Each dp rank (replicas x ep) generates its share of the requests. After
+    `generate`: `cache_bytes` (this rank's KV cache), `held` (the module this rank serves
+    with: its stage, or the whole model), `requests_here`.
+    """
+
+    def __init__(self, model, mesh, tp_plan=None, expert_parallel=False):
+        self.model, self.mesh = model, mesh
+        if mesh.sizes["tp"] > 1:
+            parallelize(model, tp_plan, mesh["tp"])
+        if expert_parallel and mesh.ep > 1:
+            for parent, attr, layer in moe_layers(model):
+                setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"], tag="moe"))
+        self.cache_bytes, self.held, self.requests_here = 0, model, 0
+
+    def generate(self, requests, new_tokens):
+        """This rank's share of `requests` (b, P) -> its (b / dp, new_tokens) greedy tokens."""
+        mine = split_requests(requests, self.mesh["dp"])
+        self.requests_here = mine.shape[0]
+        pp = self.mesh.sizes["pp"]
+        if pp == 1:
+            cache = new_cache()
+            tokens = generate(self.model, mine, new_tokens, cache)
+            self.cache_bytes = cache.nbytes()
+            return tokens
+        stages = split_into_stages(self.model, pp, balance="layers")
+        index = self.mesh.coords["pp"]
+        stage = PipelineStage(stages[index], index, pp, group=self.mesh["pp"])
+        pipe = PipelineGenerator(stage, self.model.cfg.hidden, n_microbatches=pp)
+        tokens = pipe.generate(mine, new_tokens)
+        self.cache_bytes, self.held = pipe.cache_bytes(), stages[index]
+        return tokens
