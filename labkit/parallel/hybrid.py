@@ -52,6 +52,47 @@ def moe_layers(module):
     return found
 
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def check_layout(*, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
+                 sequence_parallel=False, experts=0, layers, heads, ffn, vocab, seq,
+                 global_batch):
+    """One-line ValueError (CLI flag names) for a mesh layout a GPT of this shape or this batch
+    cannot take, before any rank starts: TP must divide what it splits, each pipeline stage
+    needs a layer (the embeddings and the head are stages of their own), the batch must split
+    into dp replicas x micro-batches, EP must divide the experts and DP."""
+    for name, value in dict(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches,
+                            virtual=virtual).items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}")
+    if zero not in (0, 1):
+        raise ValueError(f"--zero must be 0 or 1 with a pipeline, got {zero}")
+    for name, size in dict(heads=heads, ffn=ffn, vocab=vocab,
+                           **({"seq": seq} if sequence_parallel else {})).items():
+        if size % tp:
+            raise ValueError(f"TP degree {tp} does not divide {name}={size}")
+    stages = pp * (virtual if schedule == "interleaved" else 1)
+    if layers + 2 < stages:
+        raise ValueError(f"{stages} pipeline stages need at least {stages - 2} GPT layers "
+                         f"(the embeddings and the head are stages of their own): pass "
+                         f"--layers {stages - 2}")
+    if global_batch % (dp * microbatches):
+        raise ValueError(f"global batch {global_batch} does not split into dp={dp} "
+                         f"replicas x {microbatches} micro-batches")
+    if schedule == "interleaved" and microbatches % pp:
+        raise ValueError(f"the interleaved schedule needs micro-batches ({microbatches}) "
+                         f"divisible by pp={pp}")
+    if experts:
+        if experts % ep or dp % ep:
+            raise ValueError(f"--ep {ep} must divide --experts {experts} and --dp {dp} (expert "
+                             "parallelism spreads the experts over data-parallel ranks)")
+    elif ep > 1:
+        raise ValueError("--ep needs a mixture of experts: add --experts N")
+
+
 class HybridParallel:
     """Train `model` (an nn.Sequential, or a model with `as_sequential()`) on a `mesh`.
 

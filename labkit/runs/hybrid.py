@@ -12,7 +12,7 @@ device reference trains the same function.
 from dataclasses import replace
 
 from .. import data, models
-from ..parallel.hybrid import HybridParallel
+from ..parallel.hybrid import SCHEDULES, HybridParallel, check_layout
 from ..runtime.mesh import DIMS, comm_by_dim
 from ..theory import hybrid as theory_hybrid
 from ..theory import pipeline as schedules
@@ -20,7 +20,6 @@ from . import reference
 from .report import build_report, launch_checked, mean_loss, rank_result
 from ..parallel.tensor_parallel_plan import gpt_plan
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def moe_config(experts, top_k):
@@ -40,39 +39,16 @@ def run_config(cfg, experts=0, top_k=1):
 def check_config(cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
                  sequence_parallel=False, experts=0, top_k=1):
     """One-line ValueError for a layout this model or batch cannot take (before any rank)."""
-    for name, value in dict(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches,
-                            virtual=virtual).items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
     if cfg.model != "gpt":
         raise ValueError("the hybrid trains the tiny GPT (--model gpt; --experts N for MoE)")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}")
-    if zero not in (0, 1):
-        raise ValueError(f"--zero must be 0 or 1 with a pipeline, got {zero}")
-    c = models.GPTConfig(**cfg.model_kwargs)
-    for name, size in dict(heads=c.heads, ffn=c.ffn, vocab=c.vocab,
-                           **({"seq": c.seq} if sequence_parallel else {})).items():
-        if size % tp:
-            raise ValueError(f"TP degree {tp} does not divide {name}={size}")
-    stages = pp * (virtual if schedule == "interleaved" else 1)
-    if c.layers + 2 < stages:
-        raise ValueError(f"{stages} pipeline stages need at least {stages - 2} GPT layers "
-                         f"(the embeddings and the head are stages of their own): pass "
-                         f"--layers {stages - 2}")
-    if cfg.global_batch % (dp * microbatches):
-        raise ValueError(f"global batch {cfg.global_batch} does not split into dp={dp} "
-                         f"replicas x {microbatches} micro-batches")
-    if schedule == "interleaved" and microbatches % pp:
-        raise ValueError(f"the interleaved schedule needs micro-batches ({microbatches}) "
-                         f"divisible by pp={pp}")
     if experts:
         models.MoEConfig(experts=experts, top_k=top_k)      # its own one-line checks
-        if experts % ep or dp % ep:
-            raise ValueError(f"--ep {ep} must divide --experts {experts} and --dp {dp} (expert "
-                             "parallelism spreads the experts over data-parallel ranks)")
-    elif ep > 1:
-        raise ValueError("--ep needs a mixture of experts: add --experts N")
+    c = models.GPTConfig(**cfg.model_kwargs)
+    check_layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, schedule=schedule,
+                 microbatches=microbatches, virtual=virtual,
+                 sequence_parallel=sequence_parallel, experts=experts, layers=c.layers,
+                 heads=c.heads, ffn=c.ffn, vocab=c.vocab, seq=c.seq,
+                 global_batch=cfg.global_batch)
 
 
 def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
