@@ -319,7 +319,28 @@ def serve_command(args):
     report = serve.report(args.world_size, cfg, cluster=args.cluster)
     if args.json:
         return to_json({k: v for k, v in report.items() if k != "tokens"})
-    return serve.format_report(report)
+    return format_serve_report(report)
+
+
+def format_serve_report(r):
+    """What the CLI prints without --json."""
+    c = r["config"]
+    lines = [f"serve on {r['world_size']} rank(s) (tp {c['tp']}, pp {c['pp']}, replicas "
+             f"{c['replicas']}" + (f", {c['experts']} experts over ep {c['ep']}"
+                                   if c["experts"] else "") + f"), {r['backend']}",
+             f"  {c['batch']} requests x {c['prompt_len']} prompt tokens, {c['new_tokens']} "
+             f"new tokens: greedy tokens equal one device: {r['tokens_equal_reference']}",
+             "  KV cache per rank (measured / formula, bytes): " + ", ".join(
+                 f"r{k}: {v:,} / {r['predicted_kv_cache_bytes'][k]:,.0f}"
+                 for k, v in r["kv_cache_bytes"].items())]
+    for row in r["comm"]:
+        lines.append(f"  comm {row['op']:>10} {row['group']:>12}: {row['calls_per_token']:5.1f} "
+                     f"calls, {row['bytes_per_token']:9,.0f} B per token (payload, measured)")
+    lines.append(f"  here (measured): {r['wall_tokens_per_s']:.0f} tokens/s, "
+                 f"{r['wall_s_per_token'] * 1e3:.1f} ms per step")
+    lines.append(f"  on {r['cluster']} (modelled, bf16): TTFT {r['modelled_ttft_s'] * 1e6:.1f} "
+                 f"us, TPOT {r['modelled_tpot_s'] * 1e6:.2f} us")
+    return "\n".join(lines)
 
 
 def serve_plan_main(argv):

@@ -21,6 +21,10 @@ stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the sta
     mesh = ctx.mesh(dp=2, tp=2, pp=2)
     hybrid = HybridParallel(model, mesh, loss_fn, tp_plan=plan, n_microbatches=4)
     loss = hybrid.step(x, y)                # forward, backward, DP average, optimizer step
+
+Serving composes the same blocks (`HybridGenerator`, labkit.parallel.serving's idea): the
+requests split over the replicas (dp), the model split by TP, its MoE layers spread over EP
+(attention replicated) or its layers cut into pp stages run by `PipelineGenerator`.
 """
 import itertools
 
@@ -31,6 +35,7 @@ from ..runtime.context import context
 from ..runtime.memory import optimizer_state_tensors
 from .moe import ExpertParallel
 from .pipeline import PipelineSchedule, PipelineStage, split_into_stages
+from .serving import PipelineGenerator, generate, new_cache, split_requests
 from .flat import average_gradients, unwrapped_name
 from .tensor_parallel import gather_params, parallelize
 from .tensor_parallel_plan import plan_for
@@ -45,6 +50,47 @@ def moe_layers(module):
             if hasattr(layer, "experts") and (hasattr(layer, "router") or hasattr(layer, "gate")):
                 found.append((child, attr, layer))
     return found
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def check_layout(*, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
+                 sequence_parallel=False, experts=0, layers, heads, ffn, vocab, seq,
+                 global_batch):
+    """One-line ValueError (CLI flag names) for a mesh layout a GPT of this shape or this batch
+    cannot take, before any rank starts: TP must divide what it splits, each pipeline stage
+    needs a layer (the embeddings and the head are stages of their own), the batch must split
+    into dp replicas x micro-batches, EP must divide the experts and DP."""
+    for name, value in dict(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches,
+                            virtual=virtual).items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}")
+    if zero not in (0, 1):
+        raise ValueError(f"--zero must be 0 or 1 with a pipeline, got {zero}")
+    for name, size in dict(heads=heads, ffn=ffn, vocab=vocab,
+                           **({"seq": seq} if sequence_parallel else {})).items():
+        if size % tp:
+            raise ValueError(f"TP degree {tp} does not divide {name}={size}")
+    stages = pp * (virtual if schedule == "interleaved" else 1)
+    if layers + 2 < stages:
+        raise ValueError(f"{stages} pipeline stages need at least {stages - 2} GPT layers "
+                         f"(the embeddings and the head are stages of their own): pass "
+                         f"--layers {stages - 2}")
+    if global_batch % (dp * microbatches):
+        raise ValueError(f"global batch {global_batch} does not split into dp={dp} "
+                         f"replicas x {microbatches} micro-batches")
+    if schedule == "interleaved" and microbatches % pp:
+        raise ValueError(f"the interleaved schedule needs micro-batches ({microbatches}) "
+                         f"divisible by pp={pp}")
+    if experts:
+        if experts % ep or dp % ep:
+            raise ValueError(f"--ep {ep} must divide --experts {experts} and --dp {dp} (expert "
+                             "parallelism spreads the experts over data-parallel ranks)")
+    elif ep > 1:
+        raise ValueError("--ep needs a mixture of experts: add --experts N")
 
 
 class HybridParallel:
@@ -129,3 +175,41 @@ class HybridParallel:
                 out.update({k: p.detach().clone() for k, p in module.named_parameters()})
         return {unwrapped_name(k): v for k, v in out.items()}
 
+
+class HybridGenerator:
+    """Greedy generation of `model` (a TinyGPT-shaped module with `cfg.hidden`) on a `mesh`.
+
+    tp > 1: split by `parallelize(model, tp_plan, mesh["tp"])` (each rank caches its own
+    heads); expert_parallel and ep > 1: every MoE layer in ExpertParallel over mesh["ep"];
+    pp > 1: cut into pp stages by layers, run by `PipelineGenerator` (the requests in pp
+    micro-batches). Each dp rank (replicas x ep) generates its share of the requests. After
+    `generate`: `cache_bytes` (this rank's KV cache), `held` (the module this rank serves
+    with: its stage, or the whole model), `requests_here`.
+    """
+
+    def __init__(self, model, mesh, tp_plan=None, expert_parallel=False):
+        self.model, self.mesh = model, mesh
+        if mesh.sizes["tp"] > 1:
+            parallelize(model, tp_plan, mesh["tp"])
+        if expert_parallel and mesh.ep > 1:
+            for parent, attr, layer in moe_layers(model):
+                setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"], tag="moe"))
+        self.cache_bytes, self.held, self.requests_here = 0, model, 0
+
+    def generate(self, requests, new_tokens):
+        """This rank's share of `requests` (b, P) -> its (b / dp, new_tokens) greedy tokens."""
+        mine = split_requests(requests, self.mesh["dp"])
+        self.requests_here = mine.shape[0]
+        pp = self.mesh.sizes["pp"]
+        if pp == 1:
+            cache = new_cache()
+            tokens = generate(self.model, mine, new_tokens, cache)
+            self.cache_bytes = cache.nbytes()
+            return tokens
+        stages = split_into_stages(self.model, pp, balance="layers")
+        index = self.mesh.coords["pp"]
+        stage = PipelineStage(stages[index], index, pp, group=self.mesh["pp"])
+        pipe = PipelineGenerator(stage, self.model.cfg.hidden, n_microbatches=pp)
+        tokens = pipe.generate(mine, new_tokens)
+        self.cache_bytes, self.held = pipe.cache_bytes(), stages[index]
+        return tokens

@@ -321,6 +321,24 @@ def routing_stats(model):
                 sent=[0] * len(layers), received=[0] * len(layers))
 
 
+def merge_routing(per_rank):
+    """Every rank's per-step `routing_stats` summed over the ranks: (dropped assignments per
+    step, the last step's load per layer and expert)."""
+    last = [steps[-1]["load"] for steps in per_rank]
+    dropped = [sum(steps[s]["dropped"] for steps in per_rank) for s in range(len(per_rank[0]))]
+    load = [[sum(rank[layer][e] for rank in last) for e in range(len(last[0][layer]))]
+            for layer in range(len(last[0]))]
+    return dropped, load
+
+
+def parameter_counts(model):
+    """(dense elements, dense tensors, expert elements, expert tensors) of `model`."""
+    dense, expert = [], []
+    for name, p in model.named_parameters():
+        (expert if is_expert(name) else dense).append(p.numel())
+    return sum(dense), len(dense), sum(expert), len(expert)
+
+
 # ------------------------------------------------------------------------ the duck type
 
 def _setting(layer, name, default=...):

@@ -130,6 +130,22 @@ def gather_requests(tokens, group=None, tag="gather tokens"):
     return context().comm.all_gather(tokens.contiguous(), group=group, tag=tag)
 
 
+def comm_per_token(rows, new_tokens):
+    """Per group and op: calls, payload bytes and ring wire bytes per rank, per generated
+    token (payloads measured; wire bytes modelled)."""
+    out = {}
+    for row in rows:
+        key = (row["group"], row["op"])
+        acc = out.setdefault(key, dict(group=row["group"], op=row["op"], calls=0, bytes=0,
+                                       wire_bytes_per_rank=0.0))
+        for k in ("calls", "bytes", "wire_bytes_per_rank"):
+            acc[k] += row[k]
+    return [dict(r, calls_per_token=r["calls"] / new_tokens,
+                 bytes_per_token=r["bytes"] / new_tokens,
+                 wire_bytes_per_rank_per_token=r["wire_bytes_per_rank"] / new_tokens)
+            for r in out.values()]
+
+
 class PipelineGenerator:
     """Greedy generation through the stages of a pipeline, the requests in micro-batches.
 

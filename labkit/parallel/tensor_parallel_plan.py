@@ -85,3 +85,21 @@ def _check_one(name, layer, style, tp, root):
     if size % tp:
         raise ValueError(f"TP degree {tp} does not divide the {size} {what} of {name} "
                          f"({style} splits them across ranks)")
+
+
+def gpt_plan(sequence_parallel=False, vocab=True, sequential=False):
+    """Megatron's plan for labkit's GPT: attention split by heads (the fused qkv colwise, the
+    output projection rowwise), the MLP colwise then rowwise, embedding and head by vocabulary
+    (`vocab=False`: both whole, as serving keeps them). With sequence parallelism the position
+    table is split by rows too: its reduce-scatter hands each rank the rows of its own slice of
+    the sequence. `sequential`: by the names of `TinyGPT.as_sequential()` (stage modules keep
+    them: "0" embeddings, "1".."L" blocks, "L+1" final norm + head), for pipelines."""
+    blocks, embeddings, head = ("*.", "0.", "*.") if sequential else ("blocks.*.", "", "")
+    plan = {f"{embeddings}tok": "vocab"} if vocab else {}
+    plan.update({f"{blocks}attn.qkv": "colwise", f"{blocks}attn.proj": "rowwise",
+                 f"{blocks}mlp.fc1": "colwise", f"{blocks}mlp.fc2": "rowwise"})
+    if vocab:
+        plan[f"{head}head"] = "vocab"
+    if sequence_parallel:
+        plan[f"{embeddings}pos"] = "vocab"
+    return plan

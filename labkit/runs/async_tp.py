@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from .. import models, numerics
 from ..parallel.tensor_parallel import gather_params, parallelize
 from ..runtime.context import context
-from ..runtime.trace import overlap_by_op
-from .tensor_parallel import gpt_plan
+from ..runtime.trace import hidden_share, overlap_by_op
+from ..parallel.tensor_parallel_plan import gpt_plan
 
 RING = ("send", "recv")
 
@@ -101,17 +101,6 @@ def train_one(build, plan, loss_fn, *, async_tp, steps=2, dtype=torch.float32, l
         params = gather_params(model)
     return dict(losses=losses, params=params, wire_bytes=wire, calls=calls,
                 overlap=overlap, step_s=ctx.clock.step_times()[-steps:])
-
-
-def hidden_share(overlap, ops=None):
-    """Hidden / modelled seconds of the ops named (None: all), from `train_one`'s overlap
-    (the p2p ring's messages show as "recv from r")."""
-    rows = [row for name, row in overlap.items()
-            if ops is None or name.split(" ")[0] in ops]
-    total = sum(r["modelled_s"] for r in rows)
-    return dict(modelled_s=total, exposed_s=sum(r["exposed_s"] for r in rows),
-                hidden_s=sum(r["hidden_s"] for r in rows),
-                share=sum(r["hidden_s"] for r in rows) / total if total else 0.0)
 
 
 CASES = (("TinyGPT", gpt, gpt_plan(True), gpt_loss), ("wide MLP", wide_mlp, MLP_PLAN, mlp_loss))

@@ -6,28 +6,24 @@ all-gather or Ulysses' all-to-all over heads.
 batch but only its shard of each sequence (`shard_sequence`, global positions for the position
 embedding); each block's attention is wrapped in `ContextParallel` (Ulysses: N <= heads, refused
 before ranks start); the replicated weights' gradients are averaged with one all-reduce per
-step. The parameters are compared with the single-device run. Then an attention check: one
-forward and backward of the method's attention on random q, k, v (causal or not, as asked),
-its output and q, k, v gradients against single-device fp64 attention, the FLOPs each rank's
-clock counted (contiguous causal: the last rank ~2x the mean; zigzag: balanced), its comm
-bytes and saved activation bytes against labkit.theory.context_parallel.
+step. The parameters are compared with the single-device run. Then an attention check
+(labkit.parallel.attention_check): one forward and backward of the method's attention on
+random q, k, v (causal or not, as asked), its output and q, k, v gradients against
+single-device fp64 attention, the FLOPs each rank's clock counted (contiguous causal: the last
+rank ~2x the mean; zigzag: balanced), its comm bytes and saved activation bytes against
+labkit.theory.context_parallel.
 """
 import argparse
 
-import torch
-import torch.nn.functional as F
-
-from .. import numerics
+from ..parallel.attention_check import attention_check, merge_attention_checks
 from ..parallel.context_parallel import (CORES, LAYOUTS, ContextParallel, check_sequence,
                                          check_ulysses_heads, sequence_positions, shard_sequence)
 from ..parallel.flat import average_gradients, unwrapped_name
-from ..runtime.memory import MemoryTracker
 from ..theory import context_parallel as theory_cp
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
 from .reference import gpt_config as reference_gpt_config, token_loss
 from .reference import float64_reference, train as reference_train
 
-ATTENTION_TAGS = ("ring attention", "all-gather attention", "ulysses attention")
 METHODS = tuple(CORES)        # ring, all_gather, ulysses
 
 
@@ -93,46 +89,6 @@ def train(ctx, cfg, layout="zigzag", method="ring", causal=True, check_shape=Non
                        attention_check=check)
 
 
-def attention_check(ctx, shape, causal, layout, method, seed=0):
-    """One CP attention forward + backward on random (b, h, s, d) inputs against fp64
-    single-device attention, judged by fp32 single-device attention's own error
-    (labkit.numerics); this rank's counted FLOPs, comm bytes, saved bytes, timeline."""
-    b, h, s, d = shape
-    g = torch.Generator().manual_seed(seed)
-    q, k, v, do = (torch.randn(b, h, s, d, generator=g) for _ in range(4))
-    full = [t.double().requires_grad_() for t in (q, k, v)]
-    expected = F.scaled_dot_product_attention(*full, is_causal=causal)
-    expected.backward(do.double())
-    single = [t.clone().requires_grad_() for t in (q, k, v)]
-    one_device = F.scaled_dot_product_attention(*single, is_causal=causal)
-    one_device.backward(do)
-    mine = [shard_sequence(t, None, layout, dim=2).requires_grad_() for t in (q, k, v)]
-    ctx.comm.barrier(tag="attention check")        # start together on the modelled clock
-    ctx.comm.reset()
-    first_event, flops, start = len(ctx.clock.events), ctx.clock.flops, ctx.clock.t
-    tracker = MemoryTracker()
-    with tracker.track_activations():
-        out = CORES[method](*mine, None, causal, layout)
-    out.backward(shard_sequence(do, None, layout, dim=2))
-    names = ("out", "dq", "dk", "dv")
-    mine_rows, exact_rows, single_rows = (
-        {n: shard_sequence(t.detach(), None, layout, dim=2) if rows else t.detach()
-         for n, t in zip(names, ts)}
-        for ts, rows in (([out] + [m.grad for m in mine], False),
-                         ([expected] + [f.grad for f in full], True),
-                         ([one_device] + [t.grad for t in single], True)))
-    diffs = {n: (mine_rows[n].double() - exact_rows[n]).abs().max().item() for n in names}
-    agreement = numerics.compare(mine_rows, single_rows, exact_rows)
-    wire = sum(r["wire_bytes_per_rank"] for r in ctx.comm.summary(by=("op", "tag"))
-               if r["tag"].startswith(ATTENTION_TAGS))
-    timeline = [dict(e, start=e["start"] - start, end=e["end"] - start)
-                for e in ctx.clock.timeline()[first_event:]]
-    return dict(max_diff=diffs, agreement=agreement, flops=ctx.clock.flops - flops,
-                wire_bytes=wire,
-                saved_bytes=tracker.max_saved_bytes, modelled_s=ctx.clock.t - start,
-                timeline=timeline)
-
-
 def add_arguments(parser):
     parser.add_argument("--layout", choices=LAYOUTS, default="zigzag",
                         help="which positions each rank holds (zigzag balances causal work)")
@@ -160,16 +116,11 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", layout="zigzag", met
         cluster=cluster, timeout_s=600)
     checks = [r["attention_check"] for r in results]
     b, h, s, d = shape
-    flops = [ch["flops"] for ch in checks]
+    measured = merge_attention_checks(checks)
+    flops = measured["flops_per_rank"]
     attention = dict(
         shape=dict(batch=b, heads=h, seq=s, head_dim=d), causal=causal, method=method,
-        max_diff={k: max(ch["max_diff"][k] for ch in checks) for k in checks[0]["max_diff"]},
-        within_rounding=all(ch["agreement"].ok for ch in checks),
-        verdict=str(max((ch["agreement"] for ch in checks), key=lambda a: a.error / a.limit)),
-        flops_per_rank=flops, imbalance=theory_cp.imbalance(flops) if sum(flops) else None,
-        comm_bytes_per_rank=[ch["wire_bytes"] for ch in checks],
-        saved_bytes_per_rank=[ch["saved_bytes"] for ch in checks],
-        modelled_s=max(ch["modelled_s"] for ch in checks),
+        **measured, imbalance=theory_cp.imbalance(flops) if sum(flops) else None,
         **theory_cp.attention_call_prediction(b, h, s, d, world_size, layout, causal, method))
     out = build_report(
         "cp", cfg, results, reference=reference_train(cfg), exact=float64_reference(cfg),

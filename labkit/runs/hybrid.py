@@ -12,16 +12,14 @@ device reference trains the same function.
 from dataclasses import replace
 
 from .. import data, models
-from ..parallel.hybrid import HybridParallel
-from ..runtime.mesh import DIMS
+from ..parallel.hybrid import SCHEDULES, HybridParallel, check_layout
+from ..runtime.mesh import DIMS, comm_by_dim
 from ..theory import hybrid as theory_hybrid
 from ..theory import pipeline as schedules
 from . import reference
 from .report import build_report, launch_checked, mean_loss, rank_result
-from .tensor_parallel import gpt_plan
+from ..parallel.tensor_parallel_plan import gpt_plan
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-GROUP_ORDER = ("tp", "pp", "ep", "dp", "ep_dp", "cp")   # a set of ranks is named by the first
 
 
 def moe_config(experts, top_k):
@@ -41,39 +39,16 @@ def run_config(cfg, experts=0, top_k=1):
 def check_config(cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
                  sequence_parallel=False, experts=0, top_k=1):
     """One-line ValueError for a layout this model or batch cannot take (before any rank)."""
-    for name, value in dict(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches,
-                            virtual=virtual).items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
     if cfg.model != "gpt":
         raise ValueError("the hybrid trains the tiny GPT (--model gpt; --experts N for MoE)")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}")
-    if zero not in (0, 1):
-        raise ValueError(f"--zero must be 0 or 1 with a pipeline, got {zero}")
-    c = models.GPTConfig(**cfg.model_kwargs)
-    for name, size in dict(heads=c.heads, ffn=c.ffn, vocab=c.vocab,
-                           **({"seq": c.seq} if sequence_parallel else {})).items():
-        if size % tp:
-            raise ValueError(f"TP degree {tp} does not divide {name}={size}")
-    stages = pp * (virtual if schedule == "interleaved" else 1)
-    if c.layers + 2 < stages:
-        raise ValueError(f"{stages} pipeline stages need at least {stages - 2} GPT layers "
-                         f"(the embeddings and the head are stages of their own): pass "
-                         f"--layers {stages - 2}")
-    if cfg.global_batch % (dp * microbatches):
-        raise ValueError(f"global batch {cfg.global_batch} does not split into dp={dp} "
-                         f"replicas x {microbatches} micro-batches")
-    if schedule == "interleaved" and microbatches % pp:
-        raise ValueError(f"the interleaved schedule needs micro-batches ({microbatches}) "
-                         f"divisible by pp={pp}")
     if experts:
         models.MoEConfig(experts=experts, top_k=top_k)      # its own one-line checks
-        if experts % ep or dp % ep:
-            raise ValueError(f"--ep {ep} must divide --experts {experts} and --dp {dp} (expert "
-                             "parallelism spreads the experts over data-parallel ranks)")
-    elif ep > 1:
-        raise ValueError("--ep needs a mixture of experts: add --experts N")
+    c = models.GPTConfig(**cfg.model_kwargs)
+    check_layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, schedule=schedule,
+                 microbatches=microbatches, virtual=virtual,
+                 sequence_parallel=sequence_parallel, experts=experts, layers=c.layers,
+                 heads=c.heads, ffn=c.ffn, vocab=c.vocab, seq=c.seq,
+                 global_batch=cfg.global_batch)
 
 
 def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
@@ -102,14 +77,7 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
             losses.append(loss.item())
     with ctx.off_the_record():
         params = {model_name[k]: v for k, v in hybrid.full_params().items()}
-    names = {}
-    for dim in GROUP_ORDER:
-        if dim in mesh.groups:
-            names.setdefault(mesh[dim].name, dim)
-    comm = ctx.comm.summary(by=("op", "group", "tag"))
-    for row in comm:   # the DP averages say which group they use; else the group's ranks do
-        tag_dim = row["tag"].split(" ")[0]
-        row["dim"] = tag_dim if tag_dim in ("dp", "ep_dp") else names.get(row["group"], "other")
+    comm = mesh.label_comm(ctx.comm.summary(by=("op", "group", "tag")))
     return rank_result(ctx, losses, stage_params=params, coords=mesh.coords,
                        mesh_table=mesh.table(), is_last=last, comm_by_group=comm)
 
@@ -120,24 +88,6 @@ def merge_results(results, dp):
     last = [r for r in results if r["is_last"] and r["coords"]["tp"] == 0]
     params = {k: v for r in reversed(results) for k, v in r["stage_params"].items()}
     return [dict(results[0], loss=mean_loss(last, key="loss"), params=params)] + results[1:]
-
-
-def comm_by_dim(results):
-    """Payload bytes and ring-model bytes per rank, summed over every rank, by mesh dimension
-    (dp / tp / pp / ep / ep_dp) and op: a list of rows."""
-    rows = {}
-    for r in results:
-        for row in r["comm_by_group"]:
-            key = (row["dim"], row["op"])
-            out = rows.setdefault(key, dict(dim=row["dim"], op=row["op"], calls=0, bytes=0,
-                                            wire_bytes=0.0, modelled_s=0.0))
-            out["calls"] += row["calls"]
-            out["bytes"] += row["bytes"]
-            out["wire_bytes"] += row["wire_bytes_per_rank"]
-            out["modelled_s"] += row["modelled_s"]
-    return sorted(rows.values(), key=lambda row: (GROUP_ORDER.index(row["dim"])
-                                                  if row["dim"] in GROUP_ORDER else 99,
-                                                  row["op"]))
 
 
 def add_arguments(parser):
@@ -191,5 +141,6 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
             **models.GPTConfig(**run.model_kwargs).as_dict(), global_batch=run.global_batch,
             dp=dp, tp=tp, pp=pp, microbatches=microbatches, virtual=v,
             sequence_parallel=sequence_parallel, zero=zero, optimizer=run.optimizer),
-        comm_by_dim=comm_by_dim(results), mesh_table=results[0]["mesh_table"],
+        comm_by_dim=comm_by_dim(r["comm_by_group"] for r in results),
+        mesh_table=results[0]["mesh_table"],
         bubble_fraction_formula=schedules.bubble_formula(pp, microbatches, v))

@@ -21,7 +21,8 @@ import torch
 from .. import data, models
 from ..models import MoEConfig
 from ..parallel.moe import (ExpertParallel, average_moe_gradients, check_expert_parallel,
-                            expert_groups, full_parameters, is_expert, routing_stats)
+                            expert_groups, full_parameters, merge_routing, parameter_counts,
+                            routing_stats)
 from ..theory import moe as theory_moe
 from .reference import RunConfig, batch, build_optimizer, full_params
 from .report import build_report, launch_checked, rank_result
@@ -149,17 +150,13 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", experts=4, top_k=1,
     dp = world_size // ep
     ref = reference_train(cfg, moe, groups=dp)
     loss = [sum(r["loss"][s] for r in results) / world_size for s in range(cfg.steps)]
-    dropped = [sum(r["routing"][s]["dropped"] for r in results) for s in range(cfg.steps)]
-    layers = len(results[0]["routing"][-1]["load"])
-    load = [[sum(r["routing"][-1]["load"][layer][e] for r in results) for e in range(experts)]
-            for layer in range(layers)]
-    shape, named = ref["model"].cfg, list(ref["model"].named_parameters())
-    dense = [p.numel() for n, p in named if not is_expert(n)]
-    expert = [p.numel() for n, p in named if is_expert(n)]
+    dropped, load = merge_routing([r["routing"] for r in results])
+    shape, layers = ref["model"].cfg, len(load)
+    dense_params, dense_tensors, expert_params, expert_tensors = parameter_counts(ref["model"])
     tokens = cfg.global_batch * shape.seq
     by_op = theory_moe.expert_parallel_run_comm(
-        steps=cfg.steps, layers=layers, dense_params=sum(dense), dense_tensors=len(dense),
-        expert_params=sum(expert), expert_tensors=len(expert), experts=experts,
+        steps=cfg.steps, layers=layers, dense_params=dense_params, dense_tensors=dense_tensors,
+        expert_params=expert_params, expert_tensors=expert_tensors, experts=experts,
         top_k=top_k, hidden=shape.hidden, ep=ep, world=world_size,
         rows=sum(sum(s["sent"]) + sum(s["received"]) for s in results[0]["routing"]))
     results[0] = dict(results[0], loss=loss)
@@ -167,7 +164,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", experts=4, top_k=1,
         "moe", cfg, results, reference=ref,
         exact=reference_train(cfg, moe, groups=dp, dtype=torch.float64),
         config=dict(moe.as_dict(), ep=ep, dp=dp, capacity=moe.capacity(tokens // dp)),
-        predicted_memory=theory_moe.expert_parallel_state_bytes(sum(dense), sum(expert),
+        predicted_memory=theory_moe.expert_parallel_state_bytes(dense_params, expert_params,
                                                                 ep, cfg.optimizer),
         predicted_comm_bytes_per_rank=sum(by_op.values()), predicted_comm_by_op=by_op,
         tokens_dropped=dropped, reference_tokens_dropped=[s["dropped"] for s in ref["routing"]],

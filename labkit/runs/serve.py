@@ -2,9 +2,9 @@
 
 `python -m labkit run serve --tp 2 [--pp 2] [--replicas 2] [--experts 8 --ep 2]
  --prompt-len 16 --new-tokens 8 --batch 8 [--json]`. The world is a mesh dp=replicas (x ep)
-by pp by tp: each replica gets its share of the requests; inside it the model is split by
-`parallelize` (heads and MLP columns) over TP, cut by `split_into_stages` over PP and run by
-`PipelineGenerator` (the requests in pp micro-batches), or, for the MoE GPT, its experts spread
+by pp by tp, laid out by `labkit.parallel.hybrid.HybridGenerator`: each replica gets its
+share of the requests; inside it the model is split by `parallelize` (heads and MLP columns)
+over TP, cut by `split_into_stages` over PP and run by `PipelineGenerator` (the requests in pp micro-batches), or, for the MoE GPT, its experts spread
 by `ExpertParallel` over EP (attention replicated, requests split). The report adds to the run
 report: tokens_equal_reference (greedy tokens of every request vs one device), kv_cache_bytes
 (measured, per rank) beside the formula, comm per generated token by group, wall tokens/s here
@@ -16,15 +16,13 @@ from dataclasses import dataclass, field, asdict
 import torch
 
 from .. import models
-from ..parallel.moe import ExpertParallel, check_expert_parallel
-from ..parallel.pipeline import PipelineStage, split_into_stages
-from ..parallel.serving import (PipelineGenerator, gather_requests, generate, new_cache,
-                                split_requests)
-from ..parallel.tensor_parallel import parallelize
+from ..parallel.hybrid import HybridGenerator
+from ..parallel.moe import check_expert_parallel
+from ..parallel.serving import comm_per_token, gather_requests, generate, new_cache
 from ..parallel.tensor_parallel_plan import resolve_plan
 from ..runtime.launch import launch
 from ..theory import serving as theory
-from .tensor_parallel import gpt_plan
+from ..parallel.tensor_parallel_plan import gpt_plan
 
 GPT_TP_PLAN = gpt_plan(vocab=False)   # embedding and head whole: each rank picks the token
 BYTES = 4   # the tiny models run in float32
@@ -114,52 +112,21 @@ def serve(ctx, cfg):
     """This rank's part of the generation; returns its tokens (all requests), cache bytes,
     comm log and timings."""
     mesh = ctx.mesh(dp=cfg.replicas * cfg.ep, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
-    model = build(cfg).eval()
-    if cfg.tp > 1:
-        parallelize(model, GPT_TP_PLAN, mesh["tp"])
-    if cfg.experts and cfg.ep > 1:
-        for block in model.blocks:
-            block.mlp = ExpertParallel(block.mlp, group=mesh["ep"], tag="moe")
-    mine = split_requests(requests(cfg), mesh["dp"])
+    server = HybridGenerator(build(cfg).eval(), mesh, GPT_TP_PLAN, expert_parallel=cfg.experts > 0)
     start = time.perf_counter()
-    if cfg.pp > 1:
-        stages = split_into_stages(model, cfg.pp, balance="layers")
-        index = mesh.coords["pp"]
-        stage = PipelineStage(stages[index], index, cfg.pp, group=mesh["pp"])
-        pipe = PipelineGenerator(stage, model.cfg.hidden, n_microbatches=cfg.pp)
-        tokens = pipe.generate(mine, cfg.new_tokens)
-        cache_bytes = pipe.cache_bytes()
-        layers_here = sum(isinstance(m, models.Block) for m in stages[index])
-        held = stages[index]
-    else:
-        cache = new_cache()
-        tokens = generate(model, mine, cfg.new_tokens, cache)
-        cache_bytes, layers_here, held = cache.nbytes(), model.cfg.layers, model
+    tokens = server.generate(requests(cfg), cfg.new_tokens)
     wall = time.perf_counter() - start
+    held, cache_bytes = server.held, server.cache_bytes
+    layers_here = (sum(isinstance(m, models.Block) for m in held) if cfg.pp > 1
+                   else cfg.gpt_config().layers)
     with ctx.off_the_record():
         everyone = gather_requests(tokens, mesh["dp"])
     params = sum(p.nbytes for p in held.parameters())   # the weights this rank serves with
     return dict(rank=ctx.rank, tokens=everyone, kv_cache_bytes=cache_bytes, wall_s=wall,
                 memory=dict(params=params, kv_cache=cache_bytes, total=params + cache_bytes),
-                layers_here=layers_here, requests_here=mine.shape[0],
+                layers_here=layers_here, requests_here=server.requests_here,
                 comm=ctx.comm.summary(by=("op", "group", "tag")), backend=ctx.backend,
                 cluster=ctx.clock.cluster.name)
-
-
-def comm_per_token(rows, new_tokens):
-    """Per group and op: calls, payload bytes and ring wire bytes per rank, per generated
-    token (payloads measured; wire bytes modelled)."""
-    out = {}
-    for row in rows:
-        key = (row["group"], row["op"])
-        acc = out.setdefault(key, dict(group=row["group"], op=row["op"], calls=0, bytes=0,
-                                       wire_bytes_per_rank=0.0))
-        for k in ("calls", "bytes", "wire_bytes_per_rank"):
-            acc[k] += row[k]
-    return [dict(r, calls_per_token=r["calls"] / new_tokens,
-                 bytes_per_token=r["bytes"] / new_tokens,
-                 wire_bytes_per_rank_per_token=r["wire_bytes_per_rank"] / new_tokens)
-            for r in out.values()]
 
 
 def report(world_size=None, cfg=None, cluster="8xH100-NVLink", timeout_s=300):
@@ -196,27 +163,6 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", timeout_s=300):
         wall_s_per_token=gen_s / cfg.new_tokens,
         modelled_ttft_s=times["ttft_s"], modelled_tpot_s=times["tpot_s"],
         modelled_tokens_per_s=times["tokens_per_s"], tokens=tokens)
-
-
-def format_report(r):
-    """What the CLI prints without --json."""
-    c = r["config"]
-    lines = [f"serve on {r['world_size']} rank(s) (tp {c['tp']}, pp {c['pp']}, replicas "
-             f"{c['replicas']}" + (f", {c['experts']} experts over ep {c['ep']}"
-                                   if c["experts"] else "") + f"), {r['backend']}",
-             f"  {c['batch']} requests x {c['prompt_len']} prompt tokens, {c['new_tokens']} "
-             f"new tokens: greedy tokens equal one device: {r['tokens_equal_reference']}",
-             "  KV cache per rank (measured / formula, bytes): " + ", ".join(
-                 f"r{k}: {v:,} / {r['predicted_kv_cache_bytes'][k]:,.0f}"
-                 for k, v in r["kv_cache_bytes"].items())]
-    for row in r["comm"]:
-        lines.append(f"  comm {row['op']:>10} {row['group']:>12}: {row['calls_per_token']:5.1f} "
-                     f"calls, {row['bytes_per_token']:9,.0f} B per token (payload, measured)")
-    lines.append(f"  here (measured): {r['wall_tokens_per_s']:.0f} tokens/s, "
-                 f"{r['wall_s_per_token'] * 1e3:.1f} ms per step")
-    lines.append(f"  on {r['cluster']} (modelled, bf16): TTFT {r['modelled_ttft_s'] * 1e6:.1f} "
-                 f"us, TPOT {r['modelled_tpot_s'] * 1e6:.2f} us")
-    return "\n".join(lines)
 
 
 def add_arguments(parser):

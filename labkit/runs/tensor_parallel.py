@@ -13,29 +13,11 @@ from ..parallel.tensor_parallel import (gather_from_tp, gather_grads, gather_par
                                         parallelize, vocab_parallel_argmax,
                                         vocab_parallel_cross_entropy)
 from ..parallel import serving
-from ..parallel.tensor_parallel_plan import resolve_plan
+from ..parallel.tensor_parallel_plan import gpt_plan, resolve_plan
 from ..theory import tensor_parallel as theory_tp
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
 from .reference import gpt_config as reference_gpt_config, train as reference_train
 from .reference import float64_reference
-
-
-def gpt_plan(sequence_parallel=False, vocab=True, sequential=False):
-    """Megatron's plan for labkit's GPT: attention split by heads (the fused qkv colwise, the
-    output projection rowwise), the MLP colwise then rowwise, embedding and head by vocabulary
-    (`vocab=False`: both whole, as serving keeps them). With sequence parallelism the position
-    table is split by rows too: its reduce-scatter hands each rank the rows of its own slice of
-    the sequence. `sequential`: by the names of `TinyGPT.as_sequential()` (stage modules keep
-    them: "0" embeddings, "1".."L" blocks, "L+1" final norm + head), for pipelines."""
-    blocks, embeddings, head = ("*.", "0.", "*.") if sequential else ("blocks.*.", "", "")
-    plan = {f"{embeddings}tok": "vocab"} if vocab else {}
-    plan.update({f"{blocks}attn.qkv": "colwise", f"{blocks}attn.proj": "rowwise",
-                 f"{blocks}mlp.fc1": "colwise", f"{blocks}mlp.fc2": "rowwise"})
-    if vocab:
-        plan[f"{head}head"] = "vocab"
-    if sequence_parallel:
-        plan[f"{embeddings}pos"] = "vocab"
-    return plan
 
 
 def gpt_config(cfg):

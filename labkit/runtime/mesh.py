@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 DIMS = ("pp", "dp", "cp", "tp")   # outermost to innermost
+GROUP_ORDER = ("tp", "pp", "ep", "dp", "ep_dp", "cp")   # a set of ranks is named by the first
 
 
 class Mesh:
@@ -81,9 +82,40 @@ class Mesh:
         """One dict per world rank: rank, its coordinates, and its ep index."""
         return [dict(rank=r, **c, ep=c["dp"] % self.ep) for r, c in enumerate(self._coords)]
 
+    def label_comm(self, rows: list[dict]) -> list[dict]:
+        """`rows` of a comm summary by group, each given the mesh dimension it ran on ("dim"):
+        the DP averages say which group they use in their tag; else the group's ranks do (a set
+        of ranks that is several dimensions' group is named by the first in GROUP_ORDER)."""
+        names = {}
+        for dim in GROUP_ORDER:
+            if dim in self.groups:
+                names.setdefault(self[dim].name, dim)
+        for row in rows:
+            tag_dim = row["tag"].split(" ")[0]
+            row["dim"] = tag_dim if tag_dim in ("dp", "ep_dp") else names.get(row["group"], "other")
+        return rows
+
     def __repr__(self):
         shape = ", ".join(f"{d}={self.sizes[d]}" for d in self.order)
         return f"Mesh({shape}, ep={self.ep})"
+
+
+def comm_by_dim(rows_per_rank: Iterable[list[dict]]) -> list[dict]:
+    """Payload bytes and ring-model bytes per rank, summed over every rank, by mesh dimension
+    (dp / tp / pp / ep / ep_dp) and op, from each rank's `Mesh.label_comm` rows: a list of rows."""
+    rows = {}
+    for rank_rows in rows_per_rank:
+        for row in rank_rows:
+            key = (row["dim"], row["op"])
+            out = rows.setdefault(key, dict(dim=row["dim"], op=row["op"], calls=0, bytes=0,
+                                            wire_bytes=0.0, modelled_s=0.0))
+            out["calls"] += row["calls"]
+            out["bytes"] += row["bytes"]
+            out["wire_bytes"] += row["wire_bytes_per_rank"]
+            out["modelled_s"] += row["modelled_s"]
+    return sorted(rows.values(), key=lambda row: (GROUP_ORDER.index(row["dim"])
+                                                  if row["dim"] in GROUP_ORDER else 99,
+                                                  row["op"]))
 
 
 def layouts(world_size: int, dims: Sequence[str] = ("dp", "tp", "pp")

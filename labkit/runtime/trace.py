@@ -82,6 +82,17 @@ def overlap_by_op(timeline, rank=None):
     return out
 
 
+def hidden_share(overlap, ops=None):
+    """Hidden / modelled seconds of the ops named (None: all), from an `overlap_by_op` result
+    (op names are matched by their first word: a p2p ring's messages show as "recv from r")."""
+    rows = [row for name, row in overlap.items()
+            if ops is None or name.split(" ")[0] in ops]
+    total = sum(r["modelled_s"] for r in rows)
+    return dict(modelled_s=total, exposed_s=sum(r["exposed_s"] for r in rows),
+                hidden_s=sum(r["hidden_s"] for r in rows),
+                share=sum(r["hidden_s"] for r in rows) / total if total else 0.0)
+
+
 def _x(name, start, end, pid, tid, args):
     return dict(name=name, ph="X", ts=start * US, dur=max(0.0, end - start) * US, pid=pid,
                 tid=tid, args=args)
