@@ -102,6 +102,24 @@ def interleaved_rounds(sides, rounds=MIN_ROUNDS, warmup=1):
     return values
 
 
+def slowest_rank_timer(step):
+    """A `measure()` for `interleaved_rounds` on ranks: all start together (a barrier), and the
+    round's time is the slowest rank's (a MAX all-reduce), which is the step's time."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    def measure():
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        took = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        return took.item()
+    return measure
+
+
 def slowest_rank_rounds(results, side, rounds):
     """Per round, the median step of the slowest rank (each step's max over ranks).
 

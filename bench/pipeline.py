@@ -11,10 +11,8 @@ in data/bench.csv (bench/common.py); ratios are labkit_over_torch.
 import copy
 import os
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage as TorchStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
@@ -73,17 +71,7 @@ def bench_rank(ctx, cfg):
         grad_diff = max((a.grad - b.grad).abs().max().item()
                         for a, b in zip(ours.parameters(), theirs.parameters()))
 
-        def timed(step):
-            def measure():
-                dist.barrier()
-                start = time.perf_counter()
-                step()
-                took = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)   # the slowest rank's step
-                return took.item()
-            return measure
-
-        times = common.interleaved_rounds({side: timed(step) for side, (step, _) in
+        times = common.interleaved_rounds({side: common.slowest_rank_timer(step) for side, (step, _) in
                                            steps.items()}, rounds=ROUNDS, warmup=WARMUP)
         out[name] = dict(peaks=peaks, grad_diff=grad_diff, times=times)
     return out

@@ -13,10 +13,8 @@ bench's earlier rows in data/bench.csv (bench/common.py); ratios are labkit_over
 import copy
 import os
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage as TorchStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleZBVZeroBubble
@@ -88,17 +86,7 @@ def bench_rank(ctx, cfg):
             for mine, orig in zip(copies[name], originals[name])
             for q, o in zip(mine.parameters(), orig.parameters()) if q.grad is not None])
 
-    def timed(step):
-        def measure():
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            took = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)   # the slowest rank's step
-            return took.item()
-        return measure
-
-    times = common.interleaved_rounds({name: timed(step) for name, step in sides.items()},
+    times = common.interleaved_rounds({name: common.slowest_rank_timer(step) for name, step in sides.items()},
                                       rounds=ROUNDS, warmup=WARMUP)
     return dict(times=times, grad_diff=grad_diff)
 
