@@ -28,10 +28,12 @@ import labkit
 from labkit import models, numerics
 from labkit.exercises import context_parallel as exercise
 from labkit.parallel import context_parallel as cp
+from labkit.parallel.attention_check import attention_check
 from labkit.theory import context_parallel as theory
 from spawn_helpers import spawn
 
 B, H, D, SEQ = 2, 3, 8, 64           # the whole sequence: 64 tokens for every ring size
+CHECK_SHAPE = (2, 4, 16, 8)          # 4 heads: Ulysses splits them over 4 ranks
 CASES = [(causal, layout, method) for causal in (True, False) for layout in cp.LAYOUTS
          for method in cp.METHODS]
 
@@ -207,6 +209,11 @@ def launched_checks(ctx):
             cp.shard_sequence(do, None, layout, dim=2))
         out[f"flops {layout}"] = ctx.clock.flops - before
         out[f"wire {layout}"] = sum(r["wire_bytes_per_rank"] for r in ctx.comm.summary())
+    for method in cp.METHODS:          # what each core's attention check counts
+        for causal in (True, False):
+            check = attention_check(ctx, CHECK_SHAPE, causal, "zigzag", method)
+            out[f"check {method} {causal}"] = (check["flops"], check["saved_bytes"],
+                                               check["wire_bytes"])
     with ctx.off_the_record():
         torch.manual_seed(0)
         out["sdpa module"] = _wrapped_module_agreement(ctx, SDPAAttention(), "zigzag")
@@ -259,6 +266,19 @@ def test_comm_bytes_per_rank_match_the_formula(launched):
     for r in launched:
         for layout in cp.LAYOUTS:
             assert r[f"wire {layout}"] == pytest.approx(expected["total"])
+
+
+@pytest.mark.parametrize("method", cp.METHODS)
+@pytest.mark.parametrize("causal", (True, False))
+def test_each_methods_flops_saved_bytes_and_wire_bytes_match_theory(launched, method, causal):
+    # all-gather and Ulysses compute the masked scores whole (N blocks on every rank) and keep
+    # more for backward than the ring: the gathered K, V or the whole sequence's mask
+    want = theory.attention_call_prediction(*CHECK_SHAPE, 4, "zigzag", causal, method)
+    for rank, r in enumerate(launched):
+        flops, saved, wire = r[f"check {method} {causal}"]
+        assert flops == want["predicted_flops_per_rank"][rank]
+        assert saved == want["predicted_saved_bytes_per_rank"]
+        assert wire == pytest.approx(want["predicted_comm_bytes_per_rank"])
 
 
 def test_context_parallel_on_modules(launched):

@@ -322,7 +322,6 @@ def _flop_cases():
         baddbmm=lambda: torch.baddbmm(torch.zeros(2, 8, 8), x3, x3.transpose(1, 2)).sum(),
         linear_3d=lambda: lin(x3).sum().backward(),
         conv=lambda: conv(img).sum().backward(),
-        sdpa=lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
         no_grad=lambda: torch.no_grad()(lin)(x3))
 
 
@@ -336,6 +335,21 @@ def test_compute_regions_count_what_flop_counter_mode_counts(case):
         run()
         flops.stop_counting(counter)
         assert counter.flops == reference_count.get_total_flops()
+
+
+def test_attention_on_cpu_counts_what_torch_counts_for_the_gpu_kernels():
+    # FlopCounterMode has no formula for the CPU kernel (it counts 0); labkit counts its matmuls:
+    # Q K^T and P V forward, 5 backward (scores again, dV, dP, dQ, dK), each 2 b h s s d FLOPs
+    b, h, s, d = 2, 4, 8, 16
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    k, v = torch.randn(b, h, 2 * s, d), torch.randn(b, h, 2 * s, d)
+    matmul = 2 * b * h * s * (2 * s) * d
+    counter = flops.start_counting()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(s, 2 * s).bool())
+    forward = counter.flops
+    out.sum().backward()
+    flops.stop_counting(counter)
+    assert (forward, counter.flops) == (2 * matmul, 7 * matmul)
 
 
 @pytest.mark.parametrize("name", flops.ELEMENTWISE_OPTIMIZERS)

@@ -5,6 +5,9 @@ seen here: a TorchDispatchMode gets each op, runs it, and adds the FLOPs of thos
 formula in `torch.utils.flop_counter.flop_registry` (mm, addmm, bmm, baddbmm, convolutions,
 attention kernels; everything else counts 0), decomposing the others first when they can be,
 as FlopCounterMode does: the totals are the same (tests/test_runtime.py checks them against it).
+One addition: torch's formulas cover the GPU attention kernels but not the CPU's
+(`_scaled_dot_product_flash_attention_for_cpu` and its backward), which FlopCounterMode counts
+as 0; here they count what torch counts for the GPU kernels (2 matmuls forward, 5 backward).
 
 What costs is that every op makes a round trip through Python (a few microseconds), so:
 - no per-module bookkeeping (FlopCounterMode tracks the module tree with hooks), ops looked up
@@ -15,13 +18,35 @@ What costs is that every op makes a round trip through Python (a few microsecond
 """
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import (FlopCounterMode, flop_registry, sdpa_backward_flop_count,
+                                      sdpa_flop_count, shape_wrapper)
 
 # Ops are looked up by id (an OpOverload hashes in Python, slowly; ops live as long as the process).
 _PLAIN = {}      # id(op) -> its kernel: an op with no FLOP formula and no decomposition
 _FORMULAS = {}   # id(op) -> its FLOP formula
 _COUNTS = {}     # (op, shapes and plain arguments) -> the FLOPs its formula answered
 _MAX_COUNTS = 50_000
+
+
+@shape_wrapper
+def _cpu_attention(query, key, value, *args, out_shape=None, **kwargs):
+    return sdpa_flop_count(query, key, value)
+
+
+@shape_wrapper
+def _cpu_attention_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def _cpu_formulas():
+    """The CPU attention kernels' formulas, where this torch has those kernels."""
+    aten = torch.ops.aten
+    names = {"_scaled_dot_product_flash_attention_for_cpu": _cpu_attention,
+             "_scaled_dot_product_flash_attention_for_cpu_backward": _cpu_attention_backward}
+    return {getattr(aten, n): f for n, f in names.items() if hasattr(aten, n)}
+
+
+_CPU_FORMULAS = _cpu_formulas()
 
 
 class _FlopCounter(TorchDispatchMode):
@@ -58,7 +83,8 @@ class _FlopCounter(TorchDispatchMode):
                 return out
             if func in _ignored_ops():   # FlopCounterMode leaves these to tensor subclasses
                 return NotImplemented
-            formula = flop_registry.get(func._overloadpacket)
+            formula = (flop_registry.get(func._overloadpacket)
+                           or _CPU_FORMULAS.get(func._overloadpacket))
             if formula is None:
                 if func is not torch.ops.prim.device.default and _decomposes(func):
                     with self:

@@ -68,16 +68,15 @@ def tiny_gpt_comm_bytes_per_rank(*, layers, batch, heads, seq, head_dim, params,
 
 def attention_call_prediction(batch, heads, seq, head_dim, cp, layout="zigzag", causal=True,
                               method="ring") -> dict:
-    """One fp32 CP attention call, forward and backward, per rank: wire bytes (`method`'s),
-    matmul FLOPs (ring's blocks; None for the others) and saved bytes (ring's accounting)."""
+    """One fp32 CP attention call of `method`, forward and backward, per rank: wire bytes,
+    matmul FLOPs and the bytes saved for backward."""
+    shape = (batch, heads, seq, head_dim, cp)
     return dict(
-        predicted_flops_per_rank=attention_flops_per_rank(batch, heads, seq, head_dim, cp,
-                                                          layout, causal)
-        if method == "ring" else None,
+        predicted_flops_per_rank=attention_flops_per_rank(*shape, layout, causal, method=method),
         predicted_comm_bytes_per_rank=comm_bytes_per_rank(
-            batch, heads, seq, head_dim, cp, dtype_bytes=4, grad_bytes=4, method=method)["total"],
-        predicted_saved_bytes_per_rank=attention_saved_bytes(batch, heads, seq, head_dim, cp,
-                                                             dtype_bytes=4))
+            *shape, dtype_bytes=4, grad_bytes=4, method=method)["total"],
+        predicted_saved_bytes_per_rank=attention_saved_bytes(*shape, dtype_bytes=4,
+                                                             method=method, causal=causal))
 
 
 def tiny_gpt_memory_per_rank(params, optimizer="adam"):
@@ -88,11 +87,27 @@ def tiny_gpt_memory_per_rank(params, optimizer="adam"):
                 activations=None, peak=None)
 
 
-def attention_saved_bytes(batch, heads, seq, head_dim, cp, dtype_bytes=2):
-    """What ring attention keeps for backward per rank: q, k, v, out of s/cp tokens and the
-    fp32 log-sum-exp. Falls as 1/cp; naive attention keeps the b h s^2 probabilities too."""
-    local = batch * heads * seq / cp
-    return 4 * local * head_dim * dtype_bytes + 4 * local
+def attention_saved_bytes(batch, heads, seq, head_dim, cp, dtype_bytes=2, method="ring",
+                          causal=True):
+    """What one rank's attention keeps for backward (K, V with as many heads as Q).
+
+    ring: q, k, v, out of its s/cp tokens and the fp32 log-sum-exp: falls as 1/cp (naive
+    attention keeps the b h s^2 probabilities too). all_gather: q, out and lse of its tokens,
+    and K, V of the whole sequence. ulysses: q, k, v, out and lse of h/cp heads of the whole
+    sequence (as many values as ring's). The last two hand a causal mask to the CPU attention
+    kernel, which keeps it as an additive float mask of (queries x keys) in the input dtype."""
+    local = batch * heads * seq / cp       # (token, head) rows per rank, for every method
+    lse = 4 * local
+    if method == "ring":
+        return 4 * local * head_dim * dtype_bytes + lse
+    if method == "all_gather":
+        kept = 2 * local * head_dim * dtype_bytes + 2 * batch * heads * seq * head_dim * \
+            dtype_bytes + lse
+        return kept + (seq / cp * seq * dtype_bytes if causal else 0)
+    if method == "ulysses":
+        return 4 * local * head_dim * dtype_bytes + lse + (seq * seq * dtype_bytes
+                                                            if causal else 0)
+    raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
 
 
 def causal_work(cp, layout="contiguous"):
@@ -106,12 +121,13 @@ def causal_work(cp, layout="contiguous"):
     return [(2 * r + 1) / cp ** 2 for r in range(cp)]
 
 
-def computed_blocks(cp, layout="contiguous", causal=True):
-    """(s/cp)^2 blocks labkit's ring attention computes per rank (the diagonal block whole,
-    masked): contiguous causal r + 1; zigzag causal 1 + (N-1)/2 (half blocks off the
-    diagonal); not causal N."""
+def computed_blocks(cp, layout="contiguous", causal=True, method="ring"):
+    """(s/cp)^2 blocks each rank's attention computes: ring (labkit's, the diagonal block whole,
+    masked): contiguous causal r + 1; zigzag causal 1 + (N-1)/2 (half blocks off the diagonal);
+    not causal N. all_gather (s/cp queries x s keys) and ulysses (h/cp heads, s x s): N, the
+    masked scores computed whole, as torch counts its attention kernels."""
     _check_layout(layout)
-    if not causal:
+    if method != "ring" or not causal:
         return [float(cp)] * cp
     if layout == "zigzag":
         return [1 + (cp - 1) / 2] * cp
@@ -119,13 +135,13 @@ def computed_blocks(cp, layout="contiguous", causal=True):
 
 
 def attention_flops_per_rank(batch, heads, seq, head_dim, cp, layout="contiguous",
-                             causal=True, backward=True):
-    """Matmul FLOPs each rank's ring attention runs: per whole block 2 (s/cp)^2 d b h FLOPs
+                             causal=True, backward=True, method="ring"):
+    """Matmul FLOPs each rank's attention runs: per whole block 2 (s/cp)^2 d b h FLOPs
     per matmul, 2 matmuls forward and 5 backward (FlashAttention-2's backward)."""
     local = seq / cp
     per_matmul = 2 * batch * heads * local * local * head_dim
     matmuls = FORWARD_MATMULS + (BACKWARD_MATMULS if backward else 0)
-    return [b * per_matmul * matmuls for b in computed_blocks(cp, layout, causal)]
+    return [b * per_matmul * matmuls for b in computed_blocks(cp, layout, causal, method)]
 
 
 def imbalance(work):
