@@ -106,7 +106,7 @@ def main():
                 torch_impl="parallelize(sequence_parallel=True) plain (labkit)")
     note = (f"{setting}; labkit=async ring, torch column=labkit's plain SP path; "
             f"torch's fused_all_gather_matmul: {'ran' if error is None else error}; "
-            "instrumentation off; shared, loaded machine")
+            "instrumentation off")
     replace_rows([compared_row(base, "mlp_step_s_median", per_round["async"],
                                per_round["plain"], notes=note)])
     print("1 row written to data/bench.csv")

@@ -155,8 +155,11 @@ def summary(labkit_values, torch_values):
 
 def compared_row(base, metric, labkit_values, torch_values, notes="", value_format="{:.4e}"):
     """A bench.csv row for one metric measured on both sides in interleaved rounds.
-    base: benchmark, labkit_impl, torch_impl, world_size."""
+    base: benchmark, labkit_impl, torch_impl, world_size. The notes end with the machine's
+    load when the row is written (a busy machine widens the spread)."""
     s = summary(labkit_values, torch_values)
+    load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    notes = f"{notes}; {load}" if notes else load
     return dict(base, metric=metric, labkit=value_format.format(s["labkit"]),
                 torch=value_format.format(s["torch"]),
                 labkit_over_torch=f"{s['labkit_over_torch']:.2f}",

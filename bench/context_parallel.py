@@ -118,7 +118,7 @@ def compare(ctx):
 def main():
     rows = []
     setting = (f"causal attention fwd+bwd, b={BATCH} h={HEADS} s={SEQ} d={HEAD_DIM} fp32, "
-               f"{LAYOUT}; gloo CPU, {os.cpu_count()} cores shared with other jobs; {ROUNDS} "
+               f"{LAYOUT}; gloo CPU, {os.cpu_count()} cores; {ROUNDS} "
                f"interleaved rounds x {TIMED} steps (median step, slowest rank)")
     print(setting)
     for world in WORLDS:

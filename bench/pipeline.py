@@ -81,7 +81,7 @@ def main():
     model_note = ("TinyGPT 8x128 (seq 64, vocab 256), batch 32, M=8, 4 ranks, gloo CPU; "
                   "labkit's comm log and clock off")
     print(f"{model_note}; wall clock measured here, {ROUNDS} interleaved rounds after "
-          f"{WARMUP} warm-up (machine shared with other jobs)")
+          f"{WARMUP} warm-up; load average {os.getloadavg()[0]:.1f}")
     results = labkit.launch(bench_rank, WORLD, CFG, timeout_s=900)
     rows = []
     for name, torch_class in TORCH_SCHEDULES.items():

@@ -95,7 +95,7 @@ def main():
     note = ("TinyGPT 8x128 (seq 64, vocab 256), batch 32, M=8, 4 ranks, gloo CPU; labkit's "
             "comm log and clock off; ZBV on 8 half stages (2 per rank, V)")
     print(f"{note}; wall clock measured here, {ROUNDS} interleaved rounds after {WARMUP} "
-          "warm-up (machine shared with other jobs)")
+          f"warm-up; load average {os.getloadavg()[0]:.1f}")
     results = labkit.launch(bench_rank, WORLD, CFG, timeout_s=900)
     times = results[0]["times"]
     rows = []
