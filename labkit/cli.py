@@ -172,9 +172,10 @@ def run_technique(args):
     options.pop("explicit", None)
     if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
         raise ValueError(f"--trace {args.trace}: its folder does not exist")
-    from .runs import preflight   # before any rank starts: bad numbers, runs that cannot fit
-    preflight.check_run(args.technique, cfg, args.world_size, options,
-                        explicit=getattr(args, "explicit", ()))
+    # options that only make sense with another the user gave; the rest of the preflight (bad
+    # numbers, runs that cannot fit) comes with the launch: report.launch_checked
+    from .runs import preflight
+    preflight.check_options(args.technique, cfg, options, explicit=getattr(args, "explicit", ()))
     report = module.report(world_size=args.world_size, cfg=cfg, cluster=args.cluster, **options)
     if args.trace:
         to_trace(report, args.trace)
