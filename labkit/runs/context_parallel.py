@@ -22,7 +22,7 @@ from ..parallel.flat import average_gradients, unwrapped_name
 from ..theory import context_parallel as theory_cp
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
 from .reference import gpt_config as reference_gpt_config, token_loss
-from .reference import float64_reference, train as reference_train
+from .report import build_report, launch_checked, rank_result, single_device
 
 METHODS = tuple(CORES)        # ring, all_gather, ulysses
 
@@ -58,7 +58,6 @@ def build_cp_model(cfg, group=None, layout="zigzag", method="ring"):
 
 def train(ctx, cfg, layout="zigzag", method="ring", causal=True, check_shape=None):
     """Train the CP tiny GPT on ctx.world (the CP group), then run the attention check."""
-    from .report import rank_result
     c = gpt_config(cfg)
     check_cp(cfg, ctx.world_size, layout, method)
     model = build_cp_model(cfg, None, layout, method)
@@ -102,7 +101,6 @@ def add_arguments(parser):
 def report(world_size=2, cfg=None, cluster="8xH100-NVLink", layout="zigzag", method="ring",
            causal=True, check_shape=None, **_):
     """Run CP (world_size = CP degree) on the tiny GPT and return the run report."""
-    from .report import build_report, launch_checked
     cfg = cfg or RunConfig()
     c = gpt_config(cfg)
     shape = tuple(check_shape or (2, c.heads, c.seq, c.hidden // c.heads))
@@ -123,7 +121,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", layout="zigzag", met
         **measured, imbalance=theory_cp.imbalance(flops) if sum(flops) else None,
         **theory_cp.attention_call_prediction(b, h, s, d, world_size, layout, causal, method))
     out = build_report(
-        "cp", cfg, results, reference=reference_train(cfg), exact=float64_reference(cfg),
+        "cp", cfg, results, **single_device(cfg),
         config=dict(cp=world_size, layout=layout, method=method, causal=causal),
         predicted_memory=theory_cp.tiny_gpt_memory_per_rank(c.param_count(), cfg.optimizer),
         predicted_comm_bytes_per_rank=theory_cp.tiny_gpt_comm_bytes_per_rank(

@@ -24,7 +24,8 @@ from ..parallel.moe import (ExpertParallel, average_moe_gradients, check_expert_
                             expert_groups, full_parameters, merge_routing, parameter_counts,
                             routing_stats)
 from ..theory import moe as theory_moe
-from .reference import RunConfig, batch, build_optimizer, full_params
+from . import reference
+from .reference import RunConfig, batch, build_optimizer
 from .report import build_report, launch_checked, rank_result
 
 
@@ -108,18 +109,10 @@ def reference_train(cfg=None, moe=MoEConfig(), groups=1, dtype=torch.float32):
     """The single-process MoE run every EP layout must reproduce (routing groups = DP degree);
     `dtype=torch.float64`: the exact run that rounding is measured from (labkit.numerics)."""
     cfg = cfg or RunConfig()
-    model = build_model(cfg, moe, groups).to(dtype)
-    optimizer = build_optimizer(model.parameters(), cfg)
-    losses, stats = [], []
-    for step in range(cfg.steps):
-        x, y = batch(model, cfg, step, dtype)
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        stats.append(routing_stats(model))
-    return dict(loss=losses, params=full_params(model), routing=stats, model=model)
+    model = build_model(cfg, moe, groups)
+    run = reference.train(cfg, track_memory=False, dtype=dtype, model=model,
+                          step_stats=routing_stats)
+    return dict(loss=run["loss"], params=run["params"], routing=run["step_stats"], model=model)
 
 
 # ------------------------------------------------------------------------- CLI and report

@@ -90,19 +90,22 @@ def batch(model, cfg, step, dtype=None):
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in (x, y))
 
 
-def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32):
+def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32, model=None,
+          step_stats=None):
     """Train on one device; returns losses, final parameters and measured memory.
 
     With a `ctx` (a one-rank launch) the step is also placed on the modelled clock.
     `dtype=torch.float64`: the same run in float64, the "exact" answer that float32 runs are
-    judged against (labkit.numerics).
+    judged against (labkit.numerics). `model`: a model to train instead of the one `cfg`
+    builds (MoE's, with its routing groups); `step_stats(model)`: what to record after each
+    step, returned as "step_stats".
     """
     cfg = cfg or RunConfig()
-    model = build_model(cfg).to(dtype)
+    model = (model if model is not None else build_model(cfg)).to(dtype)
     optimizer = build_optimizer(model.parameters(), cfg)
     memory = ctx.memory if ctx is not None else MemoryTracker()
     memory.watch(model=model, optimizer=optimizer)
-    losses = []
+    losses, stats = [], []
     for step in range(cfg.steps):
         x, y = batch(model, cfg, step, dtype)
         optimizer.zero_grad(set_to_none=True)
@@ -115,8 +118,10 @@ def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32):
         if ctx is not None:
             ctx.clock.mark_step()
         losses.append(loss.item())
+        if step_stats is not None:
+            stats.append(step_stats(model))
     return dict(loss=losses, params=full_params(model), memory=memory.report(),
-                param_count=sum(p.numel() for p in model.parameters()))
+                param_count=sum(p.numel() for p in model.parameters()), step_stats=stats)
 
 
 def train_mixed_precision(cfg=None, compute_dtype=torch.bfloat16):

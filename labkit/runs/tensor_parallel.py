@@ -16,8 +16,8 @@ from ..parallel import serving
 from ..parallel.tensor_parallel_plan import gpt_plan, resolve_plan
 from ..theory import tensor_parallel as theory_tp
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
-from .reference import gpt_config as reference_gpt_config, train as reference_train
-from .reference import float64_reference
+from .reference import gpt_config as reference_gpt_config
+from .report import build_report, launch_checked, rank_result, single_device
 
 
 def gpt_config(cfg):
@@ -54,7 +54,6 @@ def gpt_loss(model, x, y):
 
 def train(ctx, cfg, sequence_parallel=False, regather=True, details=False, async_tp=False):
     """Train the TP tiny GPT on the TP group ctx.world; every rank sees the whole batch."""
-    from .report import rank_result
     check_tp_degree(cfg, ctx.world_size, sequence_parallel)
     model = build_tp_model(cfg, None, sequence_parallel, regather, async_tp)
     optimizer = build_optimizer(model.parameters(), cfg)
@@ -93,7 +92,6 @@ def add_arguments(parser):
 def report(world_size=2, cfg=None, cluster="8xH100-NVLink", sequence_parallel=False,
            regather=True, details=False, async_tp=False, **_):
     """Run TP (world_size = TP degree) on the tiny GPT and return the run report."""
-    from .report import build_report, launch_checked
     cfg = cfg or RunConfig()
     results = launch_checked(
         "tp", train, world_size, cfg,
@@ -108,7 +106,7 @@ def report(world_size=2, cfg=None, cluster="8xH100-NVLink", sequence_parallel=Fa
                                        hidden=c.hidden, vocab=c.vocab, **layout)
     first = results[0]
     return build_report(
-        "tp", cfg, results, reference=reference_train(cfg), exact=float64_reference(cfg),
+        "tp", cfg, results, **single_device(cfg),
         config=dict(tp=world_size, sequence_parallel=sequence_parallel, regather=regather,
                     async_tp=async_tp, plan=gpt_plan(sequence_parallel)),
         predicted_memory=theory_tp.tiny_gpt_training_memory(**c.as_dict(), **layout,

@@ -127,8 +127,7 @@ def train(ctx, cfg=None, stage=1, mixed_precision=False, offload=False, prefetch
                        params={k: v.cpu() for k, v in params.items()} if ctx.rank == 0
                        else None,
                        step_memory=list(step_samples), flat_numels=flats,
-                       padded_numel=flats[0] if stage == 1 else
-                       sum(theory.padded(u, ctx.world_size) for u in flats),
+                       padded_numel=module.padded_numel if stage == 3 else sum(flats),
                        param_count=sum(p.numel() for p in build_model(cfg).parameters()),
                        offloaded_bytes=host)
 
