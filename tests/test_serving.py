@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import labkit
-from labkit import models
+from labkit import models, numerics
 from labkit.parallel import serving
 from labkit.parallel.pipeline import PipelineStage, split_into_stages
 from labkit.parallel.tensor_parallel import parallelize
@@ -45,13 +45,14 @@ def test_prefill_is_the_training_forward_and_decode_matches_it():
     ids = _prompt(2, 20)
     with torch.no_grad():
         full = model(ids)
+        exact = numerics.exact_copy(model)(ids)   # float64: what rounding is measured from
         cache = serving.KVCache()
         prefill = model(ids[:, :12], kv_cache=cache)
         steps = [model(ids[:, i:i + 1], kv_cache=cache) for i in range(12, 20)]
-    assert torch.equal(prefill, full[:, :12])          # the same ops: bit for bit
-    decoded = torch.cat(steps, dim=1)
-    scale = full.abs().max()
-    assert (decoded - full[:, 12:]).abs().max() <= 64 * torch.finfo(torch.float32).eps * scale
+    # the same ops on fewer rows: bit for bit on some CPUs, not on all (a matmul's kernel may
+    # block 12 rows differently from 20), so judged as every run is, by float32's own error
+    assert numerics.compare(prefill, full[:, :12], exact[:, :12])
+    assert numerics.compare(torch.cat(steps, dim=1), full[:, 12:], exact[:, 12:])
 
 
 def test_moe_generation_with_the_cache():

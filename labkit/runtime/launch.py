@@ -228,10 +228,22 @@ def _death_message(child, children, status, memory):
     child.process.join(timeout=1)
     if child.stderr is not None:
         child.stderr.drain()
+    _let_survivors_arrive(children, status, child)
     states, finished = _board(children, status, also=child)
     last = deaths.read_board(status, child.rank, STATUS_WIDTH)[2]
     return deaths.death_message(child.rank, child.process.exitcode, states, finished,
                                 child.stderr, memory, last)
+
+
+def _let_survivors_arrive(children, status, dead, seconds=1.0):
+    """A rank that dies at once can be noticed before the others reach the collective they
+    will wait in: give them up to `seconds` to get there, so the message can say where."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        states, _ = _board(children, status, also=dead)
+        if all(text for rank, (_, text) in states.items() if rank != dead.rank):
+            return
+        time.sleep(0.02)
 
 
 def _error_message(child, body, children, status):
