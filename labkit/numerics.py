@@ -23,7 +23,9 @@ error up to lr; which elements those are differs between the two runs. An MLP tr
 with AdamW, 2 ranks x 2 micro-batches against one device, 200 seeds: the ratio of the largest
 differences (parallel / float32's own) reached 10.9 (95th percentile 3.2), the ratio of the
 rms 3.0 (95th percentile 1.7). A one-sample max against FACTOR = 4 flipped on an AVX-512 CPU;
-the rms is an average of many roundings and stays put.
+the rms is an average of many roundings and stays put. Its price: a wrong value in one element
+of n is diluted by sqrt(n) (one parameter of 10,000 off by 1e-3 still fails, by 10x); the bugs
+these checks look for (a missed all-reduce, a wrong shard) move whole tensors.
 
 Adam needs care: a gradient whose exact value is 0 (an attention key bias: softmax ignores a
 shift of a whole row of scores) is computed as rounding noise, and Adam's step

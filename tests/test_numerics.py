@@ -79,3 +79,21 @@ def test_mismatches_are_refused():
         numerics.compare(a, {"v": torch.zeros(2)}, a)
     with pytest.raises(ValueError, match="shapes differ"):
         numerics.compare(torch.zeros(3), torch.zeros(2), torch.zeros(2))
+
+
+def test_one_unlucky_element_does_not_flip_the_verdict_but_one_wrong_element_does():
+    # rounding noise of a few ulps on 10,000 values; the parallel run's worst element 6x
+    # float32's worst (an Adam update of a nearly cancelled gradient), the rest alike
+    g = torch.Generator().manual_seed(0)
+    exact = torch.rand(10_000, generator=g, dtype=torch.float64) + 0.5
+    ulp = torch.finfo(torch.float32).eps
+    single = exact + ulp * torch.randn(10_000, generator=g, dtype=torch.float64)
+    parallel = exact + ulp * torch.randn(10_000, generator=g, dtype=torch.float64)
+    worst = (single - exact).abs().max()
+    parallel[7] = exact[7] + 6 * worst
+    verdict = numerics.compare(parallel, single, exact)
+    assert verdict, str(verdict)
+    assert (parallel - exact).abs().max() > numerics.FACTOR * worst   # the max would flip
+    wrong = parallel.clone()
+    wrong[7] = exact[7] + 1e-3     # one parameter off by a small gradient step: a real bug
+    assert not numerics.compare(wrong, single, exact)
