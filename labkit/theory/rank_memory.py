@@ -57,7 +57,7 @@ def run_bytes(technique, world_size, options, shape, *, gpt, optimizer, global_b
     states = _states(n / shards, optimizer, zero, world if technique == "zero" else
                      o.get("dp", world) if technique == "hybrid" else 1)
     activations = _activations(gpt, layers / pipeline_stages, seq, batch, hidden, heads, vocab,
-                               tp, cp)
+                               tp, cp, o.get("method", "ring"))
     per_rank = max(4 * n, states + activations) + overhead
     reference = _states(n, optimizer, 0, 1) + _activations(
         gpt, layers, seq, global_batch, hidden, heads, vocab, 1, 1)
@@ -72,14 +72,15 @@ def _states(params, optimizer, zero_stage, dp):
     return out["total"]
 
 
-def _activations(gpt, layers, seq, batch, hidden, heads, vocab, tp, cp):
-    """Bytes one rank saves for backward: its layers, its sequence slice, its heads."""
+def _activations(gpt, layers, seq, batch, hidden, heads, vocab, tp, cp, cp_method="ring"):
+    """Bytes one rank saves for backward: its layers, its sequence slice, its heads (CP: what
+    `cp_method`'s attention keeps)."""
     if not gpt:
         return 4 * batch * hidden * 2 * layers
-    if cp > 1:   # ring attention keeps each K/V block's scores: the attention term of theory/
+    if cp > 1:   # the attention term of theory/; the ring also makes one block's scores at a time
         head_dim = hidden // heads
         attention = theory_cp.attention_saved_bytes(batch, heads, seq, head_dim, cp,
-                                                     dtype_bytes=4)
+                                                     dtype_bytes=4, method=cp_method)
         block = 4 * batch * heads * (seq / cp) ** 2   # one block's scores, made at a time
         return layers * (16 * seq / cp * batch * hidden * 4 + attention) + block
     return tiny_gpt_activation_bytes(layers=layers, seq=seq, batch=batch, hidden=hidden / tp,
