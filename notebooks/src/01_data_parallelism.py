@@ -104,7 +104,9 @@ print(pd.DataFrame({"4 ranks (mean of shard losses)": loss, "one device": refere
 # mean then? Run the single-device reference once more in float64 (nearly exact), and measure how
 # far float32 itself lands from it. A parallel run whose distance is within a few times float32's
 # own is equal up to rounding; a real bug (a missing all-reduce) is off by a whole gradient step.
-# `labkit.numerics.compare` does this and returns the verdict with its numbers:
+# The distance is the root mean square over every parameter, not the largest difference: the
+# largest of thousands of rounding errors is a lucky or unlucky draw, and can flip from one CPU
+# to the next. `labkit.numerics.compare` does this and returns the verdict with its numbers:
 
 # %%
 exact = float64_reference(cfg)
