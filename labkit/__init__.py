@@ -23,6 +23,8 @@ _LAZY = {
     "launch": "labkit.runtime.launch",
     "Mesh": "labkit.runtime.mesh",
     "DataParallel": "labkit.parallel.data_parallel",
+    "DistributedDataParallel": "labkit.parallel.data_parallel",
+    "HybridParallel": "labkit.parallel.hybrid",
     "ShardedOptimizer": "labkit.parallel.zero",
     "FullyShard": "labkit.parallel.fully_shard",
     "parallelize": "labkit.parallel.tensor_parallel",

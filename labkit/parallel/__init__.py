@@ -7,3 +7,41 @@ all_gather_objects, unwrapped_name); `mixed_precision.py` has MasterWeights (fp3
 `tensor_parallel_plan.py` reads a TP plan. Techniques never import each other; hybrid.py
 composes them.
 """
+# `from labkit.parallel import FullyShard` works, and importing the package imports no block:
+# each name is imported on first use (PEP 562), from the one module that defines it. (The
+# function `ring_attention` is `labkit.ring_attention`: here the name is its module's.)
+_BLOCKS = {
+    "DataParallel": "data_parallel",
+    "DistributedDataParallel": "data_parallel",
+    "ShardedOptimizer": "zero",
+    "FullyShard": "fully_shard",
+    "parallelize": "tensor_parallel",
+    "ColumnParallelLinear": "tensor_parallel",
+    "RowParallelLinear": "tensor_parallel",
+    "PipelineStage": "pipeline",
+    "PipelineSchedule": "pipeline",
+    "split_into_stages": "pipeline",
+    "ZeroBubbleSchedule": "zero_bubble",
+    "ExpertParallel": "moe",
+    "ContextParallel": "context_parallel",
+    "ulysses_attention": "context_parallel",
+    "KVCache": "serving",
+    "generate": "serving",
+    "PipelineGenerator": "serving",
+    "HybridParallel": "hybrid",
+    "MasterWeights": "mixed_precision",
+}
+__all__ = sorted(_BLOCKS)
+
+
+def __getattr__(name):
+    if name in _BLOCKS:
+        import importlib
+        value = getattr(importlib.import_module(f"{__name__}.{_BLOCKS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_BLOCKS))

@@ -227,3 +227,9 @@ def ring_all_reduce(ctx, tensor, group: GroupLike = None, op: str = "sum") -> to
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor
+
+
+# PyTorch's name for what this class does (buckets, overlap, `no_sync`): a learner who moves to
+# torch writes `DistributedDataParallel`. torch's own `nn.DataParallel` is the older
+# single-process, multi-thread wrapper, which this is not; the short name stays for the lessons.
+DistributedDataParallel = DataParallel
