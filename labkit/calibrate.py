@@ -96,15 +96,17 @@ class LlamaBlock(nn.Module):
         self.down = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x, cache=None):
-        """x: (b, s, h). cache: (k, v) of (b, heads, context, d) to attend to (decode)."""
+        """x: (b, s, h). cache (decode): (k, v) of (b, heads, context + 1, d); the new token's
+        k, v go to the last slot, in place (as a serving engine's preallocated cache)."""
         b, s, h = x.shape
         q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2)
                    for t in self.qkv(self.norm1(x)).chunk(3, dim=-1))
         if cache is None:
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:   # the new token sees the cached context and itself
-            a = F.scaled_dot_product_attention(q, torch.cat([cache[0], k], 2),
-                                               torch.cat([cache[1], v], 2))
+            cache[0][:, :, -s:].copy_(k)
+            cache[1][:, :, -s:].copy_(v)
+            a = F.scaled_dot_product_attention(q, cache[0], cache[1])
         x = x + self.out(a.transpose(1, 2).reshape(b, s, h))
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -134,14 +136,39 @@ def model_shape(shape, name="llama-1b-shaped"):
 
 
 def measure_decode(shape, batch, context, device="cuda", reps=10, model=None):
+    """(seconds replayed as one CUDA graph or None if capture failed, seconds run eagerly).
+    Eager decode of a small model waits on Python launching ~250 kernels; the graph shows
+    what the GPU itself needs, which is what the roofline models."""
     model = model or Llama(**shape).to(device, torch.bfloat16).eval()
     d = shape["hidden"] // shape["heads"]
-    caches = [tuple(torch.randn(batch, shape["heads"], context, d, device=device,
+    caches = [tuple(torch.randn(batch, shape["heads"], context + 1, d, device=device,
                                 dtype=torch.bfloat16) for _ in range(2))
               for _ in range(shape["layers"])]
     idx = torch.randint(shape["vocab"], (batch, 1), device=device)
     with torch.no_grad():
-        return cuda_seconds(lambda: model(idx, caches), reps=reps)
+        eager = cuda_seconds(lambda: model(idx, caches), reps=reps)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):   # warm-up off the capture stream, as PyTorch asks
+                for _ in range(3):
+                    model(idx, caches)
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                model(idx, caches)
+            return cuda_seconds(graph.replay, reps=reps), eager
+        except Exception as error:   # noqa: BLE001 - eager timing still stands
+            print(f"calibrate: CUDA graph capture failed ({type(error).__name__}); eager only",
+                  flush=True)
+            return None, eager
+
+
+def decode_row(shape, batch, context, device, reps, model):
+    graph, eager = measure_decode(shape, batch, context, device, reps, model)
+    return dict(model="llama-1b-shaped", batch=batch, context=context,
+                seconds=graph or eager, mode="cuda graph" if graph else "eager",
+                eager_seconds=eager)
 
 
 def measure_train(shape, batch, seq, device="cuda", reps=5, model=None):
@@ -212,8 +239,7 @@ def calibrate(quick=False, progress=print):
     say(f"HBM {profile['hbm_gbps']:.0f} GB/s (read + write); decode steps")
     model = Llama(**LLAMA_1B).to(device, torch.bfloat16)
     profile["decode_step_s"] = [
-        dict(model="llama-1b-shaped", batch=b, context=c,
-             seconds=measure_decode(LLAMA_1B, b, c, device, reps=5 if quick else 20, model=model))
+        decode_row(LLAMA_1B, b, c, device, 5 if quick else 20, model)
         for b, c in (((1, 1024), (64, 1024)) if quick else ((1, 1024), (16, 2048), (64, 1024),
                                                              (256, 1024)))]
     say("training steps")
@@ -248,8 +274,10 @@ def side_by_side(profile):
         for r in rows:
             m = model.get((kind, r["batch"], r[key]))
             ratio = f"{r['seconds'] / m:5.2f}x" if m else "  n/a"
+            how = f" ({r['mode']}; eager {r['eager_seconds'] * 1e3:.3f} ms)" \
+                if "mode" in r else ""
             lines.append(f"  {kind:6} {r['model']} batch {r['batch']:>3} {key} {r[key]:>5}: "
-                         f"{r['seconds'] * 1e3:9.3f} ms measured | "
+                         f"{r['seconds'] * 1e3:9.3f} ms measured{how} | "
                          + (f"{m * 1e3:9.3f} ms modelled | measured/modelled {ratio}"
                             if m else "not modelled"))
     for r in profile["all_reduce"]:

@@ -61,7 +61,9 @@ def attempt(rows, check, fn, budget=None):
         rows.extend(out if isinstance(out, list) else [out])
     except Exception as error:   # noqa: BLE001 - one failure must not hide the others
         rows.append(row(check, "FAIL", note=one_line(error)))
-    print(f"gpu-check: {check}: {rows[-1]['result']} {rows[-1]['note']}", flush=True)
+    last = rows[-1] if rows else row(check, "?")
+    print(f"gpu-check: {check}: done; last row: {last['check']}: {last['result']} "
+          f"{last['note']}", flush=True)
 
 
 # ------------------------------------------------------------------ (b) the building blocks
@@ -84,7 +86,7 @@ def train_losses(model, step, device, make_optimizer=None, params=None):
         optimizer.zero_grad()
         loss = step(model, x, y)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -216,8 +218,10 @@ def check_generate(device):
                "greedy tokens with the cache equal those without")
 
 
-BLOCKS = (check_data_parallel, check_sharded_optimizer, check_fully_shard, check_tensor_parallel,
-          check_pipeline, check_expert_parallel, check_context_parallel, check_generate)
+BLOCKS = {"DataParallel": check_data_parallel, "ShardedOptimizer": check_sharded_optimizer,
+          "FullyShard": check_fully_shard, "parallelize (TP)": check_tensor_parallel,
+          "pipeline": check_pipeline, "ExpertParallel": check_expert_parallel,
+          "ContextParallel": check_context_parallel, "serving.generate": check_generate}
 
 
 # ------------------------------------------------------------------ (c) memory
@@ -265,8 +269,8 @@ def check_memory(ctx):
 def rank_checks(ctx, budget_s):
     """What runs on the rank: every block, then memory; rows."""
     budget, rows = Budget(budget_s), []
-    for check in BLOCKS:
-        attempt(rows, check.__name__.removeprefix("check_"), lambda: check(ctx.device), budget)
+    for name, check in BLOCKS.items():
+        attempt(rows, name, lambda: check(ctx.device), budget)
     attempt(rows, "memory", lambda: check_memory(ctx), budget)
     return rows
 
@@ -300,8 +304,10 @@ def profile_rows(profile):
     for kind, key in (("decode", "context"), ("train", "seq")):
         for r in profile[f"{kind}_step_s"]:
             m = model.get((kind, r["batch"], r[key]))
+            how = f" ({r['mode']}; eager {r['eager_seconds'] * 1e3:.2f} ms)" \
+                if "mode" in r else ""
             rows.append(row(f"{kind} step {r['model']} batch {r['batch']} {key} {r[key]}",
-                            "MEASURED", f"{r['seconds'] * 1e3:.2f} ms",
+                            "MEASURED", f"{r['seconds'] * 1e3:.2f} ms{how}",
                             f"{m * 1e3:.2f} ms" if m else "not modelled",
                             f"{r['seconds'] / m:.2f}" if m else ""))
     if not profile["all_reduce"]:
