@@ -117,11 +117,11 @@ def moe_gpt():
     return build_moe(seed=0, moe=MoEConfig(experts=4, top_k=1), **SMALL.as_dict())
 
 
-def check_data_parallel(device):
-    from .parallel.data_parallel import DataParallel
-
+def syncing_wrapper(check, wrapper_class, device):
+    """Row for a wrapper that syncs gradients (DataParallel, FullyShard): forward through it,
+    backward, finish_gradient_synchronization, step its parameters."""
     def run(model):
-        wrapped = DataParallel(model)
+        wrapped = wrapper_class(model)
 
         def step(m, x, y):
             loss = wrapped(x, y)
@@ -129,7 +129,12 @@ def check_data_parallel(device):
             wrapped.finish_gradient_synchronization()
             return loss
         return train_losses(wrapped, step, device)
-    return judged("DataParallel", run, gpt, device)
+    return judged(check, run, gpt, device)
+
+
+def check_data_parallel(device):
+    from .parallel.data_parallel import DataParallel
+    return syncing_wrapper("DataParallel", DataParallel, device)
 
 
 def check_sharded_optimizer(device):
@@ -143,17 +148,7 @@ def check_sharded_optimizer(device):
 
 def check_fully_shard(device):
     from .parallel.fully_shard import FullyShard
-
-    def run(model):
-        wrapped = FullyShard(model)
-
-        def step(m, x, y):
-            loss = wrapped(x, y)
-            loss.backward()
-            wrapped.finish_gradient_synchronization()
-            return loss
-        return train_losses(wrapped, step, device)
-    return judged("FullyShard (ZeRO-3)", run, gpt, device)
+    return syncing_wrapper("FullyShard (ZeRO-3)", FullyShard, device)
 
 
 def check_tensor_parallel(device):
