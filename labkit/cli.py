@@ -274,12 +274,8 @@ def plan_command(args):
         from .theory import profile
         if any(v is not None for v in custom):
             raise ValueError("--gpu-profile replaces the custom GPU's numbers: give one of them")
-        measured = profile.load_profile(args.gpu_profile)
-        gpu = profile.profiled_gpu(measured, args.gpu if "gpu" in args.explicit else None)
-        header = (f"GPU numbers from the profile {args.gpu_profile} (measured on "
-                  f"{measured['gpu']}): peak bf16 {gpu.bf16_flops / 1e12:.1f} TFLOP/s (best "
-                  f"large GEMM), HBM {gpu.memory_bw / 1e9:.0f} GB/s; the rest: the catalog's "
-                  f"{gpu.name.split(' (measured')[0]}")
+        gpu, header = profile.plan_gpu(args.gpu_profile,
+                                       args.gpu if "gpu" in args.explicit else None)
     out = planner.plan(args.model, args.gpus, gpu, args.gpus_per_node, args.intra_link,
                        args.inter_link, global_batch=args.global_batch,
                        global_batch_tokens=args.global_batch_tokens, seq=args.seq,

@@ -112,3 +112,13 @@ def profiled_gpu(profile, gpu=None):
     return dataclasses.replace(base, name=f"{base.name} (measured: {profile['gpu']})",
                                bf16_flops=peak, mamf_bf16_flops=peak,
                                memory_bw=profile["hbm_gbps"] * 1e9)
+
+
+def plan_gpu(path, gpu=None):
+    """`plan --gpu-profile PATH`: (the profiled GPU, the plan's first line saying so)."""
+    measured = load_profile(path)
+    g = profiled_gpu(measured, gpu)
+    return g, (f"GPU numbers from the profile {path} (measured on {measured['gpu']}): peak "
+               f"bf16 {g.bf16_flops / 1e12:.1f} TFLOP/s (best large GEMM), HBM "
+               f"{g.memory_bw / 1e9:.0f} GB/s; the rest: the catalog's "
+               f"{g.name.split(' (measured')[0]}")
