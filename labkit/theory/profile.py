@@ -121,4 +121,4 @@ def plan_gpu(path, gpu=None):
     return g, (f"GPU numbers from the profile {path} (measured on {measured['gpu']}): peak "
                f"bf16 {g.bf16_flops / 1e12:.1f} TFLOP/s (best large GEMM), HBM "
                f"{g.memory_bw / 1e9:.0f} GB/s; the rest: the catalog's "
-               f"{g.name.split(' (measured')[0]}")
+               f"{g.name.split(' (measured')[0]}; MFU below is of the measured peak")
