@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-labkit
 
-.PHONY: install lab test test-numerics test-browser bench notebooks html student clean
+.PHONY: install lab test test-numerics test-browser bench notebooks html student clean gpu-check
 
 install: $(STAMP)
 
@@ -110,6 +110,14 @@ html: install
 
 student: install
 	$(PY) -m labkit.editions student student
+
+# On a machine with a CUDA GPU (no venv needed, so no `install`: the system's python3 with torch):
+# calibrate --quick, every building block on NCCL/CUDA at world size 1 against one device, CUDA
+# memory against the tracker, measured steps against the model; one table, under 5 minutes.
+# Results in $(GPU_CHECK_OUT)/ (table.md, rows.json, profile.json).
+GPU_CHECK_OUT ?= build/gpu-check
+gpu-check:
+	PYTHONPATH=. $(PYTHON) -m labkit gpu-check --out-dir $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -9,6 +9,8 @@
   python -m labkit plan --serve --model llama-3-70b --gpus 8 --gpu H100 --batch 64
   python -m labkit plan --model llama-3-70b --gpus 64 --global-batch 512
                                                  which DP x TP x PP layouts fit, and how fast
+  python -m labkit calibrate --out profile.json  measure this GPU (plan --gpu-profile FILE)
+  python -m labkit gpu-check                     the blocks on NCCL/CUDA, measured vs modelled
 """
 import argparse
 import ast
@@ -75,6 +77,16 @@ def _main(argv):
     memory.add_argument("--gpus", type=int, default=8, help="data-parallel size for ZeRO")
     _plan_arguments(commands.add_parser(
         "plan", help="which DP x TP x PP layouts of a model fit a cluster, and how fast"))
+    calibrate = commands.add_parser("calibrate", help="measure this machine's GPU (GEMM, HBM, "
+                                    "decode and training steps, all-reduce) into a profile")
+    calibrate.add_argument("--out", default=None, help="write the profile JSON here")
+    calibrate.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    check = commands.add_parser("gpu-check", help="every building block on NCCL/CUDA, checked "
+                                "against one device; measured vs modelled (make gpu-check)")
+    check.add_argument("--out-dir", default="build/gpu-check",
+                       help="table.md, profile.json and rows.json go here")
+    check.add_argument("--budget-s", type=float, default=280.0,
+                       help="parts not started by then are recorded as SKIPPED")
     args = parser.parse_args(argv)
     args.explicit = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     try:
@@ -90,6 +102,12 @@ def _main(argv):
             print(memory_table(args.model, args.batch, args.seq, args.gpus))
         elif args.command == "plan":
             print(plan_command(args))
+        elif args.command == "calibrate":
+            from .calibrate import calibrate_command
+            return calibrate_command(out=args.out, quick=args.quick)
+        elif args.command == "gpu-check":
+            from .gpu_check import gpu_check_command
+            return gpu_check_command(out_dir=args.out_dir, budget_s=args.budget_s)
     except Exception as error:  # noqa: BLE001 - a mistake is said plainly, a bug is raised
         if not _plain_mistake(error):
             raise
@@ -211,6 +229,9 @@ def _plan_arguments(parser):
     parser.add_argument("--gpu-hbm-tbps", type=float, default=None, help="its HBM TB/s")
     parser.add_argument("--gpu-fp8-tflops", type=float, default=None,
                         help="its dense fp8 TFLOP/s (for --precision fp8)")
+    parser.add_argument("--gpu-profile", default=None, metavar="FILE",
+                        help="a profile from `calibrate`: its measured peak bf16 TFLOP/s (best "
+                             "large GEMM) and HBM bandwidth replace --gpu's datasheet numbers")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="GPUs one NVLink domain joins (default: the GPU's, 8; GB200: 72)")
     parser.add_argument("--intra-link", default=None, help="default: the GPU's own (NVLink)")
@@ -248,14 +269,24 @@ def plan_command(args):
                              "--gpu-hbm-tbps together")
         gpu = hardware.custom_gpu(*custom, link_name=args.intra_link or "NVLink 4",
                                   fp8_tflops=args.gpu_fp8_tflops)
+    header = None
+    if getattr(args, "gpu_profile", None):
+        from .theory import profile
+        if any(v is not None for v in custom):
+            raise ValueError("--gpu-profile replaces the custom GPU's numbers: give one of them")
+        gpu, header = profile.plan_gpu(args.gpu_profile,
+                                       args.gpu if "gpu" in args.explicit else None)
     out = planner.plan(args.model, args.gpus, gpu, args.gpus_per_node, args.intra_link,
                        args.inter_link, global_batch=args.global_batch,
                        global_batch_tokens=args.global_batch_tokens, seq=args.seq,
                        fix=args.fix, top=args.top, flash_attention=args.flash,
                        precision=args.precision, stack=args.stack, causal=args.causal)
+    if header:
+        out["gpu_profile"] = dict(path=args.gpu_profile, peak_bf16_flops=gpu.bf16_flops,
+                                  memory_bw=gpu.memory_bw)
     if args.json:
         return json.dumps(out, indent=2)
-    return planner.format_plans(out)
+    return (header + "\n" if header else "") + planner.format_plans(out)
 
 
 def memory_table(model_name, batch, seq, gpus):

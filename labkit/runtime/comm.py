@@ -37,6 +37,17 @@ GroupLike = Union[object, dist.ProcessGroup, None]
 
 ReduceOpName = Literal["sum", "avg", "max", "min"]   # what `op=` takes
 
+
+def dist_op(name, older):
+    """torch.distributed's `name`, or the same collective under the `older` name it had before
+    torch 2.13 (all_gather_single was all_gather_into_tensor, reduce_scatter_single was
+    reduce_scatter_tensor; the same arguments): the lab also runs on a GPU machine's torch."""
+    return getattr(dist, name, None) or getattr(dist, older)
+
+
+def _all_gather_op():   # looked up at each call: a test may take the new name away
+    return dist_op("all_gather_single", "all_gather_into_tensor")
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "avg": dist.ReduceOp.SUM}  # gloo has no AVG: sum, then divide by the group size
 
@@ -100,7 +111,7 @@ class Comm(CommLog):
         record, timing = self._start("all_gather", tensor, group, async_op, tag)
         if not stamp_needed(timing):
             return self._issue(record, timing, group, out, None, async_op, lambda: (
-                dist.all_gather_single(out, tensor, group=group.pg, async_op=async_op)))
+                _all_gather_op()(out, tensor, group=group.pg, async_op=async_op)))
         self._log_clock("all_gather", record.group, group.size, 8)
         packed = with_stamp(tensor, timing)
         gathered = packed.new_empty(group.size * packed.numel())
@@ -108,7 +119,7 @@ class Comm(CommLog):
         def finish():
             timing.group_ready = unpack_stamps(gathered, out, [tensor.nbytes] * group.size)
         return self._issue(record, timing, group, out, finish, async_op, lambda: (
-            dist.all_gather_single(gathered, packed, group=group.pg, async_op=async_op)))
+            _all_gather_op()(gathered, packed, group=group.pg, async_op=async_op)))
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOpName = "sum",
                        group: GroupLike = None, async_op: bool = False,
@@ -272,8 +283,8 @@ class Comm(CommLog):
                                                            group.size if op == "avg" else 1)
         if scatter:
             return self._issue(record, timing, group, out, finish, async_op, lambda: (
-                dist.reduce_scatter_single(received, sent, reduce_op, group=group.pg,
-                                           async_op=async_op)))
+                dist_op("reduce_scatter_single", "reduce_scatter_tensor")(
+                    received, sent, reduce_op, group=group.pg, async_op=async_op)))
         return self._issue(record, timing, group, out, finish, async_op, lambda: (
             dist.all_reduce(sent, reduce_op, group=group.pg, async_op=async_op)))
 

@@ -1,0 +1,124 @@
+"""A measured hardware profile (`python -m labkit calibrate` writes it): its format, its loader,
+and the catalog GPU with the measured numbers in place of the datasheet's.
+
+The planners model a step from datasheet constants (labkit/tables/hardware.csv): peak dense bf16
+FLOP/s times a fitted achievable fraction, and HBM bytes/s. A profile replaces both with what
+one machine measured: the peak by the best large bf16 GEMM (which is what the catalog's MAMF
+column, "maximum achievable matmul FLOP/s", means, so the achievable fraction of transformer
+shapes below that best GEMM stays the fitted one), the bandwidth by a device-to-device copy.
+
+The format (JSON; every time in seconds, every rate as named):
+    {"gpu": str, "torch": str, "cuda": str|null,
+     "gemm": [{"m", "n", "k": int, "dtype": str, "tflops": float}, ...],   (at least one)
+     "hbm_gbps": float,          (GB/s = 1e9 bytes/s, read + write bytes counted)
+     "decode_step_s": [{"model": str, "batch": int, "context": int, "seconds": float}],
+     "train_step_s": [{"model": str, "batch": int, "seq": int, "seconds": float}],
+     "all_reduce": [{"bytes": int, "seconds": float}]}      (empty on one GPU)
+This module imports no torch (`plan` stays quick).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from . import hardware
+
+LISTS = {"gemm": {"m": int, "n": int, "k": int, "dtype": str, "tflops": float},
+         "decode_step_s": {"model": str, "batch": int, "context": int, "seconds": float},
+         "train_step_s": {"model": str, "batch": int, "seq": int, "seconds": float},
+         "all_reduce": {"bytes": int, "seconds": float}}
+LARGE_GEMM = 4096   # a GEMM counts toward the peak when m, n and k are all at least this
+
+
+def check_profile(data, where="profile"):
+    """The profile dict itself if it has the format above; else ValueError in one line."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a profile is a JSON object, got {type(data).__name__}")
+    for key in ("gpu", "torch"):
+        if not isinstance(data.get(key), str):
+            raise ValueError(f"{where}: '{key}' must be a string, got {data.get(key)!r}")
+    _positive(data.get("hbm_gbps"), f"{where}: 'hbm_gbps'")
+    for key, fields in LISTS.items():
+        rows = data.get(key)
+        if not isinstance(rows, list):
+            raise ValueError(f"{where}: '{key}' must be a list, got {type(rows).__name__}")
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: {key}[{i}] must be an object, got {row!r}")
+            for name, kind in fields.items():
+                value = row.get(name)
+                label = f"{where}: {key}[{i}].{name}"
+                if kind is str:
+                    if not isinstance(value, str):
+                        raise ValueError(f"{label} must be a string, got {value!r}")
+                elif kind is int:
+                    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                        raise ValueError(f"{label} must be a positive integer, got {value!r}")
+                else:
+                    _positive(value, label)
+    if not data["gemm"]:
+        raise ValueError(f"{where}: 'gemm' has no measurement")
+    return data
+
+
+def _positive(value, label):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        raise ValueError(f"{label} must be a positive number, got {value!r}")
+
+
+def load_profile(path):
+    """Read and check a profile file; a missing, unreadable or malformed one: one-line
+    ValueError naming the file and what is wrong."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as error:
+        raise ValueError(f"--gpu-profile {path}: cannot read it ({error.strerror})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--gpu-profile {path}: not JSON ({error.msg}, line {error.lineno})") \
+            from None
+    return check_profile(data, where=f"--gpu-profile {path}")
+
+
+def peak_tflops(profile):
+    """The best bf16 GEMM TFLOP/s among the large ones (all dims >= LARGE_GEMM), else the best
+    bf16 GEMM measured."""
+    bf16 = [g for g in profile["gemm"] if g["dtype"] in ("bf16", "bfloat16")]
+    if not bf16:
+        raise ValueError("the profile has no bf16 GEMM to take the peak from")
+    large = [g for g in bf16 if min(g["m"], g["n"], g["k"]) >= LARGE_GEMM]
+    return max(g["tflops"] for g in (large or bf16))
+
+
+def catalog_gpu(name):
+    """The catalog GPU a device name (torch.cuda.get_device_name: 'NVIDIA H200') stands for,
+    or None: tried whole, then by the first word that names a catalog GPU."""
+    for candidate in [name] + str(name).replace("-", " ").split():
+        try:
+            return hardware.gpu(candidate)
+        except KeyError:
+            continue
+    return None
+
+
+def profiled_gpu(profile, gpu=None):
+    """`gpu` (a catalog name or GPU; default: the profile's own GPU) with the profile's
+    measured peak bf16 FLOP/s (also as its MAMF) and HBM bandwidth in place of the catalog's."""
+    base = hardware.gpu(gpu) if gpu is not None else catalog_gpu(profile["gpu"])
+    if base is None:
+        raise ValueError(f"the profile's GPU {profile['gpu']!r} is not in the catalog: "
+                         "give --gpu too")
+    peak = peak_tflops(profile) * 1e12
+    return dataclasses.replace(base, name=f"{base.name} (measured: {profile['gpu']})",
+                               bf16_flops=peak, mamf_bf16_flops=peak,
+                               memory_bw=profile["hbm_gbps"] * 1e9)
+
+
+def plan_gpu(path, gpu=None):
+    """`plan --gpu-profile PATH`: (the profiled GPU, the plan's first line saying so)."""
+    measured = load_profile(path)
+    g = profiled_gpu(measured, gpu)
+    return g, (f"GPU numbers from the profile {path} (measured on {measured['gpu']}): peak "
+               f"bf16 {g.bf16_flops / 1e12:.1f} TFLOP/s (best large GEMM), HBM "
+               f"{g.memory_bw / 1e9:.0f} GB/s; the rest: the catalog's "
+               f"{g.name.split(' (measured')[0]}; MFU below is of the measured peak")
