@@ -130,7 +130,9 @@ def memory_terms(m, c, batch, seq, p):
                  p["micro_batch_size"]), pp=p["pp"], v=p["v"])
     k = p["recompute_layers"]
     if p["recompute"] != "full":
-        k = 0 if p["recompute"] == "none" else layers
+        # selective recompute rebuilds only the attention scores: no layer is recomputed
+        # whole, each keeps a_selective (kept_layer above; Korthikanti et al. 2022, Sec. 4.2)
+        k = 0
     elif k is None:
         budget = c.usable_bytes - states["total"] - buffers
         k = rc.least_recompute_layers(budget, layers, **stage)
@@ -150,13 +152,10 @@ def finish(m, c, batch, seq, mem, p, stage_params, layer_bytes_kept):
     """The plan dict from memory_terms' answer: step time, MFU, HFU, throughput."""
     breakdown, communication = step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept)
     step = sum(breakdown.values())
-    model_flops = batch * seq * model_flops_per_token(m, seq)
-    extra = rc.recompute_flops(layer_forward_flops(m, seq),
-                               tf.attention_core_flops_per_token(m, seq), p["recompute"],
-                               p["recompute_layers"], layers_per_stage(m, p["pp"]),
-                               c.flash_attention)
-    hw_flops = model_flops + batch * seq * m.layers * extra
-    peak, fits = c.gpu.bf16_flops, mem["total"] <= c.capacity_bytes
+    model_flops = batch * seq * model_flops_per_token(m, seq, c.causal)
+    hw_flops = batch * seq * hardware_flops_per_token(m, c, seq, p)
+    fits = mem["total"] <= c.capacity_bytes
+    peak = mfu_peak_flops(c)
     return dict(
         p, layers_per_stage=layers_per_stage(m, p["pp"]), stack=c.stack.name,
         precision=c.precision, microbatches=batch // (p["dp"] *
@@ -168,6 +167,27 @@ def finish(m, c, batch, seq, mem, p, stage_params, layer_bytes_kept):
         mfu=model_flops / (step * c.gpus * peak), hfu=hw_flops / (step * c.gpus * peak),
         tokens_per_s_per_gpu=batch * seq / step / c.gpus,
         model_tflops_per_gpu=model_flops / step / c.gpus / 1e12)
+
+
+def mfu_peak_flops(c):
+    """MFU's and HFU's denominator per GPU: the dense peak of the precision the linear layers
+    run at (fp8 under precision="fp8", else bf16), so that neither can pass 1."""
+    return c.gpu.flops("fp8") if c.precision == "fp8" else c.gpu.bf16_flops
+
+
+def hardware_flops_per_token(m, c, seq, p):
+    """FLOPs the GPUs execute per token (HFU's numerator): the linear layers and the head
+    (6 per weight), the attention core at the share the kernel runs (plan_terms.
+    attention_time_factor: half under FlashAttention with a causal mask, all of it unfused),
+    and what recompute runs again (recompute.recompute_flops, attention at the same share)."""
+    factor = terms.attention_time_factor(c.flash_attention, c.causal)
+    core = tf.attention_core_flops_per_token(m, seq)
+    linear = layer_forward_flops(m, seq) - core
+    per_layer = 3 * linear + 3 * core * factor
+    extra = rc.recompute_flops(linear + core * factor, core * factor, p["recompute"],
+                               p["recompute_layers"], layers_per_stage(m, p["pp"]),
+                               c.flash_attention)
+    return m.layers * (per_layer + extra) + tf.head_flops_per_token(m)
 
 
 def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):

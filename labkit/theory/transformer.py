@@ -67,10 +67,14 @@ def head_params(m: ModelShape) -> int:
     return m.vocab * m.hidden + m.hidden
 
 
-def model_flops_per_token(m: ModelShape, seq: int) -> float:
-    """Training FLOPs per token without recompute: 6 N_matmul + 12 L h s (MFU's numerator)."""
+def model_flops_per_token(m: ModelShape, seq: int, causal: bool = False) -> float:
+    """Training FLOPs per token without recompute: 6 N_matmul + 12 L h s (Narayanan et al.
+    2021 and PaLM, the convention published runs report in). causal=True counts the scores a
+    causal model needs, 6 L h s (the upper triangle is masked: FlashAttention's benchmark
+    convention, Dao 2023): the planner's MFU numerator, so that MFU <= 1 at any length."""
     c = layer_counts(m)
-    per_layer = 6 * (c.attention + c.mlp_active + c.router) + 12 * m.hidden * seq
+    attention = 12 * m.hidden * seq * (0.5 if causal else 1.0)
+    per_layer = 6 * (c.attention + c.mlp_active + c.router) + attention
     return m.layers * per_layer + 6 * m.vocab * m.hidden
 
 
