@@ -224,10 +224,18 @@ def test_inference_memory_llama_70b():
     m = "llama-3-70b"
     assert memory.inference_memory(m, batch=1, context=1)["weights"] / GB == pytest.approx(
         141.1, abs=0.1)
+    # quantised: the layers' matrices (by hand: 80 x (2 h^2 + 2 h kv + 3 h f), h = 8192,
+    # kv = 8 x 128, f = 28672) at 1 or 1/2 byte with a bf16 scale per output channel (int8)
+    # or per 128 weights (int4); the embeddings, head and norms stay bf16
+    matrices = 80 * (2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672)
+    other = catalog.model(m).param_count() - matrices
+    int8 = matrices + matrices / 8192 * 2 + 2 * other
+    int4 = matrices / 2 + matrices / 128 * 2 + 2 * other
     assert memory.inference_memory(m, batch=1, context=1, weight_dtype="int8")[
-        "weights"] / GB == pytest.approx(70.6, abs=0.1)
+        "weights"] == pytest.approx(int8, rel=1e-12)
     assert memory.inference_memory(m, batch=1, context=1, weight_dtype="int4")[
-        "weights"] / GB == pytest.approx(35.3, abs=0.1)
+        "weights"] == pytest.approx(int4, rel=1e-12)
+    assert int4 / GB == pytest.approx(39.5, abs=0.05)     # not 35.3 = 70.6B x 0.5 B
     kv = memory.inference_memory(m, batch=1, context=8192)["kv_cache"]
     assert kv == 2 * 80 * 8 * 128 * 8192 * 2          # GQA: 8 KV heads, not 64
     kv_tp = memory.inference_memory(m, batch=1, context=8192, tp=8, pp=2)["kv_cache"]

@@ -326,6 +326,7 @@ def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_lin
     c = make_cluster(gpu, gpus, gpus_per_node, intra_link, inter_link, achievable, hbm_passes,
                      flash_attention, precision, dropout, stack, causal)
     seq = inputs.count("seq", seq)
+    note = ""
     if global_batch is None:
         if global_batch_tokens is None:
             raise ValueError("give the global batch in sequences or in tokens")
@@ -334,6 +335,10 @@ def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_lin
             raise ValueError(f"--global-batch-tokens {tokens} is less than one sequence of "
                              f"{seq} tokens")
         global_batch = tokens // seq
+        if tokens % seq:
+            note = (f"--global-batch-tokens {tokens:,} is not a whole number of {seq:,}-token "
+                    f"sequences: rounded down to {global_batch:,} sequences "
+                    f"({global_batch * seq:,} tokens)")
     global_batch = inputs.count("global_batch", global_batch)
     top = None if top is None else inputs.count("top", top)
     fix = parse_fix(fix)
@@ -362,7 +367,7 @@ def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_lin
                              capacity_bytes=c.capacity_bytes, stack=c.stack.name,
                              precision=c.precision, flash_attention=c.flash_attention,
                              causal=c.causal),
-                workload=dict(global_batch=global_batch, seq=seq),
+                workload=dict(global_batch=global_batch, seq=seq, note=note),
                 considered=len(legal), plans=legal[:top] if top else legal)
 
 
@@ -386,6 +391,8 @@ def format_plans(out):
              f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'v':>2} {'mbs':>3} "
              f"{'ZeRO':>4} {'recompute':>11} {'sp':>3} {'GB/GPU':>7} {'step s':>8} {'MFU':>6} "
              f"{'tok/s/GPU':>9}  fits"]
+    if out["workload"].get("note"):
+        lines.insert(1, "note: " + out["workload"]["note"])
     for p in out["plans"]:
         lines.append(
             f"{p['dp']:>5} {p['tp']:>3} {p['pp']:>3} {p['cp']:>3} {p['ep']:>3} {p['v']:>2} "

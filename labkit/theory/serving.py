@@ -41,10 +41,8 @@ from . import catalog, hardware, plan_inputs as inputs
 from .memory import dtype_bytes
 from .planner import ACHIEVABLE, RESERVED_BYTES, achievable_fraction, parse_model
 from .time import collective_time
+from .weights import SCALE_BYTES, SCALE_GROUP, WEIGHTS, layer_param_split, weight_bytes  # noqa
 
-WEIGHTS = ("bf16", "fp8", "int8", "int4")
-SCALE_BYTES = 2                              # a bf16 scale per quantisation group
-SCALE_GROUP = {"bf16": None, "fp8": None, "int8": "channel", "int4": 128}
 ACTIVATION_FACTOR = 4                        # transient (b, s, h)-sized bf16 buffers in flight
                                              # in one layer (input, norm, attention out, residual)
 ONE_SHOT_LATENCIES = 2   # a one-shot all-reduce: write to every peer, wait on their flags
@@ -87,36 +85,6 @@ def cached_kv_bytes(*, layers, requests, prompt_len, new_tokens, hidden, tp=1,
     2 x its layers x its requests x cached tokens (P + T - 1: the last token is never fed
     back) x hidden / tp x bytes."""
     return 2 * layers * requests * (prompt_len + new_tokens - 1) * (hidden // tp) * bytes_per_value
-
-
-def layer_param_split(model) -> dict:
-    """Parameters: `matrices` (the layers' Linear weights: quantised), `experts` (the part of
-    them in experts), `other` (embeddings, head, norms, routers: kept in bf16)."""
-    m = parse_model(model)
-    h, L = m.hidden, m.layers
-    attention = m._attention_params() if m.arch != "gpt2" else 4 * h * h
-    mlp_one = (3 if m.arch != "gpt2" else 2) * h * m.ffn
-    experts = L * m.experts * mlp_one if m.experts > 1 else 0
-    matrices = L * (attention + mlp_one * m.experts)
-    return dict(matrices=matrices, experts=experts, other=m.param_count() - matrices,
-                total=m.param_count())
-
-
-def weight_bytes(model, weights="bf16") -> dict:
-    """Bytes of the weights at a precision: {matrices, scales, other, total}."""
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    m = parse_model(model)
-    s = layer_param_split(m)
-    group = SCALE_GROUP[weights]
-    if group is None:
-        scales = 0 if weights == "bf16" else m.layers * 7 * SCALE_BYTES   # one per matrix
-    else:
-        size = m.hidden if group == "channel" else group
-        scales = s["matrices"] / size * SCALE_BYTES
-    matrices = s["matrices"] * dtype_bytes(weights)
-    other = s["other"] * 2
-    return dict(matrices=matrices, scales=scales, other=other, total=matrices + scales + other)
 
 
 def weights_per_gpu(model, weights="bf16", tp=1, pp=1, ep=1) -> float:
