@@ -210,10 +210,14 @@ def test_partial_recompute_keeps_the_hand_derived_bytes():
     from labkit.theory import recompute as rc
     stage = dict(kept_layer=10.0, recomputed_layer=1.0, working_set=5.0, logits=0.0,
                  microbatches=8, pp=1, v=1)
-    # one micro-batch in flight (pp=1), 4 layers: none 40; k=2: 2*10 + 2*1 + 5 = 27
+    # one micro-batch in flight (pp=1), 4 layers: none 40; k=2: 2*10 + 2*1 + the rebuilt
+    # layer's 5 in place of its checkpoint of 1 = 26
     assert rc.stage_activation_bytes(layers_per_stage=4, recompute_layers=0, **stage) == 40
-    assert rc.stage_activation_bytes(layers_per_stage=4, recompute_layers=2, **stage) == 27
-    # the least k under a budget of 30: k=1 gives 3*10 + 1 + 5 = 36, k=2 gives 27
+    assert rc.stage_activation_bytes(layers_per_stage=4, recompute_layers=2, **stage) == 26
+    # selective keeps a_selective = 3 of a working set of 5: 4*3 + (5 - 3) = 14
+    assert rc.stage_activation_bytes(layers_per_stage=4, recompute_layers=0, selective=True,
+                                     **dict(stage, kept_layer=3.0)) == 14
+    # the least k under a budget of 30: k=1 gives 3*10 + 1 + 4 = 35, k=2 gives 26
     assert rc.least_recompute_layers(30, 4, **stage) == 2
     assert rc.least_recompute_layers(100, 4, **stage) == 0
     # recompute FLOPs: k/L of the forward, and (flash) the scores of the other layers

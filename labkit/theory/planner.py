@@ -136,7 +136,8 @@ def memory_terms(m, c, batch, seq, p):
     elif k is None:
         budget = c.usable_bytes - states["total"] - buffers
         k = rc.least_recompute_layers(budget, layers, **stage)
-    activations = rc.stage_activation_bytes(layers_per_stage=layers, recompute_layers=k, **stage)
+    activations = rc.stage_activation_bytes(layers_per_stage=layers, recompute_layers=k,
+                                            selective=p["recompute"] == "selective", **stage)
     mem = dict(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
                activations=activations, buffers=buffers, reserved=terms.ALLOCATOR_RESERVE)
     mem["total"] = sum(mem.values())

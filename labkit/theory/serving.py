@@ -89,12 +89,19 @@ def cached_kv_bytes(*, layers, requests, prompt_len, new_tokens, hidden, tp=1,
 
 def weights_per_gpu(model, weights="bf16", tp=1, pp=1, ep=1) -> float:
     """A GPU's share: dense parts / (tp x pp), experts / (tp x pp x ep)."""
+    dense, experts = weight_split_per_gpu(model, weights, tp, pp, ep)
+    return dense + experts
+
+
+def weight_split_per_gpu(model, weights="bf16", tp=1, pp=1, ep=1):
+    """(dense bytes, expert bytes) on one GPU: the experts' matrices at the precision with
+    their scales, everything else (attention, embeddings, head, norms, routers) dense."""
     m = parse_model(model)
     w = weight_bytes(m, weights)
     s = layer_param_split(m)
     per_matrix = (w["matrices"] + w["scales"]) / max(s["matrices"], 1)
     expert_bytes = s["experts"] * per_matrix
-    return (w["total"] - expert_bytes) / (tp * pp) + expert_bytes / (tp * pp * ep)
+    return (w["total"] - expert_bytes) / (tp * pp), expert_bytes / (tp * pp * ep)
 
 
 # ----------------------------------------------------------------------- the roofline
@@ -160,9 +167,8 @@ def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, pr
     tp_link = intra if tp <= gpus_per_node else inter
     ep_link = intra if tp * ep <= gpus_per_node else inter
     pp_link = intra if tp * ep * pp <= gpus_per_node else inter
-    w_gpu = weights_per_gpu(m, weights, tp, pp, ep)
+    dense_gpu, experts_gpu = weight_split_per_gpu(m, weights, tp, pp, ep)
     layers = m.layers / pp
-    s = layer_param_split(m)
 
     def stage_time(tokens, context, new):
         """One micro-batch of `tokens` (b_mb x new) through one stage: roofline + comm."""
@@ -171,8 +177,7 @@ def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, pr
         local = m.experts / ep
         picked = m.experts * (1 - (1 - m.top_k / m.experts) ** routed) if m.experts > 1 else 1
         touched = min(local, picked) / local if m.experts > 1 else 1.0
-        expert_share = s["experts"] / max(s["total"], 1)
-        read = w_gpu * (1 - expert_share + expert_share * touched) if m.experts > 1 else w_gpu
+        read = dense_gpu + experts_gpu * touched      # bytes, not parameter shares
         read += kv_cache_bytes(m, tokens / new, context + new, kv_dtype, tp, pp)
         compute, memory = flops / flops_rate, read / g.memory_bw
         act = tokens * m.hidden * 2
