@@ -346,3 +346,22 @@ def test_held_out_runs_stay_predicted():
     rows = published.check(published.runs("check"))
     assert len(rows) >= 25
     assert sum(abs(r["error"]) for r in rows) / len(rows) < 0.15
+
+
+def test_selective_recompute_keeps_korthikantis_bytes_not_full_recomputes():
+    # Korthikanti et al. 2022, Table 2 (GPT, tp = 1): a layer keeps sbh(34 + 5as/h) bytes, 34 sbh
+    # under selective recompute; during backward one layer's 5as^2b of scores is rebuilt. With
+    # the last stage's fp32 logits (4 s b V), by hand:
+    m, s, b = catalog.model("gpt2-small"), 2048, 1
+    sbh, a = s * b * m.hidden, m.heads
+    fix = "dp=1,tp=1,pp=1,cp=1,micro_batch_size=1,zero_stage=0,recompute="
+    kw = dict(global_batch=1, seq=s, top=1, flash_attention=False)
+    sel, none = (planner.plan("gpt2-small", 1, "H100", fix=fix + r, **kw)["plans"][0]
+                 for r in ("selective", "none"))
+    logits = 4 * s * b * m.vocab
+    assert sel["memory_bytes"]["activations"] == pytest.approx(
+        m.layers * 34 * sbh + 5 * a * s * s * b + logits, rel=1e-12)
+    assert none["memory_bytes"]["activations"] == pytest.approx(
+        m.layers * sbh * (34 + 5 * a * s / m.hidden) + logits, rel=1e-12)
+    # and it pays the scores' forward again, no more
+    assert sel["breakdown_s"]["recompute"] > none["breakdown_s"]["recompute"] == 0
