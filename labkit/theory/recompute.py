@@ -7,8 +7,9 @@ working set of one layer being rebuilt (Megatron-LM `--recompute-granularity ful
 --recompute-method block --recompute-num-layers k`; Korthikanti et al. 2022, arXiv 2205.05198,
 Appendix C); the rebuilt layer replaces its checkpoint while it runs. Selective recompute keeps
 a_selective in every layer and rebuilds one layer's scores at a time. The first stage of 1F1B
-holds min(m, pp) micro-batches; interleaving with v chunks holds min(m v, (v+1) pp - 1) chunks of L_s / v layers (Megatron-LM's warm-up). The last stage
-keeps the fp32 logits of one micro-batch as well. Recompute costs k / L_s of the stage's forward.
+holds min(m, pp) micro-batches; interleaving with v chunks holds min(m v, (v+1) pp - 1) chunks
+of L_s / v layers (Megatron-LM's warm-up). The last stage keeps the fp32 logits of one
+micro-batch as well. Recompute costs k / L_s of the stage's forward.
 """
 from __future__ import annotations
 
