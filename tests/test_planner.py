@@ -155,6 +155,7 @@ def test_cli_plan_prints_a_ranking_and_json(capsys):
     (["--model", "sd-1.5"], "not a transformer language model"),
     (["--gpu", "K80"], "--gpu: unknown GPU"),
     (["--gpu", "A100", "--precision", "fp8"], "no fp8 tensor cores"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
 ])
 def test_cli_refuses_bad_plan_input_in_one_line(capsys, argv, message):
     from labkit import cli
@@ -365,3 +366,34 @@ def test_selective_recompute_keeps_korthikantis_bytes_not_full_recomputes():
         m.layers * sbh * (34 + 5 * a * s / m.hidden) + logits, rel=1e-12)
     # and it pays the scores' forward again, no more
     assert sel["breakdown_s"]["recompute"] > none["breakdown_s"]["recompute"] == 0
+
+
+@pytest.mark.parametrize("per_node", ["0", "-3"])
+def test_plan_serve_refuses_a_node_of_no_gpus_in_one_line(capsys, per_node):
+    from labkit import cli
+    code = cli.main(["plan", "--serve", "--model", "llama-3-8b", "--gpus", "8",
+                     "--gpus-per-node", per_node])
+    err = capsys.readouterr().err
+    assert code == 2 and "--gpus-per-node must be a positive integer" in err
+    assert err.count("\n") == 1
+
+
+def test_plan_serve_on_a_billion_gpus_answers_from_the_factorisation():
+    import time
+    from labkit.theory import serving
+    start = time.process_time()          # CPU time: the shared machine's load does not count
+    out = serving.plan_serving("llama-3-8b", 10**9, "H100", top=1, weights="int4")
+    assert out["plans"][0]["fits"] and time.process_time() - start < 5      # it took 37 s
+    with pytest.raises(ValueError, match="--gpus must be at most"):
+        serving.plan_serving("llama-3-8b", 10**9 + 1, "H100")
+
+
+def test_global_batch_tokens_that_are_not_whole_sequences_are_said(capsys):
+    out = planner.plan("llama-3-8b", 64, "H100", global_batch_tokens=16_000_000, seq=4096,
+                       top=1)
+    assert out["workload"]["global_batch"] == 3906
+    assert "rounded down to 3,906 sequences" in out["workload"]["note"]
+    assert "note: --global-batch-tokens 16,000,000" in planner.format_plans(out)
+    exact = planner.plan("llama-3-8b", 64, "H100", global_batch_tokens=4096 * 512, seq=4096,
+                         top=1)
+    assert exact["workload"]["note"] == ""
