@@ -10,7 +10,8 @@ families, as in data/models.csv:
 
 FLOPs per token (Narayanan et al. 2021, arXiv 2104.04473; PaLM's MFU convention): a matmul
 with P weights costs 2P forward and 4P backward; attention scores and values add 4*s*h forward
-per layer (no causal halving). The input embedding is a lookup: no FLOPs.
+per layer (no causal halving; model_flops_per_token(causal=True) halves them, the planner's MFU
+numerator). The input embedding is a lookup: no FLOPs.
 
 Activation bytes per layer and micro-batch (16-bit values, 2 bytes each; s sequence, b micro-
 batch, h hidden, a heads, t tensor-parallel size). GPT, Korthikanti et al. 2022 (arXiv
