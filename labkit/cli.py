@@ -248,8 +248,8 @@ def _plan_arguments(parser):
     parser.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True,
                         help="FlashAttention (no s^2 softmax kept; --no-flash: unfused)")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
-                        help="causal mask: FlashAttention skips the masked half of the scores "
-                             "(time only; MFU counts every score)")
+                        help="causal mask: FlashAttention skips the masked half of the scores, "
+                             "and MFU counts only that half (what a causal model needs)")
     parser.add_argument("--fix", default="",
                         help="hold fields: dp=64,tp=8,pp=16,v=2,zero_stage=1,recompute=full,"
                              "recompute_layers=4,sequence_parallel=true")

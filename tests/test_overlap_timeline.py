@@ -36,6 +36,17 @@ def test_prefetch_leaves_less_all_gather_exposed(fsdp_runs):
     assert on["exposed_s"] + on["hidden_s"] == pytest.approx(on["modelled_s"])
 
 
+def test_exposed_time_adds_up_to_the_compute_lane_waits(fsdp_runs):
+    # Lesson 04's table: each op's exposed part is time the compute lane waited for it, so over
+    # a rank they sum to its waits (an already-placed op's wait once placed later ops as exposed)
+    for timeline in fsdp_runs.values():
+        mine = [e for e in timeline if e["rank"] == 0]
+        exposed = sum(e["meta"]["exposed_s"] for e in mine if "exposed_s" in e["meta"])
+        waits = sum(e["end"] - e["start"] for e in mine
+                    if e["lane"] == "compute" and e["kind"] == "idle")
+        assert exposed == pytest.approx(waits, rel=1e-9, abs=1e-12)
+
+
 def test_overlap_timeline_hatches_each_exposed_collective(fsdp_runs):
     runs = {f"prefetch={p}": tl for p, tl in fsdp_runs.items()}
     fig = overlap_timeline(runs, ranks=(0, 1))

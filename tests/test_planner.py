@@ -72,9 +72,12 @@ def test_model_flops_agree_with_the_catalog_parameter_count():
     matmul = m.param_count() - m.vocab * m.hidden - (2 * m.layers + 1) * m.hidden
     expected = 6 * matmul + 12 * m.layers * m.hidden * seq
     assert tf.model_flops_per_token(m, seq) == pytest.approx(expected, rel=1e-9)
-    # and the MFU that the planner reports is that numerator over the modelled step
+    # the MFU that the planner reports is that numerator with the causal scores halved (a
+    # causal model needs only the lower triangle: 6 L h s), over the modelled step
+    causal = expected - 6 * m.layers * m.hidden * seq
+    assert tf.model_flops_per_token(m, seq, causal=True) == pytest.approx(causal, rel=1e-9)
     p = planner.plan(m, 8, "H100", global_batch=32, seq=seq, top=1)["plans"][0]
-    assert p["mfu"] * p["step_s"] * 8 * 989e12 == pytest.approx(32 * seq * expected, rel=1e-9)
+    assert p["mfu"] * p["step_s"] * 8 * 989e12 == pytest.approx(32 * seq * causal, rel=1e-9)
 
 
 def test_model_states_are_eighteen_bytes_per_parameter_without_sharding():
@@ -152,6 +155,7 @@ def test_cli_plan_prints_a_ranking_and_json(capsys):
     (["--model", "sd-1.5"], "not a transformer language model"),
     (["--gpu", "K80"], "--gpu: unknown GPU"),
     (["--gpu", "A100", "--precision", "fp8"], "no fp8 tensor cores"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
 ])
 def test_cli_refuses_bad_plan_input_in_one_line(capsys, argv, message):
     from labkit import cli
@@ -207,10 +211,14 @@ def test_partial_recompute_keeps_the_hand_derived_bytes():
     from labkit.theory import recompute as rc
     stage = dict(kept_layer=10.0, recomputed_layer=1.0, working_set=5.0, logits=0.0,
                  microbatches=8, pp=1, v=1)
-    # one micro-batch in flight (pp=1), 4 layers: none 40; k=2: 2*10 + 2*1 + 5 = 27
+    # one micro-batch in flight (pp=1), 4 layers: none 40; k=2: 2*10 + 2*1 + the rebuilt
+    # layer's 5 in place of its checkpoint of 1 = 26
     assert rc.stage_activation_bytes(layers_per_stage=4, recompute_layers=0, **stage) == 40
-    assert rc.stage_activation_bytes(layers_per_stage=4, recompute_layers=2, **stage) == 27
-    # the least k under a budget of 30: k=1 gives 3*10 + 1 + 5 = 36, k=2 gives 27
+    assert rc.stage_activation_bytes(layers_per_stage=4, recompute_layers=2, **stage) == 26
+    # selective keeps a_selective = 3 of a working set of 5: 4*3 + (5 - 3) = 14
+    assert rc.stage_activation_bytes(layers_per_stage=4, recompute_layers=0, selective=True,
+                                     **dict(stage, kept_layer=3.0)) == 14
+    # the least k under a budget of 30: k=1 gives 3*10 + 1 + 4 = 35, k=2 gives 26
     assert rc.least_recompute_layers(30, 4, **stage) == 2
     assert rc.least_recompute_layers(100, 4, **stage) == 0
     # recompute FLOPs: k/L of the forward, and (flash) the scores of the other layers
@@ -281,7 +289,11 @@ def test_causal_halving_is_explicit():
               "recompute=full")
     skip = planner.plan("llama-3-8b", 8, **kw)["plans"][0]
     full = planner.plan("llama-3-8b", 8, causal=False, **kw)["plans"][0]
-    assert skip["step_s"] < full["step_s"] and skip["mfu"] > full["mfu"]
+    assert skip["step_s"] < full["step_s"]
+    # MFU counts what each model needs (a causal one half the scores), so at 16K tokens the
+    # causal model's MFU is not inflated by scores its kernel skips: both stay below 1
+    assert skip["tokens_per_s_per_gpu"] > full["tokens_per_s_per_gpu"]
+    assert skip["mfu"] < 1 and full["mfu"] < 1 and skip["hfu"] < 1 and full["hfu"] < 1
 
 
 def test_new_gpus_and_a_custom_one():
@@ -335,3 +347,53 @@ def test_held_out_runs_stay_predicted():
     rows = published.check(published.runs("check"))
     assert len(rows) >= 25
     assert sum(abs(r["error"]) for r in rows) / len(rows) < 0.15
+
+
+def test_selective_recompute_keeps_korthikantis_bytes_not_full_recomputes():
+    # Korthikanti et al. 2022, Table 2 (GPT, tp = 1): a layer keeps sbh(34 + 5as/h) bytes, 34 sbh
+    # under selective recompute; during backward one layer's 5as^2b of scores is rebuilt. With
+    # the last stage's fp32 logits (4 s b V), by hand:
+    m, s, b = catalog.model("gpt2-small"), 2048, 1
+    sbh, a = s * b * m.hidden, m.heads
+    fix = "dp=1,tp=1,pp=1,cp=1,micro_batch_size=1,zero_stage=0,recompute="
+    kw = dict(global_batch=1, seq=s, top=1, flash_attention=False)
+    sel, none = (planner.plan("gpt2-small", 1, "H100", fix=fix + r, **kw)["plans"][0]
+                 for r in ("selective", "none"))
+    logits = 4 * s * b * m.vocab
+    assert sel["memory_bytes"]["activations"] == pytest.approx(
+        m.layers * 34 * sbh + 5 * a * s * s * b + logits, rel=1e-12)
+    assert none["memory_bytes"]["activations"] == pytest.approx(
+        m.layers * sbh * (34 + 5 * a * s / m.hidden) + logits, rel=1e-12)
+    # and it pays the scores' forward again, no more
+    assert sel["breakdown_s"]["recompute"] > none["breakdown_s"]["recompute"] == 0
+
+
+@pytest.mark.parametrize("per_node", ["0", "-3"])
+def test_plan_serve_refuses_a_node_of_no_gpus_in_one_line(capsys, per_node):
+    from labkit import cli
+    code = cli.main(["plan", "--serve", "--model", "llama-3-8b", "--gpus", "8",
+                     "--gpus-per-node", per_node])
+    err = capsys.readouterr().err
+    assert code == 2 and "--gpus-per-node must be a positive integer" in err
+    assert err.count("\n") == 1
+
+
+def test_plan_serve_on_a_billion_gpus_answers_from_the_factorisation():
+    import time
+    from labkit.theory import serving
+    start = time.process_time()          # CPU time: the shared machine's load does not count
+    out = serving.plan_serving("llama-3-8b", 10**9, "H100", top=1, weights="int4")
+    assert out["plans"][0]["fits"] and time.process_time() - start < 5      # it took 37 s
+    with pytest.raises(ValueError, match="--gpus must be at most"):
+        serving.plan_serving("llama-3-8b", 10**9 + 1, "H100")
+
+
+def test_global_batch_tokens_that_are_not_whole_sequences_are_said(capsys):
+    out = planner.plan("llama-3-8b", 64, "H100", global_batch_tokens=16_000_000, seq=4096,
+                       top=1)
+    assert out["workload"]["global_batch"] == 3906
+    assert "rounded down to 3,906 sequences" in out["workload"]["note"]
+    assert "note: --global-batch-tokens 16,000,000" in planner.format_plans(out)
+    exact = planner.plan("llama-3-8b", 64, "H100", global_batch_tokens=4096 * 512, seq=4096,
+                         top=1)
+    assert exact["workload"]["note"] == ""

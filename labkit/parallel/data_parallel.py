@@ -14,7 +14,7 @@ of global_batch / N examples.
 Communication per rank and step: an all-reduce of the S = 4Ψ gradient bytes; a ring sends
 2(N-1)/N x S bytes per rank, under 2S whatever N (Patarasuk & Yuan 2009). That traffic does not
 shrink as N grows while the compute does, so it is hidden under backward: parameters are grouped
-into buckets of ~`bucket_mb` MB in reverse order (backward produces the last layer's gradients
+into buckets of ~`bucket_mb` MiB in reverse order (backward produces the last layer's gradients
 first); a post-accumulate-grad hook copies each gradient into its bucket, and a full bucket's
 async all-reduce starts at once while backward computes the earlier layers. What PyTorch's
 DistributedDataParallel does (Li et al. 2020, "PyTorch Distributed", arXiv 2006.15704).
@@ -44,8 +44,9 @@ _instances = itertools.count()   # tells the memory tracker's buffers of two wra
 class DataParallel(nn.Module):
     """Data parallelism on any nn.Module inside any process group (`group=None`: the world).
 
-    bucket_mb: bucket size in MB (1e6 bytes); 0 gives one bucket per parameter, each launched as
-        soon as its gradient is ready. overlap=False launches every bucket after backward.
+    bucket_mb: bucket size in MiB (2**20 bytes, as DDP's bucket_cap_mb and ShardedOptimizer's
+        bucket_mb); 0 gives one bucket per parameter, each launched as soon as its gradient
+        is ready. overlap=False launches every bucket after backward.
     gradient_as_bucket_view: as in DDP, make each `.grad` a view into its bucket (saves the copy
         and 4Ψ bytes); then the buckets are counted as gradients, not as buffers.
     Frozen parameters (requires_grad=False) get no hook and no all-reduce; a parameter reached
@@ -81,9 +82,9 @@ class DataParallel(nn.Module):
                                      tag="DataParallel broadcast")
 
     def _build_buckets(self):
-        """Trainable parameters in reverse order, cut into buckets of about bucket_mb MB."""
+        """Trainable parameters in reverse order, cut into buckets of about bucket_mb MiB."""
         self._params = [p for p in self.module.parameters() if p.requires_grad][::-1]
-        groups = bucket_params(self._params, self.bucket_mb * 1e6, may_exceed=True)
+        groups = bucket_params(self._params, self.bucket_mb * 2 ** 20, may_exceed=True)
         self._buckets = [FlatBuffer(members, index=i, copy=False)
                          for i, members in enumerate(groups)]
         self._bucket_of = {p: b for b in self._buckets for p in b.tensors}

@@ -24,7 +24,8 @@ How the work is cut:
   factored matrices included (not LBFGS: it couples all tensors); each owner then broadcasts
   its parameters to the group.
 - stage 2, flat shards: the trainable parameters are packed, in backward order, into flat buckets
-  of about `bucket_mb` (parameters become views into them), each padded to a multiple of N;
+  of about `bucket_mb` MiB (2**20 bytes, as DataParallel's; parameters become views into
+  them), each padded to a multiple of N;
   rank r owns slice r of every bucket (exact balance). A post-accumulate-grad hook copies each
   gradient into its bucket and frees it; a complete bucket is reduce-scattered (averaged) while
   backward goes on, and only this rank's slice is kept. The inner optimizer steps the slices
@@ -54,7 +55,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     `params` may be tensors or param-group dicts with their own options, as in torch.
     stage 1: call step() once `.grad` holds gradients averaged over `group` (DataParallel or
     your own all_reduce). stage 2: just `loss.backward(); opt.step()`: the gradients are
-    reduce-scattered from backward hooks in buckets of about `bucket_mb` MB.
+    reduce-scattered from backward hooks in buckets of about `bucket_mb` MiB (2**20 B).
     Build it after the model is on its device; the group's ranks must pass the same params.
     Also: `finish_gradient_synchronization()`, `zero_grad()`, `clip_grad_norm_(max_norm)`,
     `consolidate_state_dict(to=0)` + `state_dict()` / `load_state_dict()` in the layout of one

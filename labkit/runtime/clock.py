@@ -157,6 +157,9 @@ class Clock:
             return timing.duration
         # A collective: earlier async ones take the comm lane first, in issue order.
         self._cut()
+        if timing.resolved:      # placed while waiting for a later op: only wait for its end;
+            self._advance_to(timing.end, f"wait for {timing.op}")   # ops issued after it stay
+            return timing.duration      # pending (placing them now would call them exposed)
         waited_from = self.t     # compute stops here until the op is done: what is after, shows
         if self._pending and self._pending[0] is not timing:
             for earlier in list(self._pending):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from . import catalog
 from .plan_inputs import count
+from .weights import weight_bytes
 
 # Bytes per element. Torch dtypes are accepted through str(), e.g. torch.bfloat16.
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.5, "fp8": 1}
@@ -129,13 +130,19 @@ def inference_memory(model, *, batch, context, weight_dtype="bf16", kv_dtype="bf
                      tp=1, pp=1) -> dict:
     """Bytes per GPU to serve `model`: weights plus the KV cache (GQA aware).
 
-    weights  = Ψ * bytes(weight_dtype) / (tp*pp)   (Megatron-LM sharding)
+    weights  = weights.weight_bytes(model, weight_dtype)["total"] / (tp*pp) (Megatron-LM
+               sharding; quantised matrices with their scales, bf16 embeddings and norms)
     kv_cache = 2 * layers * kv_heads*head_dim * context * batch * bytes(kv_dtype)
                / (pp * min(tp, kv_heads))   (a KV head is replicated once tp > kv_heads)
     """
     m = catalog.model(model)
     _check_counts(batch=batch, seq=context, tp=tp, pp=pp)
-    weights = m.param_count() * dtype_bytes(weight_dtype) / (tp * pp)
+    if m.arch == "unet" or dtype_bytes(weight_dtype) not in (0.5, 1, 2):
+        weights = m.param_count() * dtype_bytes(weight_dtype) / (tp * pp)
+    else:   # matrices at the precision + scales, embeddings and norms in bf16 (weights.py)
+        name = {0.5: "int4", 1: "int8", 2: "bf16"}[dtype_bytes(weight_dtype)]
+        name = "fp8" if str(weight_dtype).lower().startswith(("fp8", "float8")) else name
+        weights = weight_bytes(m, name)["total"] / (tp * pp)
     kv = 0.0
     if m.arch != "unet":
         kv = (2 * m.layers * m.kv_heads * m.head_dim * context * batch * dtype_bytes(kv_dtype)

@@ -56,7 +56,8 @@ def make_cluster(gpu="H100", gpus=8, gpus_per_node=None, intra_link=None, inter_
                  dropout=None, stack=None, causal=True):
     g = gpu if isinstance(gpu, hardware.GPU) else _gpu(gpu)
     gpus = inputs.count("gpus", gpus)
-    gpus_per_node = inputs.count("gpus_per_node", gpus_per_node or g.nvlink_domain)
+    gpus_per_node = inputs.count("gpus_per_node", g.nvlink_domain if gpus_per_node is None
+                                 else gpus_per_node)     # 0 is refused, not defaulted
     inputs.choice(precision, inputs.PRECISIONS, "--precision")
     if precision == "fp8":
         g.flops("fp8")      # a GPU without fp8 tensor cores ends here, saying so

@@ -60,8 +60,9 @@ def gemm_flops_rate(c, precision):
 
 def attention_time_factor(flash, causal):
     """Share of the attention-core FLOPs a kernel runs: FlashAttention skips the blocks a causal
-    mask zeroes (about half); an unfused softmax computes every score. MFU's numerator is not
-    halved either way (Narayanan et al. 2021, PaLM), so it stays comparable across stacks."""
+    mask zeroes (about half); an unfused softmax computes every score. HFU counts this share;
+    MFU counts the causal half whatever the kernel (transformer.model_flops_per_token), so
+    neither passes 1 at any sequence length."""
     return 0.5 if flash and causal else 1.0
 
 

@@ -9,7 +9,9 @@ ranks the plans that fit. Everything is modelled from first principles with name
 - Compute: FLOPs (transformer.py) at `achievable` x peak (one constant per GPU kind, calibrated
   on Narayanan et al. 2021 Table 1, data/published_runs.csv; see `calibrate`); linear layers at
   the fp8 peak under precision="fp8"; attention at half its FLOPs under FlashAttention with a
-  causal mask (the kernel skips masked blocks; MFU's numerator is never halved).
+  causal mask (the kernel skips masked blocks). MFU counts the FLOPs the model needs (6 N +
+  6 L h s per token when causal: the masked scores are not needed), HFU those the kernels run
+  (with recompute), both over the dense peak of the linear layers' precision: each <= 1.
 - Memory, Megatron-LM's convention: 18 bytes per parameter (bf16 weights 2, fp32 main gradients
   4, fp32 master weights + Adam moments 12; ZeRO's paper counts 16 with bf16 gradients), sharded
   by ZeRO through memory.model_state_bytes; activations per layer from transformer.py times the
@@ -130,11 +132,14 @@ def memory_terms(m, c, batch, seq, p):
                  p["micro_batch_size"]), pp=p["pp"], v=p["v"])
     k = p["recompute_layers"]
     if p["recompute"] != "full":
-        k = 0 if p["recompute"] == "none" else layers
+        # selective recompute rebuilds only the attention scores: no layer is recomputed
+        # whole, each keeps a_selective (kept_layer above; Korthikanti et al. 2022, Sec. 4.2)
+        k = 0
     elif k is None:
         budget = c.usable_bytes - states["total"] - buffers
         k = rc.least_recompute_layers(budget, layers, **stage)
-    activations = rc.stage_activation_bytes(layers_per_stage=layers, recompute_layers=k, **stage)
+    activations = rc.stage_activation_bytes(layers_per_stage=layers, recompute_layers=k,
+                                            selective=p["recompute"] == "selective", **stage)
     mem = dict(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
                activations=activations, buffers=buffers, reserved=terms.ALLOCATOR_RESERVE)
     mem["total"] = sum(mem.values())
@@ -150,13 +155,10 @@ def finish(m, c, batch, seq, mem, p, stage_params, layer_bytes_kept):
     """The plan dict from memory_terms' answer: step time, MFU, HFU, throughput."""
     breakdown, communication = step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept)
     step = sum(breakdown.values())
-    model_flops = batch * seq * model_flops_per_token(m, seq)
-    extra = rc.recompute_flops(layer_forward_flops(m, seq),
-                               tf.attention_core_flops_per_token(m, seq), p["recompute"],
-                               p["recompute_layers"], layers_per_stage(m, p["pp"]),
-                               c.flash_attention)
-    hw_flops = model_flops + batch * seq * m.layers * extra
-    peak, fits = c.gpu.bf16_flops, mem["total"] <= c.capacity_bytes
+    model_flops = batch * seq * model_flops_per_token(m, seq, c.causal)
+    hw_flops = batch * seq * hardware_flops_per_token(m, c, seq, p)
+    fits = mem["total"] <= c.capacity_bytes
+    peak = mfu_peak_flops(c)
     return dict(
         p, layers_per_stage=layers_per_stage(m, p["pp"]), stack=c.stack.name,
         precision=c.precision, microbatches=batch // (p["dp"] *
@@ -168,6 +170,27 @@ def finish(m, c, batch, seq, mem, p, stage_params, layer_bytes_kept):
         mfu=model_flops / (step * c.gpus * peak), hfu=hw_flops / (step * c.gpus * peak),
         tokens_per_s_per_gpu=batch * seq / step / c.gpus,
         model_tflops_per_gpu=model_flops / step / c.gpus / 1e12)
+
+
+def mfu_peak_flops(c):
+    """MFU's and HFU's denominator per GPU: the dense peak of the precision the linear layers
+    run at (fp8 under precision="fp8", else bf16), so that neither can pass 1."""
+    return c.gpu.flops("fp8") if c.precision == "fp8" else c.gpu.bf16_flops
+
+
+def hardware_flops_per_token(m, c, seq, p):
+    """FLOPs the GPUs execute per token (HFU's numerator): the linear layers and the head
+    (6 per weight), the attention core at the share the kernel runs (plan_terms.
+    attention_time_factor: half under FlashAttention with a causal mask, all of it unfused),
+    and what recompute runs again (recompute.recompute_flops, attention at the same share)."""
+    factor = terms.attention_time_factor(c.flash_attention, c.causal)
+    core = tf.attention_core_flops_per_token(m, seq)
+    linear = layer_forward_flops(m, seq) - core
+    per_layer = 3 * linear + 3 * core * factor
+    extra = rc.recompute_flops(linear + core * factor, core * factor, p["recompute"],
+                               p["recompute_layers"], layers_per_stage(m, p["pp"]),
+                               c.flash_attention)
+    return m.layers * (per_layer + extra) + tf.head_flops_per_token(m)
 
 
 def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):
@@ -306,6 +329,7 @@ def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_lin
     c = make_cluster(gpu, gpus, gpus_per_node, intra_link, inter_link, achievable, hbm_passes,
                      flash_attention, precision, dropout, stack, causal)
     seq = inputs.count("seq", seq)
+    note = ""
     if global_batch is None:
         if global_batch_tokens is None:
             raise ValueError("give the global batch in sequences or in tokens")
@@ -314,6 +338,10 @@ def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_lin
             raise ValueError(f"--global-batch-tokens {tokens} is less than one sequence of "
                              f"{seq} tokens")
         global_batch = tokens // seq
+        if tokens % seq:
+            note = (f"--global-batch-tokens {tokens:,} is not a whole number of {seq:,}-token "
+                    f"sequences: rounded down to {global_batch:,} sequences "
+                    f"({global_batch * seq:,} tokens)")
     global_batch = inputs.count("global_batch", global_batch)
     top = None if top is None else inputs.count("top", top)
     fix = parse_fix(fix)
@@ -342,7 +370,7 @@ def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_lin
                              capacity_bytes=c.capacity_bytes, stack=c.stack.name,
                              precision=c.precision, flash_attention=c.flash_attention,
                              causal=c.causal),
-                workload=dict(global_batch=global_batch, seq=seq),
+                workload=dict(global_batch=global_batch, seq=seq, note=note),
                 considered=len(legal), plans=legal[:top] if top else legal)
 
 
@@ -366,6 +394,8 @@ def format_plans(out):
              f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'v':>2} {'mbs':>3} "
              f"{'ZeRO':>4} {'recompute':>11} {'sp':>3} {'GB/GPU':>7} {'step s':>8} {'MFU':>6} "
              f"{'tok/s/GPU':>9}  fits"]
+    if out["workload"].get("note"):
+        lines.insert(1, "note: " + out["workload"]["note"])
     for p in out["plans"]:
         lines.append(
             f"{p['dp']:>5} {p['tp']:>3} {p['pp']:>3} {p['cp']:>3} {p['ep']:>3} {p['v']:>2} "

@@ -5,8 +5,10 @@ rows whose `use` is "calibration" (Narayanan et al. 2021 Table 1) and nothing el
 rows are never fitted to. A row fixes the layout its source states; the rest is searched (a
 recompute the source leaves unsaid: the least that fits). Where a row gives tokens/s/GPU the
 comparison is in tokens (no FLOPs convention involved) and the published TFLOP/s is re-expressed
-in labkit's convention (6 N + 12 L h s per token, no causal halving); else it compares TFLOP/s
-by the row's `metric` (mfu: model FLOPs; hfu: counting recompute).
+in the published convention (6 N + 12 L h s per token, no causal halving); else it compares
+TFLOP/s by the row's `metric` (mfu: the predicted tokens/s in that convention; hfu: the
+planner's HFU, the FLOPs run with recompute, which for these unfused rows is the convention).
+The planner's own MFU halves the causal scores (transformer.model_flops_per_token).
 """
 from __future__ import annotations
 
@@ -47,11 +49,12 @@ def check(rows, achievable=None, hbm_passes=None):
     out = []
     for r in rows:
         best = predict(r, achievable, hbm_passes)
-        if r["metric"] in ("mfu", "hfu"):
-            peak = hardware.gpu(r["gpu"]).bf16_flops
-            predicted = best[r["metric"]] * peak / 1e12
-        else:
-            predicted = best["model_tflops_per_gpu"]
+        if r["metric"] == "hfu":       # FLOPs run: the planner's HFU counts them (unfused)
+            predicted = best["hfu"] * hardware.gpu(r["gpu"]).bf16_flops / 1e12
+        else:                           # the published convention, from predicted tokens/s
+            m = planner.parse_model(r["model"])
+            predicted = best["tokens_per_s_per_gpu"] * tf.model_flops_per_token(
+                m, int(r["seq"])) / 1e12
         published = published_tflops(r)
         out.append(dict(r, predicted=predicted, published=published, plan=best,
                         error=predicted / published - 1))

@@ -5,9 +5,11 @@ A stage of L_s layers keeps, per micro-batch in flight, what each layer saves fo
 layer recomputed in backward, so k recomputed layers keep (L_s - k) a_none + k a_full, plus the
 working set of one layer being rebuilt (Megatron-LM `--recompute-granularity full
 --recompute-method block --recompute-num-layers k`; Korthikanti et al. 2022, arXiv 2205.05198,
-Appendix C). The first stage of 1F1B holds min(m, pp) micro-batches; interleaving with v chunks
-holds min(m v, (v+1) pp - 1) chunks of L_s / v layers (Megatron-LM's warm-up). The last stage
-keeps the fp32 logits of one micro-batch as well. Recompute costs k / L_s of the stage's forward.
+Appendix C); the rebuilt layer replaces its checkpoint while it runs. Selective recompute keeps
+a_selective in every layer and rebuilds one layer's scores at a time. The first stage of 1F1B
+holds min(m, pp) micro-batches; interleaving with v chunks holds min(m v, (v+1) pp - 1) chunks
+of L_s / v layers (Megatron-LM's warm-up). The last stage keeps the fp32 logits of one
+micro-batch as well. Recompute costs k / L_s of the stage's forward.
 """
 from __future__ import annotations
 
@@ -20,18 +22,23 @@ def layers_in_flight(layers_per_stage, microbatches, pp, v):
 
 
 def stage_activation_bytes(kept_layer, recomputed_layer, working_set, logits, layers_per_stage,
-                           recompute_layers, microbatches, pp, v):
+                           recompute_layers, microbatches, pp, v, selective=False):
     """Peak activation bytes of the worst stage with `recompute_layers` of its layers recomputed.
 
     kept_layer / recomputed_layer: one layer's bytes for one micro-batch when it keeps its
-    activations / only its input; working_set: a recomputed layer's rebuilt activations (held
-    once, while its backward runs); logits: the last stage's fp32 logits of one micro-batch."""
+    activations / only its input; working_set: a layer's activations when rebuilt whole (held
+    once, while its backward runs; the checkpointed input is part of it); logits: the last
+    stage's fp32 logits of one micro-batch. selective: every layer keeps kept_layer (no
+    scores) and rebuilds its scores, working_set - kept_layer, once, during its backward."""
     share = recompute_layers / layers_per_stage
     per_layer = (1 - share) * kept_layer + share * recomputed_layer
-    first_stage = per_layer * layers_in_flight(layers_per_stage, microbatches, pp, v)
-    if recompute_layers:
-        first_stage += working_set
-    last_stage = per_layer * layers_per_stage + logits
+    rebuilt = 0.0
+    if selective:
+        rebuilt = working_set - kept_layer
+    elif recompute_layers:
+        rebuilt = working_set - recomputed_layer
+    first_stage = per_layer * layers_in_flight(layers_per_stage, microbatches, pp, v) + rebuilt
+    last_stage = per_layer * layers_per_stage + rebuilt + logits
     return max(first_stage, last_stage) if pp > 1 else first_stage + logits
 
 

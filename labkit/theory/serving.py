@@ -12,12 +12,19 @@ roofline, and time to first token (TTFT) and time per output token (TPOT) per la
   max(FLOPs / (peak x achievable), bytes / HBM bandwidth). Decode reads every weight and the
   whole cache for b tokens: intensity ~ 2b / bytes_per_weight FLOP/byte, so it is memory-bound
   until the knee batch b* = (peak x achievable / bandwidth) x bytes_per_weight / 2.
-- Layouts of one replica (tp x pp x ep GPUs; replicas split the requests):
-  TP: 2 all-reduces per layer of b x h values per decode step (Megatron-LM), alpha-beta ring;
-  PP: the requests in M = pp micro-batches; a token passes every stage, so
-  TPOT = max(M x t_stage, pp x (t_stage + hop)): the same latency as one GPU, pp x the memory;
-  EP: experts / ep per GPU, attention replicated with the requests split over the ep GPUs,
-  2 all-to-alls per layer of (b/ep) x k x h values (GShard, arXiv 2006.16668).
+- Layouts of one replica (tp x pp x ep GPUs); replicas split the requests, a replica serving
+  ceil(b / replicas) of them (at least one: a request is never split across replicas):
+  TP: 2 all-reduces per layer of b x h values per decode step (Megatron-LM), each the faster
+  of the alpha-beta ring (2(n-1) latencies) and a one-shot all-reduce for small messages
+  (small_all_reduce_time);
+  PP: the requests in M = pp micro-batches; a token passes every stage and hands off between
+  them (pp hops a token, the last back to the first with the sampled token), so
+  TPOT = max(M x t_stage, pp x (t_stage + hop)): one GPU's latency plus the hops, pp x the
+  memory: PP divides memory, not latency;
+  EP: experts / ep per GPU, attention replicated with the requests split over the ep GPUs
+  (ceil(b / ep) on the busiest), 2 all-to-alls per layer of its tokens x k x h values (GShard,
+  arXiv 2006.16668); the busiest GPU reads min(its experts, the experts the group's tokens
+  pick): with few tokens they may all sit on one GPU (the worst case a step waits for).
 - TTFT: the prefill of the replica's batch (through the pipeline: (M + pp - 1) stage times).
   TPOT: averaged over the generated tokens (context P + T/2).
 
@@ -30,16 +37,31 @@ from __future__ import annotations
 
 import math
 
-from . import catalog, hardware
+from . import catalog, hardware, plan_inputs as inputs
 from .memory import dtype_bytes
 from .planner import ACHIEVABLE, RESERVED_BYTES, achievable_fraction, parse_model
 from .time import collective_time
+from .weights import SCALE_BYTES, SCALE_GROUP, WEIGHTS, layer_param_split, weight_bytes  # noqa
 
-WEIGHTS = ("bf16", "fp8", "int8", "int4")
-SCALE_BYTES = 2                              # a bf16 scale per quantisation group
-SCALE_GROUP = {"bf16": None, "fp8": None, "int8": "channel", "int4": 128}
 ACTIVATION_FACTOR = 4                        # transient (b, s, h)-sized bf16 buffers in flight
                                              # in one layer (input, norm, attention out, residual)
+ONE_SHOT_LATENCIES = 2   # a one-shot all-reduce: write to every peer, wait on their flags
+
+
+def small_all_reduce_time(nbytes, n, link) -> float:
+    """A decode step's all-reduce (a few KB): the faster of the ring (time.collective_time:
+    2(n-1) link latencies, 28 us on 8 NVLink 4 GPUs) and a one-shot all-reduce, in which each
+    GPU writes its S bytes to every peer and sums what it receives: ONE_SHOT_LATENCIES link
+    latencies + (n-1) S / bandwidth (about 4 us on 8 H100s). Serving stacks run one for small
+    messages (vLLM's and TensorRT-LLM's custom all-reduce, NCCL's LL protocols and NVLS);
+    nccl-tests measure 2.3 us for 8 bytes on 8 H200 / H800 (NVIDIA/nccl issue 1940) and about
+    6 us on 2 H100s with NVLS (NVIDIA/nccl issue 1259), against 33.7 us for the ring on 8 A100s
+    (NVIDIA/nccl-tests issue 123)."""
+    if n <= 1:
+        return 0.0
+    ln = hardware.link(link)
+    one_shot = ONE_SHOT_LATENCIES * ln.latency + (n - 1) * nbytes / ln.effective_bandwidth
+    return min(one_shot, collective_time("all_reduce", nbytes, n, link))
 
 
 # ----------------------------------------------------------------------------- bytes
@@ -65,44 +87,21 @@ def cached_kv_bytes(*, layers, requests, prompt_len, new_tokens, hidden, tp=1,
     return 2 * layers * requests * (prompt_len + new_tokens - 1) * (hidden // tp) * bytes_per_value
 
 
-def layer_param_split(model) -> dict:
-    """Parameters: `matrices` (the layers' Linear weights: quantised), `experts` (the part of
-    them in experts), `other` (embeddings, head, norms, routers: kept in bf16)."""
-    m = parse_model(model)
-    h, L = m.hidden, m.layers
-    attention = m._attention_params() if m.arch != "gpt2" else 4 * h * h
-    mlp_one = (3 if m.arch != "gpt2" else 2) * h * m.ffn
-    experts = L * m.experts * mlp_one if m.experts > 1 else 0
-    matrices = L * (attention + mlp_one * m.experts)
-    return dict(matrices=matrices, experts=experts, other=m.param_count() - matrices,
-                total=m.param_count())
-
-
-def weight_bytes(model, weights="bf16") -> dict:
-    """Bytes of the weights at a precision: {matrices, scales, other, total}."""
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    m = parse_model(model)
-    s = layer_param_split(m)
-    group = SCALE_GROUP[weights]
-    if group is None:
-        scales = 0 if weights == "bf16" else m.layers * 7 * SCALE_BYTES   # one per matrix
-    else:
-        size = m.hidden if group == "channel" else group
-        scales = s["matrices"] / size * SCALE_BYTES
-    matrices = s["matrices"] * dtype_bytes(weights)
-    other = s["other"] * 2
-    return dict(matrices=matrices, scales=scales, other=other, total=matrices + scales + other)
-
-
 def weights_per_gpu(model, weights="bf16", tp=1, pp=1, ep=1) -> float:
     """A GPU's share: dense parts / (tp x pp), experts / (tp x pp x ep)."""
+    dense, experts = weight_split_per_gpu(model, weights, tp, pp, ep)
+    return dense + experts
+
+
+def weight_split_per_gpu(model, weights="bf16", tp=1, pp=1, ep=1):
+    """(dense bytes, expert bytes) on one GPU: the experts' matrices at the precision with
+    their scales, everything else (attention, embeddings, head, norms, routers) dense."""
     m = parse_model(model)
     w = weight_bytes(m, weights)
     s = layer_param_split(m)
     per_matrix = (w["matrices"] + w["scales"]) / max(s["matrices"], 1)
     expert_bytes = s["experts"] * per_matrix
-    return (w["total"] - expert_bytes) / (tp * pp) + expert_bytes / (tp * pp * ep)
+    return (w["total"] - expert_bytes) / (tp * pp), expert_bytes / (tp * pp * ep)
 
 
 # ----------------------------------------------------------------------- the roofline
@@ -159,31 +158,30 @@ def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, pr
     inter = hardware.link(inter_link or "InfiniBand NDR")
     if m.experts <= 1 and ep > 1:
         raise ValueError("ep > 1 needs a mixture-of-experts model")
-    b_rep = batch / replicas                  # requests per replica
-    b_gpu = b_rep / ep                        # requests whose attention runs on one GPU
-    M = microbatches or (max(1, min(pp, int(b_rep))) if pp > 1 else 1)
-    b_mb = b_gpu / M
+    b_rep = -(-batch // replicas)             # requests per replica: whole ones, at least 1
+    b_gpu = -(-b_rep // ep)                   # on the busiest GPU of an EP group
+    M = microbatches or (max(1, min(pp, b_rep)) if pp > 1 else 1)
+    group_mb = -(-b_rep // M)                 # requests of one micro-batch in the EP group
+    b_mb = -(-group_mb // ep)                 # of them on the busiest GPU
     flops_rate = g.bf16_flops * achievable_fraction(g)
     tp_link = intra if tp <= gpus_per_node else inter
     ep_link = intra if tp * ep <= gpus_per_node else inter
     pp_link = intra if tp * ep * pp <= gpus_per_node else inter
-    w_gpu = weights_per_gpu(m, weights, tp, pp, ep)
+    dense_gpu, experts_gpu = weight_split_per_gpu(m, weights, tp, pp, ep)
     layers = m.layers / pp
-    s = layer_param_split(m)
 
     def stage_time(tokens, context, new):
         """One micro-batch of `tokens` (b_mb x new) through one stage: roofline + comm."""
         flops = _flops(m, tokens, context, new) / (tp * pp)
-        routed = tokens * ep                  # tokens of the whole EP group reach my experts
+        routed = group_mb * new               # tokens of the whole EP group reach the experts
         local = m.experts / ep
-        touched = (local * (1 - (1 - m.top_k / m.experts) ** routed) / local
-                   if m.experts > 1 else 1.0)
-        expert_share = s["experts"] / max(s["total"], 1)
-        read = w_gpu * (1 - expert_share + expert_share * touched) if m.experts > 1 else w_gpu
+        picked = m.experts * (1 - (1 - m.top_k / m.experts) ** routed) if m.experts > 1 else 1
+        touched = min(local, picked) / local if m.experts > 1 else 1.0
+        read = dense_gpu + experts_gpu * touched      # bytes, not parameter shares
         read += kv_cache_bytes(m, tokens / new, context + new, kv_dtype, tp, pp)
         compute, memory = flops / flops_rate, read / g.memory_bw
         act = tokens * m.hidden * 2
-        tp_comm = 2 * layers * collective_time("all_reduce", act, tp, tp_link) if tp > 1 else 0
+        tp_comm = 2 * layers * small_all_reduce_time(act, tp, tp_link) if tp > 1 else 0
         ep_comm = (2 * layers * collective_time("all_to_all", act * m.top_k, ep, ep_link)
                    if ep > 1 else 0.0)
         return dict(compute=compute, memory=memory, tp_comm=tp_comm, ep_comm=ep_comm,
@@ -194,6 +192,9 @@ def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, pr
     ttft = (M + pp - 1) * pre["total"] + pp * pre["hop"] * (pp > 1)
     decode = stage_time(b_mb, prompt_len + new_tokens / 2, 1)
     tpot = max(M * decode["total"], pp * (decode["total"] + decode["hop"]))
+    # a token's critical path: its pp stages and hops, or the M micro-batches on one stage
+    passes, hops = (pp, pp * decode["hop"]) if pp * (decode["total"] + decode["hop"]) >= \
+        M * decode["total"] else (M, 0.0)
     total_s = ttft + (new_tokens - 1) * tpot
     gpus = tp * pp * ep * replicas
     tokens_per_s = batch * new_tokens / total_s
@@ -201,8 +202,8 @@ def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, pr
                 ttft_s=ttft, tpot_s=tpot, tokens_per_s=tokens_per_s,
                 tokens_per_s_per_gpu=tokens_per_s / gpus,
                 decode_bound="compute" if decode["compute"] >= decode["memory"] else "memory",
-                decode_breakdown_s={k: decode[k] * M for k in ("compute", "memory", "tp_comm",
-                                                                "ep_comm")},
+                decode_breakdown_s=dict({k: decode[k] * passes for k in (
+                    "compute", "memory", "tp_comm", "ep_comm")}, pp_hops=hops),
                 memory_bytes=memory_per_gpu(m, tp=tp, pp=pp, ep=ep, batch_per_gpu=b_gpu,
                                             context=prompt_len + new_tokens,
                                             prompt_len=prompt_len / M, weights=weights,
@@ -270,8 +271,6 @@ def why_not(m, gpus, plan, batch):
         return f"pp={pp} > {m.layers} layers"
     if ep > 1 and (m.experts <= 1 or m.experts % ep):
         return f"ep={ep} must divide the experts ({m.experts})"
-    if batch % (replicas * ep):
-        return f"batch {batch} does not split over {replicas} replicas x ep={ep}"
     return ""
 
 
@@ -284,16 +283,19 @@ def plan_serving(model, gpus, gpu="H100", *, prompt_len=1024, new_tokens=128, ba
     m = parse_model(model)
     g = hardware.gpu(gpu)
     for name, value in dict(gpus=gpus, prompt_len=prompt_len, new_tokens=new_tokens,
-                            batch=batch).items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                            batch=batch, gpus_per_node=gpus_per_node).items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got "
+                             f"{value!r}")
+    inputs.count("gpus", gpus)                  # bounded like the training planner's
+    inputs.count("gpus_per_node", gpus_per_node)
     fix = parse_serve_fix(fix) if isinstance(fix, str) else dict(fix or {})
     precisions = [weights] if weights else list(WEIGHTS)
     for w in precisions:
         if w not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {w!r}")
     usable = g.memory_bytes - RESERVED_BYTES
-    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    divisors = inputs.divisors(gpus)           # from the factorisation: 1e9 GPUs at once
     plans, reasons = [], set()
     for tp in [fix["tp"]] if "tp" in fix else [d for d in divisors if d <= m.heads]:
         for pp in [fix["pp"]] if "pp" in fix else [d for d in divisors if d <= m.layers]:
@@ -338,8 +340,8 @@ def _serve_plan(m, g, layout, w, kv_dtype, batch, prompt_len, new_tokens, usable
                   f"(mostly {big.replace('_', ' ')}: {mem[big] / 1e9:.1f} GB)")
     elif max_tpot_ms is not None and t["tpot_s"] * 1e3 > max_tpot_ms:
         reason = f"TPOT {t['tpot_s'] * 1e3:.1f} ms > {max_tpot_ms:g} ms"
-    return dict(layout, weights=w, kv_dtype=kv_dtype, batch_per_replica=batch // layout[
-        "replicas"], fits=fits, reason=reason, memory_bytes=mem, ttft_s=t["ttft_s"],
+    return dict(layout, weights=w, kv_dtype=kv_dtype, batch_per_replica=-(-batch // layout[
+        "replicas"]), fits=fits, reason=reason, memory_bytes=mem, ttft_s=t["ttft_s"],
         tpot_s=t["tpot_s"], tokens_per_s=t["tokens_per_s"],
         tokens_per_s_per_gpu=t["tokens_per_s_per_gpu"], decode_bound=t["decode_bound"])
 

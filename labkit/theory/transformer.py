@@ -10,7 +10,8 @@ families, as in data/models.csv:
 
 FLOPs per token (Narayanan et al. 2021, arXiv 2104.04473; PaLM's MFU convention): a matmul
 with P weights costs 2P forward and 4P backward; attention scores and values add 4*s*h forward
-per layer (no causal halving). The input embedding is a lookup: no FLOPs.
+per layer (no causal halving; model_flops_per_token(causal=True) halves them, the planner's MFU
+numerator). The input embedding is a lookup: no FLOPs.
 
 Activation bytes per layer and micro-batch (16-bit values, 2 bytes each; s sequence, b micro-
 batch, h hidden, a heads, t tensor-parallel size). GPT, Korthikanti et al. 2022 (arXiv
@@ -67,10 +68,14 @@ def head_params(m: ModelShape) -> int:
     return m.vocab * m.hidden + m.hidden
 
 
-def model_flops_per_token(m: ModelShape, seq: int) -> float:
-    """Training FLOPs per token without recompute: 6 N_matmul + 12 L h s (MFU's numerator)."""
+def model_flops_per_token(m: ModelShape, seq: int, causal: bool = False) -> float:
+    """Training FLOPs per token without recompute: 6 N_matmul + 12 L h s (Narayanan et al.
+    2021 and PaLM, the convention published runs report in). causal=True counts the scores a
+    causal model needs, 6 L h s (the upper triangle is masked: FlashAttention's benchmark
+    convention, Dao 2023): the planner's MFU numerator, so that MFU <= 1 at any length."""
     c = layer_counts(m)
-    per_layer = 6 * (c.attention + c.mlp_active + c.router) + 12 * m.hidden * seq
+    attention = 12 * m.hidden * seq * (0.5 if causal else 1.0)
+    per_layer = 6 * (c.attention + c.mlp_active + c.router) + attention
     return m.layers * per_layer + 6 * m.vocab * m.hidden
 
 

@@ -43,14 +43,14 @@ def step_split(model, gpus, tokens, bucket_mb=25, link=next(iter(LINKS)), overla
     """theory.time.dp_step_time on the cluster `cluster_for(gpus, link)` (bf16 gradients)."""
     return tt.dp_step_time(model, gpus=gpus, cluster=cluster_for(gpus, link),
                            global_batch_tokens=tokens, overlap=overlap,
-                           bucket_bytes=bucket_mb * 1e6)
+                           bucket_bytes=bucket_mb * 2 ** 20)   # MiB, as DataParallel
 
 
 def speedups(model, gpus_list, tokens, bucket_mb=25, link=next(iter(LINKS)), overlap=True):
     """Strong scaling at a fixed global batch: time(1 GPU) / time(n GPUs)."""
     return tt.dp_speedup(model, gpus_list, lambda n: cluster_for(n, link),
                          global_batch_tokens=tokens, overlap=overlap,
-                         bucket_bytes=bucket_mb * 1e6)
+                         bucket_bytes=bucket_mb * 2 ** 20)   # MiB, as DataParallel
 
 
 def state_bytes_per_gpu(model):
@@ -248,7 +248,7 @@ def dp_explorer(model="Llama 3 8B", gpus=16, tokens=2 ** 20, bucket_mb=25):
         tokens=widgets.SelectionSlider(options=list(TOKEN_CHOICES.items()), value=tokens,
                                        description="global batch", style=style),
         bucket_mb=widgets.SelectionSlider(options=[1, 5, 10, 25, 50, 100, 250, 1000],
-                                          value=bucket_mb, description="bucket (MB)",
+                                          value=bucket_mb, description="bucket (MiB)",
                                           style=style),
         link=widgets.Dropdown(options=list(LINKS), description="links", style=style,
                               layout=widgets.Layout(width="420px")),

@@ -203,8 +203,9 @@ print(f"FullyShard equals one device (within float32 rounding): {bool(fsdp_check
 # %% [markdown]
 # ## 3 · Measure it: the comm log against 2(N−1)/N
 #
-# Every collective goes through `ctx.comm`, which logs it. With 0.25 MB buckets the tiny model's
-# fp32 gradients become two buckets, so each step is two all-reduces. The log also holds the
+# Every collective goes through `ctx.comm`, which logs it. With 0.25 MiB buckets (`bucket_mb`
+# is in MiB, 2**20 bytes, as DDP's `bucket_cap_mb`) the tiny model's fp32 gradients become two
+# buckets, so each step is two all-reduces. The log also holds the
 # broadcasts of the weights when the wrapper was built (one per tensor, once per run); the clock's
 # 8-byte time stamps are not logged.
 
@@ -269,7 +270,7 @@ print(pd.DataFrame(rows).to_string(index=False))
 # On a tiny model communication dominates: the overlap can hide at most the backward pass. What
 # matters is the ratio of compute to gradient bytes, which is the number of **tokens per GPU**.
 # So this run uses a wider GPT (hidden 128, 4 layers) and a global batch of 128 sequences of 32
-# tokens (2,048 tokens per rank), 1 MB buckets, on 2 ranks.
+# tokens (2,048 tokens per rank), 1 MiB buckets, on 2 ranks.
 
 # %%
 big = RunConfig(steps=2, global_batch=128, optimizer="sgd",
@@ -374,7 +375,7 @@ there to show that the modelled picture comes from a real run.
 # `theory.time.dp_step_time` is the closed form: compute (6 FLOPs per matmul weight + 12·L·h·s for
 # the attention scores) per token, tokens/N of them per GPU, at 50% of peak (lesson 03's compute
 # model; the input embedding is a lookup, no FLOPs; s = 4,096 for Llama 3 8B), plus the
-# all-reduce of 2Ψ bytes of bf16 gradients in 25 MB buckets, of which everything but the last
+# all-reduce of 2Ψ bytes of bf16 gradients in 25 MiB buckets, of which everything but the last
 # bucket hides under backward. Within a node the ring runs on NVLink; beyond 8 GPUs it crosses
 # InfiniBand, and the curve bends.
 #
@@ -443,7 +444,7 @@ for tokens in token_sizes:
 table = pd.DataFrame([{"global batch (tokens)": f"{t:,}",
                        **{f"{a}->{b} GPUs": round(speedup[t, a, b], 2) for a, b in doublings}}
                       for t in token_sizes])
-print("speedup from doubling the GPUs, Llama 3 8B, modelled (overlap on, 25 MB buckets;\n"
+print("speedup from doubling the GPUs, Llama 3 8B, modelled (overlap on, 25 MiB buckets;\n"
       "its states sharded ZeRO-2 style so that it fits: the same bytes on the wire)")
 print(table.to_string(index=False))
 
@@ -523,8 +524,8 @@ for n in (1, 2):
 #
 # All modelled (theory only, so it redraws at once); the line above the panels says whether a
 # replica's model states fit one GPU at all. Things to try: GPT-2 small at 16K tokens on 64 GPUs
-# (communication-bound); the same at 4M tokens; 1 MB buckets (latency-bound: many small messages)
-# against 1000 MB buckets (nothing left to overlap: one bucket arrives at the end of backward);
+# (communication-bound); the same at 4M tokens; 1 MiB buckets (latency-bound: many small messages)
+# against 1000 MiB buckets (nothing left to overlap: one bucket arrives at the end of backward);
 # PCIe instead of NVLink.
 
 # %%
@@ -598,7 +599,7 @@ pd.DataFrame(spans[:4])[["name", "ph", "ts", "dur", "pid", "tid", "args"]]
 # (every aten operator, autograd node, and the backend's collectives such as `gloo:all_reduce`)
 # at this machine's speed; the lab's timeline records what the program *meant* (forward,
 # backward, each bucket's all-reduce) on the modelled clock and on the wall clock. Below, rank 0
-# of the same DP program (the wider GPT, 1 MB buckets, 2 ranks) runs under
+# of the same DP program (the wider GPT, 1 MiB buckets, 2 ranks) runs under
 # `torch.profiler.profile(activities=[CPU], record_shapes=False)` (`labkit.runtime.profiler
 # .profiled`: only rank 0 is profiled, inside its worker process; the other rank runs plainly).
 # To keep it fast it is one step of a quarter of the batch, and the profile covers all of
@@ -824,7 +825,7 @@ print(f"latency = bandwidth time at {half_here / 1e6:.2f} MB here, "
 # mostly bandwidth; the size where the two costs
 # are equal (printed above) is the floor for a gradient bucket. Buckets several times larger
 # spend little on latency; buckets much larger leave less of backward to overlap (the last
-# bucket is always exposed). PyTorch DDP's default of 25 MB sits well above the NVLink figure,
+# bucket is always exposed). PyTorch DDP's default of 25 MiB sits well above the NVLink figure,
 # trading a little latency for fewer, larger messages.
 
 # %% [markdown]

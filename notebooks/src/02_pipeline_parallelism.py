@@ -565,12 +565,24 @@ pd.DataFrame(rows).round(3)
 #
 # **Explore.** Schedule, P, M, and the weight gradient's share of the 2 ms backward (0.5: T_B =
 # T_W = T_F = 1 ms). Try: DualPipe against ZB-H1 at P = 8 with a W share of 0.5, then 0.25
-# (with equal times DualPipe saves one T_F + T_B − T_W; with a small W it idles about half as
-# long, for twice the weights); a W share of 0.1 (little to fill the bubbles with: ZB-H1 falls
-# back towards 1F1B); M from 2P to 24 (the idle stays, the bubble's share falls).
+# (with equal times DualPipe saves one T_F + T_B − T_W; with a small W it idles less still, the
+# ratio the cell below prints, for twice the weights); a W share of 0.1 (little to fill the
+# bubbles with: ZB-H1 falls back towards 1F1B); M from 2P to 24 (the idle stays, the bubble's
+# share falls).
 
 # %%
 zero_bubble_explorer()
+
+# %%
+from labkit.viz import zero_bubble_widgets as zb_widgets
+
+for share in (0.5, 0.25):
+    idle = {name: max(layouts.idle_per_rank(layouts.simulate_laid_out(
+        zb_widgets.laid_out(name, 8, 16), *zb_widgets.op_times(share))))
+        for name in ("ZB-H1", "DualPipe")}
+    print(f"P = 8, M = 16, W share {share}: DualPipe idles {idle['DualPipe'] * 1e3:.1f} ms per "
+          f"rank, ZB-H1 {idle['ZB-H1'] * 1e3:.1f} ms: {idle['DualPipe'] / idle['ZB-H1']:.2f} x "
+          "as long (simulated)")
 
 # %% [markdown]
 # ## Takeaways

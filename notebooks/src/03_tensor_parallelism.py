@@ -333,9 +333,19 @@ print(f"\nH100 memory in the table: {capacity / 1e9:.1f} GB. bf16 at TP=2 needs 
 
 # %% [markdown]
 # Quantised weights leave most of the GPU to the KV cache. (The source article's "about 40GB" for
-# Llama 3 70B is the int4 weights, ~35 GB, plus a cache; bf16 weights alone are 141 GB: lesson
-# 00.)
-#
+# Llama 3 70B is the int4 weights plus a cache; lesson 00 and lesson 09 count them the same way,
+# `theory.weights.weight_bytes`:)
+
+# %%
+from labkit.theory.weights import weight_bytes
+
+int4_70b = weight_bytes("llama-3-70b", "int4")
+print(f"Llama 3 70B in int4: {int4_70b['total'] / 1e9:.1f} GB of weights (int4 matrices "
+      f"{int4_70b['matrices'] / 1e9:.1f} GB, their scales {int4_70b['scales'] / 1e9:.1f} GB, "
+      f"embeddings and norms in bf16 {int4_70b['other'] / 1e9:.1f} GB); bf16: "
+      f"{weight_bytes('llama-3-70b', 'bf16')['total'] / 1e9:.1f} GB")
+
+# %% [markdown]
 # ### Inference with a KV cache, on 2 ranks
 #
 # The same split model can generate: each rank caches the keys and values of *its own heads*
@@ -494,7 +504,7 @@ for (model, mode), r in found.items():
 
 # %%
 fig, axes = plt.subplots(2, 1, figsize=(9, 6.4))
-chunk_timeline(4096, 8192, 28672, 4, ax=axes[0])   # Llama-3-70B's fc1, one 4k sequence
+chunk_timeline(4096, 8192, 28672, 8, ax=axes[0])   # Llama-3-70B's fc1 at TP=8, one 4k sequence
 chunk_timeline(256, 4096, 14336, 8, ax=axes[1])    # an 8B model's fc1, 256 tokens
 plt.show()
 

@@ -653,7 +653,7 @@ display(Markdown(f'''
 # %% [markdown]
 # ## Exercises
 #
-# Two exercises; each answer goes in its own cell (in the student edition it raises
+# Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
 # For exercise 1 a first wrong answer gets a hint; the code comes with the second, or at
 # once with `show_solution()`.

@@ -286,7 +286,11 @@ wrong_mfu.style.format({"peak (TFLOP/s)": "{:.0f}", "MFU reported": "{:.1%}"})
 # %% [markdown]
 # **Check an MFU** by recomputing it: 6 × parameters × tokens per second (plus attention) over
 # GPUs × the *dense* bf16 peak of the GPU you ran on. Above 60 % on a large model, or above 100 %
-# ever, something in the denominator is wrong; HFU ≥ MFU always, equal only without recompute.
+# ever, something is wrong: the denominator, or FLOPs the model does not need in the numerator
+# (the planner counts the causal half of the attention scores, what a causal model needs, so
+# that a 128K-token sequence, where attention dominates, cannot pass 100 %). HFU ≥ MFU always:
+# it adds what runs again (recompute, FlashAttention's backward rebuilding the scores) and any
+# scores a kernel computes under the mask.
 #
 # ## 6 · A silent bug: gradients summed instead of averaged
 #

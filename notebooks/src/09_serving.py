@@ -144,7 +144,8 @@ pd.DataFrame({name: {
 # ## 3 · Measure the cache
 #
 # The cache grows by the same number of bytes at every token. Below: the tiny GPT's cache
-# after each step (measured), and the formula 2 · layers · requests · positions · hidden · 4 B.
+# after each step (measured), and the formula: 2 (k and v) × layers × requests × positions ×
+# hidden values, of 4 bytes each (fp32), in bytes.
 
 # %%
 cache, sizes = KVCache(), []
@@ -157,7 +158,7 @@ c = gpt.cfg
 fig, ax = plt.subplots(figsize=(6.5, 3.4))
 ax.plot([p for p, _ in sizes], [b / 1e3 for _, b in sizes], "o", label="measured")
 ax.plot([p for p, _ in sizes], [2 * c.layers * 8 * p * c.hidden * 4 / 1e3 for p, _ in sizes],
-        "-", label="formula 2·L·b·s·h·4 B")
+        "-", label="formula 2·L·b·s·h values × 4 B")
 ax.set_xlabel("positions cached per request")
 ax.set_ylabel("KV cache (KB = 10³ bytes)")
 ax.set_title("tiny GPT, 8 requests: the cache grows with every token (measured)")
@@ -189,8 +190,8 @@ pd.DataFrame(rows).set_index("model").round(1)
 # request's cache). Its arithmetic intensity, FLOPs per byte read, is about b for bf16 weights.
 # A GPU turns compute-bound where the intensity passes peak FLOP/s ÷ memory bandwidth (its
 # ridge; here with the planner's achievable fraction of peak): below that batch, adding
-# requests is almost free. First measured on this CPU with the tiny GPT: the time of one decode
-# step barely moves with the batch, so tokens/s grows with it.
+# requests is almost free. First measured on this CPU with the tiny GPT: how the time of one
+# decode step and the tokens/s change with the batch (the ratios are printed below the table).
 
 # %%
 measured = []
@@ -205,13 +206,18 @@ with torch.no_grad():
         step = (time.perf_counter() - start) / 16
         measured.append({"batch": b, "ms per decode step (measured)": step * 1e3,
                          "tokens/s (measured)": b / step})
-pd.DataFrame(measured).set_index("batch").round(2)
+display(pd.DataFrame(measured).set_index("batch").round(2))
+first, last = measured[0], measured[-1]
+slower = last["ms per decode step (measured)"] / first["ms per decode step (measured)"]
+print(f"batch {first['batch']} -> {last['batch']} ({last['batch'] // first['batch']}x the "
+      f"requests): a decode step takes {slower:.1f}x as long, tokens/s grow "
+      f"{last['tokens/s (measured)'] / first['tokens/s (measured)']:.1f}x (measured)")
 
 # %% [markdown]
 # The same on a GPU, modelled: Llama 3 70B's decode intensity against the ridges of three GPUs.
 # Without a cache the line crosses the ridge at the knee batch; with a 4,096-token context each
-# request also reads its own cache, which no other request shares, and the intensity flattens
-# below the ridge.
+# request also reads its own cache, which no other request shares, so the intensity levels off
+# (at the value printed below the figure): above the ridge of some GPUs, below that of others.
 
 # %%
 roofline_figure("Llama 3 70B")
@@ -222,15 +228,24 @@ display(Markdown(f"Modelled knee batch of Llama 3 70B, bf16 weights, no cache: "
                  f"less compute per byte of bandwidth). With int4 weights (a quarter of the "
                  f"bytes) the H100's knee falls to "
                  f"{theory.knee_batch('llama-3-70b', 'H100', 'int4')}."))
+ceiling = theory.decode_intensity("llama-3-70b", 10**9, 4096)
+for g in ("H100", "H200", "A100"):
+    knee = theory.knee_batch("llama-3-70b", g, context=4096)
+    print(f"{g}: ridge {theory.ridge_intensity(g):.0f} FLOP/B; with a 4,096-token cache the "
+          f"intensity levels off at {ceiling:.0f} FLOP/B, so decode "
+          + (f"turns compute-bound at batch {knee}" if knee != float("inf")
+             else "stays memory-bound at any batch") + " (modelled)")
 
 # %% [markdown]
 # ## 5 · TP vs PP vs replicas: latency and throughput (modelled)
 #
 # `theory.serving.serving_time` models one layout: prefill and decode on the roofline of each
-# GPU's share, TP's 2 all-reduces per layer and token (ring, with their latency terms), pipeline
-# hops and micro-batches, the EP all-to-alls. TTFT is the time to the first token of the batch;
-# TPOT the time per output token, averaged over the generated tokens. Llama 3 70B in bf16, 8
-# H100s, prompt 1,024, 256 new tokens:
+# GPU's share, TP's 2 all-reduces per layer and token (each the faster of the ring, 2(N−1) link
+# latencies, and a one-shot all-reduce of two: `small_all_reduce_time`, with the nccl-tests
+# numbers it is checked against), pipeline hops and micro-batches, the EP all-to-alls. A replica
+# serves whole requests: at batch 1 the other replicas idle. TTFT is the time to the first
+# token of the batch; TPOT the time per output token, averaged over the generated tokens.
+# Llama 3 70B in bf16, 8 H100s, prompt 1,024, 256 new tokens:
 
 # %%
 def layouts_table(model, gpus, batch, weights="bf16", gpu="H100", prompt_len=1024):
@@ -245,6 +260,21 @@ def layouts_table(model, gpus, batch, weights="bf16", gpu="H100", prompt_len=102
 
 for batch in (1, 64):
     display(Markdown(f"**batch {batch}** (modelled)"), layouts_table("llama-3-70b", 8, batch))
+
+# %% [markdown]
+# PP divides memory, not latency: a token still passes every layer, one stage after the other,
+# and hands off between stages. Each GPU of TP 8 reads 1/8 of the weights per token; a token
+# through TP 4 × PP 2 reads 1/8 on each of its two stages in turn, with half the all-reduces per
+# stage and two hand-offs. The terms of one token at batch 1 (modelled):
+
+# %%
+for name, kw in {"TP 8": dict(tp=8), "TP 4 x PP 2": dict(tp=4, pp=2)}.items():
+    t = theory.serving_time("llama-3-70b", gpu="H100", batch=1, prompt_len=1024,
+                            new_tokens=256, **kw)
+    d = t["decode_breakdown_s"]
+    print(f"{name:>12}: TPOT {t['tpot_s'] * 1e3:.2f} ms = weights and cache read "
+          f"{d['memory'] * 1e3:.2f} ms + all-reduces {d['tp_comm'] * 1e3:.2f} ms + stage "
+          f"hand-offs {d['pp_hops'] * 1e3:.3f} ms (modelled)")
 
 # %% [markdown]
 # The same comparison drawn (what the explorer in section 8 redraws): TP gives the lowest time
