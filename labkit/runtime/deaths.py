@@ -103,6 +103,33 @@ def resident_bytes(pid):
         return 0
 
 
+# what gloo says when a peer's socket closes under a collective (the peer died or left)
+LOST_PEER = re.compile(r"connection (closed|reset)|broken pipe|peer|socket closed|"
+                       r"end of file|read error|write error", re.IGNORECASE)
+# torch's CPU allocator when the system refuses an allocation
+ASKED_BYTES = re.compile(r"you tried to allocate (\d+) bytes")
+
+
+def lost_peer(text):
+    """True when a rank's error reads like a lost peer (gloo's consequence of a death)."""
+    return bool(LOST_PEER.search(text or ""))
+
+
+def out_of_memory(text):
+    """One line, "ran out of memory: it asked for 1.3 TB ..." from torch's allocator message
+    in `text` (a traceback or an error), or None when it is not one."""
+    found = ASKED_BYTES.search(text or "")
+    if not found:
+        return None
+    asked = int(found.group(1))
+    return (f"ran out of memory: it asked for {asked:,} bytes ({_size(asked)}) in one "
+            f"allocation and the system refused; use a smaller shape or batch")
+
+
+def _size(n):
+    return f"{n / 1e12:.3g} TB" if n >= 1e12 else f"{n / 1e9:.3g} GB"
+
+
 def read_board(status, rank, width):
     """(collectives the rank has made or None, the op it is in or "", the last op it was in)
     from the status board."""

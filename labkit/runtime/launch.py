@@ -14,6 +14,7 @@ rank watches an "alive" pipe whose only write end the launch holds: when the lau
 end-of-file and the rank leaves, also a rank the forkserver forks late for a launch that was
 interrupted while asking for it.
 """
+import inspect
 import math
 import os
 import shutil
@@ -40,6 +41,7 @@ from .processes import (check_main_guard, mp_context, new_store_folder, no_missi
                         use_loopback_for_gloo, warm_forkserver)
 
 DEFAULT_TIMEOUT_S = 120.0
+PEER_LOSS_GRACE_S = 3.0  # how long a death may take to show once its sockets closed (busy CPUs)
 NO_TIMEOUT = timedelta(days=7)  # what torch gets when timeout_s=None ("wait as long as it takes")
 
 _inside_rank = False  # True in a rank process, and under torchrun while `fn` runs
@@ -69,6 +71,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     if _inside_rank:
         raise RuntimeError("launch cannot be nested: this code already runs on a rank. Use "
                            "ctx (ctx.comm, ctx.new_group) inside fn instead of a second launch.")
+    check_fn(fn)
     timeout_s = check_timeout(timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed,
@@ -110,6 +113,20 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
         finally:
             if store_dir is not None:
                 shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def check_fn(fn):
+    """Refuse, before any rank starts, an `fn` no rank could call and hand back."""
+    if not callable(fn):
+        raise TypeError(f"fn must be a function taking ctx (fn(ctx, *args, **kwargs)), got "
+                        f"{type(fn).__name__} {fn!r:.60}")
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(f"fn is a generator function ({getattr(fn, '__name__', fn)}): its "
+                        f"result would be a generator, which cannot be sent back from a rank; "
+                        f"return a list (e.g. list(...)) instead of yielding")
+    if inspect.iscoroutinefunction(fn):
+        raise TypeError(f"fn is an async function ({getattr(fn, '__name__', fn)}): each rank "
+                        f"calls fn plainly; make it a plain def")
 
 
 def check_timeout(timeout_s):
@@ -193,6 +210,9 @@ def _wait_for_results(children, status, progress, timeout_s, bar_box):
                 except EOFError:
                     raise LaunchError(_death_message(child, children, status, memory)) from None
                 if kind == "error":
+                    dead = _killed_rank(children, child, body)
+                    if dead is not None:   # the cause, not gloo's word for its consequence
+                        raise LaunchError(_death_message(dead, children, status, memory))
                     raise LaunchError(_error_message(child, body, children, status))
                 results[child.rank] = _unpickle_result(child.rank, body)
                 child.done = True
@@ -201,6 +221,24 @@ def _wait_for_results(children, status, progress, timeout_s, bar_box):
                 if not child.done and child.conn in pending and not child.conn.poll():
                     raise LaunchError(_death_message(child, children, status, memory))
     return results
+
+
+def _killed_rank(children, raised, body):
+    """A rank killed by a signal, if any, when `raised` sent back an error.
+
+    A rank's death closes its sockets before the system shows it dead, so a survivor's
+    "connection closed" can arrive first. When the error reads like a lost peer, wait up to
+    PEER_LOSS_GRACE_S for one of the others to show a death by signal: that is the cause."""
+    lost_peer = deaths.lost_peer(body)
+    end = time.monotonic() + (PEER_LOSS_GRACE_S if lost_peer else 0.0)
+    while True:
+        for c in children:
+            if c is not raised and not c.done and c.process.exitcode is not None \
+                    and c.process.exitcode < 0:
+                return c
+        if time.monotonic() >= end:
+            return None
+        time.sleep(0.01)
 
 
 def _unpickle_result(rank, body):
@@ -249,6 +287,9 @@ def _let_survivors_arrive(children, status, dead, seconds=1.0):
 def _error_message(child, body, children, status):
     """A rank's traceback, then the mismatch the status board shows, if any (e.g. a rank that
     makes one collective more than the others gets "connection reset" once they have left)."""
+    oom = deaths.out_of_memory(body)
+    if oom:
+        return f"rank {child.rank} {oom}"
     message = f"rank {child.rank} raised:\n{body}"
     states, finished = _board(children, status, also=child)
     named = deaths.mismatch(states, finished)
