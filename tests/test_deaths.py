@@ -321,8 +321,8 @@ def test_a_death_is_named_first_when_the_launch_wakes_to_both_at_once(tmp_path):
         os.kill(proc.pid, signal.SIGCONT)
         out, err = proc.communicate(timeout=60)
     finally:
-        os.kill(proc.pid, signal.SIGCONT) if proc.poll() is None else None
-        if proc.poll() is None:
+        if proc.poll() is None:   # never leave it stopped, or behind
+            os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
             proc.wait()
     assert out.startswith("rank 1 died without a result (signal 9, SIGKILL)"), (out, err)
