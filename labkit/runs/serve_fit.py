@@ -26,8 +26,9 @@ R: the FLOP/s of a matmul measured here now, on one thread times the usable CPUs
 bound on what the model's small matmuls reach); t_layer: a one-token forward of one block,
 measured (every generated token passes every layer, one after the other, at least this long
 each); t_build: building one block, measured (module overhead, plus its weights at the
-measured initialisation rate); W: the bytes per second a large copy reads here, measured. A run whose
-ranks would need more than their launch timeout is refused: it could only end in a timeout.
+measured initialisation rate); W: the bytes per second a large copy reads here, measured (on
+one thread, times the usable CPUs). A run whose ranks would need more than their launch
+timeout is refused: it could only end in a timeout.
 FLOP counts: Kaplan et al. 2020, "Scaling Laws for Neural Language Models", sec. 2.1 (2N per
 token forward, plus the attention's 2·L·n_ctx·d per token for QKᵀ and again for AV).
 """
@@ -40,6 +41,7 @@ import torch
 from .. import models
 from ..runtime.cpus import BYTES_PER_CPU_RANK, available_memory, usable_cpus
 from ..theory import serving as theory
+from .preflight import _gb   # GB, or TB past a thousand; safe for huge shapes
 
 BYTES = 4   # float32
 SCORE_COPIES = 2   # QKᵀ and its softmax alive at once in models.causal_attention
@@ -182,10 +184,3 @@ def _shape(cfg):
     return (f"layers={c.layers:,} hidden={c.hidden:,} heads={c.heads} ffn={c.ffn:,} "
             f"vocab={c.vocab:,}, batch {cfg.batch:,} x prompt {cfg.prompt_len:,} + "
             f"{cfg.new_tokens:,} new tokens")
-
-
-def _gb(n):
-    try:
-        return f"{n / 1e9:.1f} GB" if n < 1e12 else f"{n / 1e12:.3g} TB"
-    except OverflowError:   # a shape of hundreds of digits
-        return "more bytes than a float holds"

@@ -6,10 +6,16 @@ status board, written by `Context.set_status` as "count|text|last"), how low ava
 while the ranks ran (`MemoryWatch`), and the end of the rank's own stderr (`StderrTail`):
 gloo's abort message ("Received data size doesn't match expected size. Is there a distributed
 collective mismatch in your code?") goes only there, never to a notebook cell.
+
+A death is named before its consequences: a survivor's "connection closed" (gloo's word for a
+peer that died) can reach the launch before the death does (`killed_rank`). A rank that asks
+torch for more memory than the system gives is named "out of memory" with the bytes it asked
+for, read from torch's allocator message (`out_of_memory`), in one line.
 """
 import os
 import re
 import signal
+import time
 import warnings
 
 from .cpus import available_memory
@@ -128,6 +134,24 @@ def out_of_memory(text):
 
 def _size(n):
     return f"{n / 1e12:.3g} TB" if n >= 1e12 else f"{n / 1e9:.3g} GB"
+
+
+def killed_rank(children, raised, body, grace_s):
+    """A rank killed by a signal, if any, when `raised` sent back an error.
+
+    A rank's death closes its sockets before the system shows it dead, so a survivor's
+    "connection closed" can arrive first. When the error reads like a lost peer, wait up to
+    `grace_s` for one of the others to show a death by signal: that is the cause."""
+    lost_peer = LOST_PEER.search(body or "")
+    end = time.monotonic() + (grace_s if lost_peer else 0.0)
+    while True:
+        for c in children:
+            if c is not raised and not c.done and c.process.exitcode is not None \
+                    and c.process.exitcode < 0:
+                return c
+        if time.monotonic() >= end:
+            return None
+        time.sleep(0.01)
 
 
 def read_board(status, rank, width):

@@ -14,7 +14,6 @@ rank watches an "alive" pipe whose only write end the launch holds: when the lau
 end-of-file and the rank leaves, also a rank the forkserver forks late for a launch that was
 interrupted while asking for it.
 """
-import inspect
 import math
 import os
 import shutil
@@ -37,8 +36,8 @@ from . import deaths, torchrun
 from .deaths import LaunchError
 from .context import Context, STATUS_WIDTH
 from .cpus import cpu_rank_limit, max_cpu_ranks, usable_cpus
-from .processes import (check_main_guard, mp_context, new_store_folder, no_missing_main_file,
-                        use_loopback_for_gloo, warm_forkserver)
+from .processes import (check_fn, check_main_guard, mp_context, new_store_folder,
+                        no_missing_main_file, use_loopback_for_gloo, warm_forkserver)
 
 DEFAULT_TIMEOUT_S = 120.0
 PEER_LOSS_GRACE_S = 3.0  # how long a death may take to show once its sockets closed (busy CPUs)
@@ -113,20 +112,6 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
         finally:
             if store_dir is not None:
                 shutil.rmtree(store_dir, ignore_errors=True)
-
-
-def check_fn(fn):
-    """Refuse, before any rank starts, an `fn` no rank could call and hand back."""
-    if not callable(fn):
-        raise TypeError(f"fn must be a function taking ctx (fn(ctx, *args, **kwargs)), got "
-                        f"{type(fn).__name__} {fn!r:.60}")
-    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
-        raise TypeError(f"fn is a generator function ({getattr(fn, '__name__', fn)}): its "
-                        f"result would be a generator, which cannot be sent back from a rank; "
-                        f"return a list (e.g. list(...)) instead of yielding")
-    if inspect.iscoroutinefunction(fn):
-        raise TypeError(f"fn is an async function ({getattr(fn, '__name__', fn)}): each rank "
-                        f"calls fn plainly; make it a plain def")
 
 
 def check_timeout(timeout_s):
@@ -210,7 +195,7 @@ def _wait_for_results(children, status, progress, timeout_s, bar_box):
                 except EOFError:
                     raise LaunchError(_death_message(child, children, status, memory)) from None
                 if kind == "error":
-                    dead = _killed_rank(children, child, body)
+                    dead = deaths.killed_rank(children, child, body, PEER_LOSS_GRACE_S)
                     if dead is not None:   # the cause, not gloo's word for its consequence
                         raise LaunchError(_death_message(dead, children, status, memory))
                     raise LaunchError(_error_message(child, body, children, status))
@@ -221,24 +206,6 @@ def _wait_for_results(children, status, progress, timeout_s, bar_box):
                 if not child.done and child.conn in pending and not child.conn.poll():
                     raise LaunchError(_death_message(child, children, status, memory))
     return results
-
-
-def _killed_rank(children, raised, body):
-    """A rank killed by a signal, if any, when `raised` sent back an error.
-
-    A rank's death closes its sockets before the system shows it dead, so a survivor's
-    "connection closed" can arrive first. When the error reads like a lost peer, wait up to
-    PEER_LOSS_GRACE_S for one of the others to show a death by signal: that is the cause."""
-    lost_peer = deaths.lost_peer(body)
-    end = time.monotonic() + (PEER_LOSS_GRACE_S if lost_peer else 0.0)
-    while True:
-        for c in children:
-            if c is not raised and not c.done and c.process.exitcode is not None \
-                    and c.process.exitcode < 0:
-                return c
-        if time.monotonic() >= end:
-            return None
-        time.sleep(0.01)
 
 
 def _unpickle_result(rank, body):
