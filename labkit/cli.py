@@ -13,7 +13,6 @@
 import argparse
 import ast
 import importlib
-import os
 import importlib.util
 import sys
 

@@ -145,11 +145,13 @@ def killed_rank(children, raised, body, grace_s):
     lost_peer = LOST_PEER.search(body or "")
     end = time.monotonic() + (grace_s if lost_peer else 0.0)
     while True:
-        for c in children:
-            if c is not raised and not c.done and c.process.exitcode is not None \
-                    and c.process.exitcode < 0:
+        others = [c for c in children if c is not raised and not c.done]
+        codes = [c.process.exitcode for c in others]
+        for c, code in zip(others, codes):
+            if code is not None and code < 0:
                 return c
-        if time.monotonic() >= end:
+        # every other rank has handed back its result or left by itself: no death to wait for
+        if time.monotonic() >= end or all(code is not None for code in codes):
             return None
         time.sleep(0.01)
 
