@@ -15,11 +15,11 @@
 import argparse
 import ast
 import importlib
-import os
 import importlib.util
 import sys
 
 from . import import_whole
+from .cli_output import check_writable, finish, out_of_memory, stdout_closed
 
 # technique name on the command line -> the module that implements it
 TECHNIQUES = {
@@ -39,7 +39,13 @@ POSITIVE = ("world_size", "steps", "batch", "gpus", "seq")  # counts that must b
 
 
 def main(argv=None):
-    """The command line. Exit code 0, 2 for a mistake (one line, no traceback), 130 on Ctrl-C."""
+    """The command line. Exit code 0; 2 for a mistake (one line, no traceback), also a closed
+    stdout; 1 for a run that diverged or whose report or trace could not be written (one line
+    on stderr, the report still printed where it can be); 130 on Ctrl-C."""
+    if stdout_closed():   # `... >&-`: the report would be lost without a word
+        print("error: stdout is closed, so the report would be lost: give the command an "
+              "output (a terminal, a file or a pipe)", file=sys.stderr)
+        return 2
     try:
         return _main(argv)
     except KeyboardInterrupt:  # launch's cleanup has already stopped every rank
@@ -95,13 +101,12 @@ def _main(argv):
             from .doctor import doctor_command
             return doctor_command(launch=args.launch)
         elif args.command == "run":
-            text = serve_command(args) if args.technique == "serve" else run_technique(args)
-            if text is not None:
-                print(text)
+            return finish(*(serve_command(args) if args.technique == "serve"
+                             else run_technique(args)))
         elif args.command == "memory":
-            print(memory_table(args.model, args.batch, args.seq, args.gpus))
+            return finish(memory_table(args.model, args.batch, args.seq, args.gpus))
         elif args.command == "plan":
-            print(plan_command(args))
+            return finish(plan_command(args))
         elif args.command == "calibrate":
             from .calibrate import calibrate_command
             return calibrate_command(out=args.out, quick=args.quick)
@@ -109,9 +114,10 @@ def _main(argv):
             from .gpu_check import gpu_check_command
             return gpu_check_command(out_dir=args.out_dir, budget_s=args.budget_s)
     except Exception as error:  # noqa: BLE001 - a mistake is said plainly, a bug is raised
-        if not _plain_mistake(error):
+        oom = out_of_memory(error)
+        if not (oom or _plain_mistake(error)):
             raise
-        message = error.args[0] if error.args else error
+        message = oom or (error.args[0] if error.args else error)
         print(f"error: {message}", file=sys.stderr)
         return 2
     return 0
@@ -170,7 +176,7 @@ def _common_run_arguments(parser, default_world_size):
 
 def run_technique(args):
     from .runs.reference import RunConfig
-    from .runs.report import format_table, to_json, to_trace
+    from .runs.report import diverged_at, format_table, to_json, to_trace
     module = import_whole(TECHNIQUES[args.technique])
     shape = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
     if shape and args.model == "mlp":
@@ -188,18 +194,28 @@ def run_technique(args):
                             "cluster")
                + SHAPE}
     options.pop("explicit", None)
-    if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
-        raise ValueError(f"--trace {args.trace}: its folder does not exist")
+    if args.trace:
+        check_writable(args.trace, "--trace")
     # options that only make sense with another the user gave; the rest of the preflight (bad
     # numbers, runs that cannot fit) comes with the launch: report.launch_checked
     from .runs import preflight
     preflight.check_options(args.technique, cfg, options, explicit=getattr(args, "explicit", ()))
     report = module.report(world_size=args.world_size, cfg=cfg, cluster=args.cluster, **options)
+    problems = []
     if args.trace:
-        to_trace(report, args.trace)
+        try:
+            to_trace(report, args.trace)
+        except OSError as error:   # e.g. the disk filled during the run: the report survives
+            problems.append(f"--trace {args.trace}: the trace could not be written "
+                            f"({error.strerror or error}); the report is on stdout")
+    step = diverged_at(report["loss"])
+    if step is not None:
+        problems.append(f"the run diverged: its loss is {report['loss'][step]} at step {step} "
+                        f"(the first non-finite loss); lower --lr (it was {args.lr:g})")
     if not _prints_report():
-        return None
-    return to_json(report, timeline=args.timeline) if args.json else format_table(report)
+        return None, problems
+    text = to_json(report, timeline=args.timeline) if args.json else format_table(report)
+    return text, problems
 
 
 def _prints_report():
@@ -350,8 +366,8 @@ def serve_command(args):
         GPTConfig(**shape)
     report = serve.report(args.world_size, cfg, cluster=args.cluster)
     if args.json:
-        return to_json({k: v for k, v in report.items() if k != "tokens"})
-    return format_serve_report(report)
+        return to_json({k: v for k, v in report.items() if k != "tokens"}), ()
+    return format_serve_report(report), ()
 
 
 def format_serve_report(r):

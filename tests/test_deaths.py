@@ -232,3 +232,97 @@ def test_a_script_without_the_main_guard_fails_at_once_saying_add_it(tmp_path, c
         assert last.startswith("RuntimeError: script.py, line 8: launch is called at the top")
         assert 'if __name__ == "__main__":' in last
         assert not list(tmp_path.glob("rank*")), "a rank started"
+
+
+@pytest.fixture
+def two_cpu_hogs():
+    """Two busy processes, as a loaded laptop has: the death and the survivor's error race."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        yield hogs
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(timeout=10)
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_a_survivors_downstream_error(two_cpu_hogs):
+    # rank 1 dies; rank 0's all_reduce then fails with gloo's "connection closed": the cause
+    # (the death) must be what the launch says, every time
+    for _ in range(3):
+        with pytest.raises(LaunchError) as err:
+            labkit.launch(killed_on_rank_1, 2, timeout_s=60)
+        message = str(err.value)
+        assert message.startswith("rank 1 died without a result (signal 9, SIGKILL)"), message
+        assert "rank 0 raised" not in message
+    assert all(hog.poll() is None for hog in two_cpu_hogs)   # the load was there throughout
+
+
+def test_lost_peer_and_out_of_memory_read_torchs_own_words():
+    assert deaths.lost_peer("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection "
+                            "closed by peer [127.0.0.1]:2345")
+    assert not deaths.lost_peer("ValueError: rank two is broken on purpose")
+    try:
+        torch.empty(2 ** 60, dtype=torch.uint8)
+    except RuntimeError as error:
+        said = deaths.out_of_memory(str(error))
+    assert said.startswith("ran out of memory: it asked for 1,152,921,504,606,846,976 bytes")
+    assert deaths.out_of_memory("ValueError: no") is None
+
+
+def test_a_rank_out_of_memory_is_one_line_with_the_bytes_it_asked_for():
+    def asks_too_much(ctx):
+        if ctx.rank == 0:
+            torch.empty(2 ** 60, dtype=torch.uint8)
+        ctx.comm.barrier()
+    with pytest.raises(LaunchError) as err:
+        labkit.launch(asks_too_much, 2, timeout_s=60)
+    message = str(err.value)
+    assert message.startswith("rank 0 ran out of memory: it asked for 1,152,921,504,606,846,976 "
+                              "bytes (1.15e+06 TB)"), message
+    assert "\n" not in message and "Traceback" not in message
+
+
+STOPPED_LAUNCH = """
+import os, signal, sys, time, torch, labkit
+def fn(ctx, folder):
+    if ctx.rank == 1:
+        open(os.path.join(folder, "ready"), "w").close()
+        while not os.path.exists(os.path.join(folder, "go")):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    ctx.comm.all_reduce(torch.ones(4))
+if __name__ == "__main__":
+    try:
+        labkit.launch(fn, 2, sys.argv[1], timeout_s=60)
+    except labkit.LaunchError as error:
+        print(str(error).splitlines()[0])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, a Linux scheduler")
+def test_a_death_is_named_first_when_the_launch_wakes_to_both_at_once(tmp_path):
+    # The worst case of a busy machine, made certain: the launching process sleeps (SIGSTOP)
+    # while rank 1 dies and rank 0 sends back gloo's downstream error; it wakes to both.
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED_LAUNCH)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=os.path.dirname(
+                                os.path.dirname(labkit.__file__))))
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGSTOP)
+        (tmp_path / "go").touch()
+        time.sleep(3)   # rank 1 dies; rank 0's all_reduce fails and it sends its error
+        os.kill(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:   # never leave it stopped, or behind
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    assert out.startswith("rank 1 died without a result (signal 9, SIGKILL)"), (out, err)

@@ -322,3 +322,27 @@ def test_a_child_whose_parameters_its_parent_reads_is_gathered_too():
     hf = results(4)[0][("hf", "sgd", None)]["comm"]
     assert hf[("all_gather", "params wpe")] == 2 * STEPS
     assert hf[("all_gather", "params wte")] == 3 * STEPS
+
+
+def _shard_twice(ctx, how):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    first = FullyShard(model)
+    try:
+        if how == "same":
+            FullyShard(model)
+        elif how == "wrapper":
+            FullyShard(first)
+        else:
+            FullyShard(model[2])
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("how, where", [("same", "Sequential is already inside a FullyShard"),
+                                        ("wrapper", "FullyShard is already inside"),
+                                        ("part", "Linear is already inside a FullyShard")])
+def test_a_second_fully_shard_over_the_same_parameters_is_refused_at_the_wrap(how, where):
+    said = labkit.launch(_shard_twice, 2, how)
+    assert said[0] == said[1] and said[0].startswith("FullyShard applied twice: ")
+    assert where in said[0] and "\n" not in said[0]

@@ -446,3 +446,28 @@ def test_rank_limit_reads_available_memory_not_free_memory(tmp_path):
                        "MemAvailable:    2100000 kB\n")
     limit, why = cpu_rank_limit(str(meminfo))
     assert limit == 5 and "2.2 GB available" in why and "400 MB per rank" in why
+
+
+def _yields_its_rank(ctx):
+    yield ctx.rank
+
+
+async def _awaits(ctx):
+    return ctx.rank
+
+
+@pytest.mark.parametrize("fn, words", [
+    (42, "fn must be a function taking ctx"),
+    ("all_reduce", "fn must be a function taking ctx"),
+    (_yields_its_rank, "fn is a generator function (_yields_its_rank)"),
+    (_awaits, "fn is an async function (_awaits)"),
+])
+def test_an_fn_no_rank_could_call_is_refused_before_any_rank_starts(fn, words, monkeypatch):
+    import labkit.runtime.launch as launch_module
+
+    def no_ranks():
+        raise AssertionError("a rank process was asked for")
+    monkeypatch.setattr(launch_module, "mp_context", no_ranks)
+    with pytest.raises(TypeError) as err:
+        labkit.launch(fn, 2)
+    assert str(err.value).startswith(words) and "\n" not in str(err.value)

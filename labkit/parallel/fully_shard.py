@@ -75,6 +75,16 @@ def one_unit_per_layer(model: nn.Module) -> Callable[[nn.Module], bool]:
     return lambda module: id(module) in layers
 
 
+def _refuse_sharded_twice(module):
+    """Its parameters are already shards (views of a FullyShard's flat buffer): sharding them
+    again would shard shards, and fail later far from here ("mat2 must be a matrix")."""
+    for name, m in module.named_modules():
+        if isinstance(m, FullyShard) or getattr(m, "_labkit_fully_sharded", False):
+            where = f"its submodule {name!r}" if name else type(module).__name__
+            raise ValueError(f"FullyShard applied twice: {where} is already inside a "
+                             f"FullyShard; wrap each module once (units= picks the pieces)")
+
+
 class FullyShard(nn.Module):
     """ZeRO-3 on any nn.Module inside any process group (`group=None`: the world).
 
@@ -92,8 +102,11 @@ class FullyShard(nn.Module):
                  compute_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
                  offload: bool = False, units: Callable[[nn.Module], bool] | None = None, *,
                  prefetch: bool = True) -> None:
+        _refuse_sharded_twice(module)
         super().__init__()
         self.module = module
+        for m in module.modules():   # marked: a second FullyShard over any of them is refused
+            m._labkit_fully_sharded = True
         self._ctx = context()
         self.group = self._ctx.group(group)
         self.compute_dtype, self.offload = compute_dtype, offload

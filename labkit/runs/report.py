@@ -116,6 +116,12 @@ def agreement(loss, params, reference, exact):
                     verdict=str(a)) for k, a in found.items()}
 
 
+def diverged_at(loss):
+    """The first step whose loss is not finite (NaN or infinite: the run diverged), or None."""
+    return next((step for step, value in enumerate(loss)
+                 if not math.isfinite(float(value))), None)
+
+
 def to_json(report, timeline=False):
     """The report as JSON text: tensors as lists, (unless asked) the timeline left out.
 

@@ -4,14 +4,16 @@
  --prompt-len 16 --new-tokens 8 --batch 8 [--json]`. The world is a mesh dp=replicas (x ep)
 by pp by tp, laid out by `labkit.parallel.hybrid.HybridGenerator`: each replica gets its
 share of the requests; inside it the model is split by `parallelize` (heads and MLP columns)
-over TP, cut by `split_into_stages` over PP and run by `PipelineGenerator` (the requests in pp micro-batches), or, for the MoE GPT, its experts spread
-by `ExpertParallel` over EP (attention replicated, requests split). The report adds to the run
-report: tokens_equal_reference (greedy tokens of every request vs one device), kv_cache_bytes
+over TP, cut by `split_into_stages` over PP and run by `PipelineGenerator` (the requests in pp
+micro-batches), or, for the MoE GPT, its experts spread by `ExpertParallel` over EP
+(attention replicated, requests split). The report adds to the run report: tokens_equal_reference (greedy tokens of every request vs one device), kv_cache_bytes
 (measured, per rank) beside the formula, comm per generated token by group, wall tokens/s here
 and the modelled TTFT / TPOT of the same layout on the chosen cluster (labkit.theory.serving).
+Before any rank starts, `check_config` refuses in one line a layout the blocks cannot take and
+a run that cannot fit in memory here or end within its timeout (runs/serve_fit.py).
 """
 import time
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field, asdict, replace
 
 import torch
 
@@ -22,10 +24,12 @@ from ..parallel.serving import comm_per_token, gather_requests, generate, new_ca
 from ..parallel.tensor_parallel_plan import resolve_plan
 from ..runtime.launch import launch
 from ..theory import serving as theory
+from .serve_fit import check_fits
 from ..parallel.tensor_parallel_plan import gpt_plan
 
 GPT_TP_PLAN = gpt_plan(vocab=False)   # embedding and head whole: each rank picks the token
 BYTES = 4   # the tiny models run in float32
+TIMEOUT_S = 300   # the ranks' limit: a generation of this tiny GPT takes seconds
 
 
 @dataclass
@@ -61,8 +65,9 @@ class ServeConfig:
         return asdict(self)
 
 
-def check_config(cfg, world_size=None):
-    """Everything checkable before ranks start, one line each."""
+def check_config(cfg, world_size=None, timeout_s=TIMEOUT_S):
+    """Everything checkable before ranks start, one line each: the layout, and whether the run
+    fits in memory here and ends within `timeout_s` (runs/serve_fit.py)."""
     for name in ("tp", "pp", "replicas", "ep", "batch", "prompt_len", "new_tokens", "top_k"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
@@ -76,8 +81,11 @@ def check_config(cfg, world_size=None):
         check_expert_parallel(cfg.experts, cfg.top_k, None, cfg.ep)
     elif cfg.ep > 1:
         raise ValueError("--ep spreads experts: give --experts E too")
-    with torch.device("meta"):      # the block's own check, on a model with no storage
-        resolve_plan(models.TinyGPT(c), GPT_TP_PLAN, cfg.tp)
+    check_fits(cfg, timeout_s)
+    # the block's own check, on a model with no storage and at most two blocks: the plan reads
+    # the names of one block's modules, and 100,000 meta blocks take minutes to build
+    with torch.device("meta"):
+        resolve_plan(models.TinyGPT(replace(c, layers=min(c.layers, 2))), GPT_TP_PLAN, cfg.tp)
     if cfg.pp > c.layers + 2:
         raise ValueError(f"--pp {cfg.pp} is more stages than the {c.layers + 2} pieces of the "
                          "model (embedding, each block, norm + head)")
@@ -129,10 +137,10 @@ def serve(ctx, cfg):
                 cluster=ctx.clock.cluster.name)
 
 
-def report(world_size=None, cfg=None, cluster="8xH100-NVLink", timeout_s=300):
+def report(world_size=None, cfg=None, cluster="8xH100-NVLink", timeout_s=TIMEOUT_S):
     """Run the serving layout, compare with one device, and return the report (a dict)."""
     cfg = cfg or ServeConfig()
-    check_config(cfg, world_size)
+    check_config(cfg, world_size, timeout_s)
     start = time.perf_counter()
     results = launch(serve, cfg.world_size, cfg, cluster=cluster, timeout_s=timeout_s)
     wall = time.perf_counter() - start

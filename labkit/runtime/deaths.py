@@ -6,10 +6,16 @@ status board, written by `Context.set_status` as "count|text|last"), how low ava
 while the ranks ran (`MemoryWatch`), and the end of the rank's own stderr (`StderrTail`):
 gloo's abort message ("Received data size doesn't match expected size. Is there a distributed
 collective mismatch in your code?") goes only there, never to a notebook cell.
+
+A death is named before its consequences: a survivor's "connection closed" (gloo's word for a
+peer that died) can reach the launch before the death does (`killed_rank`). A rank that asks
+torch for more memory than the system gives is named "out of memory" with the bytes it asked
+for, read from torch's allocator message (`out_of_memory`), in one line.
 """
 import os
 import re
 import signal
+import time
 import warnings
 
 from .cpus import available_memory
@@ -101,6 +107,53 @@ def resident_bytes(pid):
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+# what gloo says when a peer's socket closes under a collective (the peer died or left)
+LOST_PEER = re.compile(r"connection (closed|reset)|broken pipe|peer|socket closed|"
+                       r"end of file|read error|write error", re.IGNORECASE)
+# torch's CPU allocator when the system refuses an allocation
+ASKED_BYTES = re.compile(r"you tried to allocate (\d+) bytes")
+
+
+def lost_peer(text):
+    """True when a rank's error reads like a lost peer (gloo's consequence of a death)."""
+    return bool(LOST_PEER.search(text or ""))
+
+
+def out_of_memory(text):
+    """One line, "ran out of memory: it asked for 1.3 TB ..." from torch's allocator message
+    in `text` (a traceback or an error), or None when it is not one."""
+    found = ASKED_BYTES.search(text or "")
+    if not found:
+        return None
+    asked = int(found.group(1))
+    return (f"ran out of memory: it asked for {asked:,} bytes ({_size(asked)}) in one "
+            f"allocation and the system refused; use a smaller shape or batch")
+
+
+def _size(n):
+    return f"{n / 1e12:.3g} TB" if n >= 1e12 else f"{n / 1e9:.3g} GB"
+
+
+def killed_rank(children, raised, body, grace_s):
+    """A rank killed by a signal, if any, when `raised` sent back an error.
+
+    A rank's death closes its sockets before the system shows it dead, so a survivor's
+    "connection closed" can arrive first. When the error reads like a lost peer, wait up to
+    `grace_s` for one of the others to show a death by signal: that is the cause."""
+    lost_peer = LOST_PEER.search(body or "")
+    end = time.monotonic() + (grace_s if lost_peer else 0.0)
+    while True:
+        others = [c for c in children if c is not raised and not c.done]
+        codes = [c.process.exitcode for c in others]
+        for c, code in zip(others, codes):
+            if code is not None and code < 0:
+                return c
+        # every other rank has handed back its result or left by itself: no death to wait for
+        if time.monotonic() >= end or all(code is not None for code in codes):
+            return None
+        time.sleep(0.01)
 
 
 def read_board(status, rank, width):

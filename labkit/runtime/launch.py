@@ -36,10 +36,11 @@ from . import deaths, torchrun
 from .deaths import LaunchError
 from .context import Context, STATUS_WIDTH
 from .cpus import cpu_rank_limit, max_cpu_ranks, usable_cpus
-from .processes import (check_main_guard, mp_context, new_store_folder, no_missing_main_file,
-                        use_loopback_for_gloo, warm_forkserver)
+from .processes import (check_fn, check_main_guard, mp_context, new_store_folder,
+                        no_missing_main_file, use_loopback_for_gloo, warm_forkserver)
 
 DEFAULT_TIMEOUT_S = 120.0
+PEER_LOSS_GRACE_S = 3.0  # how long a death may take to show once its sockets closed (busy CPUs)
 NO_TIMEOUT = timedelta(days=7)  # what torch gets when timeout_s=None ("wait as long as it takes")
 
 _inside_rank = False  # True in a rank process, and under torchrun while `fn` runs
@@ -69,6 +70,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     if _inside_rank:
         raise RuntimeError("launch cannot be nested: this code already runs on a rank. Use "
                            "ctx (ctx.comm, ctx.new_group) inside fn instead of a second launch.")
+    check_fn(fn)
     timeout_s = check_timeout(timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, cluster, seed,
@@ -193,6 +195,9 @@ def _wait_for_results(children, status, progress, timeout_s, bar_box):
                 except EOFError:
                     raise LaunchError(_death_message(child, children, status, memory)) from None
                 if kind == "error":
+                    dead = deaths.killed_rank(children, child, body, PEER_LOSS_GRACE_S)
+                    if dead is not None:   # the cause, not gloo's word for its consequence
+                        raise LaunchError(_death_message(dead, children, status, memory))
                     raise LaunchError(_error_message(child, body, children, status))
                 results[child.rank] = _unpickle_result(child.rank, body)
                 child.done = True
@@ -249,6 +254,9 @@ def _let_survivors_arrive(children, status, dead, seconds=1.0):
 def _error_message(child, body, children, status):
     """A rank's traceback, then the mismatch the status board shows, if any (e.g. a rank that
     makes one collective more than the others gets "connection reset" once they have left)."""
+    oom = deaths.out_of_memory(body)
+    if oom:
+        return f"rank {child.rank} {oom}"
     message = f"rank {child.rank} raised:\n{body}"
     states, finished = _board(children, status, also=child)
     named = deaths.mismatch(states, finished)

@@ -9,6 +9,7 @@ own, named after the launching process so that a later launch can remove the fol
 launches that were killed outright.
 """
 import ast
+import inspect
 import os
 import re
 import shutil
@@ -73,6 +74,20 @@ def _spawn_in_own_group(path, args, passfds):
 
 def _no_op():
     pass
+
+
+def check_fn(fn):
+    """Refuse, before any rank starts, an `fn` no rank could call and hand back."""
+    if not callable(fn):
+        raise TypeError(f"fn must be a function taking ctx (fn(ctx, *args, **kwargs)), got "
+                        f"{type(fn).__name__} {fn!r:.60}")
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(f"fn is a generator function ({getattr(fn, '__name__', fn)}): its "
+                        f"result would be a generator, which cannot be sent back from a rank; "
+                        f"return a list (e.g. list(...)) instead of yielding")
+    if inspect.iscoroutinefunction(fn):
+        raise TypeError(f"fn is an async function ({getattr(fn, '__name__', fn)}): each rank "
+                        f"calls fn plainly; make it a plain def")
 
 
 def check_main_guard(launch_frame):
