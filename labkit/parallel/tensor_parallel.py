@@ -6,8 +6,9 @@ rank's shard of the layer's own weights, so the result computes what the unsplit
 Megatron-LM (Shoeybi et al. 2019, arXiv 1909.08053):
 - "colwise" (nn.Linear): split the output features; rank i computes Y_i = X A_i^T from the
   whole input. Its input's gradient is a sum over ranks: f (identity forward, all-reduce
-  backward) in front. A fused q|k|v projection (a Linear named `qkv`) is split part by part,
-  so each rank gets q, k and v of whole heads.
+  backward) in front. A fused q|k|v projection (`qkv`, GPT-2's `c_attn`, ...:
+  tensor_parallel_plan.fused_parts) is split part by part, so each rank gets q, k and v of
+  whole heads. GPT-2's Conv1D (weight stored (in, out)) is split along its own axes.
 - "rowwise" (nn.Linear): split the input features; the input arrives split (from a colwise
   layer), rank i computes the partial sum X_i A_i^T and g (all-reduce forward, identity
   backward) adds them; the bias is added once, after g.
@@ -37,7 +38,9 @@ import torch.nn.functional as F
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from .async_tp import all_gather_linear, linear_reduce_scatter
-from .tensor_parallel_plan import fused_parts, resolve_plan
+from .tensor_parallel_plan import (features, fused_parts, is_conv1d, localize_attention,
+                                   refuse_sequence_parallel, resolve_plan)
+from .tp_presets import tp_plan_for
 
 SEQUENCE_DIM = -2           # (..., s, h): sequence parallelism splits the tokens
 
@@ -168,9 +171,18 @@ class _GatherLinear(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- the layers
 
+def _split(tensor, dim, parts, divide=1):
+    """`tensor` cut along `dim` into `parts` (an int: equal parts; a tuple: the whole tensor's
+    part sizes, each / `divide` on a shard)."""
+    if isinstance(parts, int):
+        return tensor.chunk(parts, dim=dim)
+    return tensor.split([p // divide for p in parts], dim=dim)
+
+
 def _shard(param, group, dim, parts=1, shared=None):
-    """This rank's slice of `param` along `dim` as a new Parameter; with parts=3 (fused q|k|v)
-    the slice of each part, concatenated, so the local tensor keeps the q|k|v layout. `shared`
+    """This rank's slice of `param` along `dim` as a new Parameter; with parts (fused q|k|v:
+    3 or their sizes) the slice of each part, concatenated, so the local tensor keeps the
+    q|k|v layout. `shared`
     ({id(original): shard}) keeps tied weights tied: a weight seen twice gets one shard."""
     if param is None:
         return None
@@ -179,7 +191,7 @@ def _shard(param, group, dim, parts=1, shared=None):
         if known.tp_split != (dim, parts):
             raise ValueError("a tied weight is split two different ways by the plan")
         return known
-    pieces = param.detach().chunk(parts, dim=dim)
+    pieces = _split(param.detach(), dim, parts)
     mine = [p.chunk(group.size, dim=dim)[group.rank] for p in pieces]
     shard = nn.Parameter(torch.cat(mine, dim=dim).clone(), requires_grad=param.requires_grad)
     shard.tp_split, shard.tp_group = (dim, parts), group   # how gather_params rebuilds it
@@ -198,29 +210,31 @@ class ColumnParallelLinear(nn.Module):
                  gather_output=False, regather=True, async_tp=False, tag="", shared=None):
         super().__init__()
         self.group = context().group(group)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.parts, self.tag = parts, tag
+        self.in_features, self.out_features = features(linear)
+        self.parts, self.tag, self.transposed = parts, tag, is_conv1d(linear)
         self.sequence_parallel, self.gather_output, self.regather = (
             sequence_parallel, gather_output, regather)
         self.async_tp = async_tp and sequence_parallel
-        self.weight = _shard(linear.weight, self.group, 0, parts, shared)
+        self.weight = _shard(linear.weight, self.group, int(self.transposed), parts, shared)
         self.bias = _shard(linear.bias, self.group, 0, parts, shared)
 
     def forward(self, x):
         group, tag = self.group, self.tag
+        weight = self.weight.t() if self.transposed else self.weight   # Conv1D: (in, out)
         if not self.sequence_parallel:
-            y = F.linear(copy_to_tp(x, group, tag), self.weight, self.bias)
+            y = F.linear(copy_to_tp(x, group, tag), weight, self.bias)
         elif self.async_tp:
-            y = all_gather_linear(x, self.weight, self.bias, group, tag, self.regather)
+            y = all_gather_linear(x, weight, self.bias, group, tag, self.regather)
         elif self.regather:
-            y = _GatherLinear.apply(x, self.weight, self.bias, group, tag)
+            y = _GatherLinear.apply(x, weight, self.bias, group, tag)
         else:
-            y = F.linear(gather_from_sp(x, group, tag), self.weight, self.bias)
+            y = F.linear(gather_from_sp(x, group, tag), weight, self.bias)
         return gather_from_tp(y, group, tag) if self.gather_output else y
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(this rank: {self.weight.shape[0]}), parts={self.parts}, "
+                f"(this rank: {self.weight.shape[int(self.transposed)]}), "
+                f"parts={self.parts}, "
                 f"group={list(self.group.ranks)}, sequence_parallel={self.sequence_parallel}")
 
 
@@ -233,22 +247,25 @@ class RowParallelLinear(nn.Module):
                  shared=None):
         super().__init__()
         self.group = context().group(group)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = features(linear)
         self.sequence_parallel, self.tag = sequence_parallel, tag
         self.async_tp = async_tp and sequence_parallel
-        self.weight = _shard(linear.weight, self.group, 1, 1, shared)
+        self.transposed = is_conv1d(linear)
+        self.weight = _shard(linear.weight, self.group, 1 - self.transposed, 1, shared)
         self.bias = linear.bias   # replicated (the original object): added once, after g
 
     def forward(self, x):
+        weight = self.weight.t() if self.transposed else self.weight   # Conv1D: (in, out)
         if self.async_tp:
-            y = linear_reduce_scatter(x, self.weight, self.group, self.tag)
+            y = linear_reduce_scatter(x, weight, self.group, self.tag)
         else:
             combine = scatter_to_sp if self.sequence_parallel else reduce_from_tp
-            y = combine(F.linear(x, self.weight), self.group, self.tag)
+            y = combine(F.linear(x, weight), self.group, self.tag)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
-        return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
+        return (f"in_features={self.in_features} "
+                f"(this rank: {self.weight.shape[1 - self.transposed]}), "
                 f"out_features={self.out_features}, group={list(self.group.ranks)}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
@@ -330,18 +347,19 @@ def vocab_parallel_argmax(logits, group=None, tag="greedy"):
 # ---------------------------------------------------------------------------- the plan
 
 def _build(style, layer, name, group, shared, sequence_parallel, regather, gather_output,
-           async_tp):
+           async_tp, root):
     options = dict(sequence_parallel=sequence_parallel, tag=name, shared=shared)
     if isinstance(layer, nn.Embedding):
         return VocabParallelEmbedding(layer, group, **options)
     if style == "rowwise":
         return RowParallelLinear(layer, group, async_tp=async_tp, **options)
-    parts = fused_parts(name, layer) if style == "colwise" else 1
+    parts = fused_parts(name, layer, root) if style == "colwise" else 1
     return ColumnParallelLinear(layer, group, parts=parts, regather=regather, async_tp=async_tp,
                                 gather_output=gather_output and style == "vocab", **options)
 
 
-def parallelize(module: nn.Module, plan: Mapping[str, str], group: GroupLike = None,
+def parallelize(module: nn.Module, plan: Mapping[str, str] | None = None,
+                group: GroupLike = None,
                 sequence_parallel: bool = False, *, regather: bool = True,
                 gather_output: bool = True, async_tp: bool = False) -> nn.Module:
     """Split the layers `plan` names ({glob: "colwise" | "rowwise" | "vocab"}) over `group`
@@ -352,10 +370,16 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], group: GroupLike = N
     all-gathers it again there (False: keeps the gathered input). gather_output=False: a
     "vocab" Linear (the output layer) leaves its logits split by vocabulary, for
     `vocab_parallel_cross_entropy`. async_tp (needs SP): the Linears' sequence all-gather and
-    reduce-scatter run as rings of sends under the chunk matmuls (async_tp.py)."""
+    reduce-scatter run as rings of sends under the chunk matmuls (async_tp.py).
+    plan=None: the preset for a Hugging Face model's `config.model_type` (tp_presets.py);
+    attention modules that store head counts get this rank's (`localize_attention`)."""
     if async_tp and not sequence_parallel:
         raise ValueError("async_tp=True needs sequence_parallel=True: it decomposes the "
                          "sequence all-gather / reduce-scatter around the matmuls")
+    if plan is None:
+        plan = tp_plan_for(module)
+    if sequence_parallel:
+        refuse_sequence_parallel(module)
     group = context().group(group)
     targets = resolve_plan(module, plan, group.size)
     shared = {}
@@ -363,7 +387,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], group: GroupLike = N
         parent_name, _, leaf = name.rpartition(".")
         parent = module.get_submodule(parent_name)
         parent._modules[leaf] = _build(style, parent._modules[leaf], name, group, shared,
-                                       sequence_parallel, regather, gather_output, async_tp)
+                                       sequence_parallel, regather, gather_output, async_tp,
+                                       module)
+    localize_attention(module, [name for name, _ in targets], group.size)
     for name, param in module.named_parameters():
         if getattr(param, "tp_split", None) is not None:
             continue
@@ -384,7 +410,7 @@ def _full(tensor, param):
         return tensor.detach().clone()
     dim, parts = split
     pieces = [_all_gather(p.detach(), dim, param.tp_group, "gather params")
-              for p in tensor.chunk(parts, dim=dim)]
+              for p in _split(tensor, dim, parts, param.tp_group.size)]
     return torch.cat(pieces, dim=dim)
 
 
