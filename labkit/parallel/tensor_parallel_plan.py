@@ -80,9 +80,9 @@ def fused_parts(name, layer, root=None):
         h, kv = heads.get("num_attention_heads"), heads.get("num_key_value_heads", None)
         head_dim = getattr(getattr(root, "config", None), "head_dim", None) or (
             inp // h if h else None)
-        if h and kv and kv != h and (h + 2 * kv) * head_dim == out:     # grouped-query
-            return (h * head_dim, kv * head_dim, kv * head_dim)
-        if out % 3 == 0:
+        if h and (h + 2 * (kv or h)) * head_dim == out:    # sizes from the config (GQA)
+            return (h * head_dim, (kv or h) * head_dim, (kv or h) * head_dim)
+        if out == 3 * inp:     # q, k and v each as wide as the input (GPT-2, labkit)
             return (out // 3,) * 3
     if LOOKS_FUSED.search(leaf):
         raise ValueError(f"{name} ({type(layer).__name__}, {inp} -> {out}) looks like a fused "

@@ -9,9 +9,9 @@ attention output and the MLP's last layer rowwise, so each block costs 2 all-red
 the embedding and the output layer split by vocabulary (a tied pair shares one shard).
 The names are those of transformers' modelling files (LlamaForCausalLM: `model.layers.N...`;
 GPT2LMHeadModel: `transformer.h.N...`, Conv1D layers; GPTNeoXForCausalLM: per-head fused
-`query_key_value`).
+`query_key_value`; its output layer is `lm_head` in transformers 5, `embed_out` in 4).
 """
-import copy
+from .tensor_parallel_plan import plan_for
 
 _LLAMA = {   # also Mistral, Qwen2 and Qwen3: the same module names (modeling_llama.py)
     "model.embed_tokens": "vocab",
@@ -44,7 +44,8 @@ PRESETS = {
         "gpt_neox.layers.*.attention.dense": "rowwise",
         "gpt_neox.layers.*.mlp.dense_h_to_4h": "colwise",
         "gpt_neox.layers.*.mlp.dense_4h_to_h": "rowwise",
-        "embed_out": "vocab",
+        "lm_head": "vocab",     # transformers 5 (tied to embed_in when configured so)
+        "embed_out": "vocab",   # its name in transformers 4
     },
 }
 
@@ -60,4 +61,10 @@ def tp_plan_for(model):
         raise ValueError(f"no tensor-parallel preset for model_type {model_type!r} "
                          f"({type(model).__name__}); presets: {', '.join(PRESETS)}; pass "
                          "parallelize a plan {module name glob: style}")
-    return copy.deepcopy(PRESETS[model_type])
+    # only the names this model has: some were renamed between transformers versions (a layer
+    # left out stays whole, which is right, only less split); none at all is a refusal
+    plan = plan_for(model, PRESETS[model_type])
+    if not plan:
+        raise ValueError(f"the {model_type!r} preset names no module of {type(model).__name__} "
+                         "(a base model without its head?): pass parallelize a plan")
+    return plan
