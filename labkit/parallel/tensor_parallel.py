@@ -41,16 +41,13 @@ from .async_tp import all_gather_linear, linear_reduce_scatter
 from .tensor_parallel_plan import (features, fused_parts, is_conv1d, localize_attention,
                                    refuse_sequence_parallel, resolve_plan)
 from .tp_presets import tp_plan_for
+from .tp_shards import all_gather_dim, gather_grads, gather_params, shard  # noqa: F401 (API)
 
 SEQUENCE_DIM = -2           # (..., s, h): sequence parallelism splits the tokens
 
 
 # --------------------------------------------------------------- collectives along one dim
 # ctx.comm gathers and scatters along dim 0: move the wanted dim there and back.
-
-def _all_gather(x, dim, group, tag):
-    return context().comm.all_gather(x.movedim(dim, 0), group=group, tag=tag).movedim(0, dim)
-
 
 def _reduce_scatter(x, dim, group, tag):
     out = context().comm.reduce_scatter(x.movedim(dim, 0), group=group, tag=tag)
@@ -96,7 +93,7 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, group, tag):
         fctx.group, fctx.tag = group, tag
-        return _all_gather(x, SEQUENCE_DIM, group, f"{tag} fwd")
+        return all_gather_dim(x, SEQUENCE_DIM, group, f"{tag} fwd")
 
     @staticmethod
     def backward(fctx, grad):
@@ -113,7 +110,7 @@ class _ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, grad):
-        return _all_gather(grad, SEQUENCE_DIM, fctx.group, f"{fctx.tag} bwd"), None, None
+        return all_gather_dim(grad, SEQUENCE_DIM, fctx.group, f"{fctx.tag} bwd"), None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -122,7 +119,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, group, tag):
         fctx.group = group
-        return _all_gather(x, -1, group, f"{tag} fwd (gather output)")
+        return all_gather_dim(x, -1, group, f"{tag} fwd (gather output)")
 
     @staticmethod
     def backward(fctx, grad):
@@ -152,7 +149,7 @@ class _GatherLinear(torch.autograd.Function):
     def forward(fctx, x, weight, bias, group, tag):
         fctx.group, fctx.tag, fctx.has_bias = group, tag, bias is not None
         fctx.save_for_backward(x, weight)
-        return F.linear(_all_gather(x, SEQUENCE_DIM, group, f"{tag} fwd"), weight, bias)
+        return F.linear(all_gather_dim(x, SEQUENCE_DIM, group, f"{tag} fwd"), weight, bias)
 
     @staticmethod
     def backward(fctx, grad):
@@ -171,35 +168,6 @@ class _GatherLinear(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- the layers
 
-def _split(tensor, dim, parts, divide=1):
-    """`tensor` cut along `dim` into `parts` (an int: equal parts; a tuple: the whole tensor's
-    part sizes, each / `divide` on a shard)."""
-    if isinstance(parts, int):
-        return tensor.chunk(parts, dim=dim)
-    return tensor.split([p // divide for p in parts], dim=dim)
-
-
-def _shard(param, group, dim, parts=1, shared=None):
-    """This rank's slice of `param` along `dim` as a new Parameter; with parts (fused q|k|v:
-    3 or their sizes) the slice of each part, concatenated, so the local tensor keeps the
-    q|k|v layout. `shared`
-    ({id(original): shard}) keeps tied weights tied: a weight seen twice gets one shard."""
-    if param is None:
-        return None
-    known = shared.get(id(param)) if shared is not None else None
-    if known is not None:
-        if known.tp_split != (dim, parts):
-            raise ValueError("a tied weight is split two different ways by the plan")
-        return known
-    pieces = _split(param.detach(), dim, parts)
-    mine = [p.chunk(group.size, dim=dim)[group.rank] for p in pieces]
-    shard = nn.Parameter(torch.cat(mine, dim=dim).clone(), requires_grad=param.requires_grad)
-    shard.tp_split, shard.tp_group = (dim, parts), group   # how gather_params rebuilds it
-    if shared is not None:
-        shared[id(param)] = shard
-    return shard
-
-
 class ColumnParallelLinear(nn.Module):
     """nn.Linear split by output features over `group`: f in front, output split (or gathered
     with `gather_output`). With sequence parallelism the input arrives as a sequence shard and
@@ -215,8 +183,8 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel, self.gather_output, self.regather = (
             sequence_parallel, gather_output, regather)
         self.async_tp = async_tp and sequence_parallel
-        self.weight = _shard(linear.weight, self.group, int(self.transposed), parts, shared)
-        self.bias = _shard(linear.bias, self.group, 0, parts, shared)
+        self.weight = shard(linear.weight, self.group, int(self.transposed), parts, shared)
+        self.bias = shard(linear.bias, self.group, 0, parts, shared)
 
     def forward(self, x):
         group, tag = self.group, self.tag
@@ -251,7 +219,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel, self.tag = sequence_parallel, tag
         self.async_tp = async_tp and sequence_parallel
         self.transposed = is_conv1d(linear)
-        self.weight = _shard(linear.weight, self.group, 1 - self.transposed, 1, shared)
+        self.weight = shard(linear.weight, self.group, 1 - self.transposed, 1, shared)
         self.bias = linear.bias   # replicated (the original object): added once, after g
 
     def forward(self, x):
@@ -279,7 +247,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group = context().group(group)
         self.sequence_parallel, self.tag = sequence_parallel, tag
         self.num_embeddings, self.embedding_dim = embedding.weight.shape
-        self.weight = _shard(embedding.weight, self.group, 0, 1, shared)
+        self.weight = shard(embedding.weight, self.group, 0, 1, shared)
         rows = self.weight.shape[0]
         self.vocab_start = self.group.rank * rows
         pad = embedding.padding_idx
@@ -400,27 +368,3 @@ def parallelize(module: nn.Module, plan: Mapping[str, str] | None = None,
                                         tag=f"sequence-parallel grad {name}"))
             param._tp_sum = True
     return module
-
-
-# ------------------------------------------------------------------- gathering shards back
-
-def _full(tensor, param):
-    split = getattr(param, "tp_split", None)
-    if split is None:
-        return tensor.detach().clone()
-    dim, parts = split
-    pieces = [_all_gather(p.detach(), dim, param.tp_group, "gather params")
-              for p in _split(tensor, dim, parts, param.tp_group.size)]
-    return torch.cat(pieces, dim=dim)
-
-
-def gather_params(module):
-    """{name: whole tensor} of every parameter under the original names (every rank of the
-    group calls it: all-gathers; wrap it in `ctx.off_the_record()` to keep it out of the log)."""
-    return {name: _full(p, p) for name, p in module.named_parameters()}
-
-
-def gather_grads(module):
-    """{name: whole gradient} like gather_params (parameters without a gradient left out)."""
-    return {name: _full(p.grad, p) for name, p in module.named_parameters()
-            if p.grad is not None}

@@ -147,10 +147,10 @@ def resolve_plan(module, plan, tp):
 def _check_one(name, layer, style, tp, root):
     kinds = (nn.Linear, nn.Embedding) if style == "vocab" else (nn.Linear,)
     if not (isinstance(layer, kinds) or (style != "vocab" and is_conv1d(layer))):
-        allowed = " or ".join(["nn." + k.__name__ for k in kinds] +
-                              ([] if style == "vocab" else ["Conv1D"]))
+        allowed = " or ".join("nn." + k.__name__ for k in kinds)
         raise ValueError(f"{style!r} applies to {allowed}; {name} is of type "
-                         f"{type(layer).__name__}")
+                         f"{type(layer).__name__}" + ("" if style == "vocab" else
+                                                      " (GPT-2's Conv1D works too)"))
     parent_name = name.rpartition(".")[0]
     parent = root.get_submodule(parent_name)
     counts = {a: getattr(parent, a) for a in HEAD_COUNTS
