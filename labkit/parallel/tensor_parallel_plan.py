@@ -29,9 +29,10 @@ LOOKS_FUSED = re.compile(r"qkv|kv_proj|gate_up|fused|packed|query_key_value|w_pa
 HEAD_COUNTS = ("heads", "num_heads", "n_head", "n_heads", "num_attention_heads",
                "num_key_value_heads", "num_kv_heads")
 CONFIG_HEADS = ("num_attention_heads", "num_key_value_heads")   # a Hugging Face config's
-# attributes an attention module reads its layout from; divided by the degree on each rank
+# what attention modules store and reshape by (transformers 4.x: num_heads, hidden_size;
+# GPT-2: split_size): on a rank, its own share, so the forward reshapes to its own heads
 LOCAL_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
-                "n_head", "n_heads", "split_size")
+                "n_head", "n_heads", "split_size", "hidden_size", "embed_dim", "all_head_size")
 
 
 def is_conv1d(layer):
