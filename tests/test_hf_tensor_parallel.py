@@ -75,6 +75,31 @@ def test_tp_training_equals_one_device(trained, name):
         assert r["split"] > 0
 
 
+def against_torch(ctx):
+    """The preset's attention and MLP entries through labkit and through torch's
+    parallelize_module (DTensor), 2 AdamW steps each: losses and gathered parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    plan = {k: v for k, v in tp_plan_for(hf_tiny.build("llama")).items() if v != "vocab"}
+    ours = tp.parallelize(hf_tiny.build("llama").train(), plan)
+    theirs = hf_tiny.build("llama").train()
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(theirs, init_device_mesh("cpu", (ctx.world_size,)),
+                       {k: styles[v]() for k, v in plan.items()})
+    losses = [_train(m, torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False))
+              for m in (ours, theirs)]
+    with ctx.off_the_record():
+        mine = tp.gather_params(ours)
+    full = {n: getattr(p, "full_tensor", p.detach)().detach() for n, p in theirs.named_parameters()}
+    return losses, all(torch.equal(mine[n], full[n]) for n in full) and mine.keys() == full.keys()
+
+
+def test_tp_training_is_torch_parallelize_module_bit_for_bit():
+    for (ours, theirs), same_params in labkit.launch(against_torch, 2, timeout_s=300):
+        assert ours == theirs and same_params
+
+
 def bf16_forward(ctx):
     model = tp.parallelize(hf_tiny.build("llama").to(torch.bfloat16))
     with torch.no_grad():
