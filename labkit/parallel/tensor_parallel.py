@@ -27,6 +27,12 @@ all-gather); activations per layer sbh(10 + 24/t + 5as/(ht)) -> sbh/t (34 + 5as/
 (16-bit). A replicated parameter then sees only this rank's tokens: its gradient is summed over
 the group by a hook (so the whole module must run on sequence shards: a position embedding
 joins the plan as "vocab", which hands each rank the rows of its own positions).
+
+Hugging Face models: `parallelize(model)` takes the plan of `model.config.model_type` from
+tp_presets.py (data: print it, change it, pass your own). Sequence parallelism is refused on
+them: they build positions, the causal mask and the attention's reshape from the length of the
+sequence they are handed, so shards would break inside the model. How a parameter is cut and
+gathered back: tp_shards.py.
 """
 from collections.abc import Mapping
 from functools import partial
