@@ -34,14 +34,17 @@ class HFCache:
 
     def __init__(self):
         self.hf = None
+        self._call = None    # (cache argument, extra keywords), read once from the signature
 
     def forward(self, model, ids):
         """Run `model` on the new ids with the cache so far; keep the cache it returns and
         return its (b, s, vocab) logits (only the last position when the model can skip the
         others, as `model.generate` does)."""
-        argument = cache_argument(model)
-        params = inspect.signature(model.forward).parameters
-        extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        if self._call is None:
+            params = inspect.signature(model.forward).parameters
+            self._call = (cache_argument(model),
+                          {"logits_to_keep": 1} if "logits_to_keep" in params else {})
+        argument, extra = self._call
         out = model(input_ids=ids, use_cache=True, **{argument: self.hf}, **extra)
         returned = getattr(out, argument, None)
         if returned is None:
