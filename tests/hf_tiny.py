@@ -9,7 +9,7 @@ NO_TOKENS = dict(bos_token_id=0, eos_token_id=None, pad_token_id=0)   # ids insi
 
 
 def build(family, attn="sdpa", tied=False, heads=4, kv_heads=2, hidden=HIDDEN, seed=0):
-    """A 2-layer model of `family` (llama, mistral, qwen2, gpt2, gpt_neox), seeded."""
+    """A 2-layer model of `family` (llama, mistral, qwen2, phi3, gpt2, gpt_neox), seeded."""
     import transformers as hf
     common = dict(vocab_size=VOCAB, num_hidden_layers=LAYERS, attn_implementation=attn,
                   tie_word_embeddings=tied, **NO_TOKENS)
@@ -19,6 +19,8 @@ def build(family, attn="sdpa", tied=False, heads=4, kv_heads=2, hidden=HIDDEN, s
         "llama": lambda: hf.LlamaConfig(**llama_like),
         "mistral": lambda: hf.MistralConfig(sliding_window=None, **llama_like),
         "qwen2": lambda: hf.Qwen2Config(**llama_like),   # q, k, v with biases
+        "phi3": lambda: hf.Phi3Config(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                                      **llama_like),      # fused qkv_proj, gate_up_proj
         "gpt2": lambda: hf.GPT2Config(n_embd=hidden, n_head=heads, n_positions=64,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                       **common),

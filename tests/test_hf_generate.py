@@ -1,6 +1,6 @@
 """labkit's `generate` on Hugging Face causal LMs (tiny, from configs, random weights): with HF's
 own cache, the tokens of HF's `model.generate(do_sample=False)` on one device (Llama with GQA,
-untied and tied head, Mistral, Qwen2, GPT-2, GPT-NeoX; sdpa and eager attention; fp32 and
+untied and tied head, Mistral, Qwen2, Phi-3, GPT-2, GPT-NeoX; sdpa and eager attention; fp32 and
 bf16), on replicas and on tensor-parallel ranks (2 and 4); the cache's bytes measured from the
 tensors against the formula; a forward that takes no cache refused in one line."""
 import pytest
@@ -18,7 +18,7 @@ import hf_tiny  # noqa: E402
 NEW = 6
 FAMILIES = [("llama", "sdpa", False), ("llama", "eager", False), ("llama", "sdpa", True),
             ("mistral", "sdpa", False), ("qwen2", "eager", False), ("gpt2", "eager", True),
-            ("gpt2", "sdpa", True), ("gpt_neox", "sdpa", False)]
+            ("gpt2", "sdpa", True), ("gpt_neox", "sdpa", False), ("phi3", "eager", False)]
 
 
 # ------------------------------------------------------------------------------ one device
@@ -77,7 +77,7 @@ def test_refuses_a_cache_of_the_other_kind():
 # ----------------------------------------------------------------------------------- ranks
 
 RANK_CASES = [("llama", "sdpa", False), ("llama", "eager", True), ("gpt2", "eager", True),
-              ("qwen2", "sdpa", False)]
+              ("qwen2", "sdpa", False), ("phi3", "sdpa", False)]
 
 
 def on_ranks(ctx, cases):

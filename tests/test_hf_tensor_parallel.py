@@ -1,8 +1,9 @@
 """`parallelize` on Hugging Face models (tiny, from configs, random weights): the presets as data
 (`tp_plan_for`) and a plan of one's own; training steps on 2 ranks equal one device (Llama
 with GQA, Qwen2 with q/k/v biases, GPT-2's Conv1D and fused c_attn with a tied head, GPT-NeoX's
-per-head fused query_key_value), judged by labkit.numerics against a float64 run; a bf16
-forward; and one test per refusal."""
+per-head fused query_key_value, Phi-3's fused GQA qkv_proj and gate_up_proj), judged by
+labkit.numerics against a float64 run; torch's parallelize_module bit for bit; a bf16 forward;
+and one test per refusal."""
 import types
 
 import pytest
@@ -28,6 +29,7 @@ TRAIN_CASES = {  # name -> (family, attn, tied, plan: None = the preset)
     "qwen2-bias": ("qwen2", "sdpa", False, None),
     "gpt2-conv1d-tied": ("gpt2", "eager", True, None),
     "gpt_neox-per-head": ("gpt_neox", "sdpa", False, None),
+    "phi3-fused-gqa": ("phi3", "eager", False, None),   # qkv_proj (4|2|2 heads), gate_up_proj
     "llama-own-plan": ("llama", "sdpa", False, MLP_ONLY),
 }
 
@@ -119,7 +121,7 @@ def test_tp_bf16_forward_within_bf16_rounding():
 
 # ------------------------------------------------------------------------- plans as data
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "phi3", "gpt2", "gpt_neox"])
 def test_the_preset_is_a_plan_that_names_every_projection(family):
     model = hf_tiny.build(family)
     plan = tp_plan_for(model)

@@ -13,10 +13,13 @@ q|k|v blocks in `qkv` (labkit), `c_attn` (GPT-2), `W_pack` (Baichuan), `qkv_proj
 GQA sizes from the config); `query_key_value` (GPT-NeoX, Bloom) interleaves q, k, v per head,
 so a contiguous split of whole heads is right; `gate_up_proj` is gate|up. Any other name that
 looks fused is refused. After the split, an attention module that stores its head counts
-(GPT-2's `num_heads`, `split_size`) gets this rank's (`localize_attention`).
+(GPT-2's `num_heads`, `split_size`) or reads its config in forward (Phi-3) gets this rank's
+(`localize_attention`: the module's attributes, a copy of its config).
 """
+import copy
 import fnmatch
 import re
+import types
 
 import torch.nn as nn
 
@@ -104,6 +107,22 @@ def localize_attention(module, names, tp):
             value = getattr(parent, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(parent, attr, value // tp)
+        if _config_heads(parent):   # its forward may read the config (Phi-3's q|k|v offsets)
+            parent.config = _local_config(parent.config, tp)
+
+
+def _local_config(config, tp):
+    """A copy of a Hugging Face config with this rank's heads (the head size kept), for one
+    attention module; the model's own config stays whole (set the attention implementation
+    before parallelize: the copies keep the one they were made with)."""
+    heads = _config_heads(types.SimpleNamespace(config=config))
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // heads["num_attention_heads"])
+    local = copy.copy(config)
+    for attr, value in heads.items():
+        setattr(local, attr, value // tp)
+    local.head_dim = head_dim
+    return local
 
 
 def _is_attention(module):

@@ -38,6 +38,14 @@ PRESETS = {
         "transformer.h.*.mlp.c_proj": "rowwise",
         "lm_head": "vocab",                           # tied to wte: one shard
     },
+    "phi3": {
+        "model.embed_tokens": "vocab",
+        "model.layers.*.self_attn.qkv_proj": "colwise",   # q|k|v with GQA sizes: part by part
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.gate_up_proj": "colwise",      # gate|up: half by half
+        "model.layers.*.mlp.down_proj": "rowwise",
+        "lm_head": "vocab",
+    },
     "gpt_neox": {
         "gpt_neox.embed_in": "vocab",
         "gpt_neox.layers.*.attention.query_key_value": "colwise",   # q, k, v per head
