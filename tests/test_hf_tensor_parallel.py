@@ -98,6 +98,9 @@ def against_torch(ctx):
 
 
 def test_tp_training_is_torch_parallelize_module_bit_for_bit():
+    import transformers
+    if int(transformers.__version__.split(".")[0]) < 5:   # 4.x reshapes by num_heads
+        pytest.skip("torch's parallelize_module leaves transformers 4's head counts whole")
     for (ours, theirs), same_params in labkit.launch(against_torch, 2, timeout_s=300):
         assert ours == theirs and same_params
 
