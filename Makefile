@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml
 	    "own index (on Linux that may be the multi-GB CUDA build)"; fi; \
 	  $(PY) -m pip install -q torch==$(TORCH_VERSION); \
 	fi
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,hf]"
 	touch $(STAMP)
 
 # As root (a container, a fresh cloud VM) JupyterLab refuses to start without --allow-root.

@@ -9,7 +9,10 @@ new token's q, k, v: 2 x layers x b x tokens x kv_width x bytes, growing with ev
 every request.
 
 The model is any module called `model(ids, kv_cache=cache)` -> logits (labkit's TinyGPT, or a
-decoder written with labkit's `Attention`). The layouts compose the training blocks:
+decoder written with labkit's `Attention`), or a Hugging Face causal LM with its own cache
+(`past_key_values`/`cache` + `use_cache`, output `.logits`: hf_cache.py). A forward that takes
+no cache is refused: fed only the newest token it would forget the prompt. The layouts compose
+the training blocks:
 - tensor parallel: the same `generate` on a model split by `parallelize` (heads and MLP columns;
   the cache is sharded by heads because each rank's k, v are narrower): 2 all-reduces of b x h
   per layer per decode step (after attention and after the MLP), on the critical path;
@@ -29,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime.context import context
+from .hf_cache import HFCache, cache_argument
 
 
 class KVCache:
@@ -71,8 +75,37 @@ def _accepts_cache(module):
     return "kv_cache" in inspect.signature(module.forward).parameters
 
 
+def _takes_cache(model):
+    return _accepts_cache(model) or (isinstance(model, nn.Sequential)
+                                     and any(_accepts_cache(layer) for layer in model))
+
+
+def cache_for(model, cache=None):
+    """The cache `generate` feeds `model` (`cache`, or a new one of the kind the model takes:
+    KVCache for `kv_cache=`, HFCache for a Hugging Face model); one-line TypeError for a
+    forward that takes no cache, or a cache of the other kind."""
+    name = type(model).__name__
+    hf = cache_argument(model) is not None
+    if not hf and not _takes_cache(model):
+        raise TypeError(f"generate: {name}.forward takes no cache (no kv_cache, past_key_values "
+                        "or cache parameter): fed only the newest token it would forget the "
+                        "prompt (generate_without_cache recomputes the whole sequence instead)")
+    if cache is None:
+        return HFCache() if hf else new_cache()
+    if hf != isinstance(cache, HFCache):
+        raise TypeError(f"generate: {name} takes {'a Hugging Face' if hf else 'a kv_cache'} "
+                        f"cache, not a {type(cache).__name__} (pass cache=None for a new one)")
+    return cache
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out   # a Hugging Face ModelOutput
+
+
 def _run(module, x, cache):
     """Run `module` (or each layer of an nn.Sequential that does not take a cache itself)."""
+    if isinstance(cache, HFCache):
+        return cache.forward(module, x)
     if _accepts_cache(module):
         return module(x, kv_cache=cache)
     if isinstance(module, nn.Sequential):
@@ -86,13 +119,14 @@ def _run(module, x, cache):
 def generate(model, prompt, new_tokens, cache=None, return_logits=False, pick=None):
     """Greedy generation: (b, P) prompt ids -> (b, new_tokens) ids, prefill then decode.
 
-    cache: the KVCache to fill (default: a new one). return_logits: also the
+    cache: the KVCache (HFCache for a Hugging Face model) to fill (default: a new one of the
+    kind `model` takes; `cache_for` refuses a forward that takes none). return_logits: also the
     (b, new_tokens, vocab) logits each token was picked from (to compare with a reference
     within float tolerance). pick: (b, V) logits -> (b,) ids, default argmax (a head whose
     logits stay split by vocabulary passes `vocab_parallel_argmax`)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
-    cache = new_cache() if cache is None else cache
+    cache = cache_for(model, cache)
     ids, tokens, logits = prompt, [], []
     for _ in range(new_tokens):
         out = _run(model, ids, cache)[:, -1]
@@ -108,7 +142,7 @@ def generate_without_cache(model, prompt, new_tokens):
     """The same greedy tokens computed the slow way: the whole sequence again every step."""
     ids = prompt
     for _ in range(new_tokens):
-        ids = torch.cat([ids, model(ids)[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+        ids = torch.cat([ids, _logits(model(ids))[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
     return ids[:, prompt.shape[1]:]
 
 

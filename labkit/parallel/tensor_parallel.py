@@ -6,8 +6,9 @@ rank's shard of the layer's own weights, so the result computes what the unsplit
 Megatron-LM (Shoeybi et al. 2019, arXiv 1909.08053):
 - "colwise" (nn.Linear): split the output features; rank i computes Y_i = X A_i^T from the
   whole input. Its input's gradient is a sum over ranks: f (identity forward, all-reduce
-  backward) in front. A fused q|k|v projection (a Linear named `qkv`) is split part by part,
-  so each rank gets q, k and v of whole heads.
+  backward) in front. A fused q|k|v projection (`qkv`, GPT-2's `c_attn`, ...:
+  tensor_parallel_plan.fused_parts) is split part by part, so each rank gets q, k and v of
+  whole heads. GPT-2's Conv1D (weight stored (in, out)) is split along its own axes.
 - "rowwise" (nn.Linear): split the input features; the input arrives split (from a colwise
   layer), rank i computes the partial sum X_i A_i^T and g (all-reduce forward, identity
   backward) adds them; the bias is added once, after g.
@@ -26,6 +27,12 @@ all-gather); activations per layer sbh(10 + 24/t + 5as/(ht)) -> sbh/t (34 + 5as/
 (16-bit). A replicated parameter then sees only this rank's tokens: its gradient is summed over
 the group by a hook (so the whole module must run on sequence shards: a position embedding
 joins the plan as "vocab", which hands each rank the rows of its own positions).
+
+Hugging Face models: `parallelize(model)` takes the plan of `model.config.model_type` from
+tp_presets.py (data: print it, change it, pass your own). Sequence parallelism is refused on
+them: they build positions, the causal mask and the attention's reshape from the length of the
+sequence they are handed, so shards would break inside the model. How a parameter is cut and
+gathered back: tp_shards.py.
 """
 from collections.abc import Mapping
 from functools import partial
@@ -37,17 +44,16 @@ import torch.nn.functional as F
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from .async_tp import all_gather_linear, linear_reduce_scatter
-from .tensor_parallel_plan import fused_parts, resolve_plan
+from .tensor_parallel_plan import (features, fused_parts, is_conv1d, localize_attention,
+                                   refuse_sequence_parallel, resolve_plan)
+from .tp_presets import tp_plan_for
+from .tp_shards import all_gather_dim, gather_grads, gather_params, shard  # noqa: F401 (API)
 
 SEQUENCE_DIM = -2           # (..., s, h): sequence parallelism splits the tokens
 
 
 # --------------------------------------------------------------- collectives along one dim
 # ctx.comm gathers and scatters along dim 0: move the wanted dim there and back.
-
-def _all_gather(x, dim, group, tag):
-    return context().comm.all_gather(x.movedim(dim, 0), group=group, tag=tag).movedim(0, dim)
-
 
 def _reduce_scatter(x, dim, group, tag):
     out = context().comm.reduce_scatter(x.movedim(dim, 0), group=group, tag=tag)
@@ -93,7 +99,7 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, group, tag):
         fctx.group, fctx.tag = group, tag
-        return _all_gather(x, SEQUENCE_DIM, group, f"{tag} fwd")
+        return all_gather_dim(x, SEQUENCE_DIM, group, f"{tag} fwd")
 
     @staticmethod
     def backward(fctx, grad):
@@ -110,7 +116,7 @@ class _ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, grad):
-        return _all_gather(grad, SEQUENCE_DIM, fctx.group, f"{fctx.tag} bwd"), None, None
+        return all_gather_dim(grad, SEQUENCE_DIM, fctx.group, f"{fctx.tag} bwd"), None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -119,7 +125,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, group, tag):
         fctx.group = group
-        return _all_gather(x, -1, group, f"{tag} fwd (gather output)")
+        return all_gather_dim(x, -1, group, f"{tag} fwd (gather output)")
 
     @staticmethod
     def backward(fctx, grad):
@@ -149,7 +155,7 @@ class _GatherLinear(torch.autograd.Function):
     def forward(fctx, x, weight, bias, group, tag):
         fctx.group, fctx.tag, fctx.has_bias = group, tag, bias is not None
         fctx.save_for_backward(x, weight)
-        return F.linear(_all_gather(x, SEQUENCE_DIM, group, f"{tag} fwd"), weight, bias)
+        return F.linear(all_gather_dim(x, SEQUENCE_DIM, group, f"{tag} fwd"), weight, bias)
 
     @staticmethod
     def backward(fctx, grad):
@@ -168,26 +174,6 @@ class _GatherLinear(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- the layers
 
-def _shard(param, group, dim, parts=1, shared=None):
-    """This rank's slice of `param` along `dim` as a new Parameter; with parts=3 (fused q|k|v)
-    the slice of each part, concatenated, so the local tensor keeps the q|k|v layout. `shared`
-    ({id(original): shard}) keeps tied weights tied: a weight seen twice gets one shard."""
-    if param is None:
-        return None
-    known = shared.get(id(param)) if shared is not None else None
-    if known is not None:
-        if known.tp_split != (dim, parts):
-            raise ValueError("a tied weight is split two different ways by the plan")
-        return known
-    pieces = param.detach().chunk(parts, dim=dim)
-    mine = [p.chunk(group.size, dim=dim)[group.rank] for p in pieces]
-    shard = nn.Parameter(torch.cat(mine, dim=dim).clone(), requires_grad=param.requires_grad)
-    shard.tp_split, shard.tp_group = (dim, parts), group   # how gather_params rebuilds it
-    if shared is not None:
-        shared[id(param)] = shard
-    return shard
-
-
 class ColumnParallelLinear(nn.Module):
     """nn.Linear split by output features over `group`: f in front, output split (or gathered
     with `gather_output`). With sequence parallelism the input arrives as a sequence shard and
@@ -198,29 +184,31 @@ class ColumnParallelLinear(nn.Module):
                  gather_output=False, regather=True, async_tp=False, tag="", shared=None):
         super().__init__()
         self.group = context().group(group)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.parts, self.tag = parts, tag
+        self.in_features, self.out_features = features(linear)
+        self.parts, self.tag, self.transposed = parts, tag, is_conv1d(linear)
         self.sequence_parallel, self.gather_output, self.regather = (
             sequence_parallel, gather_output, regather)
         self.async_tp = async_tp and sequence_parallel
-        self.weight = _shard(linear.weight, self.group, 0, parts, shared)
-        self.bias = _shard(linear.bias, self.group, 0, parts, shared)
+        self.weight = shard(linear.weight, self.group, int(self.transposed), parts, shared)
+        self.bias = shard(linear.bias, self.group, 0, parts, shared)
 
     def forward(self, x):
         group, tag = self.group, self.tag
+        weight = self.weight.t() if self.transposed else self.weight   # Conv1D: (in, out)
         if not self.sequence_parallel:
-            y = F.linear(copy_to_tp(x, group, tag), self.weight, self.bias)
+            y = F.linear(copy_to_tp(x, group, tag), weight, self.bias)
         elif self.async_tp:
-            y = all_gather_linear(x, self.weight, self.bias, group, tag, self.regather)
+            y = all_gather_linear(x, weight, self.bias, group, tag, self.regather)
         elif self.regather:
-            y = _GatherLinear.apply(x, self.weight, self.bias, group, tag)
+            y = _GatherLinear.apply(x, weight, self.bias, group, tag)
         else:
-            y = F.linear(gather_from_sp(x, group, tag), self.weight, self.bias)
+            y = F.linear(gather_from_sp(x, group, tag), weight, self.bias)
         return gather_from_tp(y, group, tag) if self.gather_output else y
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(this rank: {self.weight.shape[0]}), parts={self.parts}, "
+                f"(this rank: {self.weight.shape[int(self.transposed)]}), "
+                f"parts={self.parts}, "
                 f"group={list(self.group.ranks)}, sequence_parallel={self.sequence_parallel}")
 
 
@@ -233,22 +221,25 @@ class RowParallelLinear(nn.Module):
                  shared=None):
         super().__init__()
         self.group = context().group(group)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = features(linear)
         self.sequence_parallel, self.tag = sequence_parallel, tag
         self.async_tp = async_tp and sequence_parallel
-        self.weight = _shard(linear.weight, self.group, 1, 1, shared)
+        self.transposed = is_conv1d(linear)
+        self.weight = shard(linear.weight, self.group, 1 - self.transposed, 1, shared)
         self.bias = linear.bias   # replicated (the original object): added once, after g
 
     def forward(self, x):
+        weight = self.weight.t() if self.transposed else self.weight   # Conv1D: (in, out)
         if self.async_tp:
-            y = linear_reduce_scatter(x, self.weight, self.group, self.tag)
+            y = linear_reduce_scatter(x, weight, self.group, self.tag)
         else:
             combine = scatter_to_sp if self.sequence_parallel else reduce_from_tp
-            y = combine(F.linear(x, self.weight), self.group, self.tag)
+            y = combine(F.linear(x, weight), self.group, self.tag)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
-        return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
+        return (f"in_features={self.in_features} "
+                f"(this rank: {self.weight.shape[1 - self.transposed]}), "
                 f"out_features={self.out_features}, group={list(self.group.ranks)}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
@@ -262,7 +253,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group = context().group(group)
         self.sequence_parallel, self.tag = sequence_parallel, tag
         self.num_embeddings, self.embedding_dim = embedding.weight.shape
-        self.weight = _shard(embedding.weight, self.group, 0, 1, shared)
+        self.weight = shard(embedding.weight, self.group, 0, 1, shared)
         rows = self.weight.shape[0]
         self.vocab_start = self.group.rank * rows
         pad = embedding.padding_idx
@@ -330,18 +321,19 @@ def vocab_parallel_argmax(logits, group=None, tag="greedy"):
 # ---------------------------------------------------------------------------- the plan
 
 def _build(style, layer, name, group, shared, sequence_parallel, regather, gather_output,
-           async_tp):
+           async_tp, root):
     options = dict(sequence_parallel=sequence_parallel, tag=name, shared=shared)
     if isinstance(layer, nn.Embedding):
         return VocabParallelEmbedding(layer, group, **options)
     if style == "rowwise":
         return RowParallelLinear(layer, group, async_tp=async_tp, **options)
-    parts = fused_parts(name, layer) if style == "colwise" else 1
+    parts = fused_parts(name, layer, root) if style == "colwise" else 1
     return ColumnParallelLinear(layer, group, parts=parts, regather=regather, async_tp=async_tp,
                                 gather_output=gather_output and style == "vocab", **options)
 
 
-def parallelize(module: nn.Module, plan: Mapping[str, str], group: GroupLike = None,
+def parallelize(module: nn.Module, plan: Mapping[str, str] | None = None,
+                group: GroupLike = None,
                 sequence_parallel: bool = False, *, regather: bool = True,
                 gather_output: bool = True, async_tp: bool = False) -> nn.Module:
     """Split the layers `plan` names ({glob: "colwise" | "rowwise" | "vocab"}) over `group`
@@ -352,10 +344,16 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], group: GroupLike = N
     all-gathers it again there (False: keeps the gathered input). gather_output=False: a
     "vocab" Linear (the output layer) leaves its logits split by vocabulary, for
     `vocab_parallel_cross_entropy`. async_tp (needs SP): the Linears' sequence all-gather and
-    reduce-scatter run as rings of sends under the chunk matmuls (async_tp.py)."""
+    reduce-scatter run as rings of sends under the chunk matmuls (async_tp.py).
+    plan=None: the preset for a Hugging Face model's `config.model_type` (tp_presets.py);
+    attention modules that store head counts get this rank's (`localize_attention`)."""
     if async_tp and not sequence_parallel:
         raise ValueError("async_tp=True needs sequence_parallel=True: it decomposes the "
                          "sequence all-gather / reduce-scatter around the matmuls")
+    if plan is None:
+        plan = tp_plan_for(module)
+    if sequence_parallel:
+        refuse_sequence_parallel(module)
     group = context().group(group)
     targets = resolve_plan(module, plan, group.size)
     shared = {}
@@ -363,7 +361,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], group: GroupLike = N
         parent_name, _, leaf = name.rpartition(".")
         parent = module.get_submodule(parent_name)
         parent._modules[leaf] = _build(style, parent._modules[leaf], name, group, shared,
-                                       sequence_parallel, regather, gather_output, async_tp)
+                                       sequence_parallel, regather, gather_output, async_tp,
+                                       module)
+    localize_attention(module, [name for name, _ in targets], group.size)
     for name, param in module.named_parameters():
         if getattr(param, "tp_split", None) is not None:
             continue
@@ -374,27 +374,3 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], group: GroupLike = N
                                         tag=f"sequence-parallel grad {name}"))
             param._tp_sum = True
     return module
-
-
-# ------------------------------------------------------------------- gathering shards back
-
-def _full(tensor, param):
-    split = getattr(param, "tp_split", None)
-    if split is None:
-        return tensor.detach().clone()
-    dim, parts = split
-    pieces = [_all_gather(p.detach(), dim, param.tp_group, "gather params")
-              for p in tensor.chunk(parts, dim=dim)]
-    return torch.cat(pieces, dim=dim)
-
-
-def gather_params(module):
-    """{name: whole tensor} of every parameter under the original names (every rank of the
-    group calls it: all-gathers; wrap it in `ctx.off_the_record()` to keep it out of the log)."""
-    return {name: _full(p, p) for name, p in module.named_parameters()}
-
-
-def gather_grads(module):
-    """{name: whole gradient} like gather_params (parameters without a gradient left out)."""
-    return {name: _full(p.grad, p) for name, p in module.named_parameters()
-            if p.grad is not None}

@@ -3,16 +3,50 @@
 A plan is {module name glob: style}, as in PyTorch's `parallelize_module`: "colwise",
 "rowwise" or "vocab" (labkit.parallel.tensor_parallel splits the layers). Globs match names
 atom by atom ("blocks.*.mlp.fc1": `*` stands for one name). `resolve_plan` checks everything
-before any weight is touched: the style fits the layer's type, the degree divides the features
-it splits (whole heads for attention, q, k and v part by part for a fused `qkv`).
+before any weight is touched: the style fits the layer's type (nn.Linear, or GPT-2's Conv1D,
+a Linear with its weight stored transposed), the degree divides the features it splits and
+the heads (query and key/value heads, from the attention module or the model's config).
+
+Fused projections (`fused_parts`): a colwise split of q|k|v concatenated along the outputs
+must split each part, or rank 0 would get all of q and half of k. Known by name and shape:
+q|k|v blocks in `qkv` (labkit), `c_attn` (GPT-2), `W_pack` (Baichuan), `qkv_proj` (Phi-3,
+GQA sizes from the config); `query_key_value` (GPT-NeoX, Bloom) interleaves q, k, v per head,
+so a contiguous split of whole heads is right; `gate_up_proj` is gate|up. Any other name that
+looks fused is refused. After the split, an attention module that stores its head counts
+(GPT-2's `num_heads`, `split_size`) or reads its config in forward (Phi-3) gets this rank's
+(`localize_attention`: the module's attributes, a copy of its config).
 """
+import copy
 import fnmatch
+import re
+import types
 
 import torch.nn as nn
 
 STYLES = ("colwise", "rowwise", "vocab")
-FUSED_QKV = ("qkv",)        # leaf names of a fused q|k|v projection: split part by part
-HEAD_COUNTS = ("heads", "num_heads", "n_head", "num_attention_heads")
+QKV_BLOCKS = ("qkv", "c_attn", "W_pack", "qkv_proj")   # q|k|v concatenated: split each part
+PER_HEAD = ("query_key_value",)   # (heads, 3, head_dim): contiguous whole heads are right
+PAIRS = ("gate_up_proj",)         # gate|up concatenated: split each half
+LOOKS_FUSED = re.compile(r"qkv|kv_proj|gate_up|fused|packed|query_key_value|w_pack|c_attn",
+                         re.IGNORECASE)
+HEAD_COUNTS = ("heads", "num_heads", "n_head", "n_heads", "num_attention_heads",
+               "num_key_value_heads", "num_kv_heads")
+CONFIG_HEADS = ("num_attention_heads", "num_key_value_heads")   # a Hugging Face config's
+# what attention modules store and reshape by (transformers 4.x: num_heads, hidden_size;
+# GPT-2: split_size): on a rank, its own share, so the forward reshapes to its own heads
+LOCAL_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
+                "n_head", "n_heads", "split_size", "hidden_size", "embed_dim", "all_head_size")
+
+
+def is_conv1d(layer):
+    """GPT-2's Conv1D (transformers.pytorch_utils): y = x W + b with W of shape (in, out),
+    recognised without importing transformers."""
+    return type(layer).__name__ == "Conv1D" and tuple(layer.weight.shape) == (layer.nx, layer.nf)
+
+
+def features(layer):
+    """(in_features, out_features) of an nn.Linear or a Conv1D."""
+    return (layer.nx, layer.nf) if is_conv1d(layer) else (layer.in_features, layer.out_features)
 
 
 def _matches(pattern, name):
@@ -29,10 +63,82 @@ def plan_for(module, plan):
             if any(_matches(pattern, name) for name in names)}
 
 
-def fused_parts(name, module):
-    """3 for a fused q|k|v projection (split part by part), else 1."""
+def _config_heads(root):
+    config = getattr(root, "config", None)
+    return {a: getattr(config, a) for a in CONFIG_HEADS
+            if isinstance(getattr(config, a, None), int)}
+
+
+def fused_parts(name, layer, root=None):
+    """The sizes of the parts a colwise split cuts one by one (module doc): (out,) for a
+    plain layer, q|k|v sizes for a fused projection; one-line ValueError for a layout that
+    looks fused and is not known."""
     leaf = name.rsplit(".", 1)[-1]
-    return 3 if leaf in FUSED_QKV and module.out_features % 3 == 0 else 1
+    inp, out = features(layer)
+    if leaf in PAIRS and out % 2 == 0:
+        return (out // 2,) * 2
+    if leaf in PER_HEAD and out == 3 * inp:
+        return (out,)
+    if leaf in QKV_BLOCKS:
+        heads = _config_heads(root)
+        h, kv = heads.get("num_attention_heads"), heads.get("num_key_value_heads", None)
+        head_dim = getattr(getattr(root, "config", None), "head_dim", None) or (
+            inp // h if h else None)
+        if h and (h + 2 * (kv or h)) * head_dim == out:    # sizes from the config (GQA)
+            return (h * head_dim, (kv or h) * head_dim, (kv or h) * head_dim)
+        if out == 3 * inp:     # q, k and v each as wide as the input (GPT-2, labkit)
+            return (out // 3,) * 3
+    if LOOKS_FUSED.search(leaf):
+        raise ValueError(f"{name} ({type(layer).__name__}, {inp} -> {out}) looks like a fused "
+                         "projection in a layout labkit does not know: a contiguous colwise "
+                         "split would mix its parts; plan its parts separately")
+    return (out,)
+
+
+def localize_attention(module, names, tp):
+    """Divide the head counts an attention module stores (LOCAL_COUNTS) by `tp` in each
+    parent of the split layers `names`: its forward then reshapes to this rank's heads."""
+    parents = {name.rpartition(".")[0] for name in names}
+    for parent_name in parents:
+        parent = module.get_submodule(parent_name)
+        if not _is_attention(parent):
+            continue
+        for attr in LOCAL_COUNTS:
+            value = getattr(parent, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(parent, attr, value // tp)
+        if _config_heads(parent):   # its forward may read the config (Phi-3's q|k|v offsets)
+            parent.config = _local_config(parent.config, tp)
+
+
+def _local_config(config, tp):
+    """A copy of a Hugging Face config with this rank's heads (the head size kept), for one
+    attention module; the model's own config stays whole (set the attention implementation
+    before parallelize: the copies keep the one they were made with)."""
+    heads = _config_heads(types.SimpleNamespace(config=config))
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // heads["num_attention_heads"])
+    local = copy.copy(config)
+    for attr, value in heads.items():
+        setattr(local, attr, value // tp)
+    local.head_dim = head_dim
+    return local
+
+
+def _is_attention(module):
+    return hasattr(module, "head_dim") or hasattr(module, "head_size") or any(
+        isinstance(getattr(module, a, None), int) for a in HEAD_COUNTS)
+
+
+def refuse_sequence_parallel(module):
+    """One-line ValueError for sequence parallelism on a Hugging Face model (module doc of
+    tensor_parallel: every region between the split layers must run on sequence shards)."""
+    for name, sub in module.named_modules():
+        if getattr(getattr(sub, "config", None), "model_type", None):
+            raise ValueError(f"sequence_parallel=True on {type(sub).__name__}: Hugging Face "
+                             "models build positions, the causal mask and their attention's "
+                             "reshape from the sequence length they are handed, so sequence "
+                             "shards would fail or be wrong; use sequence_parallel=False")
 
 
 def resolve_plan(module, plan, tp):
@@ -60,13 +166,19 @@ def resolve_plan(module, plan, tp):
 
 def _check_one(name, layer, style, tp, root):
     kinds = (nn.Linear, nn.Embedding) if style == "vocab" else (nn.Linear,)
-    if not isinstance(layer, kinds):
-        raise ValueError(f"{style!r} applies to {' or '.join('nn.' + k.__name__ for k in kinds)}"
-                         f"; {name} is of type {type(layer).__name__}")
+    if not (isinstance(layer, kinds) or (style != "vocab" and is_conv1d(layer))):
+        allowed = " or ".join("nn." + k.__name__ for k in kinds)
+        raise ValueError(f"{style!r} applies to {allowed}; {name} is of type "
+                         f"{type(layer).__name__}" + ("" if style == "vocab" else
+                                                      " (GPT-2's Conv1D works too)"))
     parent_name = name.rpartition(".")[0]
-    for attr in HEAD_COUNTS:   # an attention module: each rank must get whole heads
-        heads = getattr(root.get_submodule(parent_name), attr, None)
-        if isinstance(heads, int) and heads % tp:
+    parent = root.get_submodule(parent_name)
+    counts = {a: getattr(parent, a) for a in HEAD_COUNTS
+              if isinstance(getattr(parent, a, None), int)}
+    if _is_attention(parent) and style != "vocab":   # and the model's config (HF Llama)
+        counts.update({f"config.{a}": v for a, v in _config_heads(root).items()})
+    for attr, heads in counts.items():   # an attention module: each rank must get whole heads
+        if heads % tp:
             raise ValueError(f"TP degree {tp} does not divide {attr}={heads} of "
                              f"{parent_name or 'the root'} (each rank computes whole heads)")
     if isinstance(layer, nn.Embedding):
@@ -74,14 +186,16 @@ def _check_one(name, layer, style, tp, root):
             raise ValueError(f"'vocab' cannot split {name}: max_norm, sparse and "
                              "scale_grad_by_freq need the whole table")
         size, what = layer.num_embeddings, "rows (vocabulary)"
-    elif style == "rowwise":
-        size, what = layer.in_features, "input features"
     elif style == "vocab":
         size, what = layer.out_features, "output features (vocabulary)"
+    elif style == "rowwise":
+        size, what = features(layer)[0], "input features"
     else:
-        parts = fused_parts(name, layer)
-        size = layer.out_features // parts
-        what = "output features" + (" of each of q, k, v" if parts == 3 else "")
+        parts = fused_parts(name, layer, root)
+        bad = [p for p in parts if p % tp]
+        size = bad[0] if bad else parts[0]
+        what = "output features" + (f" of one of its {len(parts)} fused parts"
+                                    if len(parts) > 1 else "")
     if size % tp:
         raise ValueError(f"TP degree {tp} does not divide the {size} {what} of {name} "
                          f"({style} splits them across ranks)")

@@ -1,0 +1,199 @@
+"""`parallelize` on Hugging Face models (tiny, from configs, random weights): the presets as data
+(`tp_plan_for`) and a plan of one's own; training steps on 2 ranks equal one device (Llama
+with GQA, Qwen2 with q/k/v biases, GPT-2's Conv1D and fused c_attn with a tied head, GPT-NeoX's
+per-head fused query_key_value, Phi-3's fused GQA qkv_proj and gate_up_proj), judged by
+labkit.numerics against a float64 run; torch's parallelize_module bit for bit; a bf16 forward;
+and one test per refusal."""
+import types
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import labkit  # noqa: E402
+from labkit import numerics  # noqa: E402
+from labkit.parallel import tensor_parallel as tp  # noqa: E402
+from labkit.parallel.tensor_parallel_plan import resolve_plan  # noqa: E402
+from labkit.parallel.tp_presets import PRESETS, tp_plan_for  # noqa: E402
+import hf_tiny  # noqa: E402
+
+STEPS = 2
+MLP_ONLY = {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+            "model.layers.*.mlp.down_proj": "rowwise"}
+TRAIN_CASES = {  # name -> (family, attn, tied, plan: None = the preset)
+    "llama-gqa": ("llama", "sdpa", False, None),
+    "llama-eager-tied": ("llama", "eager", True, None),
+    "qwen2-bias": ("qwen2", "sdpa", False, None),
+    "gpt2-conv1d-tied": ("gpt2", "eager", True, None),
+    "gpt_neox-per-head": ("gpt_neox", "sdpa", False, None),
+    "phi3-fused-gqa": ("phi3", "eager", False, None),   # qkv_proj (4|2|2 heads), gate_up_proj
+    "llama-own-plan": ("llama", "sdpa", False, MLP_ONLY),
+}
+
+
+def _train(model, opt):
+    losses = []
+    for step in range(STEPS):
+        ids = hf_tiny.batch(step)
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_on_ranks(ctx, cases):
+    out = {}
+    for name, (family, attn, tied, plan) in cases.items():
+        runs = [hf_tiny.build(family, attn, tied).train() for _ in range(3)]
+        runs[1] = numerics.exact_copy(runs[1])
+        tp.parallelize(runs[2], plan)
+        losses = [_train(m, torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6,
+                                              foreach=False)) for m in runs]
+        with ctx.off_the_record():
+            full = tp.gather_params(runs[2])
+        named = [dict(m.named_parameters()) for m in runs[:2]]
+        out[name] = dict(loss=numerics.compare_loss(losses[2], losses[0], losses[1]),
+                         params=numerics.compare(full, *named),
+                         split=sum(p.tp_split is not None for p in runs[2].parameters()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return labkit.launch(train_on_ranks, 2, TRAIN_CASES, timeout_s=300)
+
+
+@pytest.mark.parametrize("name", list(TRAIN_CASES))
+def test_tp_training_equals_one_device(trained, name):
+    for result in trained:
+        r = result[name]
+        assert r["loss"], (name, str(r["loss"]))
+        assert r["params"], (name, str(r["params"]))
+        assert r["split"] > 0
+
+
+def against_torch(ctx):
+    """The preset's attention and MLP entries through labkit and through torch's
+    parallelize_module (DTensor), 2 AdamW steps each: losses and gathered parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    plan = {k: v for k, v in tp_plan_for(hf_tiny.build("llama")).items() if v != "vocab"}
+    ours = tp.parallelize(hf_tiny.build("llama").train(), plan)
+    theirs = hf_tiny.build("llama").train()
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(theirs, init_device_mesh("cpu", (ctx.world_size,)),
+                       {k: styles[v]() for k, v in plan.items()})
+    losses = [_train(m, torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False))
+              for m in (ours, theirs)]
+    with ctx.off_the_record():
+        mine = tp.gather_params(ours)
+    full = {n: getattr(p, "full_tensor", p.detach)().detach() for n, p in theirs.named_parameters()}
+    return losses, all(torch.equal(mine[n], full[n]) for n in full) and mine.keys() == full.keys()
+
+
+def test_tp_training_is_torch_parallelize_module_bit_for_bit():
+    import transformers
+    if int(transformers.__version__.split(".")[0]) < 5:   # 4.x reshapes by num_heads
+        pytest.skip("torch's parallelize_module leaves transformers 4's head counts whole")
+    for (ours, theirs), same_params in labkit.launch(against_torch, 2, timeout_s=300):
+        assert ours == theirs and same_params
+
+
+def bf16_forward(ctx):
+    model = tp.parallelize(hf_tiny.build("llama").to(torch.bfloat16))
+    with torch.no_grad():
+        return model(hf_tiny.batch(0)).logits
+
+
+def test_tp_bf16_forward_within_bf16_rounding():
+    model = hf_tiny.build("llama")
+    ids = hf_tiny.batch(0)
+    with torch.no_grad():
+        single = model.to(torch.bfloat16)(ids).logits
+        exact = numerics.exact_copy(model)(ids).logits
+    for logits in labkit.launch(bf16_forward, 2, timeout_s=300):
+        agreement = numerics.compare(logits, single, exact)
+        assert agreement, str(agreement)
+
+
+# ------------------------------------------------------------------------- plans as data
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "phi3", "gpt2", "gpt_neox"])
+def test_the_preset_is_a_plan_that_names_every_projection(family):
+    model = hf_tiny.build(family)
+    plan = tp_plan_for(model)
+    preset = PRESETS[model.config.model_type]
+    assert plan.items() <= preset.items() and plan is not preset
+    chosen = dict(resolve_plan(model, plan, 2))
+    plan["extra"] = "colwise"    # a copy to change: the preset stays as it was
+    assert "extra" not in preset
+    projections = [n for n, m in model.named_modules()
+                   if type(m).__name__ in ("Linear", "Conv1D")]   # every matmul is split
+    assert set(projections) <= set(chosen), sorted(set(projections) - set(chosen))
+    assert "rowwise" in chosen.values() and "vocab" in chosen.values()
+
+
+# ------------------------------------------------------------------------------ refusals
+
+def test_refuses_tp_degree_not_dividing_kv_heads():
+    model = hf_tiny.build("llama", heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match=r"TP degree 4 does not divide "   # transformers 4
+                                         r"(config\.)?num_key_value_heads=2"):  # on the module
+        resolve_plan(model, tp_plan_for(model), 4)
+
+
+def test_refuses_tp_degree_not_dividing_heads():
+    model = hf_tiny.build("gpt2", heads=4)
+    with pytest.raises(ValueError, match="TP degree 8 does not divide num_heads=4"):
+        resolve_plan(model, tp_plan_for(model), 8)
+
+
+def test_refuses_sequence_parallel_on_hf_llama():
+    with pytest.raises(ValueError, match="sequence_parallel=True on LlamaForCausalLM: "
+                                         "Hugging Face models build positions"):
+        tp.parallelize(hf_tiny.build("llama"), sequence_parallel=True)
+
+
+class FusedUnknown(nn.Module):
+    """An attention whose q|k|v sit in one Linear under a name labkit does not know."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.head_dim = 4, 8
+        self.Wqkv = nn.Linear(32, 96)
+
+
+def test_refuses_an_unknown_fused_layout():
+    model = nn.Sequential(FusedUnknown())
+    with pytest.raises(ValueError, match="0.Wqkv .* looks like a fused projection"):
+        resolve_plan(model, {"0.Wqkv": "colwise"}, 2)
+
+
+def test_refuses_a_gpt2_c_attn_that_is_not_q_k_v():
+    model = hf_tiny.build("gpt2", hidden=48, heads=4)
+    attn = model.transformer.h[0].attn
+    attn.c_attn = type(attn.c_attn)(2 * 48, 48)    # k|v only, as in cross-attention
+    with pytest.raises(ValueError, match="c_attn .* looks like a fused projection"):
+        resolve_plan(model, tp_plan_for(model), 2)
+
+
+def test_refuses_conv1d_as_vocab():
+    model = hf_tiny.build("gpt2")
+    with pytest.raises(ValueError, match="'vocab' applies to nn.Linear or nn.Embedding; "
+                                         "transformer.h.0.mlp.c_fc is of type Conv1D"):
+        resolve_plan(model, {"transformer.h.*.mlp.c_fc": "vocab"}, 2)
+
+
+def test_refuses_a_model_without_a_preset():
+    model = nn.Linear(4, 4)
+    model.config = types.SimpleNamespace(model_type="t5")
+    with pytest.raises(ValueError, match="no tensor-parallel preset for model_type 't5'"):
+        tp_plan_for(model)
+    with pytest.raises(ValueError, match="Linear has no config.model_type"):
+        tp_plan_for(nn.Linear(4, 4))
