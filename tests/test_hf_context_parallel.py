@@ -15,7 +15,6 @@ ranks before either enters the ring, so none waits forever.
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import labkit
 from labkit import numerics
@@ -123,7 +122,7 @@ def test_sharding_ids_and_calling_the_model_as_usual_is_far_off(runs):
     _, single = one_device(torch.float32)
     _, exact = one_device(torch.float64)
     agreement = numerics.compare(runs[0]["naive"]["grads"], single, exact)
-    assert agreement.error > 100 * agreement.limit      # measured ~0.5 of the gradient's rms
+    assert agreement.error > 100 * agreement.limit   # measured: rms 3.4e-3, limit 1.5e-8
 
 
 def test_eager_attention_refused_on_every_rank(runs):

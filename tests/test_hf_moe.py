@@ -75,8 +75,9 @@ def build(kind, experts=None):
     has no float64 kernel; the float64 reference runs the "eager" loop)."""
     torch.manual_seed(0)
     t = transformers
-    common = dict(experts_implementation=experts, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2)
+    common = dict(experts_implementation=experts, vocab_size=VOCAB, hidden_size=32,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2)
     if kind == "qwen2_moe":
         cfg = t.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=4,
                                shared_expert_intermediate_size=48, norm_topk_prob=False,

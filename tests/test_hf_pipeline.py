@@ -18,7 +18,7 @@ from labkit.parallel.serving import PipelineGenerator
 
 transformers = pytest.importorskip("transformers")
 
-KINDS = ("llama", "qwen2", "gpt2")
+KINDS = ("llama", "mistral", "qwen2", "gpt2")
 VOCAB, SEQ, BATCH, STEPS, LR = 128, 16, 4, 2, 0.1
 
 
@@ -29,7 +29,7 @@ def build(kind):
         cfg = t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64,
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return t.GPT2LMHeadModel(cfg)
-    config = t.LlamaConfig if kind == "llama" else t.Qwen2Config
+    config = dict(llama=t.LlamaConfig, mistral=t.MistralConfig, qwen2=t.Qwen2Config)[kind]
     cfg = config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2,
                  tie_word_embeddings=kind == "llama")
@@ -78,9 +78,11 @@ def train_and_generate(ctx):
         fresh = build(kind).eval()
         gen = PipelineStage(split_into_stages(fresh, 2)[ctx.rank], ctx.rank, 2)
         prompt = batch(9)[0][:, :5]
-        tokens = PipelineGenerator(gen, fresh.config.hidden_size, n_microbatches=2).generate(
-            prompt, 6)
-        out[kind] = dict(params=params, tied=copies, tokens=tokens)
+        pipe = PipelineGenerator(gen, fresh.config.hidden_size, n_microbatches=2)
+        tokens = pipe.generate(prompt, 6)
+        layers = sum(type(u).__name__ == "_Decoder" for u in gen.module)
+        out[kind] = dict(params=params, tied=copies, tokens=tokens, kv=pipe.cache_bytes(),
+                         layers=layers)
     return out
 
 
@@ -117,6 +119,15 @@ def test_pipeline_generator_equals_hf_generate(runs, kind):
                               attention_mask=torch.ones_like(prompt))[:, 5:]
     for rank in range(2):
         assert torch.equal(runs[rank][kind]["tokens"], expected)
+    # each rank caches its own layers' k and v: 2 x layers x batch x tokens x kv width x 4 B;
+    # the last token's k, v are never computed (it is picked, not fed back)
+    cfg = model.config
+    kv_width = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) * (
+        cfg.hidden_size // cfg.num_attention_heads)
+    assert runs[0][kind]["layers"] + runs[1][kind]["layers"] == cfg.num_hidden_layers
+    for rank in range(2):
+        count = runs[rank][kind]["layers"]
+        assert runs[rank][kind]["kv"] == 2 * count * BATCH * (5 + 6 - 1) * kv_width * 4
 
 
 def test_unknown_hf_layout_refused_in_one_line():

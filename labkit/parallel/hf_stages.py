@@ -86,11 +86,17 @@ class _Decoder(nn.Module):
         position_ids = _positions(x, cache, self.layer_idx)
         mask = self._mask(x, cache, position_ids)
         if self.gpt2:
-            return self.layer(x, cache, mask, use_cache=cache is not None,
-                              position_ids=position_ids)
-        return self.layer(x, attention_mask=mask, position_ids=position_ids, cache=cache,
-                          use_cache=cache is not None,
-                          position_embeddings=self.rotary(x, position_ids=position_ids))
+            y = self.layer(x, cache, mask, use_cache=cache is not None,
+                           position_ids=position_ids)
+        else:
+            y = self.layer(x, attention_mask=mask, position_ids=position_ids, cache=cache,
+                           use_cache=cache is not None,
+                           position_embeddings=self.rotary(x, position_ids=position_ids))
+        if cache is not None:   # labkit's KVCache sees the same tensors (its bytes, its length)
+            held = cache.layers[self.layer_idx]
+            kv_cache.keys[id(self)] = held.keys.transpose(1, 2)      # (b, s, heads, d) views
+            kv_cache.values[id(self)] = held.values.transpose(1, 2)
+        return y
 
 
 class _Head(nn.Module):
