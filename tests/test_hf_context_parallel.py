@@ -4,8 +4,8 @@ downloaded), on 2 ranks, fp32.
 `ContextParallel(model)` + `context_parallel_batch` (global position ids, labels shifted before
 sharding, the batch's mean loss): the averaged gradients and the loss equal transformers' own
 `model(input_ids, labels=labels).loss` on one device, within rounding (labkit.numerics: against
-the float64 run, a few times float32's own error), for the contiguous and the zigzag layout,
-with some labels ignored (-100) so that the shards count different tokens. Sharding the ids
+the float64 run, a few times float32's own error), for the contiguous and the zigzag layout
+(ring; all-gather and Ulysses once each), with some labels ignored (-100) so that the shards count different tokens. Sharding the ids
 and labels and calling the model as usual is measured too, and is far off.
 The refusals, each on every rank: eager attention (no scaled_dot_product_attention call to
 route) and a hand-written attention name their module; transformers' packed-sequence mask
@@ -24,6 +24,8 @@ from labkit.parallel.flat import average_gradients
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ, BATCH = 128, 16, 2
+CASES = [("contiguous", "ring"), ("zigzag", "ring"), ("zigzag", "all_gather"),
+         ("contiguous", "ulysses")]     # Ulysses: 2 KV heads over 2 ranks
 
 
 def build(attn="sdpa"):
@@ -79,13 +81,13 @@ class HandWrittenAttention(nn.Module):
 def on_ranks(ctx):
     out = {}
     ids, labels = data()
-    for layout in ("contiguous", "zigzag"):
-        model = ContextParallel(build(), layout=layout)
+    for layout, method in CASES:
+        model = ContextParallel(build(), layout=layout, method=method)
         batch = context_parallel_batch(ids, labels, layout=layout)
         loss = batch.loss(model(**batch.inputs).logits)
         loss.backward()
         average_gradients(model.parameters(), tag="cp grads")
-        out[layout] = dict(loss=loss.item(), grads=grads(model))
+        out[layout, method] = dict(loss=loss.item(), grads=grads(model))
     # what a new user tries first: shard ids and labels, call the model as usual
     naive = ContextParallel(build())
     half = slice(ctx.rank * SEQ // 2, (ctx.rank + 1) * SEQ // 2)
@@ -107,14 +109,14 @@ def runs():
     return labkit.launch(on_ranks, 2, timeout_s=300)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_llama_gradients_and_loss_equal_one_device(runs, layout):
+@pytest.mark.parametrize("layout, method", CASES)
+def test_llama_gradients_and_loss_equal_one_device(runs, layout, method):
     single_loss, single = one_device(torch.float32)
     exact_loss, exact = one_device(torch.float64)
     for rank in range(2):
-        mine = runs[rank][layout]
+        mine = runs[rank][layout, method]
         agreement = numerics.compare(mine["grads"], single, exact)
-        assert agreement, f"rank {rank} {layout}: {agreement}"
+        assert agreement, f"rank {rank} {layout} {method}: {agreement}"
         assert numerics.compare_loss([mine["loss"]], [single_loss], [exact_loss])
 
 

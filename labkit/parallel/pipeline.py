@@ -16,7 +16,7 @@ Communication per step, point to point only: each stage boundary carries every m
 activation forward and its gradient back (2 x batch x boundary-activation bytes per boundary).
 Idle share (bubble) with equal stages and free links: (P-1)/(V*M + P-1).
 
-    stages = split_into_stages(model, 4)                   # nn.Sequential, or labkit's GPT
+    stages = split_into_stages(model, 4)    # nn.Sequential, labkit's GPT, a transformers LM
     stage = PipelineStage(stages[rank], rank, 4, group=pp_group)
     pipe = PipelineSchedule(stage, "1f1b", loss_fn, n_microbatches=8)
     loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
