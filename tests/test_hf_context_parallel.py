@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB, SEQ, BATCH = 128, 16, 2
 CASES = [("contiguous", "ring"), ("zigzag", "ring"), ("zigzag", "all_gather"),
          ("contiguous", "ulysses")]     # Ulysses: 2 KV heads over 2 ranks
+RUNS = [c + (torch.float32,) for c in CASES] + [("zigzag", "ring", torch.bfloat16)]
 
 
 def build(attn="sdpa"):
@@ -49,7 +50,7 @@ def one_device(dtype):
     ids, labels = data()
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    return loss.item(), {n: p.grad.double() for n, p in model.named_parameters()}
 
 
 def grads(model):
@@ -81,13 +82,13 @@ class HandWrittenAttention(nn.Module):
 def on_ranks(ctx):
     out = {}
     ids, labels = data()
-    for layout, method in CASES:
-        model = ContextParallel(build(), layout=layout, method=method)
+    for layout, method, dtype in RUNS:
+        model = ContextParallel(build().to(dtype), layout=layout, method=method)
         batch = context_parallel_batch(ids, labels, layout=layout)
         loss = batch.loss(model(**batch.inputs).logits)
         loss.backward()
         average_gradients(model.parameters(), tag="cp grads")
-        out[layout, method] = dict(loss=loss.item(), grads=grads(model))
+        out[layout, method, dtype] = dict(loss=loss.item(), grads=grads(model))
     # what a new user tries first: shard ids and labels, call the model as usual
     naive = ContextParallel(build())
     half = slice(ctx.rank * SEQ // 2, (ctx.rank + 1) * SEQ // 2)
@@ -109,12 +110,13 @@ def runs():
     return labkit.launch(on_ranks, 2, timeout_s=300)
 
 
-@pytest.mark.parametrize("layout, method", CASES)
-def test_llama_gradients_and_loss_equal_one_device(runs, layout, method):
-    single_loss, single = one_device(torch.float32)
+@pytest.mark.parametrize("layout, method, dtype", RUNS)
+def test_llama_gradients_and_loss_equal_one_device(runs, layout, method, dtype):
+    """bf16: judged by the bf16 single-device run's own error against float64."""
+    single_loss, single = one_device(dtype)
     exact_loss, exact = one_device(torch.float64)
     for rank in range(2):
-        mine = runs[rank][layout, method]
+        mine = runs[rank][layout, method, dtype]
         agreement = numerics.compare(mine["grads"], single, exact)
         assert agreement, f"rank {rank} {layout} {method}: {agreement}"
         assert numerics.compare_loss([mine["loss"]], [single_loss], [exact_loss])

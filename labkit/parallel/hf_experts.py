@@ -100,8 +100,8 @@ def as_expert_layer(block):
                          "(router_jitter_noise > 0) in training: set it to 0")
     top_k = getattr(block, "top_k", None) or getattr(gate, "top_k", None)
     if top_k is None or gate is None or not hasattr(gate, "weight"):
-        raise ValueError(f"ExpertParallel: {name} has no top-k router (gate with a weight and "
-                         "top_k) it knows")
+        raise ValueError(f"ExpertParallel: {name} is neither labkit's MoE layer (it names no "
+                         "capacity_factor) nor a transformers block with a top-k gate it knows")
     norm = getattr(block, "norm_topk_prob", getattr(gate, "norm_topk_prob", True))
     if isinstance(experts, nn.ModuleList):
         router, expert_list = gate, experts          # the older format: used as they are

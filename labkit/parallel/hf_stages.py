@@ -48,9 +48,9 @@ def _positions(x, cache, layer_idx):
 class _Embedding(nn.Module):
     """ids -> hidden: token embedding (+ learned positions, GPT-2)."""
 
-    def __init__(self, tokens, positions=None, dropout=None, config=None):
+    def __init__(self, tokens, positions=None, dropout=None):
         super().__init__()
-        self.tokens, self.positions, self.dropout, self.config = tokens, positions, dropout, config
+        self.tokens, self.positions, self.dropout = tokens, positions, dropout
 
     def forward(self, ids, kv_cache=None):
         x = self.tokens(ids)
