@@ -27,7 +27,8 @@ def build(kind):
     t = transformers
     if kind == "gpt2":
         cfg = t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64,
-                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           bos_token_id=0, eos_token_id=0)     # GPT-2's 50256 is past VOCAB
         return t.GPT2LMHeadModel(cfg)
     config = dict(llama=t.LlamaConfig, mistral=t.MistralConfig, qwen2=t.Qwen2Config)[kind]
     cfg = config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -115,7 +116,10 @@ def test_tied_copies_take_the_same_step(runs, kind):
 def test_pipeline_generator_equals_hf_generate(runs, kind):
     model = build(kind).eval()
     prompt = batch(9)[0][:, :5]
-    expected = model.generate(prompt, do_sample=False, max_new_tokens=6, min_new_tokens=6,
+    # no end-of-sequence token: generate must neither stop nor suppress one (min_new_tokens
+    # would, and PipelineGenerator picks the plain argmax)
+    model.generation_config.eos_token_id = None
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=6,
                               attention_mask=torch.ones_like(prompt))[:, 5:]
     for rank in range(2):
         assert torch.equal(runs[rank][kind]["tokens"], expected)
