@@ -21,6 +21,7 @@ from labkit.parallel.moe import ExpertParallel, average_moe_gradients, full_para
 transformers = pytest.importorskip("transformers")
 
 KINDS = ("mixtral", "qwen2_moe", "mixtral_legacy")
+AUX = ("mixtral", "qwen2_moe")   # current routers: transformers records their logits
 VOCAB, SEQ, BATCH, STEPS, LR = 128, 8, 4, 2, 0.5
 
 
@@ -112,6 +113,12 @@ def greedy(model, prompt):
                           attention_mask=torch.ones_like(prompt))[:, prompt.shape[1]:]
 
 
+def aux_loss(model, ids):
+    """transformers' load-balancing loss from the router logits it records."""
+    with torch.no_grad():
+        return model(input_ids=ids, output_router_logits=True).aux_loss.item()
+
+
 def train_expert_parallel(ctx):
     """Per model: the greedy tokens of this rank's prompts (initial weights) and the gathered
     parameters after STEPS steps (each rank half the batch, its loss the mean over its
@@ -125,6 +132,7 @@ def train_expert_parallel(ctx):
         model.eval()                  # greedy tokens of the initial weights, then train
         tokens = greedy(model, batch(9)[half, :5])
         model.train()
+        aux = aux_loss(model, batch(0)[half]) if kind in AUX else None
         optim = torch.optim.SGD(model.parameters(), lr=LR)
         for step in range(STEPS):
             ids = batch(step)[half]
@@ -132,7 +140,7 @@ def train_expert_parallel(ctx):
             model(input_ids=ids, labels=ids).loss.backward()
             average_moe_gradients(model, None)
             optim.step()
-        out[kind] = dict(params=stack_experts(full_parameters(model)), tokens=tokens)
+        out[kind] = dict(params=stack_experts(full_parameters(model)), tokens=tokens, aux=aux)
     return out
 
 
@@ -157,6 +165,19 @@ def test_training_with_hf_experts_equals_one_device(runs, kind):
 def test_generation_through_expert_parallel_equals_one_device(runs, kind):
     expected = greedy(build(kind).eval(), batch(9)[:, :5])
     assert torch.equal(torch.cat([runs[0][kind]["tokens"], runs[1][kind]["tokens"]]), expected)
+
+
+@pytest.mark.parametrize("kind", AUX)
+def test_router_logits_still_recorded_for_the_aux_loss(runs, kind):
+    """The EP layer calls the block's own router, so output_router_logits still sees each
+    rank's logits: each rank's aux loss is the one-device model's on that rank's tokens."""
+    single, exact = build(kind), build(kind, "eager").double()
+    for rank in range(2):
+        ids = batch(0)[rank * BATCH // 2:(rank + 1) * BATCH // 2]
+        expected = aux_loss(single, ids)
+        assert expected > 0
+        assert numerics.compare_loss([runs[rank][kind]["aux"]], [expected],
+                                     [aux_loss(exact, ids)])
 
 
 def test_block_it_cannot_reproduce_refused_in_one_line():

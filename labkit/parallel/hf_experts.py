@@ -7,8 +7,8 @@ hand out E/N to a rank. transformers has written its sparse MoE blocks (Mixtral'
   - now: `gate` a top-k router returning a tuple (logits, top-k weights, top-k indices) and
     `experts` one module holding every expert stacked in 3-D tensors, `gate_up_proj`
     (E, 2I, h) and `down_proj` (E, h, I).
-`as_expert_layer(block)` gives both the same shape: `gate` (tokens -> logits; the block's own
-weight), `experts` (a ModuleList; the stacked format sliced into one module per expert, copies
+`as_expert_layer(block)` gives both the same shape: `gate` (the block's own router; of a tuple
+the logits are taken, so `output_router_logits` still records them), `experts` (a ModuleList; the stacked format sliced into one module per expert, copies
 of the slices), `top_k`, `norm_topk_prob`, `capacity_factor = None` (transformers drops no
 token) and the shared expert, gated by sigmoid(shared_expert_gate(x)) as Qwen2-MoE does.
 Routing (both models): softmax over the E logits, the top-k, renormalised to sum 1 when
@@ -30,15 +30,11 @@ def is_hf_module(module):
     return type(module).__module__.startswith("transformers.")
 
 
-class RouterLogits(nn.Module):
-    """The logits of a top-k router that returns a tuple (its weight, shared)."""
-
-    def __init__(self, router):
-        super().__init__()
-        self.weight = router.weight
-
-    def forward(self, x):
-        return F.linear(x, self.weight)
+def router_logits(router, tokens):
+    """The router's (T, E) logits: its output, or the first of the tuple a current transformers
+    router returns (called as it is, so transformers' output recorders still see it)."""
+    out = router(tokens)
+    return out[0] if isinstance(out, tuple) else out
 
 
 class StackedExpert(nn.Module):
@@ -77,7 +73,7 @@ class HFExpertLayer(nn.Module):
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
-        probs = self.gate(tokens).float().softmax(dim=-1)
+        probs = router_logits(self.gate, tokens).float().softmax(dim=-1)
         weight, expert = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weight = weight / weight.sum(dim=-1, keepdim=True)
@@ -104,16 +100,15 @@ def as_expert_layer(block):
                          "capacity_factor) nor a transformers block with a top-k gate it knows")
     norm = getattr(block, "norm_topk_prob", getattr(gate, "norm_topk_prob", True))
     if isinstance(experts, nn.ModuleList):
-        router, expert_list = gate, experts          # the older format: used as they are
+        expert_list = experts                        # the older format: used as they are
     elif {n for n, _ in experts.named_parameters()} == {"gate_up_proj", "down_proj"} \
             and experts.gate_up_proj.dim() == 3:
-        router = gate if isinstance(gate, nn.Linear) else RouterLogits(gate)
         expert_list = nn.ModuleList(StackedExpert(experts, e)
                                     for e in range(experts.gate_up_proj.shape[0]))
     else:
         raise ValueError(f"ExpertParallel: {name}'s experts ({type(experts).__name__}) are "
                          "neither a ModuleList nor stacked gate_up_proj/down_proj tensors")
-    layer = HFExpertLayer(router, expert_list, int(top_k), bool(norm),
+    layer = HFExpertLayer(gate, expert_list, int(top_k), bool(norm),
                           getattr(block, "shared_expert", None),
                           getattr(block, "shared_expert_gate", None))
     _check_against(block, layer, name)
@@ -126,7 +121,7 @@ def _check_against(block, layer, name):
     caller's random state is left alone); refuse when they differ."""
     ref = next(block.parameters())
     g = torch.Generator().manual_seed(0)
-    hidden = layer.gate.weight.shape[-1]
+    hidden = layer.gate.weight.shape[-1]      # (E, h): checked to exist above
     x = torch.randn(1, PROBE_TOKENS, hidden, generator=g).to(ref.device, ref.dtype)
     expected = block(x)
     expected = expected[0] if isinstance(expected, tuple) else expected

@@ -22,7 +22,8 @@ capacity and the load-balancing loss from Switch Transformer (Fedus et al. 2021,
 arXiv 2101.03961); the router z-loss from ST-MoE (Zoph et al. 2022, arXiv 2202.08906).
 
 The layer it takes (duck-typed, any nn.Module):
-  - `layer.router` (or `layer.gate`): a module, tokens (T, h) -> logits (T, E);
+  - `layer.router` (or `layer.gate`): a module, tokens (T, h) -> logits (T, E) (or a tuple
+    whose first element they are, as transformers' current routers return);
   - `layer.experts`: an nn.ModuleList of E experts (or a ModuleDict keyed "0".."E-1"), each
     (n, h) -> (n, h); after wrapping it holds this rank's experts only, keyed by their global
     index, so parameter names stay those of the full layer (`experts.5.fc1.weight`);
@@ -56,7 +57,7 @@ import torch.nn.functional as F
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from .flat import FlatBuffer, average_gradients
-from .hf_experts import as_expert_layer, is_hf_module
+from .hf_experts import as_expert_layer, is_hf_module, router_logits
 
 
 # ----------------------------------------------------------------------------------- routing
@@ -183,7 +184,7 @@ class ExpertParallel(nn.Module):
         E, k, n = self.num_experts, self.top_k, self.group.size
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        logits = getattr(self.module, self._router_name)(tokens)
+        logits = router_logits(getattr(self.module, self._router_name), tokens)
         probs, expert, weight = top_k_gates(logits, k, self.norm_topk_prob)
         # 1. every rank's routing counts: the group's queue, the same on every rank
         mine = torch.cat([choice_counts(expert, E).flatten(),
