@@ -5,8 +5,9 @@ downloaded), on 2 ranks, fp32.
 sharding, the batch's mean loss): the averaged gradients and the loss equal transformers' own
 `model(input_ids, labels=labels).loss` on one device, within rounding (labkit.numerics: against
 the float64 run, a few times float32's own error), for the contiguous and the zigzag layout
-(ring; all-gather and Ulysses once each), with some labels ignored (-100) so that the shards count different tokens. Sharding the ids
-and labels and calling the model as usual is measured too, and is far off.
+(ring; all-gather and Ulysses once each; the zigzag ring in bfloat16 too, judged by bfloat16's
+own error), with some labels ignored (-100) so that the shards count different tokens.
+Sharding the ids and labels and calling the model as usual is measured too, and is far off.
 The refusals, each on every rank: eager attention (no scaled_dot_product_attention call to
 route) and a hand-written attention name their module; transformers' packed-sequence mask
 path (zigzag positions with use_cache=False: a 4-D mask on one rank only) is refused on both

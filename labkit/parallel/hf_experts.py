@@ -8,9 +8,10 @@ hand out E/N to a rank. transformers has written its sparse MoE blocks (Mixtral'
     `experts` one module holding every expert stacked in 3-D tensors, `gate_up_proj`
     (E, 2I, h) and `down_proj` (E, h, I).
 `as_expert_layer(block)` gives both the same shape: `gate` (the block's own router; of a tuple
-the logits are taken, so `output_router_logits` still records them), `experts` (a ModuleList; the stacked format sliced into one module per expert, copies
-of the slices), `top_k`, `norm_topk_prob`, `capacity_factor = None` (transformers drops no
-token) and the shared expert, gated by sigmoid(shared_expert_gate(x)) as Qwen2-MoE does.
+the logits are taken, so `output_router_logits` still records them), `experts` (a ModuleList;
+the stacked format sliced into one module per expert, copies of the slices), `top_k`,
+`norm_topk_prob`, `capacity_factor = None` (transformers drops no token) and the shared
+expert, gated by sigmoid(shared_expert_gate(x)) as Qwen2-MoE does.
 Routing (both models): softmax over the E logits, the top-k, renormalised to sum 1 when
 `norm_topk_prob` (Mixtral always; Qwen2-MoE by its config). Before it is used the adapted layer
 is run beside the block on a probe batch; a block it cannot reproduce is refused in one line
