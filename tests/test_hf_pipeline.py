@@ -134,9 +134,31 @@ def test_pipeline_generator_equals_hf_generate(runs, kind):
         assert runs[rank][kind]["kv"] == 2 * count * BATCH * (5 + 6 - 1) * kv_width * 4
 
 
+def test_model_doing_more_than_its_layers_refused_in_one_line():
+    """Gemma-2 soft-caps its logits in the LM's forward: not a known type. A Llama whose
+    forward scales the logits keeps its model_type: the probe against its forward refuses it."""
+    cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8)
+    with pytest.raises(TypeError, match=r"Gemma2ForCausalLM \(model_type 'gemma2'\) is not"):
+        split_into_stages(transformers.Gemma2ForCausalLM(cfg), 2)
+    model = build("llama")
+
+    class ScaledLogitsLlama(type(model)):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model.__class__ = ScaledLogitsLlama
+    with pytest.raises(TypeError, match="ScaledLogitsLlama's forward does more") as err:
+        split_into_stages(model, 2)
+    assert "\n" not in str(err.value)
+
+
 def test_unknown_hf_layout_refused_in_one_line():
     cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                   num_attention_heads=4, intermediate_size=64)
-    with pytest.raises(TypeError, match=r"BertForMaskedLM .*\(lm_head\)") as err:
+    with pytest.raises(TypeError, match=r"BertForMaskedLM .*(lm_head|not one it)") as err:
         split_into_stages(transformers.BertForMaskedLM(cfg), 2)
     assert "\n" not in str(err.value)

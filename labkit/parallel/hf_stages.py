@@ -10,7 +10,8 @@ each rebuild what they need from the activation alone, so any contiguous run of 
     what its cache holds), its rotary (cos, sin) from the model's `rotary_emb` (a buffer, no
     parameter, so every stage may use it) and its layer type's causal mask, all per stage;
   - the head: the final norm and `lm_head`.
-With a labkit `KVCache` (`PipelineGenerator`) each unit keeps transformers' own DynamicCache on
+Before use the sequence is run beside the model's own forward on a probe; a model whose forward
+does more than its layers is refused in one line. With a labkit `KVCache` (`PipelineGenerator`) each unit keeps transformers' own DynamicCache on
 it (`kv_cache.hf_cache`), so the stages generate as the whole model does.
 
 Tied weights (Press & Wolf 2017, arXiv 1608.05859: `lm_head.weight is embed_tokens.weight`):
@@ -23,6 +24,10 @@ import torch
 import torch.nn as nn
 
 FAMILIES = "Llama/Mistral/Qwen2-style (model.embed_tokens, model.layers, model.norm) or GPT-2"
+PROBE_TOKENS = 8    # the check against the model's own forward
+# models whose forward is embedding, layers (rotary, causal mask), norm, head and nothing more,
+# read in transformers' modeling files (Gemma's logit soft-capping, Cohere's logit scale are not)
+KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt2")
 
 
 def is_hf_model(model):
@@ -120,7 +125,10 @@ def hf_as_sequential(model):
         raise TypeError(f"split_into_stages: {name} is a transformers model without a language-"
                         f"model head (lm_head) over a base model; it cuts {FAMILIES} causal LMs")
     config = model.config
-    if getattr(config, "model_type", "") == "gpt2" and hasattr(body, "h"):
+    if getattr(config, "model_type", None) not in KNOWN_TYPES:
+        raise TypeError(f"split_into_stages: {name} (model_type {config.model_type!r}) is not "
+                        f"one it knows how to cut ({', '.join(KNOWN_TYPES)})")
+    if config.model_type == "gpt2" and hasattr(body, "h"):
         embed = _Embedding(body.wte, body.wpe, body.drop)
         layers = [_Decoder(b, i, config, gpt2=True) for i, b in enumerate(body.h)]
         head = _Head(body.ln_f, lm_head)
@@ -132,7 +140,29 @@ def hf_as_sequential(model):
     else:
         raise TypeError(f"split_into_stages: {name} ({config.model_type}) has a layout it does "
                         f"not know; it cuts {FAMILIES} causal LMs")
-    return nn.Sequential(embed, *layers, head)
+    sequential = nn.Sequential(embed, *layers, head)
+    _check_against(model, sequential, name)
+    return sequential
+
+
+@torch.no_grad()
+def _check_against(model, sequential, name):
+    """The layers on a probe of PROBE_TOKENS ids against the model's own forward (dropout
+    off for the probe, the caller's train/eval state restored): a model whose forward does
+    more than its layers (logit soft-capping, a logit scale, ...) is refused, not cut wrong."""
+    was = model.training
+    model.eval()
+    try:
+        ids = torch.arange(PROBE_TOKENS, device=model.device).unsqueeze(0) % \
+            model.config.vocab_size
+        expected = model(input_ids=ids, use_cache=False).logits
+        got = sequential(ids)
+    finally:
+        model.train(was)
+    tol = 1e-4 if expected.dtype in (torch.float32, torch.float64) else 3e-2
+    if not (got - expected).abs().max().item() <= tol * (expected.abs().max().item() + 1e-12):
+        raise TypeError(f"split_into_stages: {name}'s forward does more than its embedding, "
+                        "layers and head (a logit scale or soft-capping?): it cannot be cut")
 
 
 def untie_across_stages(stages):
