@@ -10,8 +10,9 @@ each rebuild what they need from the activation alone, so any contiguous run of 
     what its cache holds), its rotary (cos, sin) from the model's `rotary_emb` (a buffer, no
     parameter, so every stage may use it) and its layer type's causal mask, all per stage;
   - the head: the final norm and `lm_head`.
-Before use the sequence is run beside the model's own forward on a probe; a model whose forward
-does more than its layers is refused in one line. With a labkit `KVCache` (`PipelineGenerator`) each unit keeps transformers' own DynamicCache on
+Only model types whose forward is exactly that are taken (KNOWN_TYPES), and before use the
+sequence is run beside the model's own forward on a probe; any other is refused in one line.
+With a labkit `KVCache` (`PipelineGenerator`) each unit keeps transformers' own DynamicCache on
 it (`kv_cache.hf_cache`), so the stages generate as the whole model does.
 
 Tied weights (Press & Wolf 2017, arXiv 1608.05859: `lm_head.weight is embed_tokens.weight`):
