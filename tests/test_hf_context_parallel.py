@@ -9,7 +9,8 @@ the float64 run, a few times float32's own error), for the contiguous and the zi
 own error), with some labels ignored (-100) so that the shards count different tokens.
 Sharding the ids and labels and calling the model as usual is measured too, and is far off.
 The refusals, each on every rank: eager attention (no scaled_dot_product_attention call to
-route) and a hand-written attention name their module; transformers' packed-sequence mask
+route) and a hand-written attention name their module; a sliding window shorter than the
+sequence (the cores mask causally only); transformers' packed-sequence mask
 path (zigzag positions with use_cache=False: a 4-D mask on one rank only) is refused on both
 ranks before either enters the ring, so none waits forever.
 """
@@ -100,6 +101,11 @@ def on_ranks(ctx):
     out["eager"] = refusal(lambda: ContextParallel(build("eager"))(**eager.inputs))
     hand = nn.Sequential(nn.Linear(8, 8), HandWrittenAttention())
     out["hand"] = refusal(lambda: ContextParallel(hand)(torch.randn(1, 4, 8)))
+    window = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, sliding_window=8)
+    mistral = transformers.AutoModelForCausalLM.from_config(window)
+    out["window"] = refusal(lambda: ContextParallel(mistral)(**eager.inputs))
     packed = context_parallel_batch(ids, labels, layout="zigzag")
     out["packed"] = refusal(lambda: ContextParallel(build(), layout="zigzag")(
         **packed.inputs, use_cache=False))
@@ -148,3 +154,10 @@ def test_packed_sequence_mask_refused_on_every_rank_before_the_ring(runs):
     assert "got a 4-D attn_mask" in runs[0]["packed"]
     assert "another rank of the group cannot run this attention call" in runs[1]["packed"]
     assert all("\n" not in runs[r]["packed"] for r in range(2))
+
+
+def test_sliding_window_shorter_than_the_sequence_refused_on_every_rank(runs):
+    """Mistral with an 8-token window over 16 tokens: each 8-token shard fits in the window, so
+    transformers builds no mask and the cores would attend causally over all 16: refused."""
+    for rank in range(2):
+        assert "sliding window of 8 tokens, shorter than the 16-token" in runs[rank]["window"]

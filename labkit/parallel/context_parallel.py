@@ -140,6 +140,7 @@ class ContextParallel(nn.Module):
         self.group = context().group(group)
         cores = {"causal_attention": _heads_last} if cores is None else dict(cores)
         self._router = _RouteAttention(self.core, cores)
+        self._window = _sliding_window(getattr(module, "config", None))
         self.attention = self._attention_modules(attention)
         self._hooks = [h for m in self.attention for h in (
             m.register_forward_pre_hook(self._router.enter),
@@ -191,8 +192,13 @@ class ContextParallel(nn.Module):
     def core(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              **extra):
         """scaled_dot_product_attention's signature, computed across the group."""
-        problem = None
-        if attn_mask is not None:
+        problem, seq = None, q.shape[SEQ_DIM] * self.group.size
+        if self._window is not None and seq > self._window:
+            # transformers skips the window mask when each shard is within the window
+            problem = (f"ContextParallel: the model attends within a sliding window of "
+                       f"{self._window} tokens, shorter than the {seq}-token sequence; the "
+                       "cores apply a full causal mask")
+        elif attn_mask is not None:
             problem = (f"ContextParallel: scaled_dot_product_attention got a "
                        f"{attn_mask.dim()}-D attn_mask (transformers builds one for padding or "
                        "packed sequences: position_ids that jump, with use_cache=False); the "
@@ -235,6 +241,15 @@ class ContextParallel(nn.Module):
 
     def extra_repr(self):
         return f"group={list(self.group.ranks)}, layout={self.layout}, method={self.method}"
+
+
+def _sliding_window(config):
+    """The window of a transformers config whose layers attend within one (None: none do)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if window is None or (types is not None and "sliding_attention" not in types):
+        return None
+    return window if types is not None or getattr(config, "use_sliding_window", True) else None
 
 
 def _outermost(module, chosen):
