@@ -124,8 +124,11 @@ class ContextParallel(nn.Module):
     `torch.overrides.handle_torch_function` when `has_torch_function`, as labkit's
     `models.causal_attention` does): `cores={fn_or_name: adapter}`, adapter(core) returning the
     replacement, `core(q, k, v, is_causal=...)` on (b, h, s_local, d). The other layers must be
-    position-wise; shard the inputs with `shard_sequence`; average the replicated weights'
-    gradients over the group (e.g. DataParallel).
+    position-wise; shard the inputs with `shard_sequence` (a causal LM: `context_parallel_batch`,
+    which also gives its positions, shifted labels and loss); average the replicated weights'
+    gradients over the group (e.g. DataParallel). Refused in one line, on every rank before
+    any enters the ring: an attention module that ran without a routed call (eager or
+    hand-written attention), an attn_mask, dropout, a sliding window shorter than the sequence.
     """
 
     def __init__(self, module: nn.Module, group: GroupLike = None, layout: str = "contiguous",
