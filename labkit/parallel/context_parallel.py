@@ -37,24 +37,31 @@ per rank each way, falling as 1/N; it needs N <= KV heads (h_kv divisible by N).
     out = ring_attention(q, k, v, group, causal=True, layout="zigzag")   # (b, heads, s/N, d)
     model = ContextParallel(model, group, layout="zigzag", method="ulysses",
                             attention=lambda m: isinstance(m, MyAttention))
+    batch = context_parallel_batch(ids, labels, group, layout="zigzag")  # a whole causal LM
+    loss = batch.loss(model(**batch.inputs).logits)      # positions, shifted labels, mean
 
 The cores live in `ring_attention.py` (ring, layouts, shards) and `head_attention.py`
-(all-gather, Ulysses); this module applies them to a model (`ContextParallel`).
+(all-gather, Ulysses); this module applies them to a model (`ContextParallel`), and
+`context_batch.py` shards a language model's batch (positions, labels shifted before sharding,
+the batch's mean loss). An attention module that never reaches the core (eager, hand-written)
+and a call the cores cannot run (an attn_mask) are refused in one line, on every rank at once.
 """
 from collections.abc import Callable, Iterable, Mapping
 
+import torch
 import torch.nn as nn
-
 from torch.overrides import TorchFunctionMode
 
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
+from .context_batch import ContextParallelBatch, context_parallel_batch
 from .head_attention import all_gather_attention, check_ulysses_heads, ulysses_attention
 from .ring_attention import (LAYOUTS, SEQ_DIM, _check_layout, _sdpa, check_sequence,
                              gather_sequence, merge_partials, ring_attention,
                              sequence_positions, shard_sequence)
 
-__all__ = ["LAYOUTS", "METHODS", "SEQ_DIM", "CORES", "ContextParallel", "all_gather_attention",
+__all__ = ["LAYOUTS", "METHODS", "SEQ_DIM", "CORES", "ContextParallel", "ContextParallelBatch",
+           "all_gather_attention", "context_parallel_batch",
            "check_sequence", "check_ulysses_heads", "gather_sequence", "merge_partials",
            "ring_attention", "sequence_positions", "shard_sequence", "ulysses_attention"]
 METHODS = ("ring", "all_gather")   # the cores for any head count (Ulysses: N <= KV heads)
@@ -82,13 +89,16 @@ class _RouteAttention(TorchFunctionMode):
     def __init__(self, core, cores):
         super().__init__()
         self.core, self.cores, self.depth = core, cores, 0
+        self.routed = 0             # calls sent to the core so far (the attention check)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _sdpa:
+            self.routed += 1
             return self.core(*args, **kwargs)
         adapter = self.cores.get(func) or self.cores.get(getattr(func, "__name__", None))
         if adapter is not None:
+            self.routed += 1
             return adapter(self.core)(*args, **kwargs)
         return func(*args, **kwargs)
 
@@ -114,8 +124,11 @@ class ContextParallel(nn.Module):
     `torch.overrides.handle_torch_function` when `has_torch_function`, as labkit's
     `models.causal_attention` does): `cores={fn_or_name: adapter}`, adapter(core) returning the
     replacement, `core(q, k, v, is_causal=...)` on (b, h, s_local, d). The other layers must be
-    position-wise; shard the inputs with `shard_sequence`; average the replicated weights'
-    gradients over the group (e.g. DataParallel).
+    position-wise; shard the inputs with `shard_sequence` (a causal LM: `context_parallel_batch`,
+    which also gives its positions, shifted labels and loss); average the replicated weights'
+    gradients over the group (e.g. DataParallel). Refused in one line, on every rank before
+    any enters the ring: an attention module that ran without a routed call (eager or
+    hand-written attention), an attn_mask, dropout, a sliding window shorter than the sequence.
     """
 
     def __init__(self, module: nn.Module, group: GroupLike = None, layout: str = "contiguous",
@@ -130,10 +143,38 @@ class ContextParallel(nn.Module):
         self.group = context().group(group)
         cores = {"causal_attention": _heads_last} if cores is None else dict(cores)
         self._router = _RouteAttention(self.core, cores)
+        self._window = _sliding_window(getattr(module, "config", None))
         self.attention = self._attention_modules(attention)
         self._hooks = [h for m in self.attention for h in (
             m.register_forward_pre_hook(self._router.enter),
             m.register_forward_hook(self._router.exit, always_call=True))]
+        self._watch_attention()
+
+    def _watch_attention(self):
+        """Each attention module (the chosen ones, else those whose class is named
+        *Attention*, outermost) must send at least one call to the core per forward: one that
+        computes its scores by hand (eager attention, a hand-written softmax(QK^T)V) would
+        otherwise attend within this rank's shard only, silently wrong."""
+        watched = self.attention or _outermost(self.module, lambda m: "attention" in
+                                               type(m).__name__.lower())
+        names = {id(m): n or "the wrapped module" for n, m in self.module.named_modules()}
+        self._entered, self._inside = {}, 0
+        for m in watched:
+            label = f"{type(m).__name__} ({names.get(id(m), '?')})"
+            m.register_forward_pre_hook(self._enter_attention)
+            m.register_forward_hook(lambda mod, _a, _o, label=label: self._check_routed(
+                mod, label))
+
+    def _enter_attention(self, module, _args):
+        if self._inside or self._router.depth:    # routed now (not a run outside the wrapper)
+            self._entered[id(module)] = self._router.routed
+
+    def _check_routed(self, module, label):
+        if self._router.routed == self._entered.pop(id(module), -1):
+            raise ValueError(f"ContextParallel: {label} ran without calling "
+                             "scaled_dot_product_attention (eager or hand-written attention), so "
+                             "it attended within this rank's shard only: use an SDPA attention "
+                             "(attn_implementation='sdpa') or route your core with cores=")
 
     def _attention_modules(self, attention):
         if attention is None:
@@ -154,19 +195,75 @@ class ContextParallel(nn.Module):
     def core(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              **extra):
         """scaled_dot_product_attention's signature, computed across the group."""
-        if attn_mask is not None or dropout_p:
-            raise ValueError("ContextParallel supports scaled_dot_product_attention without "
-                             "attn_mask or dropout (use is_causal)")
-        if q.shape[1] != k.shape[1] and not extra.get("enable_gqa"):
-            raise ValueError("q and k have different head counts: pass enable_gqa=True")
+        problem, seq = None, q.shape[SEQ_DIM] * self.group.size
+        if self._window is not None and seq > self._window:
+            # transformers skips the window mask when each shard is within the window
+            problem = (f"ContextParallel: the model attends within a sliding window of "
+                       f"{self._window} tokens, shorter than the {seq}-token sequence; the "
+                       "cores apply a full causal mask")
+        elif attn_mask is not None:
+            problem = (f"ContextParallel: scaled_dot_product_attention got a "
+                       f"{attn_mask.dim()}-D attn_mask (transformers builds one for padding or "
+                       "packed sequences: position_ids that jump, with use_cache=False); the "
+                       "cores apply only the causal mask of the layout: pass no attention_mask "
+                       "and keep use_cache on, see context_parallel_batch")
+        elif dropout_p:
+            problem = "ContextParallel: attention dropout is not supported (dropout_p=0)"
+        elif q.shape[1] != k.shape[1] and not extra.get("enable_gqa"):
+            problem = "q and k have different head counts: pass enable_gqa=True"
+        self._agree(problem)
         return CORES[self.method](q, k, v, self.group, causal=is_causal, layout=self.layout,
                                   scale=scale)
+
+    def _agree(self, problem):
+        """Every rank learns whether any rank cannot run this call, before any enters the ring,
+        so all refuse together instead of some waiting for a peer that raised. A one-int
+        all_reduce per attention call, off the record (a guard, not the technique's traffic;
+        its latency shows in wall time)."""
+        if self.group.size > 1:
+            ctx = context()
+            flag = torch.tensor([int(problem is not None)], device=ctx.device)
+            with ctx.off_the_record():
+                ctx.comm.all_reduce(flag, op="max", group=self.group,
+                                    tag="context parallel: can every rank run this call?")
+            if flag.item() and problem is None:
+                problem = ("ContextParallel: another rank of the group cannot run this attention "
+                           "call (see its error); stopped here so that no rank waits in the ring")
+        if problem is not None:
+            raise ValueError(problem)
 
     def forward(self, *args, **kwargs):
         if self.attention:
             return self.module(*args, **kwargs)
-        with self._router:
-            return self.module(*args, **kwargs)
+        self._inside += 1
+        try:
+            with self._router:
+                return self.module(*args, **kwargs)
+        finally:
+            self._inside -= 1
 
     def extra_repr(self):
         return f"group={list(self.group.ranks)}, layout={self.layout}, method={self.method}"
+
+
+def _sliding_window(config):
+    """The window of a transformers config whose layers attend within one (None: none do)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if window is None or (types is not None and "sliding_attention" not in types):
+        return None
+    return window if types is not None or getattr(config, "use_sliding_window", True) else None
+
+
+def _outermost(module, chosen):
+    """The modules under `module` (itself included) that `chosen` picks, none inside another."""
+    found = []
+
+    def visit(m):
+        if chosen(m):
+            found.append(m)
+            return
+        for child in m.children():
+            visit(child)
+    visit(module)
+    return found

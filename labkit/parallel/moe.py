@@ -22,12 +22,17 @@ capacity and the load-balancing loss from Switch Transformer (Fedus et al. 2021,
 arXiv 2101.03961); the router z-loss from ST-MoE (Zoph et al. 2022, arXiv 2202.08906).
 
 The layer it takes (duck-typed, any nn.Module):
-  - `layer.router` (or `layer.gate`): a module, tokens (T, h) -> logits (T, E);
+  - `layer.router` (or `layer.gate`): a module, tokens (T, h) -> logits (T, E) (or a tuple
+    whose first element they are, as transformers' current routers return);
   - `layer.experts`: an nn.ModuleList of E experts (or a ModuleDict keyed "0".."E-1"), each
     (n, h) -> (n, h); after wrapping it holds this rank's experts only, keyed by their global
     index, so parameter names stay those of the full layer (`experts.5.fc1.weight`);
   - `top_k` and `capacity_factor` on the layer or its config (`layer.moe`, `layer.config`);
-    capacity_factor None means no capacity (nothing is dropped).
+    capacity_factor None means no capacity (nothing is dropped); optional: `norm_topk_prob`
+    (renormalise the k gate weights or not) and `shared_forward(tokens)` (a dense expert every
+    token passes, added to the routed output);
+  - or a transformers sparse MoE block (Mixtral, Qwen2-MoE, either expert format), adapted and
+    checked against itself by `hf_experts.as_expert_layer`, refused in one line otherwise.
 Routing conventions (labkit.models.MoELayer's): softmax over experts, the top-k experts; top-1
 keeps the probability (Switch), top-k > 1 renormalises the k probabilities to sum to 1
 (Mixtral). Capacity C = ceil(capacity_factor * k * T_group / E) slots per expert, T_group the
@@ -52,15 +57,18 @@ import torch.nn.functional as F
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from .flat import FlatBuffer, average_gradients
+from .hf_experts import as_expert_layer, is_hf_module, router_logits
 
 
 # ----------------------------------------------------------------------------------- routing
 
-def top_k_gates(logits, top_k):
-    """softmax over experts, each token's top-k experts (best first) and their gate weights."""
+def top_k_gates(logits, top_k, normalize=None):
+    """softmax over experts, each token's top-k experts (best first) and their gate weights,
+    renormalised to sum 1 when `normalize` (None: when top_k > 1, labkit's convention)."""
     probs = logits.softmax(dim=-1)
     top_p, expert = probs.topk(top_k, dim=-1)
-    weight = top_p / top_p.sum(dim=-1, keepdim=True) if top_k > 1 else top_p
+    normalize = top_k > 1 if normalize is None else normalize
+    weight = top_p / top_p.sum(dim=-1, keepdim=True) if normalize else top_p
     return probs, expert, weight
 
 
@@ -141,12 +149,16 @@ class ExpertParallel(nn.Module):
 
     def __init__(self, moe_layer: nn.Module, group: GroupLike = None, tag: str = "moe") -> None:
         super().__init__()
+        if is_hf_module(moe_layer) or not _has_setting(moe_layer, "capacity_factor"):
+            # transformers' blocks name no capacity: re-expressed and checked (hf_experts)
+            moe_layer = as_expert_layer(moe_layer)
         self.group = context().group(group)
         self.tag = tag
         experts = _expert_list(getattr(moe_layer, "experts", None))
         self.num_experts, n = len(experts), self.group.size
         self.top_k = int(_setting(moe_layer, "top_k"))
         self.capacity_factor = _setting(moe_layer, "capacity_factor")
+        self.norm_topk_prob = _setting(moe_layer, "norm_topk_prob", None)
         check_expert_parallel(self.num_experts, self.top_k, self.capacity_factor, n)
         if _setting(moe_layer, "dense", False):
             raise ValueError("ExpertParallel: a dense-dispatch layer runs every expert on "
@@ -172,8 +184,8 @@ class ExpertParallel(nn.Module):
         E, k, n = self.num_experts, self.top_k, self.group.size
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        logits = getattr(self.module, self._router_name)(tokens)
-        probs, expert, weight = top_k_gates(logits, k)
+        logits = router_logits(getattr(self.module, self._router_name), tokens)
+        probs, expert, weight = top_k_gates(logits, k, self.norm_topk_prob)
         # 1. every rank's routing counts: the group's queue, the same on every rank
         mine = torch.cat([choice_counts(expert, E).flatten(),
                           torch.tensor([tokens.shape[0]], device=tokens.device)])
@@ -204,6 +216,8 @@ class ExpertParallel(nn.Module):
                                f"{tag} combine")
         # 4. home again: weight by the gates and sum a token's choices
         out = torch.zeros_like(tokens).index_add(0, tok, done * weight[tok, choice, None])
+        if hasattr(self.module, "shared_forward"):   # a shared expert every token passes
+            out = out + self.module.shared_forward(tokens)
         self._router_losses(logits, probs, counts, group_tokens)
         self.routing = dict(load=counts[group.rank].sum(dim=0), dropped=int((~kept).sum()),
                             capacity=slots, sent=sum(send), received=sum(recv))
@@ -340,6 +354,11 @@ def parameter_counts(model):
 
 
 # ------------------------------------------------------------------------ the duck type
+
+def _has_setting(layer, name):
+    return any(h is not None and hasattr(h, name) for h in (
+        layer, getattr(layer, "moe", None), getattr(layer, "config", None)))
+
 
 def _setting(layer, name, default=...):
     for holder in (layer, getattr(layer, "moe", None), getattr(layer, "config", None)):

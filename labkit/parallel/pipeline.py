@@ -16,7 +16,7 @@ Communication per step, point to point only: each stage boundary carries every m
 activation forward and its gradient back (2 x batch x boundary-activation bytes per boundary).
 Idle share (bubble) with equal stages and free links: (P-1)/(V*M + P-1).
 
-    stages = split_into_stages(model, 4)                   # nn.Sequential, or labkit's GPT
+    stages = split_into_stages(model, 4)    # nn.Sequential, labkit's GPT, a transformers LM
     stage = PipelineStage(stages[rank], rank, 4, group=pp_group)
     pipe = PipelineSchedule(stage, "1f1b", loss_fn, n_microbatches=8)
     loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
@@ -31,6 +31,7 @@ import torch.nn as nn
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from ..theory import pipeline as schedules
+from .hf_stages import hf_as_sequential, is_hf_model, sum_tied_gradients, untie_across_stages
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 HEADER_SLOTS = 8  # a shape header: dtype code, number of dims, up to 6 dims (int64)
@@ -39,13 +40,17 @@ HEADER_SLOTS = 8  # a shape header: dtype code, number of dims, up to 6 dims (in
 def split_into_stages(model, num_stages, balance="params"):
     """Cut `model` into `num_stages` contiguous nn.Sequential stages (modules shared, not copied).
 
-    model: an nn.Sequential (its children are the layers), or a model with `as_sequential()`
-    (labkit's TinyGPT: embeddings, each block, norm + head). balance: "params" (the heaviest
+    model: an nn.Sequential (its children are the layers), a model with `as_sequential()`
+    (labkit's TinyGPT: embeddings, each block, norm + head), or a transformers causal LM
+    (Llama/Mistral/Qwen2, GPT-2: see hf_stages; a tied embedding and head on two stages get
+    two copies whose gradients the schedule sums). balance: "params" (the heaviest
     stage as light as possible by parameter count), "layers" (equal numbers of layers), or a
     list of layers per stage. Stage s runs on group rank s % P; a parameter shared by two stages
     (tied weights) is refused, since its two gradients would need an extra all-reduce.
     """
-    layers = model.as_sequential() if hasattr(model, "as_sequential") else model
+    hf = is_hf_model(model)
+    layers = (hf_as_sequential(model) if hf else
+              model.as_sequential() if hasattr(model, "as_sequential") else model)
     if not isinstance(layers, nn.Sequential):
         raise TypeError(f"split_into_stages cuts an nn.Sequential (or a model with "
                         f"as_sequential()), not a {type(model).__name__}: put its layers in "
@@ -66,6 +71,8 @@ def split_into_stages(model, num_stages, balance="params"):
     for size in sizes:
         stages.append(layers[start:start + size])
         start += size
+    if hf:
+        untie_across_stages(stages)
     owner = {}
     for index, stage in enumerate(stages):
         for name, p in stage.named_parameters():
@@ -178,6 +185,7 @@ class PipelineSchedule:
         for kind, m, c in self.ops:
             (run.forward if kind == "F" else run.backward)(m, self.by_chunk[c])
         run.finish()
+        sum_tied_gradients(self.stages, self.group, self.ctx.comm, self.ctx.device)
         if not has_last:
             return None
         step_losses = [run.losses[m] for m in range(self.n_microbatches)]
