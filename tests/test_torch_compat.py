@@ -282,3 +282,7 @@ def test_torchs_order_is_read_or_refused_in_one_line(monkeypatch):
     monkeypatch.delattr(kind, "_calculate_single_rank_operations")
     with pytest.raises(RuntimeError, match=r"^[^\n]*no ScheduleZBVZeroBubble order[^\n]*$"):
         zero_bubble.torch_order("ScheduleZBVZeroBubble", 2, 4)
+    with pytest.warns(RuntimeWarning, match="ScheduleZBVZeroBubble left out"):   # lesson 02
+        assert zero_bubble.readable_torch_orders() == ["ScheduleDualPipeV"]
+    monkeypatch.undo()
+    assert zero_bubble.readable_torch_orders() == list(zero_bubble.TORCH_V_SCHEDULES)

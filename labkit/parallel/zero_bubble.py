@@ -186,6 +186,21 @@ def torch_actions(name, stages, microbatches):
     return actions
 
 
+def readable_torch_orders():
+    """The names in TORCH_V_SCHEDULES whose order this torch lets labkit read; each of the
+    others is said in one line (a warning) and left out of a comparison."""
+    import warnings
+
+    readable = []
+    for name in TORCH_V_SCHEDULES:
+        try:
+            torch_actions(name, 2, 4)
+            readable.append(name)
+        except (RuntimeError, ImportError) as why:
+            warnings.warn(f"{name} left out: {why}", RuntimeWarning, stacklevel=2)
+    return readable
+
+
 def torch_order(name, stages, microbatches):
     """`torch_actions` as a `labkit.theory.pipeline_layouts.LaidOut` on the "v" layout
     (torch's I: B; its full backward B: a slot B, W; its OVERLAP_F_B: a slot F, B, W)."""
