@@ -27,8 +27,13 @@ pipeline_actions(...)         a torch schedule's private order    None: torch's 
 optimizer_global_hooks()      torch.optim.optimizer._global_...   None: optimizer steps counted
                                                                   inside the region (same count)
 
-Each name is looked up when this module is imported; tests/test_torch_compat.py deletes each
-private name, reloads this module (`importlib.reload`) and checks the fallback's answer.
+Not guarded, because nothing breaks: runtime/processes.py names torch._dynamo as a module for
+the forkserver to preload (it skips one it cannot import), and runtime/comm.py takes the older
+public collective names where the newer ones are missing.
+
+Each name is looked up once, when this module is imported (the ones in hot paths), or when
+asked for; tests/test_torch_compat.py checks that a name torch lacks is looked up as None, and
+with each name taken away, that its fallback gives the right answer.
 """
 import importlib
 import itertools
