@@ -10,8 +10,8 @@ STAMP := $(VENV)/.installed-labkit
 
 install: $(STAMP)
 
-# torch is pinned, and installed first so that nothing else picks another torch. Where it comes
-# from, TORCH_INDEX (make lab TORCH_INDEX=cpu):
+# torch is pinned here (pyproject.toml accepts the tested range), and installed first so that
+# nothing else picks another torch. Where it comes from, TORCH_INDEX (make lab TORCH_INDEX=cpu):
 #   auto     (default) PyTorch's CPU wheel index on Linux without nvidia-smi: PyPI's Linux torch
 #            bundles CUDA (GBs a laptop does not need); elsewhere pip's own index (macOS and
 #            Windows wheels on PyPI are CPU builds already)

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime.comm import GroupLike
+from ..runtime import torch_compat
 from ..runtime.context import context
 from .flat import FlatBuffer, bucket_params
 
@@ -133,7 +134,7 @@ class DataParallel(nn.Module):
                 self._reset_round()
             self._collecting = True
             # Like DDP: wait for the buckets when the autograd engine finishes this backward.
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            torch_compat.queue_callback(self._end_of_backward)
         bucket = self._bucket_of[p]
         view = bucket.view(p)
         if self.gradient_as_bucket_view:

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime.comm import GroupLike
+from ..runtime import torch_compat
 from ..runtime.context import context
 from .fully_shard_layout import _make_units, _GatherOnUse, _BeforeBackward, _map_tensors
 from ..theory import hardware   # PCIe numbers for the modelled host <-> device copies
@@ -175,8 +176,7 @@ class FullyShard(nn.Module):
     def _pre_backward(self, unit):
         if not self._backward_started:   # like DDP: finish by itself when backward ends
             self._backward_started = True
-            torch.autograd.Variable._execution_engine.queue_callback(
-                self.finish_gradient_synchronization)
+            torch_compat.queue_callback(self.finish_gradient_synchronization)
         for u in unit.needs:
             self._gather(u)
         if self.prefetch and unit in self._order:

@@ -26,13 +26,13 @@ compared (labkit.theory.pipeline_layouts; bench/zero_bubble.py times torch's aga
 """
 import torch
 
+from ..runtime import torch_compat
 from ..runtime.context import context
-
-try:   # PyTorch's B/W split (what its ScheduleZBVZeroBubble runs)
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-except ImportError:           # an older or newer torch: the walk-again fallback below
-    stage_backward_input = stage_backward_weight = None
 from ..theory import pipeline as schedules
+
+# PyTorch's B/W split (what its ScheduleZBVZeroBubble runs); (None, None) on a torch without it:
+# the walk-again fallback below
+stage_backward_input, stage_backward_weight = torch_compat.pipelining_backward()
 
 
 class ZeroBubbleSchedule:
@@ -173,19 +173,32 @@ def torch_actions(name, stages, microbatches):
     stages per rank in a V), P = `stages` ranks and M micro-batches: per rank its list of
     actions (e.g. `0F3`, `7I0`, `(0F7;7B3)OVERLAP_F_B`), computed as every rank computes it at
     construction, here without ranks or a process group (torch's private
-    `_calculate_single_rank_operations`)."""
+    `_calculate_single_rank_operations`, through runtime/torch_compat.py)."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
     if name not in TORCH_V_SCHEDULES:
         raise ValueError(f"name must be one of {TORCH_V_SCHEDULES}, not {name!r}")
     kind = getattr(torch_schedules, name, None)
-    if kind is None or not hasattr(kind, "_calculate_single_rank_operations"):
-        raise RuntimeError(f"this torch ({torch.__version__}) has no {name} order to read")
-    schedule = object.__new__(kind)              # no stages, no group: the order only
-    schedule.pp_group_size, schedule._n_microbatches = stages, microbatches
-    schedule.num_stages = schedule._num_stages = 2 * stages
-    return [[a for a in schedule._calculate_single_rank_operations(rank) if a is not None]
-            for rank in range(stages)]
+    actions = None if kind is None else torch_compat.pipeline_actions(kind, stages, microbatches)
+    if actions is None:
+        raise RuntimeError(f"this torch ({torch.__version__}) has no {name} order that labkit "
+                           "can read: compare labkit's own orders (ZB-H1, DualPipe) instead")
+    return actions
+
+
+def readable_torch_orders():
+    """The names in TORCH_V_SCHEDULES whose order this torch lets labkit read; each of the
+    others is said in one line (a warning) and left out of a comparison."""
+    import warnings
+
+    readable = []
+    for name in TORCH_V_SCHEDULES:
+        try:
+            torch_actions(name, 2, 4)
+            readable.append(name)
+        except (RuntimeError, ImportError) as why:
+            warnings.warn(f"{name} left out: {why}", RuntimeWarning, stacklevel=2)
+    return readable
 
 
 def torch_order(name, stages, microbatches):

@@ -15,11 +15,14 @@ What costs is that every op makes a round trip through Python (a few microsecond
 - the step of one of torch.optim's own optimizers (SGD, Adam, AdamW, ...; no closure, no step
   hooks) runs outside the counter: their updates are elementwise, which no formula counts, so
   the count is the same without the round trip of each of their many small ops.
+The private torch names this needs are looked up in runtime/torch_compat.py; without them the
+count is FlopCounterMode's own (the same totals, slower).
 """
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils.flop_counter import (FlopCounterMode, flop_registry, sdpa_backward_flop_count,
                                       sdpa_flop_count, shape_wrapper)
+
+from . import torch_compat
 
 # Ops are looked up by id (an OpOverload hashes in Python, slowly; ops live as long as the process).
 _PLAIN = {}      # id(op) -> its kernel: an op with no FLOP formula and no decomposition
@@ -28,28 +31,27 @@ _COUNTS = {}     # (op, shapes and plain arguments) -> the FLOPs its formula ans
 _MAX_COUNTS = 50_000
 
 
-@shape_wrapper
 def _cpu_attention(query, key, value, *args, out_shape=None, **kwargs):
     return sdpa_flop_count(query, key, value)
 
 
-@shape_wrapper
 def _cpu_attention_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
 def _cpu_formulas():
-    """The CPU attention kernels' formulas, where this torch has those kernels."""
+    """The CPU attention kernels' formulas (on shapes), where this torch has those kernels."""
     aten = torch.ops.aten
     names = {"_scaled_dot_product_flash_attention_for_cpu": _cpu_attention,
              "_scaled_dot_product_flash_attention_for_cpu_backward": _cpu_attention_backward}
     return {getattr(aten, n): f for n, f in names.items() if hasattr(aten, n)}
 
 
-_CPU_FORMULAS = _cpu_formulas()
+_CPU_SHAPE_FORMULAS = _cpu_formulas()   # FlopCounterMode's custom_mapping wraps them itself
+_CPU_FORMULAS = {op: shape_wrapper(f) for op, f in _CPU_SHAPE_FORMULAS.items()}
 
 
-class _FlopCounter(TorchDispatchMode):
+class _FlopCounter(torch_compat.dispatch_mode_class() or object):
     """FlopCounterMode's count, without its per-module bookkeeping.
 
     Every op that reaches the dispatcher passes through here (that is what costs); ops with a
@@ -76,7 +78,7 @@ class _FlopCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         formula = _FORMULAS.get(id(func))
         if formula is None:
-            if isinstance(func, torch._ops.HigherOrderOperator):
+            if torch_compat.is_higher_order_op(func):
                 with FlopCounterMode(display=False) as counter:
                     out = func(*args, **kwargs)
                 self.flops += counter.get_total_flops()
@@ -86,12 +88,14 @@ class _FlopCounter(TorchDispatchMode):
             formula = (flop_registry.get(func._overloadpacket)
                            or _CPU_FORMULAS.get(func._overloadpacket))
             if formula is None:
-                if func is not torch.ops.prim.device.default and _decomposes(func):
+                decomposes = (func is not torch.ops.prim.device.default
+                              and torch_compat.has_composite_implicit(func))
+                if decomposes is not False:   # True, or None: this torch cannot tell, try
                     with self:
                         out = func.decompose(*args, **kwargs)
                     if out is not NotImplemented:
                         return out
-                else:
+                if decomposes is not True:
                     _PLAIN[id(func)] = func._op
                 return func(*args, **kwargs)
             _FORMULAS[id(func)] = formula
@@ -135,13 +139,6 @@ def _shapes_key(func, formula, args, kwargs, out):
     return tuple(key)
 
 
-def _decomposes(func):
-    """Whether FlopCounterMode would decompose `func` (it has a CompositeImplicit kernel)."""
-    key = torch._C.DispatchKey.CompositeImplicitAutograd
-    return key in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(),
-                                                                                   key)
-
-
 def _ignored_ops():
     if _FlopCounter._ignored is None:
         aten, prim = torch.ops.aten, torch.ops.prim
@@ -164,11 +161,31 @@ ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax
                           "RAdam", "RMSprop", "Rprop", "ASGD")
 
 
+class _PublicCounter:
+    """The fallback where this torch has no TorchDispatchMode for labkit: the public
+    FlopCounterMode (with the CPU attention formulas), read as `.flops` like _FlopCounter."""
+
+    def __init__(self):
+        self.mode = FlopCounterMode(display=False, custom_mapping=_CPU_SHAPE_FORMULAS)
+
+    @property
+    def flops(self):
+        return self.mode.get_total_flops()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
 def start_counting():
     """A counter for a compute region, counting from now."""
     global _active
     _install_optimizer_hooks()
-    counter = _FlopCounter()
+    public = torch_compat.dispatch_mode_class() is None
+    counter = _PublicCounter() if public else _FlopCounter()
     counter.__enter__()
     _active = counter
     return counter
@@ -200,7 +217,8 @@ def _before_step(optimizer, args, kwargs):
     global _suspended
     counter = _active
     if (counter is None or type(optimizer) not in _optimizer_classes or len(args) > 1 or kwargs
-            or _get_current_dispatch_mode() is not counter or not _only_our_hooks(optimizer)):
+            or torch_compat.current_dispatch_mode() is not counter
+            or not _only_our_hooks(optimizer)):
         return None
     counter.__exit__(None, None, None)
     _suspended = counter
@@ -215,11 +233,10 @@ def _after_step(optimizer, args, kwargs):
 
 
 def _only_our_hooks(optimizer):
-    try:
-        from torch.optim.optimizer import _global_optimizer_post_hooks as post
-        from torch.optim.optimizer import _global_optimizer_pre_hooks as pre
-    except ImportError:
+    hooks = torch_compat.optimizer_global_hooks()
+    if hooks is None:
         return False
+    pre, post = hooks
     return (len(pre) == 1 and len(post) == 1
             and not getattr(optimizer, "_optimizer_step_pre_hooks", True)
             and not getattr(optimizer, "_optimizer_step_post_hooks", True))

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from . import torch_compat
+
 TensorSource = Callable[[], Iterable[torch.Tensor]]   # a category's source: returns its tensors
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -260,7 +262,7 @@ class MemoryTracker:
         self._grads = self._grads_node = self._grads_seen = None
 
     def _update_peak(self, phase):
-        node = torch._C._current_autograd_node()   # None outside backward
+        node = torch_compat.current_autograd_node()   # None outside backward
         if self._grads is None or node is not self._grads_node:
             grads = list(self.sources["grads"]())
             # The same tensors at the same addresses (ids and data pointers, so that no
