@@ -114,10 +114,13 @@ class Engine:
 
     policy: "static" or "continuous"; max_batch: most requests running at once; chunk: at most
     this many prompt tokens per step (None: whole prompts); clock / sleep: time (seconds) and
-    waiting for the next arrival; on_finish(done, total): progress callback."""
+    waiting for the next arrival; on_finish(done, total): progress callback. step_time: a
+    function [(new tokens, cached tokens) per request] -> seconds: time is then modelled
+    (virtual: each step advances it by that much, waiting jumps to the next arrival), so the
+    latencies are those of the modelled machine while the tokens are still computed here."""
 
     def __init__(self, model, cache, policy="continuous", max_batch=8, chunk=None,
-                 clock=time.perf_counter, sleep=time.sleep, on_finish=None):
+                 clock=time.perf_counter, sleep=time.sleep, on_finish=None, step_time=None):
         check_model(model)
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -128,7 +131,13 @@ class Engine:
         self.model, self.cache, self.policy = model, cache, policy
         self.max_batch, self.chunk = max_batch, chunk
         self.clock, self.sleep, self.on_finish = clock, sleep, on_finish
+        self.step_time, self.virtual_s = step_time, 0.0
+        if step_time is not None:
+            self.clock, self.sleep = (lambda: self.virtual_s), self._wait_virtual
         self.steps = []     # per step: time, tokens, prefill tokens, decodes, batch, kv stats
+
+    def _wait_virtual(self, seconds):
+        self.virtual_s += seconds
 
     def _admit(self, waiting, running, now):
         if self.policy == "static" and running:
@@ -186,6 +195,8 @@ class Engine:
             pieces = self._grow(running, self._pieces(running))
             logits = ragged_forward(self.model, [(r.id, r.sequence()[r.cached:r.cached + t],
                                                   r.cached) for r, t in pieces], self.cache)
+            if self.step_time is not None:
+                self.virtual_s += self.step_time([(t, r.cached) for r, t in pieces])
             now = self.clock() - start
             self.steps.append(dict(time_s=now, batch=len(running),
                                    tokens=sum(t for _, t in pieces),

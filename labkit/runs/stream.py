@@ -14,6 +14,7 @@ blocks, mean bytes reserved but unused over the steps; measured) and the peak re
 All latencies are measured wall seconds on these CPU ranks.
 """
 import time
+from functools import partial
 from dataclasses import dataclass, field, asdict
 
 import torch
@@ -25,7 +26,7 @@ from ..parallel.serving import generate
 from ..parallel.tensor_parallel import parallelize
 from ..parallel.tensor_parallel_plan import gpt_plan
 from ..runtime.launch import launch
-from ..theory import serving_stream as theory
+from ..theory import catalog, hardware, serving_stream as theory
 
 
 @dataclass
@@ -46,6 +47,8 @@ class StreamConfig:
     replicas: int = 1
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    time_model: str | None = None      # a catalog model: latencies modelled for it on time_gpu
+    time_gpu: str = "H100"
     seed: int = 0
     model_kwargs: dict = field(default_factory=dict)
 
@@ -77,6 +80,8 @@ def check_config(cfg):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
     if cfg.chunk is not None and cfg.chunk < 1:
         raise ValueError(f"--chunk must be a positive number of prompt tokens, got {cfg.chunk}")
+    if cfg.time_model:
+        step_time(cfg)          # names an unknown model or GPU before ranks start
     stream = cfg.stream()       # checks --requests, --rate and the lengths
     c = cfg.gpt_config(stream)
     if c.heads % cfg.tp:
@@ -85,6 +90,21 @@ def check_config(cfg):
     if cfg.kv_tokens is not None and cfg.kv_tokens < (need if cfg.paged else c.seq):
         raise ValueError(f"--kv-tokens {cfg.kv_tokens} holds not even one request "
                          f"({need if cfg.paged else c.seq} slots)")
+
+
+def step_time(cfg):
+    """The modelled step time of cfg.time_model on one cfg.time_gpu (None: wall clock)."""
+    if not cfg.time_model:
+        return None
+    return partial(theory.modelled_step_s, catalog.model(cfg.time_model),
+                   hardware.gpu(cfg.time_gpu))
+
+
+def latency_source(cfg):
+    if cfg.time_model:
+        return (f"modelled: {cfg.time_model} on one {cfg.time_gpu} (roofline per step); the "
+                "tokens computed here by the tiny GPT")
+    return "measured: wall seconds on CPU ranks"
 
 
 def prompts(cfg, stream):
@@ -119,9 +139,10 @@ def serve(ctx, cfg):
     scratch = PagedKVCache(gpt.layers, gpt.hidden // cfg.tp, 1, gpt.seq)   # warm-up, untimed
     scratch.reserve(0, gpt.seq)
     ragged_forward(model, [(0, torch.zeros(gpt.seq, dtype=torch.int64), 0)], scratch)
-    clock = synced_clock(mesh["tp"]) if cfg.tp > 1 else time.perf_counter
+    clock = synced_clock(mesh["tp"]) if cfg.tp > 1 and not cfg.time_model else time.perf_counter
     engine = Engine(model, cache, cfg.policy, cfg.max_batch, cfg.chunk, clock=clock,
-                    on_finish=lambda done, total: ctx.progress(done, total))
+                    on_finish=lambda done, total: ctx.progress(done, total),
+                    step_time=step_time(cfg))
     done = engine.run(mine)
     return dict(rank=ctx.rank, tp_rank=mesh.coords["tp"], backend=ctx.backend,
                 requests=[dict(id=r.id, tokens=r.generated, token_times=r.token_times,
@@ -163,7 +184,9 @@ def report(cfg=None, timeout_s=300):
               wasted_fraction=sum(1 - s["kv"]["tokens"] / max(1, s["kv"]["reserved_tokens"])
                                   for s in steps) / len(steps),
               pool_bytes=steps[0]["kv"]["pool_bytes"], bytes_per_slot=leaders[0]["bytes_per_slot"])
-    summary = theory.summarise(records, cfg.ttft_ms, cfg.tpot_ms)
+    gaps = [b - a for q in served.values()
+            for a, b in zip(q["token_times"], q["token_times"][1:])]
+    summary = theory.summarise(records, cfg.ttft_ms, cfg.tpot_ms, gaps)
     return dict(technique="serve", mode="stream", world_size=cfg.world_size,
                 backend=results[0]["backend"], config=cfg.as_dict(), requests=records,
                 latency=summary["latency"], throughput_tokens_per_s=summary[
@@ -173,7 +196,7 @@ def report(cfg=None, timeout_s=300):
                 kv_blocks=kv, peak_running=max(s["batch"] for s in steps),
                 steps=len(steps), step_tokens_max=max(s["tokens"] for s in steps),
                 preemptions=sum(r["preemptions"] for r in records), wall_s=wall,
-                measured="latencies and throughput: wall seconds on CPU ranks")
+                latency_source=latency_source(cfg))
 
 
 def format_report(r):
@@ -185,11 +208,11 @@ def format_report(r):
                                                if c["chunk"] else "")
              + f" on {r['world_size']} rank(s) (tp {c['tp']}, replicas {c['replicas']})",
              f"tokens differing from each request served alone: {r['tokens_differing']}",
-             "latency (measured, ms)    p50       p99"]
-    for k in ("ttft_s", "tpot_s", "e2e_s"):
+             f"latency ({r['latency_source']})", "  ms                      p50       p99"]
+    for k in [k for k in ("ttft_s", "tpot_s", "tbt_s", "e2e_s") if k in lat]:
         lines.append(f"  {k[:-2].upper():<22}{lat[k]['p50'] * 1e3:8.1f}  {lat[k]['p99'] * 1e3:8.1f}")
     g = r["goodput"]
-    lines += [f"throughput {r['throughput_tokens_per_s']:.1f} output tokens/s (measured); "
+    lines += [f"throughput {r['throughput_tokens_per_s']:.1f} output tokens/s; "
               f"goodput {g['requests_per_s']:.2f} req/s ({g['fraction']:.0%} within SLO "
               f"ttft {g['ttft_ms']} ms, tpot {g['tpot_ms']} ms)",
               f"KV: peak {kv['used']} of {kv['total']} blocks, mean {kv['wasted_bytes']:.0f} "
@@ -212,14 +235,21 @@ def add_arguments(parser):
     g.add_argument("--chunk", type=int, default=None, help="prompt tokens per step (chunked)")
     g.add_argument("--stream-prompt-len", type=int, nargs=2, default=(8, 32), metavar=("LO", "HI"))
     g.add_argument("--stream-output-len", type=int, nargs=2, default=(4, 16), metavar=("LO", "HI"))
+    g.add_argument("--time-model", default=None,
+                   help="latencies modelled for this catalog model (e.g. llama-3-8b)")
+    g.add_argument("--time-gpu", default="H100", help="the GPU of --time-model")
     g.add_argument("--ttft-ms", type=float, default=None, help="goodput's TTFT limit")
     g.add_argument("--tpot-ms", type=float, default=None, help="goodput's TPOT limit")
 
 
 def config_from_args(args, shape):
+    if getattr(args, "pp", 1) > 1 or getattr(args, "experts", 0):
+        raise ValueError("--requests serves the dense GPT with --tp and --replicas (not --pp "
+                         "or --experts)")
     return StreamConfig(
         requests=args.requests, rate=args.rate, trace=args.trace, policy=args.policy,
         max_batch=args.max_batch, paged=args.paged, block_size=args.block_size,
         kv_tokens=args.kv_tokens, chunk=args.chunk, tp=args.tp, replicas=args.replicas,
         prompt_len=tuple(args.stream_prompt_len), output_len=tuple(args.stream_output_len),
-        ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, seed=args.seed, model_kwargs=shape)
+        ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, time_model=args.time_model,
+        time_gpu=args.time_gpu, seed=args.seed, model_kwargs=shape)

@@ -29,6 +29,8 @@ import math
 import random
 from pathlib import Path
 
+from . import serving as model_serving
+
 
 # ------------------------------------------------------------------------------ the stream
 
@@ -92,12 +94,15 @@ def request_metrics(arrival_s, token_times, output):
     return dict(ttft_s=first - arrival_s, tpot_s=tpot, e2e_s=last - arrival_s)
 
 
-def summarise(records, ttft_ms=None, tpot_ms=None):
+def summarise(records, ttft_ms=None, tpot_ms=None, gaps=()):
     """latency{ttft_s, tpot_s, e2e_s -> {p50, p99}}, throughput and goodput of finished
-    requests (each a dict with arrival_s, output, ttft_s, tpot_s, e2e_s)."""
-    latency = {k: dict(p50=percentile([r[k] for r in records], 50),
-                       p99=percentile([r[k] for r in records], 99))
-               for k in ("ttft_s", "tpot_s", "e2e_s")}
+    requests (each a dict with arrival_s, output, ttft_s, tpot_s, e2e_s); with `gaps` (the
+    seconds between consecutive tokens of every request) also tbt_s, the time between tokens
+    whose p99 shows a decode stalled behind a prefill (Sarathi-Serve's measure)."""
+    columns = {k: [r[k] for r in records] for k in ("ttft_s", "tpot_s", "e2e_s")}
+    if gaps:
+        columns["tbt_s"] = list(gaps)
+    latency = {k: dict(p50=percentile(v, 50), p99=percentile(v, 99)) for k, v in columns.items()}
     start = min(r["arrival_s"] for r in records)
     span = max(r["arrival_s"] + r["e2e_s"] for r in records) - start
     ok = [r for r in records
@@ -156,3 +161,19 @@ def decode_stall_tokens(prompt_len, chunk=None):
     """Prefill tokens the running decodes wait behind in one step: the whole prompt without
     chunking, at most `chunk` with it (Sarathi-Serve's stall-free batching)."""
     return prompt_len if chunk is None else min(chunk, prompt_len)
+
+
+# ------------------------------------------------------------------------------ a modelled step
+
+def modelled_step_s(model, gpu, pieces, weights_bytes=2, kv_dtype="bf16"):
+    """Modelled seconds of one ragged step of `model` (a catalog ModelShape) on one `gpu`
+    (hardware.GPU): pieces = [(new tokens, tokens already cached)] of the requests in it.
+    Roofline (Williams et al. 2009): max(FLOPs / matmul rate, bytes / HBM bandwidth), FLOPs =
+    2 x active params x tokens + attention 4 x layers x hidden x new x (cached + (new + 1)/2),
+    bytes = the weights once + every piece's keys and values read and written."""
+    tokens = sum(n for n, _ in pieces)
+    attention = sum(4 * model.layers * model.hidden * n * (c + (n + 1) / 2) for n, c in pieces)
+    flops = 2 * model.active_param_count() * tokens + attention
+    kv = model_serving.kv_bytes_per_token(model, kv_dtype) * sum(c + n for n, c in pieces)
+    rate = gpu.mamf_bf16_flops or gpu.bf16_flops
+    return max(flops / rate, (model.param_count() * weights_bytes + kv) / gpu.memory_bw)
