@@ -151,6 +151,24 @@ def serve(ctx, cfg):
                 bytes_per_slot=cache.bytes_per_slot)
 
 
+def serve_locally(cfg):
+    """The whole stream on this process (one device, no ranks): (records, summary, engine),
+    for lessons and explorers; latencies modelled when cfg.time_model is set."""
+    check_config(cfg)
+    stream = cfg.stream()
+    gpt = cfg.gpt_config(stream)
+    model = models.build("gpt", seed=cfg.seed, **gpt.as_dict()).eval()
+    ids = prompts(cfg, stream)
+    cache = make_cache(cfg, gpt, gpt.hidden)
+    engine = Engine(model, cache, cfg.policy, cfg.max_batch, cfg.chunk, step_time=step_time(cfg))
+    done = {r.id: r for r in engine.run([Request(r["id"], ids[r["id"]], r["output"],
+                                                 r["arrival_s"]) for r in stream])}
+    records = [dict(r, preemptions=done[r["id"]].preemptions, **theory.request_metrics(
+        r["arrival_s"], done[r["id"]].token_times, r["output"])) for r in stream]
+    gaps = [b - a for q in done.values() for a, b in zip(q.token_times, q.token_times[1:])]
+    return records, theory.summarise(records, cfg.ttft_ms, cfg.tpot_ms, gaps), engine
+
+
 def reference_tokens(cfg, stream):
     """Each request's greedy tokens generated alone on one device (lesson 09's generate)."""
     model = models.build("gpt", seed=cfg.seed, **cfg.gpt_config(stream).as_dict()).eval()
