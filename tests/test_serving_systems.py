@@ -69,7 +69,8 @@ def test_metrics_by_hand():
             dict(arrival_s=1.0, output=6, ttft_s=0.5, tpot_s=0.01, e2e_s=1.0)]
     s = theory.summarise(recs, ttft_ms=200, tpot_ms=20)
     assert s["duration_s"] == 2.0 and s["throughput_tokens_per_s"] == 5.0
-    assert s["goodput"]["fraction"] == 0.5 and s["goodput"]["requests_per_s"] == 0.5   # 1 of 2 in 2 s
+    # one of the two meets both limits, in 2 s
+    assert s["goodput"]["fraction"] == 0.5 and s["goodput"]["requests_per_s"] == 0.5
     with pytest.raises(ValueError, match="rate"):
         theory.poisson_stream(4, 0)
 
@@ -266,3 +267,21 @@ def test_cli_stream_json():
     bad = subprocess.run([sys.executable, "-m", "labkit", "run", "serve", "--requests", "4",
                           "--pp", "2"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--pp" in bad.stderr
+
+
+def test_gather_checker_names_the_contiguous_slip():
+    from labkit.exercises import reset_hints, serving_systems as ex
+    reset_hints()
+    assert ex.check_gather_blocks(ex.gather_blocks, verbose=False)
+
+    def as_if_contiguous(pool, table, length, block_size):
+        return pool.reshape(-1, pool.shape[-1])[table[0] * block_size:][:length]
+    bad = ex.check_gather_blocks(as_if_contiguous, verbose=False)
+    assert not bad and "wherever the pool had room" in bad.message and "Hint" in bad.message
+
+    def whole_blocks(pool, table, length, block_size):
+        return pool[torch.tensor(table)].reshape(-1, pool.shape[-1])
+    bad = ex.check_gather_blocks(whole_blocks, verbose=False)
+    assert bad.problem == "shape" and "cut to `length` rows" in bad.message
+    wasted = ex.check_wasted_bytes(None, None, verbose=False)
+    assert not wasted and "No answer yet" in wasted.message

@@ -113,4 +113,4 @@ def check_requests_that_fit(answer, verbose=True):
         mistakes=[Mistake(c["budget_tokens"] // c["length"], "no rounding up",
                           "a request holds whole blocks: ceil(300 / 16) = 19, not 18.75"),
                   Mistake(contiguous, "contiguous", "that is the cache reserving 4,096 each")],
-        explain=f"against {contiguous} when each reserves the maximum length of 4,096.")
+        explain=f"A cache reserving the maximum length of 4,096 per request fits {contiguous}.")

@@ -177,6 +177,17 @@ def reference_tokens(cfg, stream):
             for r in stream}
 
 
+def kv_summary(steps):
+    """The cache over a run's steps (measured): blocks, pool bytes, and the bytes and fraction
+    of reserved slots holding nothing, averaged over the steps."""
+    kv = [s["kv"] for s in steps]
+    return dict(used=max(k["used"] for k in kv), total=kv[0]["total"],
+                block_size=kv[0]["block_size"], pool_bytes=kv[0]["pool_bytes"],
+                wasted_bytes=sum(k["wasted_bytes"] for k in kv) / len(kv),
+                wasted_fraction=sum(1 - k["tokens"] / max(1, k["reserved_tokens"])
+                                    for k in kv) / len(kv))
+
+
 def report(cfg=None, timeout_s=300):
     """Serve the stream on ranks, compare every request with one device, return the report."""
     cfg = cfg or StreamConfig()
@@ -196,12 +207,8 @@ def report(cfg=None, timeout_s=300):
                                              r["output"]))
                for r in stream]
     steps = [s for r in leaders for s in r["steps"]]
-    kv = dict(used=max(r["peak_blocks"] for r in leaders), total=steps[0]["kv"]["total"],
-              block_size=steps[0]["kv"]["block_size"],
-              wasted_bytes=sum(s["kv"]["wasted_bytes"] for s in steps) / len(steps),
-              wasted_fraction=sum(1 - s["kv"]["tokens"] / max(1, s["kv"]["reserved_tokens"])
-                                  for s in steps) / len(steps),
-              pool_bytes=steps[0]["kv"]["pool_bytes"], bytes_per_slot=leaders[0]["bytes_per_slot"])
+    kv = dict(kv_summary(steps), used=max(r["peak_blocks"] for r in leaders),
+              bytes_per_slot=leaders[0]["bytes_per_slot"])
     gaps = [b - a for q in served.values()
             for a, b in zip(q["token_times"], q["token_times"][1:])]
     summary = theory.summarise(records, cfg.ttft_ms, cfg.tpot_ms, gaps)
@@ -228,7 +235,8 @@ def format_report(r):
              f"tokens differing from each request served alone: {r['tokens_differing']}",
              f"latency ({r['latency_source']})", "  ms                      p50       p99"]
     for k in [k for k in ("ttft_s", "tpot_s", "tbt_s", "e2e_s") if k in lat]:
-        lines.append(f"  {k[:-2].upper():<22}{lat[k]['p50'] * 1e3:8.1f}  {lat[k]['p99'] * 1e3:8.1f}")
+        p50, p99 = lat[k]["p50"] * 1e3, lat[k]["p99"] * 1e3
+        lines.append(f"  {k[:-2].upper():<22}{p50:8.1f}  {p99:8.1f}")
     g = r["goodput"]
     lines += [f"throughput {r['throughput_tokens_per_s']:.1f} output tokens/s; "
               f"goodput {g['requests_per_s']:.2f} req/s ({g['fraction']:.0%} within SLO "

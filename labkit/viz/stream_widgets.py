@@ -41,8 +41,11 @@ def stream_figure(runs, source="modelled", keys=(("ttft_s", "TTFT"), ("tbt_s", "
     n = len(runs)
     fig = plt.figure(figsize=(4.2 * n + 4, 4.6))
     grid = fig.add_gridspec(len(keys), n + 1, width_ratios=[1] * n + [0.9])
+    first = None
     for i, (name, (records, _)) in enumerate(runs.items()):
-        draw_timeline(fig.add_subplot(grid[:, i]), records, name)
+        ax = fig.add_subplot(grid[:, i], sharex=first)   # one time axis: the panels compare
+        draw_timeline(ax, records, name)
+        first = first or ax
     summaries = {k: s for k, (_, s) in runs.items()}
     for row, (key, label) in enumerate(keys):
         if all(key in s["latency"] for s in summaries.values()):

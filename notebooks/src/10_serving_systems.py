@@ -145,12 +145,10 @@ for name, kw in (("contiguous (max length)", dict(paged=False)),
                  ("paged, blocks of 16", dict(paged=True, block_size=16)),
                  ("paged, blocks of 4", dict(paged=True, block_size=4))):
     records, summary, engine = serve_locally(StreamConfig(**dict(fit, **kw)))
-    steps = engine.steps
     caches[name] = {
-        "peak requests running": max(st["batch"] for st in steps),
-        "reserved but unused (mean, %)": 100 * sum(1 - st["kv"]["tokens"] /
-                                                   st["kv"]["reserved_tokens"]
-                                                   for st in steps) / len(steps),
+        "peak requests running": max(st["batch"] for st in engine.steps),
+        "reserved but unused (mean, %)": 100 * stream.kv_summary(engine.steps)[
+            "wasted_fraction"],
         "TTFT p99 (ms, modelled)": summary["latency"]["ttft_s"]["p99"] * 1e3}
 caches = pd.DataFrame(caches).T.rename_axis("same 384 token slots (measured)")
 caches
@@ -189,7 +187,9 @@ pd.DataFrame({k: {"between tokens p50 (ms)": s["latency"]["tbt_s"]["p50"] * 1e3,
               for k, (_, s) in chunked.items()}).T.rename_axis("modelled: Llama 3 8B, H100")
 
 # %% [markdown]
-# Chunks trade a little TTFT (a prompt now takes several steps) for a flat time between tokens.
+# Chunks trade TTFT (a prompt now takes several steps) for a flat time between tokens; chunks
+# too small make every prompt queue for many steps, so Sarathi-Serve sizes the token budget of
+# a step to what a decode step can carry while still bound by memory bandwidth.
 # They also shrink the transient buffers of a forward pass, which scale with the tokens of one
 # step. For Llama 3 8B (bf16, gated MLP of 14,336), *modelled* per layer:
 
@@ -220,12 +220,19 @@ stream_explorer(serve_stream)
 # %% [markdown]
 # ## Takeaways: which technique fixes which latency
 #
-# | technique | what it fixes | what it costs |
+# | technique | the latency it fixes | what it costs |
 # |---|---|---|
-# | continuous batching (Orca) | TTFT and E2E: no waiting for a whole batch to finish; throughput: freed slots refilled each step | a scheduler per step; ragged batches |
-# | paged KV cache (vLLM) | how many requests fit: waste < one block per request instead of max length - length; so throughput at a given memory | a block table per request; attention reads through it; preemption when blocks run out |
-# | chunked prefill (Sarathi-Serve) | p99 time between tokens (and TPOT): no decode stalled behind a whole prompt; smaller prefill buffers | slightly higher TTFT for long prompts |
-# | TP / replicas (lesson 09) | TPOT (TP reads 1/t of the weights) / throughput (replicas) | all-reduces per layer / more GPUs |
+# | continuous batching (Orca) | TTFT and E2E (no waiting for a batch); throughput | a schedule per step |
+# | paged KV cache (vLLM) | queueing: more requests fit in the same bytes | block tables; preemption |
+# | chunked prefill (Sarathi-Serve) | p99 time between tokens, TPOT (no stall) | some TTFT |
+# | TP / replicas (lesson 09) | TPOT (1/t of the weights per GPU) / throughput | all-reduces / GPUs |
+#
+# - Continuous batching refills a slot the step after it frees; static batching leaves it empty
+#   until the longest answer of its batch is done.
+# - A paged cache wastes less than one block per request instead of max length - length, so
+#   more requests run at once in the same memory, which is throughput and less queueing.
+# - Chunked prefill bounds the prefill tokens of a step, so a long prompt costs the running
+#   requests a chunk's time, not the whole prompt's.
 #
 # Every technique here changes *when* a token is computed and *where* its keys and values live,
 # never *what* it is: each request's tokens equal its tokens served alone.
