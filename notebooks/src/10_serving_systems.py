@@ -222,10 +222,10 @@ stream_explorer(serve_stream)
 #
 # | technique | the latency it fixes | what it costs |
 # |---|---|---|
-# | continuous batching (Orca) | TTFT and E2E (no waiting for a batch); throughput | a schedule per step |
-# | paged KV cache (vLLM) | queueing: more requests fit in the same bytes | block tables; preemption |
+# | continuous batching (Orca) | TTFT, E2E (no waiting for a batch) | a schedule per step |
+# | paged KV cache (vLLM) | queueing: more requests fit in the bytes | block tables |
 # | chunked prefill (Sarathi-Serve) | p99 time between tokens, TPOT (no stall) | some TTFT |
-# | TP / replicas (lesson 09) | TPOT (1/t of the weights per GPU) / throughput | all-reduces / GPUs |
+# | TP / replicas (lesson 09) | TPOT (1/t of the weights) / throughput | all-reduces / GPUs |
 #
 # - Continuous batching refills a slot the step after it frees; static batching leaves it empty
 #   until the longest answer of its batch is done.
