@@ -9,7 +9,10 @@ tiny GPT with 2 layers) in one process, in interleaved rounds (the order alterna
   both sides' tokens must be equal (the bench stops otherwise).
 labkit_impl names the engine's setting: continuous batching (max batch 8) on a paged cache
 (blocks of 8), and static batching on the same cache. labkit_over_torch above 1 here means
-labkit serves more tokens per second (a throughput, not a time).
+labkit serves more tokens per second (a throughput, not a time). On CPU with a model this small
+the gain is modest (measured 1.3x on 2 shared cores): the engine's per-request attention and
+block gathers are Python loops, while batching pays off where a step is bound by reading the
+weights (a GPU decode step: lesson 10's modelled clock).
 Run: python bench/serving_systems.py   (rows replace their own in data/bench.csv)
 """
 import os
