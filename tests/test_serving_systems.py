@@ -285,3 +285,26 @@ def test_gather_checker_names_the_contiguous_slip():
     assert bad.problem == "shape" and "cut to `length` rows" in bad.message
     wasted = ex.check_wasted_bytes(None, None, verbose=False)
     assert not wasted and "No answer yet" in wasted.message
+
+
+# ------------------------------------------------------------------------------ speculative
+
+def test_speculative_decoding_gives_the_target_greedy_tokens():
+    from labkit.parallel.speculative import (early_exit_draft, expected_tokens_per_round,
+                                             speculative_generate)
+    target = models.build("gpt", seed=0, seq=64, layers=3).eval()
+    prompt = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(2))
+    want = serving.generate(target, prompt[None], 30)[0].tolist()
+    same, s_same = speculative_generate(target, target, prompt, 30, k=3)
+    assert same == want and s_same["acceptance"] == 1.0
+    # a perfect draft: every round k + 1 tokens, so 1 prefill + ceil(29 / 4) checking forwards
+    assert s_same["target_forwards"] == 1 + math.ceil(29 / 4)
+    early, s_early = speculative_generate(target, early_exit_draft(target, 1), prompt, 30, k=3)
+    assert early == want and 0 < s_early["acceptance"] < 1
+    stranger = models.build("gpt", seed=5, seq=64, layers=1).eval()
+    far, s_far = speculative_generate(target, stranger, prompt, 30, k=3)
+    assert far == want and s_far["acceptance"] < s_early["acceptance"]
+    assert expected_tokens_per_round(0.0, 3) == 1 and expected_tokens_per_round(1.0, 3) == 4
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
+    with pytest.raises(ValueError, match="early-exit draft keeps 1 to 2"):
+        early_exit_draft(target, 3)

@@ -72,9 +72,10 @@ def check_model(model):
 
 
 @torch.no_grad()
-def ragged_forward(model, pieces, cache):
+def ragged_forward(model, pieces, cache, every_token=False):
     """pieces: [(request id, ids (n,), start position)] -> (len(pieces), vocab) logits of each
-    piece's last token. Writes each piece's keys and values into `cache` (reserved first)."""
+    piece's last token (every_token: (all tokens, vocab), for speculative decoding's check).
+    Writes each piece's keys and values into `cache` (reserved first)."""
     ids = torch.cat([p[1] for p in pieces])
     positions = torch.cat([torch.arange(s, s + p.numel()) for _, p, s in pieces])
     x = (model.tok(ids) + model.pos(positions)).unsqueeze(0)   # (1, tokens, hidden)
@@ -93,6 +94,8 @@ def ragged_forward(model, pieces, cache):
             outs.append(causal_attention(q[:, a:b], keys[None], values[None], heads))
         x = x + attn.proj(torch.cat(outs, dim=1))
         x = x + block.mlp(block.ln2(x))
+    if every_token:
+        return model.head(model.ln_f(x[0]))
     last = torch.tensor([b - 1 for _, b in bounds])
     return model.head(model.ln_f(x[0, last]))
 
