@@ -43,8 +43,11 @@ def _cache(model, tokens):
 @torch.no_grad()
 def speculative_generate(target, draft, prompt, new_tokens, k=4):
     """Greedy tokens of `target` for a 1-D `prompt`, drafted `k` at a time by `draft`.
-    Returns (tokens list, stats{rounds, proposed, accepted, acceptance, target_forwards,
-    draft_forwards, tokens_per_target_forward})."""
+    Returns (tokens list, stats{rounds, proposed, examined, accepted, acceptance,
+    accepted_fraction, target_forwards, draft_forwards, tokens_per_target_forward}).
+    acceptance: accepted / examined, the proposals the target compared (up to and including
+    the first miss): the per-token probability alpha of Leviathan et al.; accepted_fraction:
+    accepted / proposed."""
     for model in (target, draft):
         check_model(model)
     if k < 1 or new_tokens < 1:
@@ -52,7 +55,8 @@ def speculative_generate(target, draft, prompt, new_tokens, k=4):
     total = prompt.numel() + new_tokens + k
     big, small = _cache(target, total), _cache(draft, total)
     seq = prompt.tolist() + [int(ragged_forward(target, [(0, prompt, 0)], big)[0].argmax())]
-    stats = dict(rounds=0, proposed=0, accepted=0, target_forwards=1, draft_forwards=0)
+    stats = dict(rounds=0, proposed=0, examined=0, accepted=0, target_forwards=1,
+                 draft_forwards=0)
     draft_cached = 0                       # the draft's valid keys and values: seq[:this]
     while len(seq) - prompt.numel() < new_tokens:
         start = len(seq) - 1               # the newest token: the target has not seen it
@@ -72,10 +76,12 @@ def speculative_generate(target, draft, prompt, new_tokens, k=4):
         # the draft fed seq[start], p1 .. p(k-1): valid as far as they match what was kept
         draft_cached = min(pos, start + accepted + 1)
         for key, n in (("rounds", 1), ("proposed", k), ("accepted", accepted),
+                       ("examined", min(k, accepted + 1)),
                        ("target_forwards", 1), ("draft_forwards", k)):
             stats[key] += n
     out = seq[prompt.numel():][:new_tokens]
-    stats["acceptance"] = stats["accepted"] / max(1, stats["proposed"])
+    stats["acceptance"] = stats["accepted"] / max(1, stats["examined"])
+    stats["accepted_fraction"] = stats["accepted"] / max(1, stats["proposed"])
     stats["tokens_per_target_forward"] = len(out) / stats["target_forwards"]
     return out, stats
 

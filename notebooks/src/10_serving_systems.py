@@ -201,7 +201,47 @@ buffers = pd.DataFrame({f"{t} tokens in a step": {
 buffers
 
 # %% [markdown]
-# ## 6 · Explore
+# ## 6 · Speculative decoding
+#
+# A decode step reads all the weights for one token per request. A cheap **draft** model can
+# propose k tokens; the target then checks all k in *one* forward (k + 1 rows: still one read
+# of the weights) and keeps the proposals up to the first one it disagrees with, plus its own
+# token there (Leviathan et al. ICML'23). The output is exactly the target's greedy output; what
+# changes is how many tokens each target forward yields. Here the draft is the target's own
+# first block(s) and head (self-speculation), and the acceptance is measured.
+
+# %%
+from labkit import models
+from labkit.parallel.serving import generate
+from labkit.parallel.speculative import (early_exit_draft, expected_tokens_per_round,
+                                         speculative_generate)
+
+target = models.build("gpt", seed=0, seq=96, layers=4).eval()
+prompt = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(0))
+greedy = generate(target, prompt[None], 48)[0].tolist()
+rows = {}
+for layers in (1, 2):
+    for k in (2, 4):
+        tokens, st = speculative_generate(target, early_exit_draft(target, layers), prompt,
+                                          48, k)
+        rows[f"draft = first {layers} of 4 blocks, k = {k}"] = {
+            "tokens equal greedy": tokens == greedy,
+            "acceptance (measured)": st["acceptance"],
+            "tokens per round (measured)": (48 - 1) / st["rounds"],
+            "tokens per round (formula, from the acceptance)": expected_tokens_per_round(
+                st["acceptance"], k)}
+pd.DataFrame(rows).T
+
+# %% [markdown]
+# The acceptance is measured as Leviathan et al.'s alpha: of the proposals the target compared
+# (up to the first miss), the share it agreed with. The formula then assumes each proposal
+# agrees independently with that probability; where the columns differ, the draft's misses
+# come in runs. Whether it is faster depends on what a draft step costs against a target step:
+# on a GPU the k + 1-row check costs about one decode step (memory-bound), so
+# tokens per round is close to the speed-up when the draft is nearly free.
+
+# %% [markdown]
+# ## 7 · Explore
 #
 # Policy, arrival rate, batch limit and chunk size: the explorer serves a stream of 16 requests
 # (prompts 16 to 256 tokens) on this process with the modelled clock and redraws each request's
@@ -225,6 +265,7 @@ stream_explorer(serve_stream)
 # | continuous batching (Orca) | TTFT, E2E (no waiting for a batch) | a schedule per step |
 # | paged KV cache (vLLM) | queueing: more requests fit in the bytes | block tables |
 # | chunked prefill (Sarathi-Serve) | p99 time between tokens, TPOT (no stall) | some TTFT |
+# | speculative decoding | TPOT: several tokens per target forward | a draft model; its misses |
 # | TP / replicas (lesson 09) | TPOT (1/t of the weights) / throughput | all-reduces / GPUs |
 #
 # - Continuous batching refills a slot the step after it frees; static batching leaves it empty
