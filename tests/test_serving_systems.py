@@ -308,3 +308,37 @@ def test_speculative_decoding_gives_the_target_greedy_tokens():
     assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
     with pytest.raises(ValueError, match="early-exit draft keeps 1 to 2"):
         early_exit_draft(target, 3)
+
+
+# ------------------------------------------------------------------------------ drawn
+
+def test_stream_figure_and_explorer_redraw():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit.viz import stream_widgets
+    base = dict(requests=6, rate=400, prompt_len=(4, 20), output_len=(2, 8),
+                model_kwargs=dict(layers=1), time_model="llama-3-8b", paged=True)
+    runs = {p: stream.serve_locally(stream.StreamConfig(policy=p, **base))[:2]
+            for p in ("static", "continuous")}
+    fig = stream_widgets.stream_figure(runs)
+    timeline = fig.axes[0]
+    assert len(timeline.patches) == 2 * 6          # waiting and generating, per request
+    assert fig.axes[0].get_shared_x_axes().joined(fig.axes[0], fig.axes[1])
+    calls = []
+
+    def serve_stream(**kw):
+        calls.append(kw)
+        cfg = stream.StreamConfig(**dict(base, rate=kw["rate"]), policy=kw["policy"],
+                                  max_batch=kw["max_batch"], chunk=kw["chunk"])
+        return stream.serve_locally(cfg)[:2]
+    box = stream_widgets.stream_explorer(serve_stream)
+    before = box.text.value
+    controls, todo = {}, list(box.children)
+    while todo:
+        w = todo.pop()
+        todo += list(getattr(w, "children", ()))
+        if getattr(w, "description", ""):
+            controls[w.description] = w
+    controls["policy"].value = "static"
+    assert calls[-1]["policy"] == "static" and box.text.value != before
+    assert "modelled" in box.text.value
