@@ -342,3 +342,32 @@ def test_stream_figure_and_explorer_redraw():
     controls["policy"].value = "static"
     assert calls[-1]["policy"] == "static" and box.text.value != before
     assert "modelled" in box.text.value
+
+
+# ------------------------------------------------------------------------------ disaggregated
+
+def _disaggregated_rank(ctx, sizes, outputs):
+    from labkit.parallel.disaggregated import disaggregated_generate
+    model = models.build("gpt", seed=0, seq=SEQ, layers=2).eval()
+    prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
+               for n in sizes]
+    tokens = disaggregated_generate(model, prompts, outputs)
+    sent = [r for r in ctx.comm.summary(by=("op", "tag")) if r["tag"] == "kv transfer"]
+    return dict(tokens=tokens, sent=sent)
+
+
+def test_prefill_and_decode_on_separate_ranks():
+    from labkit import launch
+    sizes, outputs = (5, 17, 9), (6, 3, 8)
+    results = launch(_disaggregated_rank, 2, sizes, outputs)
+    model = models.build("gpt", seed=0, seq=SEQ, layers=2).eval()
+    for n, out, got in zip(sizes, outputs, results[1]["tokens"]):
+        prompt = torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
+        assert got == serving.generate(model, prompt[None], out)[0].tolist()
+    assert results[0]["tokens"] is None
+    (row,) = [r for r in results[0]["sent"] if r["op"] == "send"]
+    # layers x 2 x kv_heads x head_dim x prompt x bytes, every request
+    c = model.cfg
+    assert row["calls"] == 3
+    assert row["bytes"] == sum(c.layers * 2 * c.heads * (c.hidden // c.heads) * n * 4
+                               for n in sizes)

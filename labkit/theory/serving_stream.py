@@ -177,3 +177,13 @@ def modelled_step_s(model, gpu, pieces, weights_bytes=2, kv_dtype="bf16"):
     kv = model_serving.kv_bytes_per_token(model, kv_dtype) * sum(c + n for n, c in pieces)
     rate = gpu.mamf_bf16_flops or gpu.bf16_flops
     return max(flops / rate, (model.param_count() * weights_bytes + kv) / gpu.memory_bw)
+
+
+# ------------------------------------------------------------------------------ disaggregation
+
+def kv_transfer_s(model, prompt_len, link, kv_dtype="bf16"):
+    """Modelled seconds to send one request's prompt KV from the prefill GPU to the decode GPU
+    (DistServe, arXiv 2401.09670): layers x 2 x kv_heads x head_dim x P x bytes over the link's
+    effective bandwidth, plus its latency (alpha-beta)."""
+    bytes_ = model_serving.kv_bytes_per_token(model, kv_dtype) * prompt_len
+    return link.latency + bytes_ / link.effective_bandwidth

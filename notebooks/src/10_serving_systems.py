@@ -241,7 +241,55 @@ pd.DataFrame(rows).T
 # tokens per round is close to the speed-up when the draft is nearly free.
 
 # %% [markdown]
-# ## 7 · Explore
+# ## 7 · Prefill and decode on separate ranks
+#
+# Chunking shares one GPU between the two phases; **disaggregation** (DistServe, Splitwise)
+# gives each its own GPUs: the prefill rank computes a prompt, sends its keys and values and its
+# first token to the decode rank, which adds the request to its running batch. Below, on two
+# CPU ranks: the tokens against each request alone, and the bytes sent, measured by the comm
+# log, against layers x 2 x kv_heads x head_dim x prompt x 4 bytes (float32 here).
+
+# %%
+from labkit import launch
+from labkit.parallel.disaggregated import disaggregated_generate
+from labkit.theory import hardware
+
+
+def prefill_then_decode(ctx, sizes, outputs):
+    model = models.build("gpt", seed=0, seq=64, layers=2).eval()
+    prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
+               for n in sizes]
+    tokens = disaggregated_generate(model, prompts, outputs)
+    sent = [r for r in ctx.comm.summary(by=("op", "tag")) if r["tag"] == "kv transfer"]
+    return dict(tokens=tokens, sent=sum(r["bytes"] for r in sent if r["op"] == "send"))
+
+
+sizes, outputs = (12, 30, 20), (8, 4, 10)
+ranks = launch(prefill_then_decode, 2, sizes, outputs)
+small = models.build("gpt", seed=0, seq=64, layers=2).eval()
+alone = [generate(small, torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
+                  [None], o)[0].tolist() for n, o in zip(sizes, outputs)]
+c = small.cfg
+display(Markdown(
+    f"Tokens equal to each request served alone: {ranks[1]['tokens'] == alone}. KV bytes sent "
+    f"(measured): {ranks[0]['sent']:,}; formula: "
+    f"{sum(c.layers * 2 * c.heads * (c.hidden // c.heads) * n * 4 for n in sizes):,}."))
+
+# %% [markdown]
+# For Llama 3 8B (bf16 cache, 8 KV heads) the transfer is 128 KB per prompt token. Modelled
+# against the prefill it follows, on one H100:
+
+# %%
+pd.DataFrame({f"{p:,}-token prompt": {
+    "prefill (ms, modelled)": theory.modelled_step_s(LLAMA, hardware.gpu("H100"),
+                                                     [(p, 0)]) * 1e3,
+    "KV over NVLink 4 (ms, modelled)": theory.kv_transfer_s(
+        LLAMA, p, hardware.link("NVLink 4")) * 1e3,
+    "KV over InfiniBand NDR (ms, modelled)": theory.kv_transfer_s(
+        LLAMA, p, hardware.link("InfiniBand NDR")) * 1e3} for p in (512, 2048, 8192)}).T
+
+# %% [markdown]
+# ## 8 · Explore
 #
 # Policy, arrival rate, batch limit and chunk size: the explorer serves a stream of 16 requests
 # (prompts 16 to 256 tokens) on this process with the modelled clock and redraws each request's
@@ -266,6 +314,7 @@ stream_explorer(serve_stream)
 # | paged KV cache (vLLM) | queueing: more requests fit in the bytes | block tables |
 # | chunked prefill (Sarathi-Serve) | p99 time between tokens, TPOT (no stall) | some TTFT |
 # | speculative decoding | TPOT: several tokens per target forward | a draft model; its misses |
+# | prefill/decode on separate GPUs | TPOT (no prefill in a decode step) | KV sent per request |
 # | TP / replicas (lesson 09) | TPOT (1/t of the weights) / throughput | all-reduces / GPUs |
 #
 # - Continuous batching refills a slot the step after it frees; static batching leaves it empty
