@@ -26,9 +26,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import math
+
 import torch
 
-from ..models import causal_attention
 from ..runtime.context import context
 
 POLICIES = ("static", "continuous")
@@ -71,6 +72,19 @@ def check_model(model):
                         f"{missing[0]}")
 
 
+def attend(q, k, v, heads):
+    """One request's causal attention: q (n, width) are the last n of the k, v (L, width)
+    positions. The same ops in the same order as `labkit.models.causal_attention` (which
+    parallel/ does not import), so a request's logits do not depend on its neighbours."""
+    n, width = q.shape
+    d, length = width // heads, k.shape[0]
+    q, k, v = (t.reshape(t.shape[0], heads, d).transpose(0, 1) for t in (q, k, v))
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+    future = torch.arange(length) > torch.arange(length - n, length)[:, None]
+    out = scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
+    return out.transpose(0, 1).reshape(n, width)
+
+
 @torch.no_grad()
 def ragged_forward(model, pieces, cache, every_token=False):
     """pieces: [(request id, ids (n,), start position)] -> (len(pieces), vocab) logits of each
@@ -91,8 +105,8 @@ def ragged_forward(model, pieces, cache, every_token=False):
         for (rid, _, start), (a, b) in zip(pieces, bounds):
             cache.write(layer, rid, start, k[0, a:b], v[0, a:b])
             keys, values = cache.read(layer, rid, start + b - a)
-            outs.append(causal_attention(q[:, a:b], keys[None], values[None], heads))
-        x = x + attn.proj(torch.cat(outs, dim=1))
+            outs.append(attend(q[0, a:b], keys, values, heads))
+        x = x + attn.proj(torch.cat(outs)[None])
         x = x + block.mlp(block.ln2(x))
     if every_token:
         return model.head(model.ln_f(x[0]))
