@@ -6,6 +6,8 @@
   python -m labkit run dp --world-size 4         a technique on 4 ranks (see `run -h`)
   python -m labkit memory --model llama-3-70b    what a real model needs, by category
   python -m labkit run serve --tp 2 --json       generation with a KV cache on ranks
+  python -m labkit run serve --requests 32 --rate 50 --paged --chunk 16
+                                                 a request stream, continuously batched
   python -m labkit plan --serve --model llama-3-70b --gpus 8 --gpu H100 --batch 64
   python -m labkit plan --model llama-3-70b --gpus 64 --global-batch 512
                                                  which DP x TP x PP layouts fit, and how fast
