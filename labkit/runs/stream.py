@@ -238,9 +238,11 @@ def format_report(r):
         p50, p99 = lat[k]["p50"] * 1e3, lat[k]["p99"] * 1e3
         lines.append(f"  {k[:-2].upper():<22}{p50:8.1f}  {p99:8.1f}")
     g = r["goodput"]
-    lines += [f"throughput {r['throughput_tokens_per_s']:.1f} output tokens/s; "
-              f"goodput {g['requests_per_s']:.2f} req/s ({g['fraction']:.0%} within SLO "
-              f"ttft {g['ttft_ms']} ms, tpot {g['tpot_ms']} ms)",
+    slo = (f"goodput {g['requests_per_s']:.2f} req/s ({g['fraction']:.0%} within TTFT "
+           f"{g['ttft_ms']} ms, TPOT {g['tpot_ms']} ms)"
+           if g["ttft_ms"] is not None or g["tpot_ms"] is not None
+           else "goodput: give an SLO with --ttft-ms / --tpot-ms")
+    lines += [f"throughput {r['throughput_tokens_per_s']:.1f} output tokens/s; {slo}",
               f"KV: peak {kv['used']} of {kv['total']} blocks, mean {kv['wasted_bytes']:.0f} "
               f"bytes reserved but unused ({kv['wasted_fraction']:.0%}); peak "
               f"{r['peak_running']} requests running, {r['preemptions']} preemption(s)"]
