@@ -12,8 +12,8 @@ import torch
 
 from labkit import models, numerics
 from labkit.parallel import serving
-from labkit.parallel.batching import Engine, Request, check_model, ragged_forward
-from labkit.parallel.paged_kv import PagedKVCache
+from labkit.parallel.batching import Engine, Request
+from labkit.parallel.paged_kv import PagedKVCache, check_model, ragged_forward
 from labkit.runs import stream
 from labkit.theory import catalog, hardware
 from labkit.theory import serving_stream as theory

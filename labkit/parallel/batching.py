@@ -10,9 +10,9 @@ Chunked prefill (Agrawal et al. OSDI'24, "Sarathi-Serve", arXiv 2403.02310): a s
 at most `chunk` prompt tokens beside its decodes, so a long prompt no longer stalls the
 running requests' next tokens (it is cut over several steps).
 
-A step runs the model once on a ragged batch: each running request contributes a piece, the
-tokens of its sequence (prompt + generated) not cached yet: its prompt (or a chunk of it) when
-new, its last token when decoding. The pieces are concatenated into one row of tokens for the
+A step runs the model once on a ragged batch (`paged_kv.ragged_forward`): each running request
+contributes a piece, the tokens of its sequence (prompt + generated) not cached yet: its prompt
+(or a chunk of it) when new, its last token when decoding. The pieces are concatenated into one row of tokens for the
 Linears (as vLLM flattens a step's tokens), and attention runs per request against its own
 keys and values read through the paged cache (`PagedKVCache`). A piece that reaches the end
 of its sequence yields the request's next greedy token.
@@ -26,11 +26,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import math
-
 import torch
 
 from ..runtime.context import context
+from .paged_kv import check_model, ragged_forward
 
 POLICIES = ("static", "continuous")
 
@@ -57,61 +56,6 @@ class Request:
     @property
     def done(self):
         return len(self.generated) >= self.output
-
-
-def check_model(model):
-    """One-line TypeError unless `model` has TinyGPT's parts the ragged step calls."""
-    needed = ("tok", "pos", "blocks", "ln_f", "head")
-    missing = [n for n in needed if not hasattr(model, n)]
-    if not missing:
-        missing = [f"blocks[{i}].{n}" for i, b in enumerate(model.blocks)
-                   for n in ("ln1", "attn", "ln2", "mlp") if not hasattr(b, n)]
-    if missing:
-        raise TypeError(f"the batching engine runs TinyGPT-shaped models (tok, pos, blocks with "
-                        f"ln1/attn/ln2/mlp, ln_f, head); {type(model).__name__} lacks "
-                        f"{missing[0]}")
-
-
-def attend(q, k, v, heads):
-    """One request's causal attention: q (n, width) are the last n of the k, v (L, width)
-    positions. The same ops in the same order as `labkit.models.causal_attention` (which
-    parallel/ does not import), so a request's logits do not depend on its neighbours."""
-    n, width = q.shape
-    d, length = width // heads, k.shape[0]
-    q, k, v = (t.reshape(t.shape[0], heads, d).transpose(0, 1) for t in (q, k, v))
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
-    future = torch.arange(length) > torch.arange(length - n, length)[:, None]
-    out = scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
-    return out.transpose(0, 1).reshape(n, width)
-
-
-@torch.no_grad()
-def ragged_forward(model, pieces, cache, every_token=False):
-    """pieces: [(request id, ids (n,), start position)] -> (len(pieces), vocab) logits of each
-    piece's last token (every_token: (all tokens, vocab), for speculative decoding's check).
-    Writes each piece's keys and values into `cache` (reserved first)."""
-    ids = torch.cat([p[1] for p in pieces])
-    positions = torch.cat([torch.arange(s, s + p.numel()) for _, p, s in pieces])
-    x = (model.tok(ids) + model.pos(positions)).unsqueeze(0)   # (1, tokens, hidden)
-    bounds, at = [], 0
-    for _, piece, _ in pieces:
-        bounds.append((at, at + piece.numel()))
-        at += piece.numel()
-    for layer, block in enumerate(model.blocks):
-        attn = block.attn
-        q, k, v = attn.qkv(block.ln1(x)).chunk(3, dim=-1)
-        heads = q.shape[-1] // attn.head_dim    # this rank's heads under tensor parallelism
-        outs = []
-        for (rid, _, start), (a, b) in zip(pieces, bounds):
-            cache.write(layer, rid, start, k[0, a:b], v[0, a:b])
-            keys, values = cache.read(layer, rid, start + b - a)
-            outs.append(attend(q[0, a:b], keys, values, heads))
-        x = x + attn.proj(torch.cat(outs)[None])
-        x = x + block.mlp(block.ln2(x))
-    if every_token:
-        return model.head(model.ln_f(x[0]))
-    last = torch.tensor([b - 1 for _, b in bounds])
-    return model.head(model.ln_f(x[0, last]))
 
 
 def synced_clock(group=None):

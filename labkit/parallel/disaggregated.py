@@ -18,8 +18,7 @@ the decodes go on while the next prompt is prefilled elsewhere.
 import torch
 
 from ..runtime.context import context
-from .batching import check_model, ragged_forward
-from .paged_kv import PagedKVCache
+from .paged_kv import PagedKVCache, check_model, ragged_forward
 
 TAG = "kv transfer"
 

@@ -19,8 +19,7 @@ import copy
 
 import torch
 
-from .batching import check_model, ragged_forward
-from .paged_kv import PagedKVCache
+from .paged_kv import PagedKVCache, check_model, ragged_forward
 
 
 def early_exit_draft(target, layers):

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, asdict
 import torch
 
 from .. import models
-from ..parallel.batching import Engine, Request, ragged_forward, synced_clock
-from ..parallel.paged_kv import PagedKVCache
+from ..parallel.batching import Engine, Request, synced_clock
+from ..parallel.paged_kv import PagedKVCache, ragged_forward
 from ..parallel.serving import generate
 from ..parallel.tensor_parallel import parallelize
 from ..parallel.tensor_parallel_plan import gpt_plan
