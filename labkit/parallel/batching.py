@@ -12,9 +12,9 @@ running requests' next tokens (it is cut over several steps).
 
 A step runs the model once on a ragged batch (`paged_kv.ragged_forward`): each running request
 contributes a piece, the tokens of its sequence (prompt + generated) not cached yet: its prompt
-(or a chunk of it) when new, its last token when decoding. The pieces are concatenated into one row of tokens for the
-Linears (as vLLM flattens a step's tokens), and attention runs per request against its own
-keys and values read through the paged cache (`PagedKVCache`). A piece that reaches the end
+(or a chunk of it) when new, its last token when decoding. The pieces are concatenated into one
+row of tokens for the Linears (as vLLM flattens a step's tokens), and attention runs per
+request against its own keys and values read through the paged cache (`PagedKVCache`). A piece that reaches the end
 of its sequence yields the request's next greedy token.
 
 When the paged cache runs out of blocks mid-decode the newest running request is preempted
