@@ -14,8 +14,8 @@ A step runs the model once on a ragged batch (`paged_kv.ragged_forward`): each r
 contributes a piece, the tokens of its sequence (prompt + generated) not cached yet: its prompt
 (or a chunk of it) when new, its last token when decoding. The pieces are concatenated into one
 row of tokens for the Linears (as vLLM flattens a step's tokens), and attention runs per
-request against its own keys and values read through the paged cache (`PagedKVCache`). A piece that reaches the end
-of its sequence yields the request's next greedy token.
+request against its own keys and values read through the paged cache (`PagedKVCache`). A
+piece that reaches the end of its sequence yields the request's next greedy token.
 
 When the paged cache runs out of blocks mid-decode the newest running request is preempted
 (its blocks freed, its sequence recomputed when it is re-admitted: vLLM's recompute policy).
