@@ -6,6 +6,8 @@
   python -m labkit run dp --world-size 4         a technique on 4 ranks (see `run -h`)
   python -m labkit memory --model llama-3-70b    what a real model needs, by category
   python -m labkit run serve --tp 2 --json       generation with a KV cache on ranks
+  python -m labkit run serve --requests 32 --rate 50 --paged --chunk 16
+                                                 a request stream, continuously batched
   python -m labkit plan --serve --model llama-3-70b --gpus 8 --gpu H100 --batch 64
   python -m labkit plan --model llama-3-70b --gpus 64 --global-batch 512
                                                  which DP x TP x PP layouts fit, and how fast
@@ -337,8 +339,9 @@ def _serve_run_parser(techniques, chosen):
                                 "(TP, PP, replicas, experts), checked against one device")
     if chosen != ["serve"]:
         return
-    from .runs import serve
+    from .runs import serve, stream
     serve.add_arguments(sub)
+    stream.add_arguments(sub)     # --requests N: a request stream (lesson 10)
     sub.add_argument("--world-size", type=int, default=None,
                      help="default: replicas x ep x tp x pp")
     sub.add_argument("--seed", type=int, default=0)
@@ -359,6 +362,10 @@ def serve_command(args):
     for name, value in shape.items():
         if value < 1:
             raise ValueError(f"--{name} must be a positive integer, got {value}")
+    if args.requests is not None:     # a request stream: runs/stream.py (lesson 10)
+        from .runs import stream
+        report = stream.report(stream.config_from_args(args, shape))
+        return to_json(report) if args.json else stream.format_report(report)
     cfg = serve.config_from_args(args, shape)
     serve.check_config(cfg, args.world_size)
     if shape:

@@ -19,7 +19,7 @@ from wrong_answers import (all_reduce_then_slice, blocking_ring, blocking_ring_a
 from labkit import editions
 from labkit.theory import catalog
 
-LESSONS = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09"]
+LESSONS = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10"]
 
 # What the student edition's stub of each exercise must make its checker say, in order.
 STUB_SAYS = {
@@ -33,6 +33,7 @@ STUB_SAYS = {
     "07": ["NOT WRITTEN YET", "No answer yet"],
     "08": ["NOT WRITTEN YET", "NOT WRITTEN YET", "No answer yet"],
     "09": ["NOT WRITTEN YET", "No answer yet", "No answer yet"],
+    "10": ["NOT WRITTEN YET", "No answer yet", "No answer yet"],
 }
 
 
@@ -115,7 +116,7 @@ def _wrong_answers():
     """(checker, likely wrong answer, the problem it must be named as, words in the message)."""
     from labkit.exercises import context_parallel as cp, data_parallel as dp, hybrid
     from labkit.exercises import moe, pipeline, tensor_parallel as tp, when_it_breaks as wib
-    from labkit.exercises import why_parallelism as why, zero
+    from labkit.exercises import serving_systems as ss, why_parallelism as why, zero
     from labkit.theory import hardware, roofline
     s, n = _gpt2_bf16_grads(), 16
     act = 1 * 4096 * 8192 * 2
@@ -156,6 +157,8 @@ def _wrong_answers():
         (zero.check_fsdp_critical_batch, roofline.critical_batch("fsdp", 64, "H100",
                                                                  "InfiniBand NDR") / 8,
          "bits", "8 bits"),
+        (ss.check_requests_that_fit, 16384 // 300, "no rounding up", "ceil(300 / 16)"),
+        (ss.check_requests_that_fit, 16384 // 4096, "contiguous", "reserving 4,096"),
     ]
 
 

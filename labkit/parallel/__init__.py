@@ -4,8 +4,9 @@ Each block mirrors the PyTorch API a learner meets later (DDP, ZeroRedundancyOpt
 fully_shard, parallelize_module, pipelining) and takes `group=None` (the world) or a sub-group.
 What they share lives in `flat.py` (FlatBuffer, bucket_params, average_gradients,
 all_gather_objects, unwrapped_name); `mixed_precision.py` has MasterWeights (fp32 masters);
-`tensor_parallel_plan.py` reads a TP plan. Techniques never import each other; hybrid.py
-composes them.
+`tensor_parallel_plan.py` reads a TP plan; `paged_kv.py` holds the paged KV cache and the
+ragged forward through it that the serving systems (batching, speculative, disaggregated)
+share. Techniques never import each other; hybrid.py composes them.
 """
 # `from labkit.parallel import FullyShard` works, and importing the package imports no block:
 # each name is imported on first use (PEP 562), from the one module that defines it. (The

@@ -1,0 +1,178 @@
+"""Iteration-level scheduling of a request stream: continuous batching and chunked prefill.
+
+Static batching (request-level, as servers before Orca): when the engine is idle it takes up
+to `max_batch` waiting requests and runs them until the last one finishes; a request arriving
+meanwhile waits for the whole batch, and a finished request's slot stays empty.
+Continuous batching (Yu et al. OSDI'22, "Orca", iteration-level scheduling): the batch is
+re-formed at every step: finished requests leave, arrived ones join (while the batch has room
+and the KV cache has blocks), so nobody waits for someone else's long answer.
+Chunked prefill (Agrawal et al. OSDI'24, "Sarathi-Serve", arXiv 2403.02310): a step carries
+at most `chunk` prompt tokens beside its decodes, so a long prompt no longer stalls the
+running requests' next tokens (it is cut over several steps).
+
+A step runs the model once on a ragged batch (`paged_kv.ragged_forward`): each running request
+contributes a piece, the tokens of its sequence (prompt + generated) not cached yet: its prompt
+(or a chunk of it) when new, its last token when decoding. The pieces are concatenated into one
+row of tokens for the Linears (as vLLM flattens a step's tokens), and attention runs per
+request against its own keys and values read through the paged cache (`PagedKVCache`). A
+piece that reaches the end of its sequence yields the request's next greedy token.
+
+When the paged cache runs out of blocks mid-decode the newest running request is preempted
+(its blocks freed, its sequence recomputed when it is re-admitted: vLLM's recompute policy).
+The engine works on any rank: under tensor parallelism every rank of the group runs the same
+scheduler on the same stream, with one clock (rank 0's, `synced_clock`) so they agree.
+"""
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..runtime.context import context
+from .paged_kv import check_model, ragged_forward
+
+POLICIES = ("static", "continuous")
+
+
+@dataclass
+class Request:
+    """One request: prompt ids (1-D), the tokens it asks for, and when it arrives (seconds)."""
+    id: int
+    prompt: torch.Tensor
+    output: int
+    arrival_s: float = 0.0
+    generated: list = field(default_factory=list)
+    token_times: list = field(default_factory=list)
+    cached: int = 0            # tokens of the sequence in the KV cache
+    preemptions: int = 0
+
+    def sequence(self):
+        return torch.cat([self.prompt, torch.tensor(self.generated, dtype=self.prompt.dtype)])
+
+    @property
+    def length(self):
+        return self.prompt.numel() + len(self.generated)
+
+    @property
+    def done(self):
+        return len(self.generated) >= self.output
+
+
+def synced_clock(group=None):
+    """A clock every rank of `group` reads alike: rank 0's perf_counter, broadcast (off the
+    record: it is bookkeeping, not serving traffic)."""
+    ctx = context()
+
+    def now():
+        with ctx.off_the_record():
+            t = torch.tensor([time.perf_counter()], dtype=torch.float64)
+            return float(ctx.comm.broadcast(t, src=0, group=group, tag="clock")[0])
+    return now
+
+
+class Engine:
+    """Serve requests on `model` with `cache` (a PagedKVCache), one ragged step at a time.
+
+    policy: "static" or "continuous"; max_batch: most requests running at once; chunk: at most
+    this many prompt tokens per step (None: whole prompts); clock / sleep: time (seconds) and
+    waiting for the next arrival; on_finish(done, total): progress callback. step_time: a
+    function [(new tokens, cached tokens) per request] -> seconds: time is then modelled
+    (virtual: each step advances it by that much, waiting jumps to the next arrival), so the
+    latencies are those of the modelled machine while the tokens are still computed here."""
+
+    def __init__(self, model, cache, policy="continuous", max_batch=8, chunk=None,
+                 clock=time.perf_counter, sleep=time.sleep, on_finish=None, step_time=None):
+        check_model(model)
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk must be >= 1 prompt token per step, got {chunk}")
+        self.model, self.cache, self.policy = model, cache, policy
+        self.max_batch, self.chunk = max_batch, chunk
+        self.clock, self.sleep, self.on_finish = clock, sleep, on_finish
+        self.step_time, self.virtual_s = step_time, 0.0
+        if step_time is not None:
+            self.clock, self.sleep = (lambda: self.virtual_s), self._wait_virtual
+        self.steps = []     # per step: time, tokens, prefill tokens, decodes, batch, kv stats
+
+    def _wait_virtual(self, seconds):
+        self.virtual_s += seconds
+
+    def _admit(self, waiting, running, now):
+        if self.policy == "static" and running:
+            return       # request-level: nobody joins a batch under way
+        while (waiting and waiting[0].arrival_s <= now and len(running) < self.max_batch
+               and self.cache.reserve(waiting[0].id, waiting[0].length)):
+            running.append(waiting.popleft())
+
+    def _pieces(self, running):
+        """Decodes first (one token each), then prompt pieces within the chunk budget."""
+        budget = self.chunk
+        pieces = []
+        for r in sorted(running, key=lambda r: r.length - r.cached > 1):
+            todo = r.length - r.cached
+            if todo > 1 and budget is not None:
+                if budget == 0:
+                    continue
+                todo = min(todo, budget)
+                budget -= todo
+            pieces.append((r, todo))
+        return pieces
+
+    def _grow(self, running, pieces):
+        """Reserve blocks for each piece; preempt the newest request while the pool is short."""
+        kept = list(pieces)
+        for r, todo in pieces:
+            while r in running and not self.cache.reserve(r.id, r.cached + todo):
+                victim = running[-1]
+                self.cache.free(victim.id)
+                victim.cached, victim.preemptions = 0, victim.preemptions + 1
+                running.remove(victim)
+                kept = [(q, t) for q, t in kept if q is not victim]
+                self.waiting.appendleft(victim)
+        return [(r, t) for r, t in kept if r in running]
+
+    def run(self, requests):
+        """Serve `requests` (arrival_s relative to the start); returns them with their
+        generated tokens and token times (seconds since the start)."""
+        for r in requests:
+            if r.length + r.output - 1 > self.model.pos.num_embeddings:
+                raise ValueError(f"request {r.id}: prompt {r.prompt.numel()} + output "
+                                 f"{r.output} exceeds the model's {self.model.pos.num_embeddings}"
+                                 " positions")
+            if not self.cache.can_reserve(-1, r.prompt.numel() + r.output):
+                raise ValueError(f"request {r.id} needs {r.prompt.numel() + r.output} token "
+                                 "slots, more than the whole KV cache holds")
+        self.waiting = waiting = deque(sorted(requests, key=lambda r: r.arrival_s))
+        running, finished, start = [], [], self.clock()
+        while waiting or running:
+            now = self.clock() - start
+            self._admit(waiting, running, now)
+            if not running:
+                self.sleep(max(0.0, waiting[0].arrival_s - now))
+                continue
+            pieces = self._grow(running, self._pieces(running))
+            logits = ragged_forward(self.model, [(r.id, r.sequence()[r.cached:r.cached + t],
+                                                  r.cached) for r, t in pieces], self.cache)
+            if self.step_time is not None:
+                self.virtual_s += self.step_time([(t, r.cached) for r, t in pieces])
+            now = self.clock() - start
+            self.steps.append(dict(time_s=now, batch=len(running),
+                                   tokens=sum(t for _, t in pieces),
+                                   prefill_tokens=sum(t for r, t in pieces if t > 1 or
+                                                      r.cached < r.prompt.numel()),
+                                   kv=self.cache.stats()))
+            for (r, todo), row in zip(pieces, logits):
+                r.cached += todo
+                if r.cached == r.length:       # the piece reached the end: a new token
+                    r.generated.append(int(row.argmax()))
+                    r.token_times.append(now)
+            for r in [r for r in running if r.done]:
+                running.remove(r)
+                self.cache.free(r.id)
+                finished.append(r)
+                if self.on_finish is not None:
+                    self.on_finish(len(finished), len(requests))
+        return sorted(finished, key=lambda r: r.id)

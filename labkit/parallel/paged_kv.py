@@ -1,0 +1,182 @@
+"""A paged KV cache: fixed-size blocks from one pool, a block table per request (Kwon et al.
+SOSP'23, "Efficient Memory Management for LLM Serving with PagedAttention", arXiv 2309.06180).
+
+The pool holds, for every layer, keys and values of `num_blocks` blocks of `block_size` token
+slots: 2 x layers x num_blocks x block_size x kv_width x bytes, allocated once. A request owns
+a list of block ids (its block table); token t of the request lives in slot t % B of block
+table[t // B]. A request grows one block at a time, so it wastes at most B - 1 slots (internal
+fragmentation), instead of the (L_max - len) slots a cache that reserves the maximum length
+wastes. Attention reads through the table: here by gathering the request's blocks into one
+(len, width) k and v (clarity over speed; vLLM's kernel reads the blocks in place).
+
+The contiguous cache of lesson 09's servers is the special case block_size = L_max with the one
+block taken at admission: `PagedKVCache.contiguous(max_len, ...)`, so both are measured by the
+same code.
+
+`ragged_forward` runs a TinyGPT-shaped model once on a ragged batch (each request's new tokens
+at its own positions) through the cache: what continuous batching (batching.py), speculative
+decoding (speculative.py) and disaggregated prefill (disaggregated.py) share.
+"""
+import math
+
+import torch
+
+
+class PagedKVCache:
+    """Blocks of `block_size` token slots for `layers` layers of `kv_width` keys and values.
+
+    reserve(rid, tokens) makes room for a request's first `tokens` tokens (False when the pool
+    has too few free blocks); write(layer, rid, start, k, v) stores rows start.. of (n, width)
+    k and v; read(layer, rid, length) gathers its first `length` keys and values; free(rid)
+    returns its blocks. `reserve_whole`: a request takes all blocks it may ever need at once
+    (the contiguous cache reserving the maximum length)."""
+
+    def __init__(self, layers, kv_width, num_blocks, block_size, dtype=torch.float32,
+                 reserve_whole=False):
+        for name, value in (("layers", layers), ("kv_width", kv_width),
+                            ("num_blocks", num_blocks), ("block_size", block_size)):
+            if value < 1:
+                raise ValueError(f"PagedKVCache needs {name} >= 1, got {value}")
+        self.block_size, self.num_blocks, self.reserve_whole = block_size, num_blocks, reserve_whole
+        self.pool = torch.zeros(layers, 2, num_blocks, block_size, kv_width, dtype=dtype)
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))   # pop() hands out 0, 1, ...
+        self.tables, self.lengths = {}, {}
+        self.peak_blocks = 0
+
+    @classmethod
+    def contiguous(cls, layers, kv_width, max_len, budget_tokens, dtype=torch.float32):
+        """A cache that reserves `max_len` slots per request in the same pool of
+        `budget_tokens` slots: one block of max_len each, taken at admission."""
+        return cls(layers, kv_width, budget_tokens // max_len, max_len, dtype, reserve_whole=True)
+
+    # -------------------------------------------------------------------------- allocation
+    def blocks_for(self, tokens):
+        return 1 if self.reserve_whole else -(-tokens // self.block_size)
+
+    def can_reserve(self, rid, tokens):
+        """Whether reserve(rid, tokens) would succeed (without doing it)."""
+        if tokens > self.num_blocks * self.block_size or (
+                self.reserve_whole and tokens > self.block_size):
+            return False
+        need = self.blocks_for(tokens) - len(self.tables.get(rid, ()))
+        return need <= len(self.free_blocks)
+
+    def reserve(self, rid, tokens):
+        """Give `rid` blocks for its first `tokens` tokens; False (nothing taken) if too few."""
+        if not self.can_reserve(rid, tokens):
+            return False
+        table = self.tables.setdefault(rid, [])
+        while len(table) < self.blocks_for(tokens):
+            table.append(self.free_blocks.pop())
+        self.lengths[rid] = max(self.lengths.get(rid, 0), tokens)
+        self.peak_blocks = max(self.peak_blocks, self.blocks_used)
+        return True
+
+    def free(self, rid):
+        """Return the request's blocks to the pool (it finished or was preempted)."""
+        self.free_blocks.extend(reversed(self.tables.pop(rid, [])))
+        self.lengths.pop(rid, None)
+
+    # -------------------------------------------------------------------------- data
+    def _slots(self, rid, start, stop):
+        """(block ids, offsets) of token positions start..stop-1 through the block table."""
+        pos = torch.arange(start, stop)
+        table = torch.tensor(self.tables[rid])
+        return table[pos // self.block_size], pos % self.block_size
+
+    def write(self, layer, rid, start, k, v):
+        """Store rows start..start+n-1 of request `rid` (k, v: (n, kv_width)) in its blocks."""
+        stop = start + k.shape[0]
+        if stop > self.lengths.get(rid, 0):
+            raise ValueError(f"request {rid}: write up to token {stop} but only "
+                             f"{self.lengths.get(rid, 0)} reserved (call reserve first)")
+        blocks, offsets = self._slots(rid, start, stop)
+        self.pool[layer, 0, blocks, offsets] = k
+        self.pool[layer, 1, blocks, offsets] = v
+
+    def read(self, layer, rid, length):
+        """The request's first `length` keys and values, gathered from its blocks: (length, w)."""
+        blocks, offsets = self._slots(rid, 0, length)
+        return self.pool[layer, 0, blocks, offsets], self.pool[layer, 1, blocks, offsets]
+
+    # -------------------------------------------------------------------------- accounting
+    @property
+    def bytes_per_slot(self):
+        """One token's keys and values in every layer: 2 x layers x kv_width x bytes."""
+        layers, two, _, _, width = self.pool.shape
+        return layers * two * width * self.pool.element_size()
+
+    @property
+    def blocks_used(self):
+        return self.num_blocks - len(self.free_blocks)
+
+    def nbytes(self):
+        """The pool's bytes (allocated once, used or not)."""
+        return self.pool.nbytes
+
+    def stats(self):
+        """blocks in use, token slots in use and reserved, and the bytes reserved but unused
+        (measured from the block tables now)."""
+        used_slots = sum(self.lengths.values())
+        held = self.blocks_used * self.block_size
+        return dict(used=self.blocks_used, total=self.num_blocks, block_size=self.block_size,
+                    tokens=used_slots, reserved_tokens=held,
+                    wasted_bytes=(held - used_slots) * self.bytes_per_slot,
+                    pool_bytes=self.nbytes())
+
+
+# ------------------------------------------------------------------ the forward through it
+
+def check_model(model):
+    """One-line TypeError unless `model` has TinyGPT's parts the ragged step calls."""
+    needed = ("tok", "pos", "blocks", "ln_f", "head")
+    missing = [n for n in needed if not hasattr(model, n)]
+    if not missing:
+        missing = [f"blocks[{i}].{n}" for i, b in enumerate(model.blocks)
+                   for n in ("ln1", "attn", "ln2", "mlp") if not hasattr(b, n)]
+    if missing:
+        raise TypeError(f"the batching engine runs TinyGPT-shaped models (tok, pos, blocks with "
+                        f"ln1/attn/ln2/mlp, ln_f, head); {type(model).__name__} lacks "
+                        f"{missing[0]}")
+
+
+def attend(q, k, v, heads):
+    """One request's causal attention: q (n, width) are the last n of the k, v (L, width)
+    positions. The same ops in the same order as `labkit.models.causal_attention` (which
+    parallel/ does not import), so a request's logits do not depend on its neighbours."""
+    n, width = q.shape
+    d, length = width // heads, k.shape[0]
+    q, k, v = (t.reshape(t.shape[0], heads, d).transpose(0, 1) for t in (q, k, v))
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+    future = torch.arange(length) > torch.arange(length - n, length)[:, None]
+    out = scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
+    return out.transpose(0, 1).reshape(n, width)
+
+
+@torch.no_grad()
+def ragged_forward(model, pieces, cache, every_token=False):
+    """pieces: [(request id, ids (n,), start position)] -> (len(pieces), vocab) logits of each
+    piece's last token (every_token: (all tokens, vocab), for speculative decoding's check).
+    Writes each piece's keys and values into `cache` (reserved first)."""
+    ids = torch.cat([p[1] for p in pieces])
+    positions = torch.cat([torch.arange(s, s + p.numel()) for _, p, s in pieces])
+    x = (model.tok(ids) + model.pos(positions)).unsqueeze(0)   # (1, tokens, hidden)
+    bounds, at = [], 0
+    for _, piece, _ in pieces:
+        bounds.append((at, at + piece.numel()))
+        at += piece.numel()
+    for layer, block in enumerate(model.blocks):
+        attn = block.attn
+        q, k, v = attn.qkv(block.ln1(x)).chunk(3, dim=-1)
+        heads = q.shape[-1] // attn.head_dim    # this rank's heads under tensor parallelism
+        outs = []
+        for (rid, _, start), (a, b) in zip(pieces, bounds):
+            cache.write(layer, rid, start, k[0, a:b], v[0, a:b])
+            keys, values = cache.read(layer, rid, start + b - a)
+            outs.append(attend(q[0, a:b], keys, values, heads))
+        x = x + attn.proj(torch.cat(outs)[None])
+        x = x + block.mlp(block.ln2(x))
+    if every_token:
+        return model.head(model.ln_f(x[0]))
+    last = torch.tensor([b - 1 for _, b in bounds])
+    return model.head(model.ln_f(x[0, last]))

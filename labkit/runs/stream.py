@@ -1,0 +1,283 @@
+"""Serving a request stream on ranks: static or continuous batching, a contiguous or paged KV
+cache, whole or chunked prefill; every request's tokens checked against it served alone.
+
+`python -m labkit run serve --requests 32 --rate 40 --policy continuous [--paged
+--block-size 8] [--chunk 16] [--tp 2 | --replicas 2] [--json]`. Requests (Poisson arrivals,
+seeded, or `--trace FILE`) are served by `labkit.parallel.batching.Engine`: with --replicas
+each rank serves the requests whose id % replicas is its own, with --tp every rank of the
+group runs the same scheduler on a model split by `parallelize` (heads and MLP columns; each
+rank's cache holds its heads). The report: requests[{id, prompt, output, arrival_s, ttft_s,
+tpot_s, e2e_s}], latency{ttft_s, tpot_s, e2e_s -> {p50, p99}}, throughput_tokens_per_s,
+goodput (under --ttft-ms / --tpot-ms), tokens_differing (against each request's greedy tokens
+generated alone on one device: must be 0), kv_blocks{used, total, wasted_bytes, ...} (peak
+blocks, mean bytes reserved but unused over the steps; measured) and the peak requests running.
+All latencies are measured wall seconds on these CPU ranks.
+"""
+import time
+from functools import partial
+from dataclasses import dataclass, field, asdict
+
+import torch
+
+from .. import models
+from ..parallel.batching import Engine, Request, synced_clock
+from ..parallel.paged_kv import PagedKVCache, ragged_forward
+from ..parallel.serving import generate
+from ..parallel.tensor_parallel import parallelize
+from ..parallel.tensor_parallel_plan import gpt_plan
+from ..runtime.launch import launch
+from ..theory import catalog, hardware, serving_stream as theory
+
+
+@dataclass
+class StreamConfig:
+    """A stream and how it is served."""
+    requests: int = 16
+    rate: float = 50.0                 # requests per second (Poisson)
+    prompt_len: tuple = (8, 32)        # inclusive ranges
+    output_len: tuple = (4, 16)
+    trace: str | None = None           # a CSV/JSON trace instead of the Poisson stream
+    policy: str = "continuous"
+    max_batch: int = 8
+    paged: bool = False
+    block_size: int = 8
+    kv_tokens: int | None = None       # token slots of KV per rank (default: max_batch x seq)
+    chunk: int | None = None
+    tp: int = 1
+    replicas: int = 1
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    time_model: str | None = None      # a catalog model: latencies modelled for it on time_gpu
+    time_gpu: str = "H100"
+    seed: int = 0
+    model_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self):
+        return self.tp * self.replicas
+
+    def stream(self):
+        if self.trace:
+            return theory.read_trace(self.trace)
+        return theory.poisson_stream(self.requests, self.rate, self.prompt_len,
+                                     self.output_len, self.seed)
+
+    def gpt_config(self, stream=None):
+        stream = self.stream() if stream is None else stream
+        shape = dict(dict(layers=4, heads=4, hidden=64, ffn=256), **self.model_kwargs)
+        longest = max(r["prompt"] + r["output"] for r in stream)
+        shape["seq"] = max(shape.get("seq", 0), longest)
+        return models.GPTConfig(**shape)
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def check_config(cfg):
+    """Everything checkable before ranks start, one line each."""
+    for name in ("tp", "replicas", "max_batch", "block_size"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+    if cfg.chunk is not None and cfg.chunk < 1:
+        raise ValueError(f"--chunk must be a positive number of prompt tokens, got {cfg.chunk}")
+    if cfg.time_model:
+        step_time(cfg)          # names an unknown model or GPU before ranks start
+    stream = cfg.stream()       # checks --requests, --rate and the lengths
+    c = cfg.gpt_config(stream)
+    if c.heads % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} must divide the {c.heads} heads")
+    need = max(r["prompt"] + r["output"] for r in stream)
+    if cfg.kv_tokens is not None and cfg.kv_tokens < (need if cfg.paged else c.seq):
+        raise ValueError(f"--kv-tokens {cfg.kv_tokens} holds not even one request "
+                         f"({need if cfg.paged else c.seq} slots)")
+
+
+def step_time(cfg):
+    """The modelled step time of cfg.time_model on one cfg.time_gpu (None: wall clock)."""
+    if not cfg.time_model:
+        return None
+    return partial(theory.modelled_step_s, catalog.model(cfg.time_model),
+                   hardware.gpu(cfg.time_gpu))
+
+
+def latency_source(cfg):
+    if cfg.time_model:
+        return (f"modelled: {cfg.time_model} on one {cfg.time_gpu} (roofline per step); the "
+                "tokens computed here by the tiny GPT")
+    return "measured: wall seconds on CPU ranks"
+
+
+def prompts(cfg, stream):
+    """Each request's prompt ids, from the seed and its id (the same on every rank)."""
+    vocab = cfg.gpt_config(stream).vocab
+    return {r["id"]: torch.randint(0, vocab, (r["prompt"],), generator=torch.Generator()
+                                   .manual_seed(10_000 * (cfg.seed + 1) + r["id"]))
+            for r in stream}
+
+
+def make_cache(cfg, gpt, kv_width):
+    """The paged cache, or the contiguous one (max length reserved), in the same token slots."""
+    slots = cfg.kv_tokens or cfg.max_batch * gpt.seq
+    if cfg.paged:
+        return PagedKVCache(gpt.layers, kv_width, slots // cfg.block_size, cfg.block_size)
+    return PagedKVCache.contiguous(gpt.layers, kv_width, gpt.seq, slots)
+
+
+def serve(ctx, cfg):
+    """This rank's share of the stream (replicas) or the whole stream (TP); returns records."""
+    stream = cfg.stream()
+    gpt = cfg.gpt_config(stream)
+    mesh = ctx.mesh(dp=cfg.replicas, tp=cfg.tp)
+    model = models.build("gpt", seed=cfg.seed, **gpt.as_dict()).eval()
+    if cfg.tp > 1:
+        parallelize(model, gpt_plan(vocab=False), mesh["tp"])
+    dp_rank = mesh.coords["dp"]
+    ids = prompts(cfg, stream)
+    mine = [Request(r["id"], ids[r["id"]], r["output"], r["arrival_s"]) for r in stream
+            if r["id"] % cfg.replicas == dp_rank]
+    cache = make_cache(cfg, gpt, gpt.hidden // cfg.tp)
+    scratch = PagedKVCache(gpt.layers, gpt.hidden // cfg.tp, 1, gpt.seq)   # warm-up, untimed
+    scratch.reserve(0, gpt.seq)
+    ragged_forward(model, [(0, torch.zeros(gpt.seq, dtype=torch.int64), 0)], scratch)
+    clock = synced_clock(mesh["tp"]) if cfg.tp > 1 and not cfg.time_model else time.perf_counter
+    engine = Engine(model, cache, cfg.policy, cfg.max_batch, cfg.chunk, clock=clock,
+                    on_finish=lambda done, total: ctx.progress(done, total),
+                    step_time=step_time(cfg))
+    done = engine.run(mine)
+    return dict(rank=ctx.rank, tp_rank=mesh.coords["tp"], backend=ctx.backend,
+                requests=[dict(id=r.id, tokens=r.generated, token_times=r.token_times,
+                               preemptions=r.preemptions) for r in done],
+                steps=engine.steps, peak_blocks=cache.peak_blocks,
+                bytes_per_slot=cache.bytes_per_slot)
+
+
+def serve_locally(cfg):
+    """The whole stream on this process (one device, no ranks): (records, summary, engine),
+    for lessons and explorers; latencies modelled when cfg.time_model is set."""
+    check_config(cfg)
+    stream = cfg.stream()
+    gpt = cfg.gpt_config(stream)
+    model = models.build("gpt", seed=cfg.seed, **gpt.as_dict()).eval()
+    ids = prompts(cfg, stream)
+    cache = make_cache(cfg, gpt, gpt.hidden)
+    engine = Engine(model, cache, cfg.policy, cfg.max_batch, cfg.chunk, step_time=step_time(cfg))
+    done = {r.id: r for r in engine.run([Request(r["id"], ids[r["id"]], r["output"],
+                                                 r["arrival_s"]) for r in stream])}
+    records = [dict(r, preemptions=done[r["id"]].preemptions, **theory.request_metrics(
+        r["arrival_s"], done[r["id"]].token_times, r["output"])) for r in stream]
+    gaps = [b - a for q in done.values() for a, b in zip(q.token_times, q.token_times[1:])]
+    return records, theory.summarise(records, cfg.ttft_ms, cfg.tpot_ms, gaps), engine
+
+
+def reference_tokens(cfg, stream):
+    """Each request's greedy tokens generated alone on one device (lesson 09's generate)."""
+    model = models.build("gpt", seed=cfg.seed, **cfg.gpt_config(stream).as_dict()).eval()
+    ids = prompts(cfg, stream)
+    return {r["id"]: generate(model, ids[r["id"]][None], r["output"])[0].tolist()
+            for r in stream}
+
+
+def kv_summary(steps):
+    """The cache over a run's steps (measured): blocks, pool bytes, and the bytes and fraction
+    of reserved slots holding nothing, averaged over the steps."""
+    kv = [s["kv"] for s in steps]
+    return dict(used=max(k["used"] for k in kv), total=kv[0]["total"],
+                block_size=kv[0]["block_size"], pool_bytes=kv[0]["pool_bytes"],
+                wasted_bytes=sum(k["wasted_bytes"] for k in kv) / len(kv),
+                wasted_fraction=sum(1 - k["tokens"] / max(1, k["reserved_tokens"])
+                                    for k in kv) / len(kv))
+
+
+def report(cfg=None, timeout_s=300):
+    """Serve the stream on ranks, compare every request with one device, return the report."""
+    cfg = cfg or StreamConfig()
+    check_config(cfg)
+    stream = cfg.stream()
+    start = time.perf_counter()
+    results = launch(serve, cfg.world_size, cfg, timeout_s=timeout_s)
+    wall = time.perf_counter() - start
+    leaders = [r for r in results if r["tp_rank"] == 0]     # one per replica
+    served = {q["id"]: q for r in leaders for q in r["requests"]}
+    ref = reference_tokens(cfg, stream)
+    differing = sum(sum(a != b for a, b in zip(served[i]["tokens"], ref[i]))
+                    + abs(len(served[i]["tokens"]) - len(ref[i])) for i in ref)
+    records = [dict(id=r["id"], prompt=r["prompt"], output=r["output"], arrival_s=r["arrival_s"],
+                    preemptions=served[r["id"]]["preemptions"],
+                    **theory.request_metrics(r["arrival_s"], served[r["id"]]["token_times"],
+                                             r["output"]))
+               for r in stream]
+    steps = [s for r in leaders for s in r["steps"]]
+    kv = dict(kv_summary(steps), used=max(r["peak_blocks"] for r in leaders),
+              bytes_per_slot=leaders[0]["bytes_per_slot"])
+    gaps = [b - a for q in served.values()
+            for a, b in zip(q["token_times"], q["token_times"][1:])]
+    summary = theory.summarise(records, cfg.ttft_ms, cfg.tpot_ms, gaps)
+    return dict(technique="serve", mode="stream", world_size=cfg.world_size,
+                backend=results[0]["backend"], config=cfg.as_dict(), requests=records,
+                latency=summary["latency"], throughput_tokens_per_s=summary[
+                    "throughput_tokens_per_s"], requests_per_s=summary["requests_per_s"],
+                goodput=summary["goodput"], duration_s=summary["duration_s"],
+                tokens_differing=int(differing), tokens_equal_reference=differing == 0,
+                kv_blocks=kv, peak_running=max(s["batch"] for s in steps),
+                steps=len(steps), step_tokens_max=max(s["tokens"] for s in steps),
+                preemptions=sum(r["preemptions"] for r in records), wall_s=wall,
+                latency_source=latency_source(cfg))
+
+
+def format_report(r):
+    """What the CLI prints without --json."""
+    c, lat, kv = r["config"], r["latency"], r["kv_blocks"]
+    cache = f"paged, blocks of {c['block_size']}" if c["paged"] else "contiguous (max length)"
+    lines = [f"stream of {len(r['requests'])} requests, {c['policy']} batching (max "
+             f"{c['max_batch']}), {cache}" + (f", prefill chunks of {c['chunk']}"
+                                               if c["chunk"] else "")
+             + f" on {r['world_size']} rank(s) (tp {c['tp']}, replicas {c['replicas']})",
+             f"tokens differing from each request served alone: {r['tokens_differing']}",
+             f"latency ({r['latency_source']})", "  ms                      p50       p99"]
+    for k in [k for k in ("ttft_s", "tpot_s", "tbt_s", "e2e_s") if k in lat]:
+        p50, p99 = lat[k]["p50"] * 1e3, lat[k]["p99"] * 1e3
+        lines.append(f"  {k[:-2].upper():<22}{p50:8.1f}  {p99:8.1f}")
+    g = r["goodput"]
+    slo = (f"goodput {g['requests_per_s']:.2f} req/s ({g['fraction']:.0%} within TTFT "
+           f"{g['ttft_ms']} ms, TPOT {g['tpot_ms']} ms)"
+           if g["ttft_ms"] is not None or g["tpot_ms"] is not None
+           else "goodput: give an SLO with --ttft-ms / --tpot-ms")
+    lines += [f"throughput {r['throughput_tokens_per_s']:.1f} output tokens/s; {slo}",
+              f"KV: peak {kv['used']} of {kv['total']} blocks, mean {kv['wasted_bytes']:.0f} "
+              f"bytes reserved but unused ({kv['wasted_fraction']:.0%}); peak "
+              f"{r['peak_running']} requests running, {r['preemptions']} preemption(s)"]
+    return "\n".join(lines)
+
+
+def add_arguments(parser):
+    """The stream options of `run serve` (one block; --requests switches to a stream)."""
+    g = parser.add_argument_group("request stream (serving systems, lesson 10)")
+    g.add_argument("--requests", type=int, default=None, help="serve a stream of N requests")
+    g.add_argument("--rate", type=float, default=50.0, help="Poisson arrivals per second")
+    g.add_argument("--trace", default=None, help="CSV/JSON of arrival_s, prompt, output")
+    g.add_argument("--policy", choices=("static", "continuous"), default="continuous")
+    g.add_argument("--max-batch", type=int, default=8, help="most requests running at once")
+    g.add_argument("--paged", action="store_true", help="a paged KV cache (else contiguous)")
+    g.add_argument("--block-size", type=int, default=8, help="tokens per KV block (--paged)")
+    g.add_argument("--kv-tokens", type=int, default=None, help="KV token slots per rank")
+    g.add_argument("--chunk", type=int, default=None, help="prompt tokens per step (chunked)")
+    g.add_argument("--stream-prompt-len", type=int, nargs=2, default=(8, 32), metavar=("LO", "HI"))
+    g.add_argument("--stream-output-len", type=int, nargs=2, default=(4, 16), metavar=("LO", "HI"))
+    g.add_argument("--time-model", default=None,
+                   help="latencies modelled for this catalog model (e.g. llama-3-8b)")
+    g.add_argument("--time-gpu", default="H100", help="the GPU of --time-model")
+    g.add_argument("--ttft-ms", type=float, default=None, help="goodput's TTFT limit")
+    g.add_argument("--tpot-ms", type=float, default=None, help="goodput's TPOT limit")
+
+
+def config_from_args(args, shape):
+    if getattr(args, "pp", 1) > 1 or getattr(args, "experts", 0):
+        raise ValueError("--requests serves the dense GPT with --tp and --replicas (not --pp "
+                         "or --experts)")
+    return StreamConfig(
+        requests=args.requests, rate=args.rate, trace=args.trace, policy=args.policy,
+        max_batch=args.max_batch, paged=args.paged, block_size=args.block_size,
+        kv_tokens=args.kv_tokens, chunk=args.chunk, tp=args.tp, replicas=args.replicas,
+        prompt_len=tuple(args.stream_prompt_len), output_len=tuple(args.stream_output_len),
+        ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, time_model=args.time_model,
+        time_gpu=args.time_gpu, seed=args.seed, model_kwargs=shape)

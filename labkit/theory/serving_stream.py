@@ -1,0 +1,189 @@
+"""Request streams and what a serving system is judged by; the KV memory of contiguous and paged
+caches; the prefill buffer chunking saves. Plain Python (no torch): the lesson, the driver and
+the tests share these formulas.
+
+A stream: requests with a prompt length P_i, an output length O_i and an arrival time a_i
+(Poisson at rate r: gaps ~ Exp(r), seeded; or a trace file). Per request (as vLLM's benchmarks
+and DistServe, Zhong et al. OSDI'24, arXiv 2401.09670, define them):
+    TTFT_i = first token time - a_i          (queueing + prefill)
+    TPOT_i = (finish_i - first_i) / (O_i - 1) (time per output token after the first)
+    E2E_i  = finish_i - a_i
+throughput = sum O_i / (last finish - first arrival); goodput = requests per second that meet
+both SLOs (TTFT_i <= ttft limit and TPOT_i <= tpot limit), DistServe's measure.
+
+KV memory (Kwon et al. SOSP'23, "vLLM / PagedAttention", arXiv 2309.06180). One token's keys
+and values cost kv = 2 x layers x kv_width x bytes. A contiguous cache reserves the maximum
+length L_max per request (the output length is unknown at admission): wasted
+(L_max - len_i) x kv. A paged cache hands out blocks of B tokens as the sequence grows: wasted
+(ceil(len_i / B) x B - len_i) x kv < B x kv per request (internal fragmentation only).
+
+Chunked prefill (Agrawal et al. OSDI'24, "Sarathi-Serve", arXiv 2403.02310): a prompt of P
+tokens is cut into chunks of C that ride along with decode steps; a step then carries at most
+C prefill tokens, so a decode step is never stalled by a whole prompt, and the transient
+buffers a forward needs scale with C instead of P (modelled here: the widest per-layer
+intermediate, the MLP's gate and up projections, 2 x ffn x tokens x bytes, plus the qkv rows).
+"""
+import csv
+import json
+import math
+import random
+from pathlib import Path
+
+from . import serving as model_serving
+
+
+# ------------------------------------------------------------------------------ the stream
+
+def poisson_stream(n, rate, prompt_len=(8, 32), output_len=(4, 16), seed=0):
+    """n requests arriving as a Poisson process of `rate` per second (exponential gaps), the
+    lengths uniform in the inclusive (low, high) ranges; the same seed, the same stream."""
+    if n < 1:
+        raise ValueError(f"--requests must be at least 1, got {n}")
+    if not rate > 0:
+        raise ValueError(f"--rate must be a positive number of requests per second, got {rate}")
+    for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} range ({lo}, {hi}) must satisfy 1 <= low <= high")
+    rng, t, out = random.Random(seed), 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        out.append(dict(id=i, prompt=rng.randint(*prompt_len), output=rng.randint(*output_len),
+                        arrival_s=t))
+    return out
+
+
+def read_trace(path):
+    """A stream from a CSV (columns arrival_s, prompt, output) or a JSON list of such dicts,
+    sorted by arrival and numbered in that order."""
+    path = Path(path)
+    if path.suffix == ".json":
+        rows = json.loads(path.read_text())
+    else:
+        with path.open() as f:
+            rows = list(csv.DictReader(f))
+    out = []
+    for row in rows:
+        missing = {"arrival_s", "prompt", "output"} - set(row)
+        if missing:
+            raise ValueError(f"trace {path.name}: a row lacks {sorted(missing)}")
+        out.append(dict(prompt=int(row["prompt"]), output=int(row["output"]),
+                        arrival_s=float(row["arrival_s"])))
+    out.sort(key=lambda r: r["arrival_s"])
+    return [dict(r, id=i) for i, r in enumerate(out)]
+
+
+# ------------------------------------------------------------------------------ the metrics
+
+def percentile(values, q):
+    """The q-th percentile (0..100) with linear interpolation between ranks (numpy's default)."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def request_metrics(arrival_s, token_times, output):
+    """TTFT, TPOT and end-to-end seconds of one request from the times its tokens appeared."""
+    if len(token_times) != output:
+        raise ValueError(f"a request of {output} output tokens has {len(token_times)} times")
+    first, last = token_times[0], token_times[-1]
+    tpot = (last - first) / (output - 1) if output > 1 else 0.0
+    return dict(ttft_s=first - arrival_s, tpot_s=tpot, e2e_s=last - arrival_s)
+
+
+def summarise(records, ttft_ms=None, tpot_ms=None, gaps=()):
+    """latency{ttft_s, tpot_s, e2e_s -> {p50, p99}}, throughput and goodput of finished
+    requests (each a dict with arrival_s, output, ttft_s, tpot_s, e2e_s); with `gaps` (the
+    seconds between consecutive tokens of every request) also tbt_s, the time between tokens
+    whose p99 shows a decode stalled behind a prefill (Sarathi-Serve's measure)."""
+    columns = {k: [r[k] for r in records] for k in ("ttft_s", "tpot_s", "e2e_s")}
+    if gaps:
+        columns["tbt_s"] = list(gaps)
+    latency = {k: dict(p50=percentile(v, 50), p99=percentile(v, 99)) for k, v in columns.items()}
+    start = min(r["arrival_s"] for r in records)
+    span = max(r["arrival_s"] + r["e2e_s"] for r in records) - start
+    ok = [r for r in records
+          if (ttft_ms is None or r["ttft_s"] * 1e3 <= ttft_ms)
+          and (tpot_ms is None or r["tpot_s"] * 1e3 <= tpot_ms)]
+    return dict(latency=latency, duration_s=span,
+                throughput_tokens_per_s=sum(r["output"] for r in records) / span,
+                requests_per_s=len(records) / span,
+                goodput=dict(requests_per_s=len(ok) / span, fraction=len(ok) / len(records),
+                             ttft_ms=ttft_ms, tpot_ms=tpot_ms))
+
+
+# ------------------------------------------------------------------------------ KV memory
+
+def kv_bytes_per_token(layers, kv_width, bytes_per_value=4):
+    """Keys and values of one token in every layer: 2 x layers x kv_width x bytes."""
+    return 2 * layers * kv_width * bytes_per_value
+
+
+def blocks_needed(tokens, block_size):
+    return -(-tokens // block_size)
+
+
+def paged_waste_tokens(lengths, block_size):
+    """Token slots allocated but unused by a paged cache: the last block's tail per request."""
+    return sum(blocks_needed(n, block_size) * block_size - n for n in lengths)
+
+
+def contiguous_waste_tokens(lengths, max_len):
+    """Token slots reserved but unused by a cache that reserves max_len per request."""
+    return sum(max_len - n for n in lengths)
+
+
+def requests_that_fit(budget_tokens, length, *, max_len=None, block_size=None):
+    """How many requests of `length` tokens fit in `budget_tokens` token slots: contiguous
+    (each reserves max_len) or paged (each takes ceil(length / B) blocks)."""
+    if (max_len is None) == (block_size is None):
+        raise ValueError("give exactly one of max_len (contiguous) or block_size (paged)")
+    if block_size is not None:
+        return (budget_tokens // block_size) // blocks_needed(length, block_size)
+    return budget_tokens // max_len
+
+
+# ------------------------------------------------------------------------------ chunked prefill
+
+def prefill_buffer_bytes(tokens, hidden, ffn, kv_heads, heads, bytes_per_value=2, gated=True):
+    """Modelled transient bytes of one layer's forward over `tokens` rows (weights and KV cache
+    excluded): the MLP's intermediate (2 x ffn for a gated SwiGLU MLP, else ffn) plus the q, k,
+    v rows (hidden x (1 + 2 kv_heads / heads)), x bytes. Attention scores are not held (a fused
+    attention kernel streams them: FlashAttention, Dao et al. 2022)."""
+    qkv = hidden * (1 + 2 * kv_heads / heads)
+    return tokens * ((2 if gated else 1) * ffn + qkv) * bytes_per_value
+
+
+def decode_stall_tokens(prompt_len, chunk=None):
+    """Prefill tokens the running decodes wait behind in one step: the whole prompt without
+    chunking, at most `chunk` with it (Sarathi-Serve's stall-free batching)."""
+    return prompt_len if chunk is None else min(chunk, prompt_len)
+
+
+# ------------------------------------------------------------------------------ a modelled step
+
+def modelled_step_s(model, gpu, pieces, weights_bytes=2, kv_dtype="bf16"):
+    """Modelled seconds of one ragged step of `model` (a catalog ModelShape) on one `gpu`
+    (hardware.GPU): pieces = [(new tokens, tokens already cached)] of the requests in it.
+    Roofline (Williams et al. 2009): max(FLOPs / matmul rate, bytes / HBM bandwidth), FLOPs =
+    2 x active params x tokens + attention 4 x layers x hidden x new x (cached + (new + 1)/2),
+    bytes = the weights once + every piece's keys and values read and written."""
+    tokens = sum(n for n, _ in pieces)
+    attention = sum(4 * model.layers * model.hidden * n * (c + (n + 1) / 2) for n, c in pieces)
+    flops = 2 * model.active_param_count() * tokens + attention
+    kv = model_serving.kv_bytes_per_token(model, kv_dtype) * sum(c + n for n, c in pieces)
+    rate = gpu.mamf_bf16_flops or gpu.bf16_flops
+    return max(flops / rate, (model.param_count() * weights_bytes + kv) / gpu.memory_bw)
+
+
+# ------------------------------------------------------------------------------ disaggregation
+
+def kv_transfer_s(model, prompt_len, link, kv_dtype="bf16"):
+    """Modelled seconds to send one request's prompt KV from the prefill GPU to the decode GPU
+    (DistServe, arXiv 2401.09670): layers x 2 x kv_heads x head_dim x P x bytes over the link's
+    effective bandwidth, plus its latency (alpha-beta)."""
+    bytes_ = model_serving.kv_bytes_per_token(model, kv_dtype) * prompt_len
+    return link.latency + bytes_ / link.effective_bandwidth

@@ -1,0 +1,369 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10 · Serving systems: requests that come and go
+#
+# Lesson 09 served one batch: every request started together and stopped together. A real
+# server (vLLM, SGLang, TensorRT-LLM) sees **requests that arrive one by one**, with prompts and
+# answers of every length, and is judged per request:
+# - **TTFT**, time to first token: waiting in the queue + the prefill of the prompt;
+# - **TPOT**, time per output token after the first (and its cousin, the **time between
+#   tokens**, whose worst case a user sees as a stutter);
+# - **end-to-end latency**, and at the tails (p99), not only on average;
+# - **throughput** (output tokens/s) and **goodput**: requests per second that meet both a TTFT
+#   and a TPOT limit (DistServe, Zhong et al. OSDI'24).
+#
+# Three ideas turn lesson 09's generator into such a server:
+# 1. **continuous batching** (Orca, Yu et al. OSDI'22): the batch is re-formed at *every decode
+#    step*; finished requests leave and waiting ones join, instead of waiting for the whole
+#    batch to finish;
+# 2. a **paged KV cache** (vLLM, Kwon et al. SOSP'23): the cache in fixed-size blocks handed out
+#    as a sequence grows, a block table per request, instead of reserving the maximum length;
+# 3. **chunked prefill** (Sarathi-Serve, Agrawal et al. OSDI'24): a long prompt is cut into
+#    chunks that ride along with the decode steps, so it never stalls the running requests.
+#
+# In `labkit`: `labkit.parallel.batching.Engine` (the scheduler and one ragged forward per
+# step), `labkit.parallel.paged_kv.PagedKVCache`, the driver `labkit.runs.stream` (also
+# `python -m labkit run serve --requests N --rate R --policy continuous --paged --chunk C`), and
+# the formulas in `labkit.theory.serving_stream`. Every request's tokens are checked against the
+# same request served alone on one device with lesson 09's `generate`.
+
+# %%
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+from IPython.display import Markdown, display
+
+from labkit.exercises.serving_systems import (check_gather_blocks, check_requests_that_fit,
+                                              check_wasted_bytes)
+from labkit.runs import stream
+from labkit.runs.stream import StreamConfig, serve_locally
+from labkit.theory import catalog
+from labkit.theory import serving_stream as theory
+from labkit.viz.stream_widgets import stream_explorer, stream_figure
+
+pd.set_option("display.precision", 2)
+torch.set_num_threads(1)   # tiny models: one thread beats two here
+LLAMA = catalog.model("llama-3-8b")
+
+# %% [markdown]
+# ## 1 · A request stream
+#
+# Requests arrive as a Poisson process: the gaps between arrivals are exponential with mean
+# 1/rate, drawn from a seed (the same seed, the same stream; `read_trace` reads a recorded one).
+# Each has a prompt length and an output length.
+
+# %%
+requests = theory.poisson_stream(12, rate=100, prompt_len=(8, 32), output_len=(4, 16), seed=0)
+pd.DataFrame(requests).set_index("id").T
+
+# %% [markdown]
+# ## 2 · Served on two CPU ranks, every token checked
+#
+# Two replicas (each rank serves the requests whose id is its own modulo 2), first with
+# **static** batching (a batch is taken when the server is idle and runs until its last request
+# is done), then with **continuous** batching. Latencies here are *measured* wall seconds on
+# this machine's CPU ranks: a tiny model, so mostly Python overhead, and noisy.
+
+# %%
+measured = {policy: stream.report(StreamConfig(requests=12, rate=100, replicas=2,
+                                               policy=policy, model_kwargs=dict(layers=2)))
+            for policy in ("static", "continuous")}
+pd.DataFrame({p: {"tokens differing from alone": r["tokens_differing"],
+                  "TTFT p50 (ms)": r["latency"]["ttft_s"]["p50"] * 1e3,
+                  "TTFT p99 (ms)": r["latency"]["ttft_s"]["p99"] * 1e3,
+                  "E2E p99 (ms)": r["latency"]["e2e_s"]["p99"] * 1e3,
+                  "output tokens/s": r["throughput_tokens_per_s"]}
+              for p, r in measured.items()}).T.rename_axis("measured on 2 CPU ranks")
+
+# %% [markdown]
+# Every request got exactly the tokens it gets when served alone (`tokens differing` is 0),
+# although in the continuous run it shared its steps with different neighbours at every token:
+# attention runs per request against its own keys and values, and only the row-wise layers
+# (Linear, LayerNorm, MLP) see the whole step's tokens at once.
+#
+# ## 3 · Static vs continuous on a modelled GPU
+#
+# Wall time on a shared CPU says little about a GPU server. The same engine can advance a
+# *modelled* clock instead: each step takes the roofline time of Llama 3 8B on one H100
+# (weights read once per step, plus the FLOPs of the step's tokens), while the tokens are still
+# computed here by the tiny model. The scheduling decisions are then those the server would
+# make on that GPU.
+
+# %%
+base = dict(requests=24, rate=400, prompt_len=(16, 64), output_len=(4, 40),
+            model_kwargs=dict(layers=2), time_model="llama-3-8b", paged=True, block_size=16)
+runs = {p: serve_locally(StreamConfig(policy=p, max_batch=8, **base))[:2]
+        for p in ("static", "continuous")}
+table = pd.DataFrame({p: {"TTFT p50 (ms)": s["latency"]["ttft_s"]["p50"] * 1e3,
+                          "TTFT p99 (ms)": s["latency"]["ttft_s"]["p99"] * 1e3,
+                          "E2E p99 (ms)": s["latency"]["e2e_s"]["p99"] * 1e3,
+                          "output tokens/s": s["throughput_tokens_per_s"]}
+                      for p, (_, s) in runs.items()}).T.rename_axis("modelled: Llama 3 8B, H100")
+table
+
+# %%
+fig = stream_figure(runs, source="modelled (Llama 3 8B on one H100)")
+fig.savefig("/tmp/10_static_vs_continuous.png", dpi=80)
+
+# %%
+s, c = table.loc["static"], table.loc["continuous"]
+display(Markdown(
+    f"Static batching keeps arrivals waiting until the whole batch is done: p99 TTFT "
+    f"{s['TTFT p99 (ms)']:.0f} ms against {c['TTFT p99 (ms)']:.0f} ms with continuous "
+    f"batching ({s['TTFT p99 (ms)'] / c['TTFT p99 (ms)']:.1f}×, modelled), and "
+    f"{c['output tokens/s'] / s['output tokens/s']:.2f}× the throughput, because a slot freed "
+    f"by a short answer is refilled at the next step instead of idling."))
+
+# %% [markdown]
+# ## 4 · A paged KV cache
+#
+# A cache that gives each request one contiguous region must reserve the **maximum length** at
+# admission (the answer's length is unknown). The paged cache hands out blocks of B tokens as
+# the sequence grows: at most B - 1 slots wasted per request. Below, both caches get the same
+# bytes (384 token slots per rank), the batch limit is lifted, and the stream is served; what is
+# measured is how many requests ran at once and what fraction of the reserved slots held
+# nothing, averaged over the steps.
+
+# %%
+fit = dict(base, requests=24, rate=2000, max_batch=64, kv_tokens=384)
+caches = {}
+for name, kw in (("contiguous (max length)", dict(paged=False)),
+                 ("paged, blocks of 16", dict(paged=True, block_size=16)),
+                 ("paged, blocks of 4", dict(paged=True, block_size=4))):
+    records, summary, engine = serve_locally(StreamConfig(**dict(fit, **kw)))
+    caches[name] = {
+        "peak requests running": max(st["batch"] for st in engine.steps),
+        "reserved but unused (mean, %)": 100 * stream.kv_summary(engine.steps)[
+            "wasted_fraction"],
+        "TTFT p99 (ms, modelled)": summary["latency"]["ttft_s"]["p99"] * 1e3}
+caches = pd.DataFrame(caches).T.rename_axis("same 384 token slots (measured)")
+caches
+
+# %%
+seq = StreamConfig(**fit).gpt_config().seq
+mean_len = sum(r["prompt"] + r["output"] for r in StreamConfig(**fit).stream()) / 24
+display(Markdown(
+    f"Theory for requests of the mean final length {mean_len:.0f} tokens: the contiguous cache "
+    f"reserves {seq} slots each (the model's maximum), so "
+    f"{theory.requests_that_fit(384, round(mean_len), max_len=seq)} fit in 384 slots; blocks of "
+    f"16 fit {theory.requests_that_fit(384, round(mean_len), block_size=16)} and blocks of 4 "
+    f"{theory.requests_that_fit(384, round(mean_len), block_size=4)}. Measured above: "
+    f"{caches.iloc[0, 0]:.0f}, {caches.iloc[1, 0]:.0f} and {caches.iloc[2, 0]:.0f} at the peak "
+    f"(requests are shorter while they grow, so more fit than at their final length; when the "
+    f"blocks run out the newest request is preempted and recomputed later)."))
+
+# %% [markdown]
+# ## 5 · Chunked prefill
+#
+# When a long prompt joins, its whole prefill runs in one step, and every running request waits
+# for it: their time between tokens jumps. Cutting the prompt into chunks of C tokens, one chunk
+# per step beside the decodes, bounds that stall. Prompts of 100 to 400 tokens here (modelled on
+# Llama 3 8B, H100, where a decode step reads 16 GB of weights in ~5 ms and a 400-token prefill
+# adds ~8 ms).
+
+# %%
+long = dict(base, requests=16, rate=200, prompt_len=(100, 400), output_len=(16, 32),
+            max_batch=8)
+chunked = {("whole prompts" if c is None else f"chunks of {c}"):
+           serve_locally(StreamConfig(chunk=c, **long))[:2] for c in (None, 64, 16)}
+pd.DataFrame({k: {"between tokens p50 (ms)": s["latency"]["tbt_s"]["p50"] * 1e3,
+                  "between tokens p99 (ms)": s["latency"]["tbt_s"]["p99"] * 1e3,
+                  "TPOT p99 (ms)": s["latency"]["tpot_s"]["p99"] * 1e3,
+                  "TTFT p50 (ms)": s["latency"]["ttft_s"]["p50"] * 1e3}
+              for k, (_, s) in chunked.items()}).T.rename_axis("modelled: Llama 3 8B, H100")
+
+# %% [markdown]
+# Chunks trade TTFT (a prompt now takes several steps) for a flat time between tokens; chunks
+# too small make every prompt queue for many steps, so Sarathi-Serve sizes the token budget of
+# a step to what a decode step can carry while still bound by memory bandwidth.
+# They also shrink the transient buffers of a forward pass, which scale with the tokens of one
+# step. For Llama 3 8B (bf16, gated MLP of 14,336), *modelled* per layer:
+
+# %%
+buffers = pd.DataFrame({f"{t} tokens in a step": {
+    "transient buffer (MB, modelled)": theory.prefill_buffer_bytes(
+        t, LLAMA.hidden, LLAMA.ffn, LLAMA.kv_heads, LLAMA.heads) / 1e6}
+    for t in (32768, 8192, 512)}).T
+buffers
+
+# %% [markdown]
+# ## 6 · Speculative decoding
+#
+# A decode step reads all the weights for one token per request. A cheap **draft** model can
+# propose k tokens; the target then checks all k in *one* forward (k + 1 rows: still one read
+# of the weights) and keeps the proposals up to the first one it disagrees with, plus its own
+# token there (Leviathan et al. ICML'23). The output is exactly the target's greedy output; what
+# changes is how many tokens each target forward yields. Here the draft is the target's own
+# first block(s) and head (self-speculation), and the acceptance is measured.
+
+# %%
+from labkit import models
+from labkit.parallel.serving import generate
+from labkit.parallel.speculative import (early_exit_draft, expected_tokens_per_round,
+                                         speculative_generate)
+
+target = models.build("gpt", seed=0, seq=96, layers=4).eval()
+prompt = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(0))
+greedy = generate(target, prompt[None], 48)[0].tolist()
+rows = {}
+for layers in (1, 2):
+    for k in (2, 4):
+        tokens, st = speculative_generate(target, early_exit_draft(target, layers), prompt,
+                                          48, k)
+        rows[f"draft = first {layers} of 4 blocks, k = {k}"] = {
+            "tokens equal greedy": tokens == greedy,
+            "acceptance (measured)": st["acceptance"],
+            "tokens per round (measured)": (48 - 1) / st["rounds"],
+            "tokens per round (formula, from the acceptance)": expected_tokens_per_round(
+                st["acceptance"], k)}
+pd.DataFrame(rows).T
+
+# %% [markdown]
+# The acceptance is measured as Leviathan et al.'s alpha: of the proposals the target compared
+# (up to the first miss), the share it agreed with. The formula then assumes each proposal
+# agrees independently with that probability; where the columns differ, the draft's misses
+# come in runs. Whether it is faster depends on what a draft step costs against a target step:
+# on a GPU the k + 1-row check costs about one decode step (memory-bound), so
+# tokens per round is close to the speed-up when the draft is nearly free.
+
+# %% [markdown]
+# ## 7 · Prefill and decode on separate ranks
+#
+# Chunking shares one GPU between the two phases; **disaggregation** (DistServe, Splitwise)
+# gives each its own GPUs: the prefill rank computes a prompt, sends its keys and values and its
+# first token to the decode rank, which adds the request to its running batch. Below, on two
+# CPU ranks: the tokens against each request alone, and the bytes sent, measured by the comm
+# log, against layers x 2 x kv_heads x head_dim x prompt x 4 bytes (float32 here).
+
+# %%
+from labkit import launch
+from labkit.parallel.disaggregated import disaggregated_generate
+from labkit.theory import hardware
+
+
+def prefill_then_decode(ctx, sizes, outputs):
+    model = models.build("gpt", seed=0, seq=64, layers=2).eval()
+    prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
+               for n in sizes]
+    tokens = disaggregated_generate(model, prompts, outputs)
+    sent = [r for r in ctx.comm.summary(by=("op", "tag")) if r["tag"] == "kv transfer"]
+    return dict(tokens=tokens, sent=sum(r["bytes"] for r in sent if r["op"] == "send"))
+
+
+sizes, outputs = (12, 30, 20), (8, 4, 10)
+ranks = launch(prefill_then_decode, 2, sizes, outputs)
+small = models.build("gpt", seed=0, seq=64, layers=2).eval()
+alone = [generate(small, torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
+                  [None], o)[0].tolist() for n, o in zip(sizes, outputs)]
+c = small.cfg
+display(Markdown(
+    f"Tokens equal to each request served alone: {ranks[1]['tokens'] == alone}. KV bytes sent "
+    f"(measured): {ranks[0]['sent']:,}; formula: "
+    f"{sum(c.layers * 2 * c.heads * (c.hidden // c.heads) * n * 4 for n in sizes):,}."))
+
+# %% [markdown]
+# For Llama 3 8B (bf16 cache, 8 KV heads) the transfer is 128 KB per prompt token. Modelled
+# against the prefill it follows, on one H100:
+
+# %%
+pd.DataFrame({f"{p:,}-token prompt": {
+    "prefill (ms, modelled)": theory.modelled_step_s(LLAMA, hardware.gpu("H100"),
+                                                     [(p, 0)]) * 1e3,
+    "KV over NVLink 4 (ms, modelled)": theory.kv_transfer_s(
+        LLAMA, p, hardware.link("NVLink 4")) * 1e3,
+    "KV over InfiniBand NDR (ms, modelled)": theory.kv_transfer_s(
+        LLAMA, p, hardware.link("InfiniBand NDR")) * 1e3} for p in (512, 2048, 8192)}).T
+
+# %% [markdown]
+# ## 8 · Explore
+#
+# Policy, arrival rate, batch limit and chunk size: the explorer serves a stream of 16 requests
+# (prompts 16 to 256 tokens) on this process with the modelled clock and redraws each request's
+# life and the latency percentiles. Try: static at 400 req/s; max batch 1 (no batching at all);
+# whole prompts then chunks of 16 at a high rate.
+
+# %%
+def serve_stream(policy, rate, max_batch, chunk):
+    cfg = StreamConfig(**dict(base, requests=16, rate=rate, prompt_len=(16, 256)),
+                       policy=policy, max_batch=max_batch, chunk=chunk)
+    return serve_locally(cfg)[:2]
+
+
+stream_explorer(serve_stream)
+
+# %% [markdown]
+# ## Takeaways: which technique fixes which latency
+#
+# | technique | the latency it fixes | what it costs |
+# |---|---|---|
+# | continuous batching (Orca) | TTFT, E2E (no waiting for a batch) | a schedule per step |
+# | paged KV cache (vLLM) | queueing: more requests fit in the bytes | block tables |
+# | chunked prefill (Sarathi-Serve) | p99 time between tokens, TPOT (no stall) | some TTFT |
+# | speculative decoding | TPOT: several tokens per target forward | a draft model; its misses |
+# | prefill/decode on separate GPUs | TPOT (no prefill in a decode step) | KV sent per request |
+# | TP / replicas (lesson 09) | TPOT (1/t of the weights) / throughput | all-reduces / GPUs |
+#
+# - Continuous batching refills a slot the step after it frees; static batching leaves it empty
+#   until the longest answer of its batch is done.
+# - A paged cache wastes less than one block per request instead of max length - length, so
+#   more requests run at once in the same memory, which is throughput and less queueing.
+# - Chunked prefill bounds the prefill tokens of a step, so a long prompt costs the running
+#   requests a chunk's time, not the whole prompt's.
+#
+# Every technique here changes *when* a token is computed and *where* its keys and values live,
+# never *what* it is: each request's tokens equal its tokens served alone.
+
+# %% [markdown]
+# ## Exercises
+#
+# **1 · Read through a block table.** Write `gather(pool, table, length, block_size)`: `pool`
+# is (blocks, block_size, width): all requests' keys; `table` the list of this request's block
+# ids in order; return its first `length` keys as a (length, width) tensor. The checker runs it
+# on a pool where two requests grew a token at a time, so their blocks interleave.
+
+# %% tags=["solution"]
+def gather(pool, table, length, block_size):
+    pos = torch.arange(length)
+    return pool[torch.tensor(table)[pos // block_size], pos % block_size]
+
+
+# %%
+check_gather_blocks(gather);
+
+# %% [markdown]
+# **2 · Waste.** Llama 3 8B keeps 2 x 32 layers x 1,024 values per token (8 KV heads of 128),
+# 2 bytes each. Four requests hold 37, 120, 301 and 64 tokens. How many bytes does a cache that
+# reserved 512 tokens per request leave unused, and how many does a paged cache with blocks of
+# 16 leave unused? Write both as expressions.
+
+# %% tags=["solution"]
+per_token = 2 * 32 * 1024 * 2
+wasted_contiguous = sum(512 - n for n in (37, 120, 301, 64)) * per_token
+wasted_paged = sum(-(-n // 16) * 16 - n for n in (37, 120, 301, 64)) * per_token
+
+# %%
+check_wasted_bytes(wasted_contiguous, wasted_paged);
+
+# %% [markdown]
+# **3 · How many fit.** A paged cache of 16,384 token slots in blocks of 16: how many requests
+# of 300 tokens fit at once?
+
+# %% tags=["solution"]
+fit_paged = (16384 // 16) // -(-300 // 16)
+
+# %%
+check_requests_that_fit(fit_paged);
