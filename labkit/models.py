@@ -166,7 +166,11 @@ class MLP(nn.Module):
             x = layer(x)
             if i < len(self.layers) - 1:
                 x = F.gelu(x)
-        return x if targets is None else F.mse_loss(x, targets)
+        if targets is None:
+            return x
+        # in the promoted dtype, as torch >= 2.12 does itself (2.11 refuses bf16 against fp32)
+        dtype = torch.result_type(x, targets)
+        return F.mse_loss(x.to(dtype), targets.to(dtype))
 
 
 def build(name="gpt", seed=0, **overrides):
