@@ -51,3 +51,43 @@ def world_average(ctx, mesh, grad):
 def summed_sync(ctx, model):
     for p in model.parameters():
         ctx.comm.all_reduce(p.grad)
+
+
+def gathered_ring_attention(ctx, q, k, v):
+    """Right values by a wasteful method: all-gather every K and V block, attend to all."""
+    from labkit.exercises.context_parallel import partial_attention
+    k_all = ctx.comm.all_gather(k.transpose(0, 1).contiguous())   # gathers along dim 0
+    v_all = ctx.comm.all_gather(v.transpose(0, 1).contiguous())
+    return partial_attention(q, k_all.transpose(0, 1), v_all.transpose(0, 1))[0]
+
+
+def decode_without_cache(ctx, x, shard, cache, group):
+    """Right values, no KV cache: keeps the inputs and recomputes k and v of every token."""
+    import torch.nn.functional as F
+    from labkit.models import causal_attention
+    cache["x"] = torch.cat([cache["x"], x], dim=1) if "x" in cache else x
+    q, k, v = F.linear(cache["x"], shard["w_qkv"], shard["b_qkv"]).chunk(3, dim=-1)
+    cache["k"], cache["v"] = k, v                    # looks like a cache, is recomputed
+    out = causal_attention(q, k, v, q.shape[-1] // shard["head_dim"])[:, -x.shape[1]:]
+    partial = F.linear(out, shard["w_proj"])
+    return ctx.comm.all_reduce(partial, group=group) + shard["b_proj"]
+
+
+def detached_row_parallel(ctx, x_shard, weight_shard, bias, group):
+    """Right values, outside autograd: the all-reduce of a detached partial sum."""
+    import torch.nn.functional as F
+    partial = F.linear(x_shard, weight_shard).detach()
+    ctx.comm.all_reduce(partial, group=group)
+    return partial + bias
+
+
+def row_parallel_returns_none(ctx, x_shard, weight_shard, bias, group):
+    import torch.nn.functional as F
+    F.linear(x_shard, weight_shard)
+
+
+def row_parallel_float64(ctx, x_shard, weight_shard, bias, group):
+    """Right values in float64 (a learner's `.double()`): accepted, the dtype is no mistake."""
+    from labkit.parallel.tensor_parallel import reduce_from_tp
+    import torch.nn.functional as F
+    return (reduce_from_tp(F.linear(x_shard, weight_shard), group, "x") + bias).double()

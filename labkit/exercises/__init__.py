@@ -13,6 +13,8 @@ the code only from the second wrong answer on, or when the learner asks (`show_s
 import math
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class Check:
@@ -57,19 +59,28 @@ class Hints:
     """One exercise's hints: `concept` after the first wrong answer, `code` after later ones.
 
     The count lives in the learner's kernel (one object per exercise); `show()` prints the code
-    at any time (what the lesson's `show_solution()` calls); `reset()` starts over."""
+    (or formula) at any time, what the lesson's `show_solution(exercise)` calls; `reset()`
+    starts over. `code` may be a function returning the text (a formula with the catalog's
+    numbers, computed when first needed). `kind` names what the second hint shows."""
 
-    def __init__(self, concept, code):
-        self.concept, self.code, self.failures = concept, code, 0
+    def __init__(self, concept, code, exercise=1, kind="code"):
+        self.concept, self._code, self.failures = concept, code, 0
+        self.exercise, self.kind = exercise, kind
         _ALL_HINTS.append(self)
+
+    @property
+    def code(self):
+        return self._code() if callable(self._code) else self._code
 
     def after_failure(self):
         """The hint for this wrong answer: conceptual first, then the code."""
         self.failures += 1
         if self.failures == 1:
-            return (f"Hint: {self.concept} (Stuck? A second try, or show_solution(), shows "
-                    "the code.)")
-        return f"The code: {self.code}"
+            call = "show_solution()" if self.exercise == 1 else \
+                f"show_solution({self.exercise})"
+            return (f"Hint: {self.concept} (Stuck? A second try, or {call}, shows the "
+                    f"{self.kind}.)")
+        return f"The {self.kind}: {self.code}"
 
     def show(self):
         print(self.code)
@@ -85,6 +96,35 @@ def reset_hints():
     """Forget every exercise's wrong answers (a fresh kernel's state; tests use it)."""
     for hints in _ALL_HINTS:
         hints.reset()
+
+
+def show(hints_by_exercise, exercise):
+    """Print one exercise's code or formula (a lesson's `show_solution(exercise)`)."""
+    if exercise not in hints_by_exercise:
+        print(f"No exercise {exercise!r} here: exercises {sorted(hints_by_exercise)}.")
+        return
+    hints_by_exercise[exercise].show()
+
+
+def not_a_function(fn, args):
+    """A Check when the learner handed in something other than a function (None, a number),
+    else None: the checker answers in one line instead of failing on every rank."""
+    if callable(fn):
+        return None
+    return Check(False, "not a function", f"Give your function itself, {args}, not "
+                 f"{type(fn).__name__} (write it in the cell above, then pass its name).")
+
+
+def tensor_problem(value, shape, name="Your result"):
+    """One line when `value` is not a float tensor of `shape` (None, a list, a wrong shape or
+    dtype), else None."""
+    if not isinstance(value, torch.Tensor):
+        return f"{name} is {type(value).__name__}, not a tensor of shape {tuple(shape)}."
+    if tuple(value.shape) != tuple(shape):
+        return f"{name} has shape {tuple(value.shape)}; expected {tuple(shape)}."
+    if not value.is_floating_point():
+        return f"{name} has dtype {value.dtype}; expected a floating-point tensor."
+    return None
 
 
 def too_slow_to_start(error_text):
@@ -168,25 +208,43 @@ def _format(value, unit):
     return f"{value:.7g} {unit}".strip()
 
 
-def check_number(answer, expected, *, what, hint, unit="", mistakes=(), exact=False,
+def _answer_value(answer):
+    """The learner's number as a float, or None: a one-element tensor or array counts."""
+    if isinstance(answer, bool):
+        return None
+    try:
+        if hasattr(answer, "numel") and answer.numel() == 1:
+            answer = answer.item()
+        elif hasattr(answer, "size") and getattr(answer, "size", 0) == 1 and \
+                hasattr(answer, "item"):
+            answer = answer.item()
+        return float(answer)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return None
+
+
+def check_number(answer, expected, *, what, hints, unit="", mistakes=(), exact=False,
                  tolerance=0.01, explain="", roundings=(), verbose=True):
     """Say in words whether `answer` is `expected` (labkit's formula); never raises.
 
-    `what` names the quantity, `hint` says how to derive it (shown when the answer is missing
-    or wrong), `mistakes` are the likely wrong answers to diagnose (with the unit's own:
-    bits, GB, percent). `exact` for counts (GPUs, tokens); otherwise within `tolerance`.
-    `roundings` (`Rounding`s) are answers from reasonably rounded inputs: accepted, and said.
+    `what` names the quantity; `hints` (a `Hints`) gives the concept after the first miss and
+    the formula after later ones (or on `show_solution`). `mistakes` are the likely wrong
+    answers to diagnose (with the unit's own: bits, GB, percent); where several give the
+    learner's number, the message names each of them. `exact` for counts (GPUs, tokens);
+    otherwise within `tolerance`. `roundings` (`Rounding`s) are answers from reasonably
+    rounded inputs: accepted, and said.
     """
     if answer is None or answer is Ellipsis:
-        return say(Check(False, "no answer", f"No answer yet for {what}. Hint: {hint}"),
-                   verbose)
-    try:
-        value = float(answer)
-    except (TypeError, ValueError):
-        return say(Check(False, "not a number", f"Give {what} as a number"
-                         f"{' in ' + unit if unit else ''}, not {answer!r}."), verbose)
-    if math.isnan(value):
-        return say(Check(False, "not a number", f"{what}: nan is not an answer."), verbose)
+        return say(Check(False, "no answer", f"No answer yet for {what}. Hint: "
+                         f"{hints.concept}"), verbose)
+    value = _answer_value(answer)
+    if value is None:
+        shown = repr(answer)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        return say(Check(False, "not a number", f"Give {what} as one number"
+                         f"{' in ' + unit if unit else ''}, not {shown}."), verbose)
+    if math.isnan(value) or math.isinf(value):
+        return say(Check(False, "not a number", f"{what}: {value} is not an answer."), verbose)
 
     def close(x):
         return value == x if exact else abs(value - x) <= tolerance * abs(x)
@@ -199,12 +257,22 @@ def check_number(answer, expected, *, what, hint, unit="", mistakes=(), exact=Fa
             return say(Check(True, "", f"Correct: {what}: {_format(value, unit)}, accepted: "
                              f"{rounding.how}; unrounded it is {_format(expected, unit)}."
                              + (f" {explain}" if explain else "")), verbose)
+    found, problems = [], []
     for mistake in list(mistakes) + _unit_mistakes(expected, unit):
-        if mistake.value != expected and close(mistake.value):
-            return say(Check(False, mistake.problem, (
-                f"Not quite: {_format(value, unit)} is {_factor(value, expected)}: "
-                f"{mistake.why}" + ("" if mistake.why[-1] in ".?!" else "."))), verbose)
+        if mistake.value == expected or not close(mistake.value):
+            continue
+        if mistake.problem not in problems:
+            found.append(mistake)
+            problems.append(mistake.problem)
+    if found:
+        whys = [m.why + ("" if m.why[-1] in ".?!" else ".") for m in found]
+        said = whys[0] if len(whys) == 1 else (
+            f"{len(whys)} different mistakes give this number: "
+            + " ".join(f"({i}) {w}" for i, w in enumerate(whys, 1)))
+        return say(Check(False, " / ".join(problems), (
+            f"Not quite: {_format(value, unit)} is {_factor(value, expected)}: {said} "
+            f"{hints.after_failure()}")), verbose)
     side = "more" if value > expected else "less"
     return say(Check(False, "wrong value", (
-        f"Not quite: {_format(value, unit)} is {side} than expected for {what}. Hint: {hint}")),
-        verbose)
+        f"Not quite: {_format(value, unit)} is {side} than expected for {what}. "
+        f"{hints.after_failure()}")), verbose)
