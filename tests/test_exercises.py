@@ -14,7 +14,9 @@ import nbformat
 import pytest
 import torch
 from wrong_answers import (all_reduce_then_slice, blocking_ring, blocking_ring_attention,
-                           summed_shard, summed_sync, world_average)
+                           decode_without_cache, detached_row_parallel, gathered_ring_attention,
+                           row_parallel_float64, row_parallel_returns_none, summed_shard,
+                           summed_sync, world_average)
 
 from labkit import editions
 from labkit.theory import catalog
@@ -103,80 +105,210 @@ def test_solutions_pass_and_stubs_fail_with_their_message(student, prefix):
 
 # ------------------------------------------------------------ number checkers name the mistake
 
-def _gpt2_bf16_grads():
-    return 2 * catalog.model("gpt2-small").param_count()
+def _number_exercises():
+    """{exercise: (checker, [(a wrong answer worked out as a learner would, its problem)])}.
 
-
-def _llama(name):
-    return catalog.model(name).param_count()
-
-
-def _wrong_answers():
-    """(checker, likely wrong answer, the problem it must be named as, words in the message)."""
+    Every number is derived here from the catalog's inputs with the mistake made on purpose,
+    never from the checker's own formula."""
     from labkit.exercises import context_parallel as cp, data_parallel as dp, hybrid
-    from labkit.exercises import moe, pipeline, tensor_parallel as tp, when_it_breaks as wib
-    from labkit.exercises import why_parallelism as why, zero
-    from labkit.theory import hardware, roofline
-    s, n = _gpt2_bf16_grads(), 16
-    act = 1 * 4096 * 8192 * 2
-    kv = 2 * 8 * (65536 // 16) * 128 * 2
-    psi8, psi70 = _llama("llama-3-8b"), _llama("llama-3-70b")
-    mfu = 6 * psi8 * 600_000 / (64 * hardware.gpu("H100").bf16_flops)
-    return [
-        (why.check_gb_no_zero, 2 * psi8 / 1e9, "weights only", "2 bytes per parameter"),
-        (why.check_gb_no_zero, 16 * psi8, "units", "1 GB = 1e9 bytes"),
-        (why.check_fewest_gpus_zero3, 1, "does not fit", "more than an H100"),
-        (dp.check_ring_bytes, (n - 1) / n * s, "one phase", "once in reduce-scatter and once"),
-        (dp.check_ring_bytes, 2 * s, "factor (N-1)/N", "(N-1)/N"),
-        (dp.check_ring_bytes, 2 * (n - 1) / n * s * 8, "bits", "8 bits"),
-        (dp.check_ring_bytes, 2 * (n - 1) / n * 2 * s, "fp32", "bf16"),
-        (pipeline.check_gpipe_bubble, 5 / 20, "over ideal", "(P-1)/(M+P-1)"),
-        (pipeline.check_gpipe_bubble, 100 * 5 / 25, "percent", "fraction"),
-        (pipeline.check_dualpipe_idle, 7 * 2.5, "P-1", "P/2-1"),
-        (pipeline.check_dualpipe_idle, 3 * 1.5, "input grad only", "full backward"),
-        (pipeline.check_dualpipe_idle, 3 * 1, "F&B = F", "F + B"),
-        (pipeline.check_dualpipe_idle, 7 * 1.5, "ZB-H1's", "Table 2"),
-        (tp.check_block_bytes, 2 * 2 * 7 / 8 * act, "half the calls", "forward and backward"),
-        (tp.check_block_bytes, 4 * act, "payload", "2(t-1)/t"),
-        (moe.check_capacity_answer, math.floor(1.25 * 2 * 6000 / 64), "rounded down", "round up"),
-        (moe.check_capacity_answer, math.ceil(1.25 * 6000 / 64), "forgot k", "k = 2"),
-        (hybrid.check_hybrid_memory, 16 * psi70 / 32 / 1e9, "no ZeRO", "ZeRO-1"),
-        (hybrid.check_hybrid_memory, 16 * psi70 / 8 / 1e9, "forgot pp", "tp x pp"),
-        (hybrid.check_hybrid_memory, (2 + 4 + 12 / 2) * psi70 / 32 / 1e9, "fp32 gradients",
-         "the planner's convention"),
-        (wib.check_mfu_answer, mfu / 2, "sparse peak", "dense"),
-        (wib.check_mfu_answer, mfu / 3, "forward only", "6 x params"),
-        (wib.check_mfu_answer, mfu * 100, "percent", "fraction"),
-        (cp.check_ring_bytes, 16 * kv, "one pass too many", "N-1"),
-        (cp.check_ring_bytes, 15 * kv * 64 / 8, "query heads", "KV heads"),
-        (cp.check_ring_bytes, 15 * kv, "", "Correct"),
-        (zero.check_fsdp_critical_batch, roofline.critical_batch("dp", 64, "H100",
-                                                                 "InfiniBand NDR"),
-         "DP's bytes", "3(N-1)/N"),
-        (zero.check_fsdp_critical_batch, roofline.critical_batch("fsdp", 64, "H100",
-                                                                 "InfiniBand NDR") / 8,
-         "bits", "8 bits"),
-    ]
+    from labkit.exercises import moe, pipeline, serving, tensor_parallel as tp
+    from labkit.exercises import when_it_breaks as wib, why_parallelism as why, zero
+    from labkit.theory import hardware
+    psi8, psi70 = catalog.model("llama-3-8b").param_count(), catalog.model("llama-3-70b") \
+        .param_count()
+    h100, a100 = hardware.gpu("H100"), hardware.gpu("A100")
+    gb = 16 * psi8 / 1e9                                          # 00-2's right answer
+    s, n = 2 * catalog.model("gpt2-small").param_count(), 16      # 01-2: bf16 grads, 16 GPUs
+    ring = 2 * (n - 1) / n * s
+    act, t = 1 * 4096 * 8192 * 2, 8                               # 03-2
+    block = 4 * 2 * (t - 1) / t * act
+    node = hardware.cluster("8xH100-NVLink")
+    alpha, eff, line = node.intra.latency, node.intra.effective_bandwidth, node.intra.bandwidth
+
+    def tokens(flops=h100.bf16_flops * node.mfu, value_bytes=2, bw=eff, outs=28672 / 8, per=8):
+        return per * alpha / (8192 * (2 * outs / flops - value_bytes / bw))
+    p8 = 8.03e9                                                   # 04-2, as the lesson gives
+    ib = hardware.link("InfiniBand NDR")
+    fsdp = h100.bf16_flops / ib.effective_bandwidth * 3 * 63 / 64 * 2 / 6
+    local = psi70 / (8 * 4)                                       # 06-3
+    mfu = 6 * psi8 * 600_000 / (64 * h100.bf16_flops)
+    kv = 2 * 8 * (65536 // 16) * 128 * 2                          # 08-3: one block
+    cache = 80 * 2 * 8 * 128 * 8192 * 8 * 2                       # 09-2
+    tpot = 2 * psi8 / h100.memory_bw * 1e3
+    return {
+        "00-2": (why.check_gb_no_zero, [
+            (2 * psi8 / 1e9, "weights only"), (16 * psi8 / 8 / 1e9, "divided by GPUs"),
+            (4 * psi8 / 1e9, "no optimizer"), (12 * psi8 / 1e9, "optimizer only"),
+            ((2 + 2 + 4 + 4) * psi8 / 1e9, "no master copy"),
+            (18 * psi8 / 1e9, "fp32 gradients"), (16 * psi8, "bytes, not GB"),
+            (16 * psi8 / 2 ** 30, "GiB"), (8 * gb, "bits")]),
+        "00-3": (why.check_fewest_gpus_zero3, [
+            (1, "does not fit"), (math.ceil(2 * psi8 / h100.memory_bytes), "weights only"),
+            (16 * psi8 / h100.memory_bytes, "not whole"), (3, "one too many")]),
+        "01-2": (dp.check_ring_bytes, [
+            (2 * s, "factor (N-1)/N"), ((n - 1) / n * s, "one phase"),
+            (ring / 2, "values, not bytes"), (2 * (n - 1) * s, "whole tensor"),
+            (2 * (n - 1) / n * 2 * s, "fp32"), (s, "just S"), (8 * ring, "bits"),
+            (ring / 1e9, "GB, not bytes")]),
+        "02-2": (pipeline.check_gpipe_bubble, [
+            (5 / 20, "over ideal"), (5 / 6, "one batch"), (5 / 26, "M+P slots"),
+            (6 / 26, "waits P slots"), (20 / 25, "busy share"), (100 * 5 / 25, "percent")]),
+        "02-3": (pipeline.check_dualpipe_idle, [
+            (7 * (1 + 1.5 + 1.5 - 1.5), "P-1"), (7 * (1 + 1.5), "1F1B's"),
+            (3 * (2 + 1 - 1.5), "input grad only"), (3 * (1 + 1.5 - 1.5), "F&B = F"),
+            (7 * (1 + 1.5 - 1), "ZB-H1's"), (3 * (2.5 + 1.5 - 1.5) / 1e3, "seconds")]),
+        "03-2": (tp.check_block_bytes, [
+            (2 * 2 * 7 / 8 * act, "half the calls"), (4 * 7 / 8 * act, "one phase"),
+            (block / 2, "values, not bytes"), (2 * 7 / 8 * act, "one call"),
+            (4 * act, "payload"), (4 * 2 * act, "factor (t-1)/t"), (2 * block, "fp32"),
+            (block / t, "divided by t"), (8 * block, "bits"), (block / 1e9, "GB, not bytes")]),
+        "03-3": (tp.check_break_even_tokens, [
+            (tokens(flops=h100.bf16_flops), "peak"),
+            (tokens(flops=2 * h100.bf16_flops * node.mfu), "FLOPs per multiply-add"),
+            (tokens(value_bytes=4), "fp32"), (tokens(bw=line), "line rate"),
+            (tokens(outs=28672), "all outputs"), (tokens(per=1), "chunk = T"),
+            (0, "no latency")]),
+        "04-2": (lambda a, verbose=False: zero.check_stage_memory_answer(
+            a, params=p8, world_size=8, stage=2, verbose=verbose), [
+            (16 * p8, "baseline"), ((4 + 12 / 8) * p8, "stage 1"), (16 * p8 / 8, "stage 3"),
+            ((2 + (2 + 8) / 8) * p8, "no master copy"), ((4 + 14 / 8) * p8, "fp32 weights"),
+            ((2 + 14 / 8) * p8 * 8, "bits"), ((2 + 14 / 8) * p8 / 1e9, "GB, not bytes")]),
+        "04-3": (zero.check_fsdp_critical_batch, [
+            (fsdp * 2 / 3, "DP's bytes"), (fsdp * 2 / 3, "one all-gather"),
+            (h100.bf16_flops / ib.bandwidth * 3 * 63 / 64 * 2 / 6, "line rate"),
+            (h100.bf16_flops / (ib.effective_bandwidth * 8) * 3 * 63 / 64 * 2 / 6, "bits"),
+            (fsdp / 2, "bytes per value"), (fsdp * 6 / 2, "forward only"),
+            (fsdp / node.mfu, "at mfu")]),
+        "05-2": (moe.check_capacity_answer, [
+            (1.25 * 2 * 6000 / 64, "not rounded"), (234, "rounded down"),
+            (round(1.25 * 2 * 6000 / 64), "rounded to nearest"),
+            (math.ceil(1.25 * 6000 / 64), "forgot k"), (math.ceil(2 * 6000 / 64),
+                                                        "forgot the factor"),
+            (math.ceil(6000 / 64), "even share"), (math.ceil(1.25 * 6000 / 128),
+                                                   "divided by k")]),
+        "06-3": (hybrid.check_hybrid_memory, [
+            (16 * local / 1e9, "no ZeRO"), (16 * psi70 / 8 / 1e9, "forgot pp"),
+            (16 * psi70 / 4 / 1e9, "forgot tp"), (16 * local / 2 / 1e9, "ZeRO-3"),
+            ((2 + 14 / 2) * local / 1e9, "ZeRO-2"), ((2 + 4 + 6) * local / 1e9,
+                                                     "fp32 gradients"),
+            (10 * local, "bytes, not GB")]),
+        "07-2": (wib.check_mfu_answer, [
+            (mfu / 2, "sparse peak"), (2 * psi8 * 600_000 / (64 * h100.bf16_flops),
+                                       "forward only"),
+            (8 * psi8 * 600_000 / (64 * h100.bf16_flops), "recompute"),
+            (6 * psi8 * 600_000 / h100.bf16_flops, "one GPU"),
+            (6 * psi8 * 600_000 / (64 * a100.bf16_flops), "wrong GPU"), (100 * mfu, "percent"),
+            (6 * psi8 * 600_000 / 64 / (64 * h100.bf16_flops), "GPUs twice")]),
+        "08-3": (cp.check_ring_bytes, [
+            (16 * kv, "one pass too many"), (15 * kv / 2, "K only"),
+            (15 * kv / 2, "values, not bytes"), (15 * kv * 64 / 8, "query heads"),
+            (15 * kv * 8, "bits"), (15 * kv * 16, "whole sequence"), (kv, "one block"),
+            (2 * 15 * kv, "fp32"), (2 * 15 * kv, "forward and backward")]),
+        "09-2": (serving.check_kv_bytes, [
+            (cache / 2, "forgot k or v"), (cache / 2, "values, not bytes"),
+            (cache * 64 / 8, "no GQA"), (cache * 8, "bits"), (cache / 80, "one layer"),
+            (cache * 2, "fp32"), (cache / 8, "one request"), (cache / 1e9, "GB, not bytes")]),
+        "09-3": (serving.check_tpot_floor, [
+            (2 * psi8 / h100.bf16_flops * 1e3, "compute, not memory"), (tpot / 2,
+                                                                      "1 byte per weight"),
+            (tpot * 8, "bits"), (tpot / 1e3, "seconds"), (tpot * 2, "fp32 weights"),
+            (1e3 / tpot, "tokens per second")]),
+    }
 
 
-@pytest.mark.parametrize("checker, answer, problem, words", _wrong_answers(),
-                         ids=lambda v: v.__name__ if callable(v) else None)
-def test_number_checkers_name_the_likely_mistake(checker, answer, problem, words):
-    check = checker(answer, verbose=False)
-    assert check.problem == problem and words in check.message, check.message
-    if problem:
-        assert "Not quite" in check.message and not check.ok
+NUMBER_EXERCISES = sorted(_number_exercises())
 
 
-def test_a_number_checker_never_raises_and_hints_when_it_cannot_diagnose():
-    from labkit.exercises import check_number
+def _cases():
+    return [(ex, answer, problem) for ex in NUMBER_EXERCISES
+            for answer, problem in _number_exercises()[ex][1]]
+
+
+@pytest.mark.parametrize("exercise, answer, problem", _cases(),
+                         ids=[f"{e}-{p}" for e, _, p in _cases()])
+def test_each_likely_wrong_answer_is_named_for_its_mistake(exercise, answer, problem):
+    check = _number_exercises()[exercise][0](answer, verbose=False)
+    assert not check.ok and "Not quite" in check.message, check.message
+    assert problem in check.problem.split(" / "), (problem, check.problem, check.message)
+    assert "\n" not in check.message
+
+
+@pytest.mark.parametrize("exercise", NUMBER_EXERCISES)
+def test_different_mistakes_never_share_a_diagnosis_and_equal_ones_name_each_other(exercise):
+    checker, catalog_ = _number_exercises()[exercise]
+    said = [(answer, problem, checker(answer, verbose=False)) for answer, problem in catalog_]
+    tolerance = 0 if exercise in ("00-3", "05-2") else 0.01     # counts are exact
+    for i, (a, pa, ca) in enumerate(said):
+        for b, pb, cb in said[i + 1:]:
+            if abs(a - b) <= tolerance * max(abs(a), abs(b)):    # one number, two mistakes
+                assert pb in ca.problem.split(" / ") and pa in cb.problem.split(" / "), \
+                    (pa, pb, ca.message)
+                assert "different mistakes give this number" in ca.message
+            else:
+                assert ca.problem != cb.problem, (pa, pb, ca.problem)
+                assert ca.message.split(": ", 2)[-1] != cb.message.split(": ", 2)[-1]
+
+
+def _exercise_module(exercise):
+    checker = _number_exercises()[exercise][0]
+    name = {"00": "why_parallelism", "01": "data_parallel", "02": "pipeline",
+            "03": "tensor_parallel", "04": "zero", "05": "moe", "06": "hybrid",
+            "07": "when_it_breaks", "08": "context_parallel", "09": "serving"}[exercise[:2]]
+    import importlib
+    return checker, importlib.import_module(f"labkit.exercises.{name}")
+
+
+@pytest.mark.parametrize("exercise", NUMBER_EXERCISES)
+def test_a_first_miss_gets_the_concept_the_second_the_formula(exercise, capsys):
+    checker, module = _exercise_module(exercise)
+    number = int(exercise[-1])
+    module.show_solution(number)
+    formula = capsys.readouterr().out.strip()
+    assert formula
+    first, second = (checker(3.217e-7, verbose=False) for _ in range(2))   # matches no mistake
+    assert first.problem == second.problem == "wrong value", first.message
+    assert "Hint:" in first.message and formula not in first.message, first.message
+    call = "show_solution()" if number == 1 else f"show_solution({number})"
+    assert call in first.message
+    assert f"The formula: {formula}" in second.message, second.message
+
+
+def test_no_answer_gives_the_concept_and_is_not_counted_as_a_miss():
+    from labkit.exercises import serving
+    none = serving.check_kv_bytes(None, verbose=False)
+    assert none.problem == "no answer" and "Hint:" in none.message
+    assert "Hint:" in serving.check_kv_bytes(1.0, verbose=False).message   # still the first
+
+
+@pytest.mark.parametrize("exercise", NUMBER_EXERCISES)
+def test_a_number_checker_answers_any_input_in_one_line(exercise):
+    import numpy as np
+    checker = _number_exercises()[exercise][0]
+    for answer in (None, "lots", [1, 2], torch.tensor([1.0, 2.0]), np.ones(3), float("nan"),
+                   float("inf"), True, {"a": 1}, torch.tensor(3.0, requires_grad=True)):
+        check = checker(answer, verbose=False)
+        assert not check.ok and check.message and "\n" not in check.message, (answer, check)
+
+
+def test_a_one_element_tensor_is_read_as_its_number():
+    from labkit.exercises import moe
+    assert moe.check_capacity_answer(torch.tensor(235), verbose=False).ok
+    assert moe.check_capacity_answer(torch.tensor([235.0]), verbose=False).ok
+
+
+def test_a_number_checker_hints_when_it_cannot_diagnose():
+    from labkit.exercises import Hints, check_number
+    hints = Hints("think twice", "x = 10")
     for answer in ("lots", float("nan"), [1, 2]):
-        assert check_number(answer, 10.0, what="x", hint="h", verbose=False).problem \
+        assert check_number(answer, 10.0, what="x", hints=hints, verbose=False).problem \
             == "not a number"
-    far = check_number(1234.5, 10.0, what="the bytes", hint="count twice", unit="bytes",
+    far = check_number(1234.5, 10.0, what="the bytes", hints=hints, unit="bytes",
                        verbose=False)
     assert far.problem == "wrong value" and "more than expected" in far.message
-    assert "Hint: count twice" in far.message
+    assert "Hint: think twice" in far.message and "x = 10" not in far.message
+    assert "The formula: x = 10" not in far.message
+    assert "The code: x = 10" in check_number(1234.5, 10.0, what="b", hints=hints,
+                                              verbose=False).message
 
 
 # ------------------------------------ code checkers: plausible wrong answers, each with its words
@@ -288,3 +420,65 @@ def test_a_capacity_is_shown_as_the_learner_wrote_it():
     check = moe.check_capacity_answer(1.25 * 2 * 6000 / 64, verbose=False)
     assert not check.ok and "234.375" in check.message and check.problem == "not rounded"
     assert "round up" in check.message
+
+
+# ------------------------------- right values by a wasteful method, told apart by the instruments
+
+def test_decoding_without_a_cache_is_told_by_its_counted_flops():
+    from labkit.exercises import serving
+    check = serving.check_tp_decode_step(decode_without_cache, verbose=False)
+    assert not check.ok and check.problem == "no cache", check.message
+    assert "RIGHT VALUES, NO CACHE" in check.message and "FLOP counter" in check.message
+    counted, cached = (float(w.replace(",", "")) for w in
+                       check.message.split("ran ")[1].split(" FLOPs")[0:1]
+                       + [check.message.split("x the ")[1].split(" of a step")[0]])
+    assert counted > 1.5 * cached
+
+
+def test_an_all_gather_of_k_and_v_is_not_a_ring_by_the_comm_log():
+    from labkit.exercises import context_parallel as cp
+    check = cp.check_ring_attention(gathered_ring_attention, verbose=False)
+    assert not check.ok and check.problem == "not a ring", check.message
+    assert "RIGHT VALUES, NOT A RING" in check.message and "all-gather" in check.message
+    assert "sent 0 bytes" not in check.message and "all 4 K, V blocks" in check.message
+
+
+@pytest.mark.parametrize("fn, problem", [(detached_row_parallel, "detached"),
+                                         (row_parallel_returns_none, "not a tensor"),
+                                         (row_parallel_float64, "")])
+def test_row_parallel_answers_a_detached_or_odd_result_in_one_line(fn, problem):
+    from labkit.exercises import tensor_parallel as tp
+    check = tp.check_row_parallel(fn, verbose=False)
+    assert check.problem == problem and check.ok == (problem == ""), check.message
+    assert "\n" not in check.message
+
+
+def test_every_code_checker_answers_a_non_function_in_one_line():
+    from labkit.exercises import context_parallel as cp, data_parallel as dp, hybrid, moe
+    from labkit.exercises import serving, tensor_parallel as tp, when_it_breaks as wib
+    from labkit.exercises import why_parallelism as why, zero
+    for checker in (why.check_broadcast, dp.check_ring_all_reduce, tp.check_row_parallel,
+                    zero.check_gradient_shard, moe.check_top_k_routing, hybrid.check_dp_average,
+                    wib.check_gradient_sync, cp.check_merge, cp.check_ring_attention,
+                    serving.check_tp_decode_step):
+        for answer in (None, 3, "my_fn"):
+            check = checker(answer, verbose=False)
+            assert check.problem == "not a function" and "\n" not in check.message, checker
+
+
+def test_the_routing_checker_answers_odd_returns_in_one_line():
+    from labkit.exercises import moe
+    for fn, problem in ((lambda logits, k, c: None, "not a triple"),
+                        (lambda logits, k, c: (logits, logits, logits), "shape"),
+                        (lambda logits, k, c: logits.topk(k, -1)[::-1] + (None,),
+                         "not a triple")):
+        check = moe.check_top_k_routing(fn, verbose=False)
+        assert not check.ok and check.problem == problem, check.message
+
+
+def test_the_merge_checker_answers_odd_returns_in_one_line():
+    from labkit.exercises import context_parallel as cp
+    for fn in (lambda *a: (a[0].double(), a[1].double()),):          # right, in float64
+        assert cp.check_merge(fn, verbose=False).problem != "error"
+    check = cp.check_merge(lambda *a: (a[0].long(), a[1].long()), verbose=False)
+    assert not check.ok and check.problem == "shape" and "floating point" in check.message

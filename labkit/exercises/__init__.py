@@ -170,14 +170,15 @@ def _unit_mistakes(expected, unit):
     """Wrong answers any number in `unit` invites: bits, a wrong prefix, a percent."""
     if unit == "bytes":
         return [Mistake(8 * expected, "bits", "that is bits; a byte is 8 bits, give bytes"),
-                Mistake(expected / 1e9, "units", "the right number in GB; give it in bytes "
-                                                 "(1 GB = 1e9 bytes)"),
-                Mistake(expected / 1e6, "units", "the right number in MB; give it in bytes "
-                                                 "(1 MB = 1e6 bytes)")]
+                Mistake(expected / 1e9, "GB, not bytes", "the right number in GB; give it in "
+                                                         "bytes (1 GB = 1e9 bytes)"),
+                Mistake(expected / 1e6, "MB, not bytes", "the right number in MB; give it in "
+                                                         "bytes (1 MB = 1e6 bytes)")]
     if unit == "GB":
-        return [Mistake(expected * 1e9, "units", "that is bytes; give GB (1 GB = 1e9 bytes)"),
+        return [Mistake(expected * 1e9, "bytes, not GB", "that is bytes; give GB (1 GB = 1e9 "
+                                                         "bytes)"),
                 Mistake(expected * 8, "bits", "that is gigabits; a byte is 8 bits"),
-                Mistake(expected * 1e9 / 2 ** 30, "units",
+                Mistake(expected * 1e9 / 2 ** 30, "GiB",
                         "that is GiB (2^30 bytes); give GB (1e9 bytes)")]
     if unit == "fraction":
         return [Mistake(expected * 100, "percent", "that is a percentage; give a fraction "

@@ -134,7 +134,6 @@ def check_gb_no_zero(answer, verbose=True):
                 "the weights (4 bytes): 2 + 2 + 4 + 4 = 12 bytes per parameter"),
         Mistake(18 * psi / 1e9, "fp32 gradients", "that keeps fp32 gradients (4 bytes, 18 per "
                 "parameter); this lesson counts bf16 gradients, as the ZeRO paper does"),
-        Mistake(16 * psi / 2 ** 30, "GiB", "that is GiB (2^30 bytes); give GB (1e9 bytes)"),
     ]
     return check_number(answer, expected, what="GB of model states per GPU (Llama 3 8B, plain "
                         "data parallelism)", unit="GB", mistakes=mistakes, verbose=verbose,
