@@ -44,7 +44,8 @@ import torch.nn.functional as F
 
 import labkit
 from labkit import PipelineSchedule, PipelineStage, numerics, split_into_stages
-from labkit.exercises.pipeline import check_dualpipe_idle, check_gpipe_bubble, check_stage_order
+from labkit.exercises.pipeline import (check_dualpipe_idle, check_gpipe_bubble, check_stage_order,
+                                       show_solution)
 from labkit.runs import pipeline as run_pp, reference
 from labkit.theory import catalog, hardware, memory as tm, pipeline as sched, time as tt
 from labkit.viz.pipeline_widgets import pipeline_explorer, run_gantts, stage0_memory_plot
@@ -599,6 +600,8 @@ zero_bubble_explorer()
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · Write the 1F1B order for one stage.** Below, `my_stage0` is the order of ops on stage 0 of
 # a 4-stage pipeline with 8 micro-batches; the other stages run labkit's 1F1B. `check_stage_order`

@@ -654,10 +654,10 @@ display(Markdown(f'''
 # %% [markdown]
 # ## Exercises
 #
-# Two exercises; each answer goes in its own cell (in the student edition it raises
+# Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
-# For exercise 1 a first wrong answer gets a hint; the code comes with the second, or at
-# once with `show_solution()`.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · A ZeRO-2 gradient shard.** After backward every rank holds the gradient of its own part
 # of the batch, the whole flat vector. ZeRO-2 keeps only this rank's 1/N slice of the *averaged*

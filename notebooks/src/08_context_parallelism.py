@@ -495,8 +495,8 @@ for n in (2, 4, 8):
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
-# For exercise 1 a first wrong answer gets a hint; the code comes with the second, or at
-# once with `show_solution()`.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · The log-sum-exp merge.** Write `merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the
 # attention of the same queries over the keys of block a *and* block b, from the two partial

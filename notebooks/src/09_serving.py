@@ -53,7 +53,8 @@ from IPython.display import Markdown, display
 
 import labkit
 from labkit import models
-from labkit.exercises.serving import check_kv_bytes, check_tp_decode_step, check_tpot_floor
+from labkit.exercises.serving import (check_kv_bytes, check_tp_decode_step, check_tpot_floor,
+                                      show_solution)
 from labkit.parallel.serving import KVCache, generate, generate_without_cache
 from labkit.runs import serve
 from labkit.theory import catalog, moe as tmoe, serving as theory
@@ -439,6 +440,8 @@ serving_explorer()
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · A tensor-parallel decode step of attention, on 2 ranks.** Write
 # `attention_step(ctx, x, shard, cache, group)`: `x` is (batch, new tokens, 16); `shard` holds
