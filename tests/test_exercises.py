@@ -103,6 +103,57 @@ def test_solutions_pass_and_stubs_fail_with_their_message(student, prefix):
         assert "False" != check.message.strip()
 
 
+def _printed_before_exercises(nb):
+    """Everything a learner reads before the exercises: prose and each cell's output text."""
+    first = next(i for i, c in enumerate(nb.cells)
+                 if c.cell_type == "markdown" and "## Exercises" in c.source)
+    text = []
+    for cell in nb.cells[:first]:
+        text.append(cell.source if cell.cell_type == "markdown" else "")
+        for out in cell.get("outputs", []):
+            text.append(out.get("text", ""))
+            for kind in ("text/plain", "text/markdown", "text/html"):
+                text.append(str(out.get("data", {}).get(kind, "")))
+    return "\n".join(text)
+
+
+def _spellings(value):
+    """How a lesson would print `value`: with at least 3 significant digits, or exactly as
+    Python prints a short decimal (7.5); shorter roundings (22, 4.8) are everywhere."""
+    forms = {f"{value:,.0f}", f"{value:.0f}"} if abs(value) >= 100 else set()
+    forms |= {f"{value:.3g}", f"{value:.4g}", f"{value:,.1f}", f"{value:,.2f}"}
+    if abs(value) < 1:
+        forms |= {f"{value:.1%}", f"{value:.3f}"}
+    if abs(value) >= 1e9:
+        forms |= {f"{value / 1e9:.1f} GB", f"{value / 1e9:.2f} GB"}
+    forms = {f for f in forms if sum(ch.isdigit() for ch in f.lstrip("0.")) >= 3
+             and not ("." in f and f.rstrip(" GB%").endswith("0"))}    # 1.50 is not 1.5's
+    return forms | ({repr(value)} if "." in repr(value) and len(repr(value)) <= 5 else set())
+
+
+@pytest.mark.parametrize("prefix", LESSONS)
+def test_no_answer_is_printed_before_its_exercise(prefix):
+    import re
+    nb = read(editions.NOTEBOOKS, prefix)
+    ns = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(next(c for c in nb.cells if c.cell_type == "code").source, ns)
+        answers = []
+        for answer, checker in exercises(nb):
+            exec(answer.source, ns)
+            call = ast.parse(checker.source).body[-1].value
+            call = call.value if isinstance(call, ast.NamedExpr) else call
+            if isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.Name):
+                value = ns.get(call.args[0].id)     # the checked answer, not a helper
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    answers.append(value)
+    shown = _printed_before_exercises(nb)
+    for value in answers:
+        for form in _spellings(float(value)):
+            assert not re.search(r"(?<![\d.,])" + re.escape(form) + r"(?![\d])", shown), \
+                f"{form} (an exercise's answer) is printed before the exercises"
+
+
 # ------------------------------------------------------------ number checkers name the mistake
 
 def _number_exercises():
@@ -482,3 +533,98 @@ def test_the_merge_checker_answers_odd_returns_in_one_line():
         assert cp.check_merge(fn, verbose=False).problem != "error"
     check = cp.check_merge(lambda *a: (a[0].long(), a[1].long()), verbose=False)
     assert not check.ok and check.problem == "shape" and "floating point" in check.message
+
+
+# ------------------------------------------- code exercises: a catalog of wrong answers each
+
+def _code_cases():
+    from wrong_answers import code_catalog
+    return [(ex, name, fn, problem) for ex, (name, answers) in code_catalog().items()
+            for fn, problem in answers]
+
+
+@pytest.mark.parametrize("exercise, checker, fn, problem", _code_cases(),
+                         ids=[f"{e}-{p}" for e, _, _, p in _code_cases()])
+def test_each_wrong_code_answer_is_named_for_its_mistake(exercise, checker, fn, problem):
+    import importlib
+    module, name = checker.split(".")
+    check = getattr(importlib.import_module(f"labkit.exercises.{module}"), name)(
+        fn, verbose=False)
+    assert not check.ok and check.problem == problem, (problem, check.message)
+    assert "Hint:" in check.message            # a first miss: the concept, not the code
+    assert "The code:" not in check.message
+
+
+def _router(logits, k, capacity, renormalise=True, largest=True, flip=False, by_token=False):
+    probs = logits.softmax(-1)
+    weight, expert = probs.topk(k, -1, largest=largest)
+    if renormalise and k > 1:
+        weight = weight / weight.sum(-1, keepdim=True)
+    if flip:
+        weight, expert = weight.flip(-1), expert.flip(-1)
+    kept, used = torch.zeros_like(expert, dtype=torch.bool), [0] * logits.shape[-1]
+    order = ([(t, c) for t in range(len(logits)) for c in range(k)] if by_token else
+             [(t, c) for c in range(k) for t in range(len(logits))])
+    for t, c in order:
+        e = int(expert[t, c])
+        if capacity is None or used[e] < capacity:
+            kept[t, c], used[e] = True, used[e] + 1
+    return expert, weight, kept
+
+
+@pytest.mark.parametrize("options, problem", [
+    (dict(), ""), (dict(renormalise=False), "weights"), (dict(largest=False), "experts"),
+    (dict(flip=True), "choice order"), (dict(by_token=True), "drop order")])
+def test_routing_mistakes_are_named(options, problem):
+    from labkit.exercises import moe
+    check = moe.check_top_k_routing(lambda lg, k, c: _router(lg, k, c, **options), verbose=False)
+    assert check.problem == problem and check.ok == (not problem), check.message
+    never_drops = moe.check_top_k_routing(lambda lg, k, c: _router(lg, k, None), verbose=False)
+    assert never_drops.problem == "capacity", never_drops.message
+
+
+@pytest.mark.parametrize("ops, problem", [
+    (None, "no answer"), (["X0"], "unreadable"),
+    ([f"F{i}" for i in range(8)] + [f"B{i}" for i in range(8)], "memory"),
+    (["F0", "B0"] + [f"F{i}" for i in range(1, 8)] + [f"B{i}" for i in range(1, 8)],
+     "deadlock"),
+    ([f"F{i}" for i in range(8)] + [f"B{i}" for i in range(7)], "malformed")])
+def test_stage_order_mistakes_are_named(ops, problem):
+    from labkit.exercises.pipeline import check_stage_order
+    check = check_stage_order(ops, verbose=False)
+    assert not check.ok and check.problem == problem, check.message
+
+
+@pytest.mark.parametrize("layout, problem", [
+    (dict(tp=8, pp=12), "not answered"), (dict(dp=8, tp=8, pp=2), "illegal"),
+    (dict(dp=96, tp=1, pp=1, zero_stage=0), "does not fit"),
+    (dict(dp=96, tp=1, pp=1), "too slow")])
+def test_layout_mistakes_are_named(layout, problem):
+    from labkit.exercises.hybrid import check_layout
+    check = check_layout(layout, verbose=False)
+    assert not check.ok and check.problem == problem, check.message
+
+
+def test_merge_mistakes_are_named():
+    from labkit.exercises import context_parallel as cp
+
+    def naive(out_a, lse_a, out_b, lse_b):          # exp of an lse: overflows
+        sa, sb = lse_a.exp(), lse_b.exp()
+        out = (sa[..., None] * out_a + sb[..., None] * out_b) / (sa + sb)[..., None]
+        return out, (sa + sb).log()
+
+    def stale_lse(out_a, lse_a, out_b, lse_b):
+        lse = torch.logaddexp(lse_a, lse_b)
+        return (torch.exp(lse_a - lse)[..., None] * out_a
+                + torch.exp(lse_b - lse)[..., None] * out_b), lse_a
+
+    def nan_when_unseen(out_a, lse_a, out_b, lse_b):
+        lse = torch.logaddexp(lse_a, lse_b)
+        return (torch.exp(lse_a - lse)[..., None] * out_a
+                + torch.exp(lse_b - lse)[..., None] * out_b), lse
+    for fn, problem in ((naive, "overflow"), (stale_lse, "lse"),
+                        (nan_when_unseen, "masked"),
+                        (lambda a, la, b, lb: ((a + b) / 2, torch.logaddexp(la, lb)),
+                         "average")):
+        check = cp.check_merge(fn, verbose=False)
+        assert not check.ok and check.problem == problem, (problem, check.message)

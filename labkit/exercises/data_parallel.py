@@ -131,6 +131,10 @@ def _diagnose(res, expected, n):
             f"Nothing was reduced: rank {rank} still holds its own input.\n{show}\n"
             "Add what you receive into your chunk (chunk += incoming) and write the result back "
             "into the tensor you were given (or return it)."))
+    if torch.equal(got, res["input"] * n):
+        return Check(False, "same data", (
+            f"Rank {rank} multiplied its own tensor by N = {n}, as if every rank held the same "
+            f"data; they differ, so the sum must be built from what the others send.\n{show}"))
     if torch.allclose(got * n, expected):
         return Check(False, "wrong sum", (
             f"You averaged instead of summing (got = sum / {n}).\n{show}"))

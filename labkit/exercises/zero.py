@@ -116,6 +116,9 @@ def _judge_shard(results, n, numel):
             return Check(False, "summed", f"Rank {r}'s slice is the sum over the ranks, {n}x "
                          "the average: each rank's loss is already a mean over its shard of "
                          f"the batch; divide the sum by ctx.world_size = {n}.")
+        if torch.allclose(out, _shard_input(r, numel).chunk(n)[r]):
+            return Check(False, "not reduced", f"Rank {r} returned its own slice, unreduced: "
+                         "the other ranks' gradients for it never arrived.")
         owner = [i for i in range(n) if torch.allclose(out, shards[i])]
         if owner:
             return Check(False, "wrong slice", f"Rank {r} holds slice {owner[0]}: rank r "
