@@ -18,10 +18,12 @@ import torch
 
 @dataclass
 class Check:
-    """What a checker found: `ok`, a short `problem` ("" when ok) and the `message` it printed."""
+    """What a checker found: `ok`, a short `problem` ("" when ok) and the `message` it printed;
+    `problems` names every mistake that gives the learner's number (`problem` is the first)."""
     ok: bool
     problem: str
     message: str
+    problems: tuple = ()
 
     def __bool__(self):
         return self.ok
@@ -42,10 +44,12 @@ def say(check, verbose=True):
 
 @dataclass
 class Mistake:
-    """A likely wrong answer: the `value` it gives, a one-word `problem`, and `why` in words."""
+    """A likely wrong answer: the `value` it gives, a short `problem` tag, `why` in words, and
+    its own `name` where several mistakes share a tag (the tag otherwise)."""
     value: float
     problem: str
     why: str
+    name: str = ""
 
 
 @dataclass
@@ -170,16 +174,16 @@ def _unit_mistakes(expected, unit):
     """Wrong answers any number in `unit` invites: bits, a wrong prefix, a percent."""
     if unit == "bytes":
         return [Mistake(8 * expected, "bits", "that is bits; a byte is 8 bits, give bytes"),
-                Mistake(expected / 1e9, "GB, not bytes", "the right number in GB; give it in "
-                                                         "bytes (1 GB = 1e9 bytes)"),
-                Mistake(expected / 1e6, "MB, not bytes", "the right number in MB; give it in "
-                                                         "bytes (1 MB = 1e6 bytes)")]
+                Mistake(expected / 1e9, "units", "the right number in GB; give it in bytes "
+                                                 "(1 GB = 1e9 bytes)", "GB, not bytes"),
+                Mistake(expected / 1e6, "units", "the right number in MB; give it in bytes "
+                                                 "(1 MB = 1e6 bytes)", "MB, not bytes")]
     if unit == "GB":
-        return [Mistake(expected * 1e9, "bytes, not GB", "that is bytes; give GB (1 GB = 1e9 "
-                                                         "bytes)"),
+        return [Mistake(expected * 1e9, "units", "that is bytes; give GB (1 GB = 1e9 bytes)",
+                        "bytes, not GB"),
                 Mistake(expected * 8, "bits", "that is gigabits; a byte is 8 bits"),
-                Mistake(expected * 1e9 / 2 ** 30, "GiB",
-                        "that is GiB (2^30 bytes); give GB (1e9 bytes)")]
+                Mistake(expected * 1e9 / 2 ** 30, "units",
+                        "that is GiB (2^30 bytes); give GB (1e9 bytes)", "GiB")]
     if unit == "fraction":
         return [Mistake(expected * 100, "percent", "that is a percentage; give a fraction "
                                                    "between 0 and 1")]
@@ -258,21 +262,21 @@ def check_number(answer, expected, *, what, hints, unit="", mistakes=(), exact=F
             return say(Check(True, "", f"Correct: {what}: {_format(value, unit)}, accepted: "
                              f"{rounding.how}; unrounded it is {_format(expected, unit)}."
                              + (f" {explain}" if explain else "")), verbose)
-    found, problems = [], []
+    found, names = [], []
     for mistake in list(mistakes) + _unit_mistakes(expected, unit):
         if mistake.value == expected or not close(mistake.value):
             continue
-        if mistake.problem not in problems:
+        if (mistake.name or mistake.problem) not in names:
             found.append(mistake)
-            problems.append(mistake.problem)
+            names.append(mistake.name or mistake.problem)
     if found:
         whys = [m.why + ("" if m.why[-1] in ".?!" else ".") for m in found]
         said = whys[0] if len(whys) == 1 else (
             f"{len(whys)} different mistakes give this number: "
             + " ".join(f"({i}) {w}" for i, w in enumerate(whys, 1)))
-        return say(Check(False, " / ".join(problems), (
+        return say(Check(False, found[0].problem, (
             f"Not quite: {_format(value, unit)} is {_factor(value, expected)}: {said} "
-            f"{hints.after_failure()}")), verbose)
+            f"{hints.after_failure()}"), tuple(names)), verbose)
     side = "more" if value > expected else "less"
     return say(Check(False, "wrong value", (
         f"Not quite: {_format(value, unit)} is {side} than expected for {what}. "

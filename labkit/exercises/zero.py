@@ -160,7 +160,7 @@ def check_stage_memory_answer(answer, params, world_size, stage=2, mixed_precisi
     w, k = (2, 12) if mixed_precision else (4, 8)
     expected = stage_memory_answer(params, world_size, stage, mixed_precision)
     full = stage_memory_answer(params, n, stage, mixed_precision)
-    layouts = {   # problem: (what the number is, its bytes)
+    layouts = {   # name: (what the number is, its bytes)
         "baseline": ("the baseline without ZeRO (nothing divided by N)", (2 * w + k) * params),
         "stage 1": ("stage 1 (only the optimizer state divided by N)", (2 * w + k / n) * params),
         "stage 2": ("stage 2 (optimizer state and gradients divided by N)",
@@ -171,9 +171,9 @@ def check_stage_memory_answer(answer, params, world_size, stage=2, mixed_precisi
         "fp32 weights": ("this stage with the weights in fp32 (4 bytes, not 2)",
                          full + (4 - w) * params / (n if stage == 3 else 1)),
     }
-    mistakes = [Mistake(nbytes, problem, f"that is {name}. Which states does stage {stage} "
-                        "shard, and which does every GPU keep whole?")
-                for problem, (name, nbytes) in layouts.items() if problem != f"stage {stage}"]
+    mistakes = [Mistake(nbytes, "another layout", f"that is {name}. Which states does stage "
+                        f"{stage} shard, and which does every GPU keep whole?", short)
+                for short, (name, nbytes) in layouts.items() if short != f"stage {stage}"]
     return check_number(answer, expected, what=f"bytes of model states per GPU, ZeRO stage "
                         f"{stage} on N = {n}", unit="bytes", mistakes=mistakes, verbose=verbose,
                         hints=STAGE_HINTS,
