@@ -110,6 +110,15 @@ def show(hints_by_exercise, exercise):
     hints_by_exercise[exercise].show()
 
 
+def with_hint(check, hints):
+    """A failed check gets the exercise's next hint (the concept first, later the code); one
+    that says nothing about the answer (not written, not a function, a busy machine) does not."""
+    if not check.ok and check.problem not in ("not written", "no answer", "not answered",
+                                              "not a function", "slow"):
+        check.message = check.message.rstrip() + " " + hints.after_failure()
+    return check
+
+
 def not_a_function(fn, args):
     """A Check when the learner handed in something other than a function (None, a number),
     else None: the checker answers in one line instead of failing on every rank."""

@@ -20,7 +20,7 @@ import torch
 
 from ..theory import context_parallel as tcp
 from . import (Check, Hints, Mistake, check_number, deadlock_in_words, not_a_function, say,
-               show)
+               show, with_hint)
 
 
 def partial_attention(q, k, v, mask=None):
@@ -119,8 +119,7 @@ def check_merge(fn, verbose=True):
     if (refused := not_a_function(fn, "fn(out_a, lse_a, out_b, lse_b)")) is not None:
         return say(refused, verbose)
     check = _judge(fn)
-    if not check.ok and check.problem != "not written":
-        check.message += " " + MERGE_HINTS.after_failure()
+    check = with_hint(check, MERGE_HINTS)
     return say(check, verbose)
 
 
@@ -198,8 +197,7 @@ def check_ring_attention(fn, timeout_s=20.0, verbose=True):
         check = _ring_failed(str(error))
     else:
         check = _judge_ring(results)
-    if not check.ok and check.problem != "not written":
-        check.message += " " + RING_HINTS.after_failure()
+    check = with_hint(check, RING_HINTS)
     return say(check, verbose)
 
 

@@ -13,7 +13,7 @@ from ..runtime.launch import LaunchError, launch
 from ..theory import catalog
 from ..theory.data_parallel import ring_all_reduce_bytes
 from . import (Check, Hints, Mistake, check_number, deadlock_in_words, not_a_function, say,
-               show)
+               show, with_hint)
 
 
 def _ring_input(rank, numel):
@@ -44,11 +44,11 @@ def check_ring_all_reduce(user_fn, world_size=4, numel=16, timeout_s=20.0, verbo
     try:
         results = launch(_run_user_ring, n, user_fn, numel, timeout_s=timeout_s)
     except LaunchError as error:
-        return say(_missed(_failed_run(str(error), timeout_s)), verbose)
+        return say(with_hint(_failed_run(str(error), timeout_s), RING_HINTS), verbose)
     expected = sum(_ring_input(r, numel) for r in range(n))
     bad = [res for res in results if not torch.equal(res["got"], expected)]
     if bad:
-        return say(_missed(_diagnose(bad[0], expected, n)), verbose)
+        return say(with_hint(_diagnose(bad[0], expected, n), RING_HINTS), verbose)
     limit = ring_all_reduce_bytes(numel * 4, n)
     worst = max(results, key=lambda res: res["sent_bytes"])
     cheat = sorted({op for res in results for op in res["other_ops"]})
@@ -67,7 +67,7 @@ def check_ring_all_reduce(user_fn, world_size=4, numel=16, timeout_s=20.0, verbo
             f"Correct: all {n} ranks hold the sum, and each rank sent "
             f"{worst['sent_bytes']} bytes = 2(N-1)/N x S = 2x{n - 1}/{n} x {numel * 4} "
             "bytes, the least any all-reduce can send."))
-    return say(_missed(check), verbose)
+    return say(with_hint(check, RING_HINTS), verbose)
 
 
 RING_HINTS = Hints(
@@ -89,13 +89,6 @@ HINTS = {1: RING_HINTS, 2: BYTES_HINTS}
 def show_solution(exercise=1):
     """Print the code (exercise 1) or the formula (exercise 2)."""
     show(HINTS, exercise)
-
-
-def _missed(check):
-    """A failed check gets the exercise's next hint (the concept first, later the code)."""
-    if not check.ok and check.problem != "not written":
-        check.message += " " + RING_HINTS.after_failure()
-    return check
 
 
 def _failed_run(text, timeout_s):

@@ -17,7 +17,7 @@ import torch
 from ..theory import catalog, planner
 from ..theory import memory as tm
 from . import (SLOW, Check, Hints, Mistake, check_number, not_a_function, say, show,
-               too_slow_to_start)
+               too_slow_to_start, with_hint)
 
 EXERCISE = dict(model="llama-3-70b", gpus=96, gpu="H100", global_batch=384, seq=4096,
                 target_mfu=0.45)
@@ -78,9 +78,7 @@ def check_dp_average(fn, timeout_s=30.0, verbose=True):
         last = [line for line in text.splitlines() if line.strip()][-1].strip()
         return say(Check(False, "raised", f"YOUR CODE RAISED (or hung) on a rank: {last}. "
                          f"{DP_HINTS.after_failure()}"), verbose)
-    check = _judge_dp(results)
-    if not check.ok:
-        check.message += " " + DP_HINTS.after_failure()
+    check = with_hint(_judge_dp(results), DP_HINTS)
     return say(check, verbose)
 
 
@@ -132,8 +130,7 @@ def check_layout(answer, model=EXERCISE["model"], gpus=EXERCISE["gpus"], gpu=EXE
     """`answer`: a dict of plan fields (dp, tp, pp, and optionally v, micro_batch_size,
     zero_stage, recompute, sequence_parallel)."""
     check = _layout(answer, model, gpus, gpu, global_batch, seq, target_mfu)
-    if not check.ok and check.problem != "not answered":
-        check.message += " " + LAYOUT_HINTS.after_failure()
+    check = with_hint(check, LAYOUT_HINTS)
     return say(check, verbose)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ..parallel.moe import choice_counts, queue_positions, top_k_gates
 from ..theory.moe import capacity as capacity_formula
-from . import Check, Hints, Mistake, check_number, not_a_function, say, show
+from . import (Check, Hints, Mistake, check_number, not_a_function, say, show, with_hint)
 
 
 def reference_top_k_routing(logits, k, capacity):
@@ -54,8 +54,7 @@ def check_top_k_routing(fn, verbose=True):
     if (refused := not_a_function(fn, "fn(logits, k, capacity)")) is not None:
         return say(refused, verbose)
     check = _check_routing(fn)
-    if not check.ok and check.problem != "not written":
-        check.message += " " + ROUTING_HINTS.after_failure()
+    check = with_hint(check, ROUTING_HINTS)
     return say(check, verbose)
 
 

@@ -19,7 +19,7 @@ from ..parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stag
 from ..theory import pipeline as schedules
 from ..theory import pipeline_layouts as layouts
 from ..theory.time import bubble_fraction, bubble_over_ideal
-from . import Check, Hints, Mistake, check_number, say, show
+from . import (Check, Hints, Mistake, check_number, say, show, with_hint)
 
 WIDTH, BATCH, LR = 16, 8, 0.1
 
@@ -77,8 +77,7 @@ def check_stage_order(my_ops, stage=0, stages=4, microbatches=8, timeout_s=60, v
     deadlock, wrong result, right but holding more than 1F1B, or right (and 1F1B?). Prints
     the feedback (`say`) and returns the Check."""
     check = _stage_order(my_ops, stage, stages, microbatches, timeout_s)
-    if not check.ok and check.problem != "no answer":
-        check.message += " " + ORDER_HINTS.after_failure()
+    check = with_hint(check, ORDER_HINTS)
     return say(check, verbose)
 
 

@@ -8,7 +8,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import Check, Hints, Mistake, check_number, not_a_function, say, show
+from . import (Check, Hints, Mistake, check_number, not_a_function, say, show, with_hint)
 from ..models import Attention, causal_attention
 from ..parallel.serving import KVCache
 from ..theory import catalog, hardware
@@ -126,8 +126,7 @@ def check_tp_decode_step(fn, world_size=2, verbose=True):
                       "collectives in the same order.")
     else:
         check = _diagnose(results, world_size)
-    if not check.ok and check.problem != "not written":
-        check.message += " " + STEP_HINTS.after_failure()
+    check = with_hint(check, STEP_HINTS)
     return say(check, verbose)
 
 

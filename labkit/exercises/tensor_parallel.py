@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import Check, Hints, Mistake, check_number, not_a_function, say, show
+from . import (Check, Hints, Mistake, check_number, not_a_function, say, show, with_hint)
 from ..theory import hardware
 from ..theory.async_tp import break_even_tokens
 from ..theory.tensor_parallel import block_wire_bytes
@@ -74,8 +74,7 @@ def check_row_parallel(fn, world_size=2, verbose=True):
                          + str(error).splitlines()[0] + ". Every rank must call the same "
                          "collectives in the same order."), verbose)
     check = _judge(results[0], world_size)
-    if not check.ok and check.problem != "not written":
-        check.message += " " + ROW_HINTS.after_failure()
+    check = with_hint(check, ROW_HINTS)
     return say(check, verbose)
 
 

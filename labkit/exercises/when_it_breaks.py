@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..theory import catalog, hardware
 from ..theory.time import training_flops
 from . import (SLOW, Check, Hints, Mistake, Rounding, check_number, not_a_function, say,
-               show, too_slow_to_start)
+               show, too_slow_to_start, with_hint)
 
 DIMS, BATCH, LR, STEPS = (8, 16, 4), 8, 0.1, 3
 
@@ -112,10 +112,7 @@ def check_gradient_sync(sync_fn, world_size=2, timeout_s=60, verbose=True):
     try:
         runs = launch(train_replicas, world_size, sync_fn, timeout_s=timeout_s)
     except LaunchError as error:
-        check = _failed_run(str(error))
-        if check.problem not in ("not written", "slow"):
-            check.message += " " + SYNC_HINTS.after_failure()
-        return say(check, verbose)
+        return say(with_hint(_failed_run(str(error)), SYNC_HINTS), verbose)
     start = _flat(exercise_model())
     ref = reference()
     drift = max((runs[r][0] - runs[0][0]).abs().max().item() for r in range(world_size))

@@ -13,7 +13,8 @@ import math
 import torch
 
 from ..theory import catalog, hardware, memory as tm
-from . import Check, Hints, not_a_function, Mistake, _answer_value, check_number, say, show
+from . import (Check, Hints, Mistake, _answer_value, check_number, not_a_function, say,
+               show, with_hint)
 
 MODEL, GPU = "llama-3-8b", "H100"
 HINT = ("Hint: on rank 0, ctx.comm.send(tensor, dst) to every other rank dst; on every other "
@@ -45,8 +46,7 @@ def check_broadcast(fn, world_size=4, timeout_s=20.0, verbose=True):
         check = _failed(str(error))
     else:
         check = _judge(results)
-    if not check.ok and check.problem != "not written":
-        check.message = check.message.rstrip() + " " + BROADCAST_HINTS.after_failure()
+    check = with_hint(check, BROADCAST_HINTS)
     return say(check, verbose)
 
 

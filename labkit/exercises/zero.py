@@ -17,7 +17,7 @@ import torch
 from ..theory import memory as tm
 from ..theory.time import wire_bytes_per_rank
 from . import (SLOW, Check, Hints, Mistake, check_number, not_a_function, say, show,
-               too_slow_to_start)
+               too_slow_to_start, with_hint)
 
 SHARD_HINTS = Hints(
     concept="one collective both sums over the ranks and leaves each rank only its 1/N slice, "
@@ -82,8 +82,7 @@ def check_gradient_shard(fn, world_size=4, numel=16, timeout_s=20.0, verbose=Tru
         return say(Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}. "
                          f"{SHARD_HINTS.after_failure()}"), verbose)
     check = _judge_shard(results, world_size, numel)
-    if not check.ok:
-        check.message += " " + SHARD_HINTS.after_failure()
+    check = with_hint(check, SHARD_HINTS)
     return say(check, verbose)
 
 
