@@ -628,3 +628,16 @@ def test_merge_mistakes_are_named():
                          "average")):
         check = cp.check_merge(fn, verbose=False)
         assert not check.ok and check.problem == problem, (problem, check.message)
+
+
+@pytest.mark.parametrize("checker, fn", [
+    ("why_parallelism.check_broadcast", lambda ctx, tensor: tensor.long()),
+    ("data_parallel.check_ring_all_reduce", lambda ctx, tensor: tensor.long()),
+    ("hybrid.check_dp_average", lambda ctx, mesh, grad: grad.long()),
+    ("zero.check_gradient_shard", lambda ctx, grad: grad.long())])
+def test_an_integer_result_is_judged_not_raised(checker, fn):
+    import importlib
+    module, name = checker.split(".")
+    check = getattr(importlib.import_module(f"labkit.exercises.{module}"), name)(
+        fn, verbose=False)
+    assert not check.ok and check.problem not in ("error", "raised"), check.message

@@ -28,8 +28,8 @@ def _run_user_ring(ctx, user_fn, numel):
     got = out if isinstance(out, torch.Tensor) else tensor
     sent = sum(rec.bytes for rec in ctx.comm.records if rec.op == "send")
     others = sorted({rec.op for rec in ctx.comm.records if rec.op not in ("send", "recv")})
-    return dict(rank=ctx.rank, got=got.detach().clone().reshape(-1), input=original,
-                sent_bytes=sent, other_ops=others)
+    return dict(rank=ctx.rank, got=got.detach().reshape(-1).to(torch.float32, copy=True),
+                input=original, sent_bytes=sent, other_ops=others)
 
 
 def check_ring_all_reduce(user_fn, world_size=4, numel=16, timeout_s=20.0, verbose=True):

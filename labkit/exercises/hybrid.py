@@ -57,7 +57,7 @@ def _run_mesh(ctx, fn):
     out = fn(ctx, mesh, grad)
     out = out if isinstance(out, torch.Tensor) else grad
     groups = {name: list(mesh[name].ranks) for name in ("dp", "tp")}
-    return dict(rank=ctx.rank, out=out.detach().clone(), groups=groups)
+    return dict(rank=ctx.rank, out=out.detach().to(torch.float32, copy=True), groups=groups)
 
 
 def check_dp_average(fn, timeout_s=30.0, verbose=True):

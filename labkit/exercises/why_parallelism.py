@@ -30,7 +30,7 @@ def _run_user(ctx, fn):
     out = fn(ctx, tensor)
     got = out if isinstance(out, torch.Tensor) else tensor
     records = ctx.comm.records
-    return dict(rank=ctx.rank, got=got.detach().clone().reshape(-1),
+    return dict(rank=ctx.rank, got=got.detach().reshape(-1).to(torch.float32, copy=True),
                 sent=sum(rec.bytes for rec in records if rec.op == "send"),
                 others=sorted({rec.op for rec in records if rec.op not in ("send", "recv")}))
 
