@@ -1,14 +1,20 @@
 """Exercise checkers: each runs a learner's code (or reads their number) and answers with a
-`Check`: ok or not, a one-word problem, and advice in plain words, printed by `say`.
+`Check`: ok or not, a short problem, and advice in plain words, printed by `say`.
 
 Code exercises run the learner's function on ranks (`labkit.launch`) and diagnose what they
-find. Number exercises go through `check_number`: the learner's number against labkit's
-formula, with the likely wrong answers (`Mistake`s: a forgotten factor, bits for bytes, GB for
-bytes, percent for a fraction) named when the number matches one of them; answers that differ
+find, with the lab's own instruments where the values alone cannot tell (right values by a
+wasteful method: the comm log's ops and bytes, the FLOPs labkit's counter counts). Number
+exercises go through `check_number`: the learner's number against labkit's formula, with the
+likely wrong answers (`Mistake`s: a forgotten factor, values for bytes, bits for bytes, GB for
+bytes, percent for a fraction) named when the number matches one of them, and every one of
+them named when several mistakes give the same number (`Check.problems`); answers that differ
 only by a reasonable rounding of an input (`Rounding`) are accepted, and the message says so.
 
-Code exercises hint before they tell (`Hints`): the first wrong answer gets a conceptual hint,
-the code only from the second wrong answer on, or when the learner asks (`show_solution()`).
+Every exercise hints before it tells (`Hints`, one per exercise, counting the misses in the
+learner's kernel): the first wrong answer gets a conceptual hint, the code or the formula only
+from the second on, or when the learner asks (`show_solution(n)` in each lesson's module).
+A checker never raises on what a learner may hand in (None, a string, a tensor of the wrong
+shape or dtype, a detached tensor, something that is not a function): it answers in one line.
 """
 import math
 from dataclasses import dataclass
