@@ -275,8 +275,8 @@ def check_ring_bytes(answer, verbose=True):
     mistakes = [
         Mistake(n * kv, "one pass too many", f"that is N = {n} passes; a rank already holds "
                 f"its own block, so N-1 = {n - 1} passes bring it every other block"),
-        Mistake(expected / 2, "K only", "K and V both travel: KV = 2 x b x h_kv x (s/N) x d "
-                "values"),
+        Mistake(expected / 2, "K only", "that sends the keys alone; the values travel with "
+                "them, a block of each"),
         Mistake(expected * c["heads"] / c["kv_heads"], "query heads", f"that uses the "
                 f"{c['heads']} query heads; with grouped-query attention only the "
                 f"{c['kv_heads']} KV heads' keys and values exist and travel"),
