@@ -525,7 +525,8 @@ check_merge(merge);
 # (returns out and lse for these keys only); then pass the K and V blocks around the ring with
 # `ctx.comm.send(t, dst, async_op=True)` (a handle with `.wait()`) and `ctx.comm.recv(t, src)`,
 # and merge each block's partial result into yours with your `merge`. The checker runs it on 4
-# ranks against attention on one device, and counts the bytes each rank sends.
+# ranks against attention on one device, and reads the comm log: the bytes each rank sends, and
+# which ops it used (an all-gather of K and V gives the right values, but it is not a ring).
 
 # %% tags=["solution"]
 def my_ring_attention(ctx, q, k, v):

@@ -451,7 +451,8 @@ serving_explorer()
 # empty before the prompt; along dim 1); attend with `labkit.models.causal_attention(q, k, v,
 # heads)` (it accepts k longer than q); project, **all-reduce** over `group` with
 # `ctx.comm.all_reduce`, and add the bias once. The checker runs the prompt and three decode
-# steps on 2 ranks against the full attention with a KV cache.
+# steps on 2 ranks against the full attention with a KV cache, and counts each step's FLOPs
+# (recomputing every token's k and v gives the right values, at a cost that grows each step).
 
 # %% tags=["solution"]
 import torch.nn.functional as F
