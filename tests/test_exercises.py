@@ -490,7 +490,7 @@ def test_an_all_gather_of_k_and_v_is_not_a_ring_by_the_comm_log():
     from labkit.exercises import context_parallel as cp
     check = cp.check_ring_attention(gathered_ring_attention, verbose=False)
     assert not check.ok and check.problem == "not a ring", check.message
-    assert "RIGHT VALUES, NOT A RING" in check.message and "all-gather" in check.message
+    assert "RIGHT VALUES, NOT A RING" in check.message and "all_gather" in check.message
     assert "sent 0 bytes" not in check.message and "all 4 K, V blocks" in check.message
 
 

@@ -240,16 +240,16 @@ def _judge_ring(results):
                      "exactly once (your own and N-1 received ones)?")
     used = sorted({op for res in results for op in res["collectives"]})
     if used:
-        blocks = n * results[0]["kv_bytes"]
-        gather = " an all-gather" if used == ["all_gather"] else f" {', '.join(used)}"
-        return Check(False, "not a ring", f"RIGHT VALUES, NOT A RING: you used{gather}, "
-                     f"which moved {max(res['wire'] for res in results):,.0f} bytes per rank "
-                     "(the comm log's ring model; the ring's (N-1) x KV = "
-                     f"{(n - 1) * results[0]['kv_bytes']:,} too), but left every rank holding "
-                     f"all {n} K, V blocks at once ({blocks:,} bytes, N x KV, the whole "
-                     "sequence's keys, what context parallelism exists to avoid), with no "
-                     "transfer overlapping a block's compute. Pass one block at a time with "
-                     "ctx.comm.send / ctx.comm.recv.")
+        kv, moved = results[0]["kv_bytes"], max(res["wire"] for res in results)
+        same = (f"the ring's (N-1) x KV = {(n - 1) * kv:,} too" if moved <= (n - 1) * kv else
+                f"the ring's (N-1) x KV is {(n - 1) * kv:,}")
+        why = (f"but every rank held all {n} K, V blocks at once ({n * kv:,} bytes, N x KV: "
+               "the whole sequence's keys, what context parallelism exists to avoid), with no "
+               "transfer overlapping a block's compute" if used == ["all_gather"] else
+               "but not as a ring of sends and receives")
+        return Check(False, "not a ring", f"RIGHT VALUES, NOT A RING: the comm log shows "
+                     f"{', '.join(used)}, which moved {moved:,.0f} bytes per rank ({same}), "
+                     f"{why}. Pass one block at a time with ctx.comm.send / ctx.comm.recv.")
     worst = max(results, key=lambda res: res["sent"])
     if worst["sent"] > (n - 1) * worst["kv_bytes"]:
         return Check(False, "one pass too many", f"The outputs are right, but rank "

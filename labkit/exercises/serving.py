@@ -176,10 +176,10 @@ def _diagnose(results, world_size):
         return Check(False, "no cache", f"RIGHT VALUES, NO CACHE: decode step {i} ran "
                      f"{first['flops'][i]:,.0f} FLOPs on rank 0 (labkit's FLOP counter), "
                      f"{first['flops'][i] / first['answer_flops'][i]:.1f}x the "
-                     f"{first['answer_flops'][i]:,.0f} of a step with a KV cache: you recompute "
-                     f"the keys and values of all {6 + i} tokens every step, so a step's cost "
-                     "grows with the context. Compute k and v for the new token only and "
-                     "append them to cache['k'] and cache['v'].")
+                     f"{first['answer_flops'][i]:,.0f} of a step with a KV cache, as if the "
+                     f"keys and values of all {6 + i} tokens were computed again each step: a "
+                     "step's cost then grows with the context. Compute k and v for the new "
+                     "token only and append them to cache['k'] and cache['v'].")
     width = first["cache_width"]
     return Check(True, "", f"Correct on {world_size} ranks: the prompt and {STEPS - 1} decode "
                  f"steps equal one device, one all-reduce per step, and each rank's cache holds "
