@@ -19,8 +19,6 @@ shape or dtype, a detached tensor, something that is not a function): it answers
 import math
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass
 class Check:
@@ -132,18 +130,6 @@ def not_a_function(fn, args):
         return None
     return Check(False, "not a function", f"Give your function itself, {args}, not "
                  f"{type(fn).__name__} (write it in the cell above, then pass its name).")
-
-
-def tensor_problem(value, shape, name="Your result"):
-    """One line when `value` is not a float tensor of `shape` (None, a list, a wrong shape or
-    dtype), else None."""
-    if not isinstance(value, torch.Tensor):
-        return f"{name} is {type(value).__name__}, not a tensor of shape {tuple(shape)}."
-    if tuple(value.shape) != tuple(shape):
-        return f"{name} has shape {tuple(value.shape)}; expected {tuple(shape)}."
-    if not value.is_floating_point():
-        return f"{name} has dtype {value.dtype}; expected a floating-point tensor."
-    return None
 
 
 def too_slow_to_start(error_text):
