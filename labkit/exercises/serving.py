@@ -158,9 +158,9 @@ def _diagnose(results, world_size):
         return Check(False, "bias summed", f"The bias is added {world_size} times: add it "
                      "once, after the all-reduce (each rank added it before the sum).")
     if not torch.allclose(outputs[0], reference[0], atol=1e-5):
-        return Check(False, "prefill", "The prompt's output is wrong: split q|k|v into thirds, "
-                     "attend causally over this rank's heads (head_dim from the shard), project "
-                     "with w_proj, all-reduce, add b_proj.")
+        return Check(False, "prefill", "The prompt's output is wrong already, before any "
+                     "decode step (q|k|v come in thirds; heads = width / head_dim on this "
+                     "rank).")
     if first["cache_len"] != 6 + STEPS - 1:
         return Check(False, "cache", f"The cache holds {first['cache_len']} positions after "
                      f"the last step, not {6 + STEPS - 1}: append each step's k and v to "

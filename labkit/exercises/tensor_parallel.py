@@ -157,8 +157,8 @@ def _judge(r0, world_size):
                      "it before the all-reduce summed the ranks. Add the bias after the "
                      "all-reduce, once.")
     return Check(False, "wrong", "The output differs from the full layer's (max difference "
-                 f"{(y - expected).abs().max():.3g}). Compute F.linear(x_shard, weight_shard) "
-                 "without bias, all-reduce (sum) it over the group, then add the bias.")
+                 f"{(y - expected).abs().max():.3g}), and not by a missing sum, an average or a "
+                 "repeated bias.")
 
 
 BLOCK = dict(batch=1, seq=4096, hidden=8192, tp=8)   # Llama 3 70B's width, one node of TP
