@@ -415,6 +415,17 @@ def test_a_launch_too_slow_to_start_is_not_blamed_on_the_code():
     assert check.problem == "slow" and check.message == SLOW and "timeout_s=60" in SLOW
 
 
+def test_ranks_that_could_not_connect_are_not_blamed_on_the_code():
+    from labkit.exercises import NO_MESH, context_parallel as cp, data_parallel as dp
+    from labkit.exercises import when_it_breaks as wib, why_parallelism as why
+    text = ("rank 1 raised: RuntimeError: Gloo connectFullMesh failed with [pair.cc:553] "
+            "Connection closed by peer")
+    for check in (wib._failed_run(text), why._failed(text), dp._failed_run(text, 20),
+                  cp._ring_failed(text)):
+        assert check.problem == "slow" and check.message == NO_MESH
+    assert why._failed("rank 1 raised: ValueError: mine").problem == "raised"
+
+
 def _second_failure_shows_code(run, code_words):
     first, second = run(), run()
     assert not first.ok and not second.ok

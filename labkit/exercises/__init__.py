@@ -141,6 +141,17 @@ SLOW = ("TIMED OUT before any rank reached a collective: the machine is busy, yo
         "to blame yet; run the check again with timeout_s=60.")
 
 
+NO_MESH = ("THE RANKS COULD NOT CONNECT (gloo's connectFullMesh failed, on a busy machine) "
+           "before your code ran: it is not to blame; run the check again.")
+
+
+def not_started(error_text):
+    """SLOW or NO_MESH when the ranks never got to run the learner's code, else None."""
+    if too_slow_to_start(error_text):
+        return SLOW
+    return NO_MESH if "connectFullMesh" in error_text else None
+
+
 def ranks_waiting_in(timeout_text):
     """{rank: the op it waits in ('send', 'recv', 'all_reduce', ...)} from a launch time-out."""
     where = {}

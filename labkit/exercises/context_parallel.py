@@ -19,8 +19,8 @@ import math
 import torch
 
 from ..theory import context_parallel as tcp
-from . import (Check, Hints, Mistake, check_number, deadlock_in_words, not_a_function, say,
-               show, with_hint)
+from . import (Check, Hints, Mistake, check_number, deadlock_in_words, not_a_function, not_started,
+               say, show, with_hint)
 
 
 def partial_attention(q, k, v, mask=None):
@@ -202,6 +202,8 @@ def check_ring_attention(fn, timeout_s=20.0, verbose=True):
 
 
 def _ring_failed(text):
+    if (busy := not_started(text)) is not None:
+        return Check(False, "slow", busy)
     if "NotImplementedError" in text:
         return Check(False, "not written", "NOT WRITTEN YET: your function (or the merge it "
                      f"calls) raised NotImplementedError. Hint: {RING_HINTS.concept}")

@@ -16,8 +16,8 @@ import torch
 
 from ..theory import catalog, planner
 from ..theory import memory as tm
-from . import (SLOW, Check, Hints, Mistake, check_number, not_a_function, say, show,
-               too_slow_to_start, with_hint)
+from . import (Check, Hints, Mistake, check_number, not_a_function, not_started, say, show,
+               with_hint)
 
 EXERCISE = dict(model="llama-3-70b", gpus=96, gpu="H100", global_batch=384, seq=4096,
                 target_mfu=0.45)
@@ -73,8 +73,8 @@ def check_dp_average(fn, timeout_s=30.0, verbose=True):
             return say(Check(False, "not written", "NOT WRITTEN YET: your function raised "
                              "NotImplementedError. Hint: every collective takes group=; which "
                              "of the mesh's groups holds copies of the same weights?"), verbose)
-        if too_slow_to_start(text):
-            return say(Check(False, "slow", SLOW), verbose)
+        if (busy := not_started(text)) is not None:
+            return say(Check(False, "slow", busy), verbose)
         last = [line for line in text.splitlines() if line.strip()][-1].strip()
         return say(Check(False, "raised", f"YOUR CODE RAISED (or hung) on a rank: {last}. "
                          f"{DP_HINTS.after_failure()}"), verbose)

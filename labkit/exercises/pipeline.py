@@ -19,7 +19,7 @@ from ..parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stag
 from ..theory import pipeline as schedules
 from ..theory import pipeline_layouts as layouts
 from ..theory.time import bubble_fraction, bubble_over_ideal
-from . import (Check, Hints, Mistake, check_number, say, show, with_hint)
+from . import (Check, Hints, Mistake, check_number, not_started, say, show, with_hint)
 
 WIDTH, BATCH, LR = 16, 8, 0.1
 
@@ -135,6 +135,8 @@ def _stage_order(my_ops, stage, stages, microbatches, timeout_s):
         results = launch(_train_one_step, p, schedule, m, timeout_s=timeout_s,
                          cluster=schedules.comm_free_cluster())
     except LaunchError as error:
+        if (busy := not_started(str(error))) is not None:
+            return Check(False, "slow", busy)
         last = [line for line in str(error).splitlines() if line.strip()][-1].strip()
         return Check(False, "run failed", f"The run failed on a rank: {last}")
     params = {k: v for r in results for k, v in r["params"].items()}

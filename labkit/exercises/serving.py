@@ -8,7 +8,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import (Check, Hints, Mistake, check_number, not_a_function, say, show, with_hint)
+from . import (Check, Hints, Mistake, check_number, not_a_function, not_started, say, show,
+               with_hint)
 from ..models import Attention, causal_attention
 from ..parallel.serving import KVCache
 from ..theory import catalog, hardware
@@ -121,9 +122,11 @@ def check_tp_decode_step(fn, world_size=2, verbose=True):
     try:
         results = launch(_exercise_rank, world_size, fn, timeout_s=90)
     except LaunchError as error:
-        check = Check(False, "hang", "Your step did not finish on every rank: "
-                      + str(error).splitlines()[0] + ". Every rank must call the same "
-                      "collectives in the same order.")
+        busy = not_started(str(error))
+        check = Check(False, "slow", busy) if busy else Check(
+            False, "hang", "Your step did not finish on every rank: "
+            + str(error).splitlines()[0] + ". Every rank must call the same collectives in the "
+            "same order.")
     else:
         check = _diagnose(results, world_size)
     check = with_hint(check, STEP_HINTS)

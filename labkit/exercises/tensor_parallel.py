@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import (Check, Hints, Mistake, check_number, not_a_function, say, show, with_hint)
+from . import (Check, Hints, Mistake, check_number, not_a_function, not_started, say, show,
+               with_hint)
 from ..theory import hardware
 from ..theory.async_tp import break_even_tokens
 from ..theory.tensor_parallel import block_wire_bytes
@@ -70,9 +71,11 @@ def check_row_parallel(fn, world_size=2, verbose=True):
     try:
         results = launch(_exercise_rank, world_size, fn, timeout_s=60)
     except LaunchError as error:
-        return say(Check(False, "hang", "Your function did not finish on every rank: "
-                         + str(error).splitlines()[0] + ". Every rank must call the same "
-                         "collectives in the same order."), verbose)
+        busy = not_started(str(error))
+        return say(Check(False, "slow", busy) if busy else Check(
+            False, "hang", "Your function did not finish on every rank: "
+            + str(error).splitlines()[0] + ". Every rank must call the same collectives in the "
+            "same order."), verbose)
     check = _judge(results[0], world_size)
     check = with_hint(check, ROW_HINTS)
     return say(check, verbose)

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from ..theory import catalog, hardware
 from ..theory.time import training_flops
-from . import (SLOW, Check, Hints, Mistake, Rounding, check_number, not_a_function, say,
-               show, too_slow_to_start, with_hint)
+from . import (Check, Hints, Mistake, Rounding, check_number, not_a_function, not_started, say,
+               show, with_hint)
 
 DIMS, BATCH, LR, STEPS = (8, 16, 4), 8, 0.1, 3
 
@@ -148,8 +148,8 @@ def _failed_run(text):
         return Check(False, "not written", (
             "NOT WRITTEN YET: sync_fn raised NotImplementedError. Replace the raise with your "
             f"code. Hint: {SYNC_HINTS.concept}"))
-    if too_slow_to_start(text):
-        return Check(False, "slow", SLOW)
+    if (busy := not_started(text)) is not None:
+        return Check(False, "slow", busy)
     if "timed out" in text:
         waits = "\n".join(line for line in text.splitlines() if line.startswith("  rank"))
         return Check(False, "deadlock", (

@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..theory import catalog, hardware, memory as tm
-from . import (Check, Hints, Mistake, _answer_value, check_number, not_a_function, say,
+from . import (_answer_value, Check, Hints, Mistake, check_number, not_a_function, not_started, say,
                show, with_hint)
 
 MODEL, GPU = "llama-3-8b", "H100"
@@ -78,6 +78,8 @@ def _judge(results):
 
 
 def _failed(text):
+    if (busy := not_started(text)) is not None:
+        return Check(False, "slow", busy)
     if "NotImplementedError" in text:
         return Check(False, "not written", "NOT WRITTEN YET: your function raised "
                      "NotImplementedError. Hint: only rank 0 sends; every other rank receives, "

@@ -16,8 +16,8 @@ import torch
 
 from ..theory import memory as tm
 from ..theory.time import wire_bytes_per_rank
-from . import (SLOW, Check, Hints, Mistake, check_number, not_a_function, say, show,
-               too_slow_to_start, with_hint)
+from . import (Check, Hints, Mistake, check_number, not_a_function, not_started, say, show,
+               with_hint)
 
 SHARD_HINTS = Hints(
     concept="one collective both sums over the ranks and leaves each rank only its 1/N slice, "
@@ -73,8 +73,8 @@ def check_gradient_shard(fn, world_size=4, numel=16, timeout_s=20.0, verbose=Tru
         if "NotImplementedError" in text:
             return say(Check(False, "not written", "NOT WRITTEN YET: your function raised "
                              f"NotImplementedError. Hint: {SHARD_HINTS.concept}"), verbose)
-        if too_slow_to_start(text):
-            return say(Check(False, "slow", SLOW), verbose)
+        if (busy := not_started(text)) is not None:
+            return say(Check(False, "slow", busy), verbose)
         if "timed out" in text:
             return say(Check(False, "hang", "HANG: the ranks did not call the same collectives. "
                              f"{SHARD_HINTS.after_failure()}"), verbose)
