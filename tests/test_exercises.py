@@ -4,7 +4,9 @@ edition's stub fails it with the message a learner should read; and each number 
 the likely wrong answers (a forgotten factor, bits for bytes, GB for bytes, percent).
 
 Checker cells are run as the notebook runs them (the lesson's import cell, then its answer
-cells, then the checking cell's last expression), with the feedback printing silenced."""
+cells, then the checking cell's last expression), with the feedback printing silenced.
+Every number exercise has a catalog of likely wrong answers here, each named for its mistake;
+the code exercises' catalogs are in tests/test_exercise_code.py."""
 import ast
 import contextlib
 import io
@@ -13,8 +15,6 @@ import math
 import nbformat
 import pytest
 import torch
-from wrong_answers import (all_reduce_then_slice, blocking_ring, blocking_ring_attention,
-                           summed_shard, summed_sync, world_average)
 
 from labkit import editions
 from labkit.theory import catalog
@@ -102,176 +102,266 @@ def test_solutions_pass_and_stubs_fail_with_their_message(student, prefix):
         assert "False" != check.message.strip()
 
 
+def _printed_before_exercises(nb):
+    """Everything a learner reads before the exercises: prose and each cell's output text."""
+    first = next(i for i, c in enumerate(nb.cells)
+                 if c.cell_type == "markdown" and "## Exercises" in c.source)
+    text = []
+    for cell in nb.cells[:first]:
+        text.append(cell.source if cell.cell_type == "markdown" else "")
+        for out in cell.get("outputs", []):
+            text.append(out.get("text", ""))
+            for kind in ("text/plain", "text/markdown", "text/html"):
+                text.append(str(out.get("data", {}).get(kind, "")))
+    return "\n".join(text)
+
+
+def _spellings(value):
+    """How a lesson would print `value`: with at least 3 significant digits, or exactly as
+    Python prints a short decimal (7.5); shorter roundings (22, 4.8) are everywhere."""
+    forms = {f"{value:,.0f}", f"{value:.0f}"} if abs(value) >= 100 else set()
+    forms |= {f"{value:.3g}", f"{value:.4g}", f"{value:,.1f}", f"{value:,.2f}"}
+    if abs(value) < 1:
+        forms |= {f"{value:.1%}", f"{value:.3f}"}
+    if abs(value) >= 1e9:
+        forms |= {f"{value / 1e9:.1f} GB", f"{value / 1e9:.2f} GB"}
+    forms = {f for f in forms if sum(ch.isdigit() for ch in f.lstrip("0.")) >= 3
+             and not ("." in f and f.rstrip(" GB%").endswith("0"))}    # 1.50 is not 1.5's
+    return forms | ({repr(value)} if "." in repr(value) and len(repr(value)) <= 5 else set())
+
+
+@pytest.mark.parametrize("prefix", LESSONS)
+def test_no_answer_is_printed_before_its_exercise(prefix):
+    import re
+    nb = read(editions.NOTEBOOKS, prefix)
+    ns = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(next(c for c in nb.cells if c.cell_type == "code").source, ns)
+        answers = []
+        for answer, checker in exercises(nb):
+            exec(answer.source, ns)
+            call = ast.parse(checker.source).body[-1].value
+            call = call.value if isinstance(call, ast.NamedExpr) else call
+            if isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.Name):
+                value = ns.get(call.args[0].id)     # the checked answer, not a helper
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    answers.append(value)
+    shown = _printed_before_exercises(nb)
+    for value in answers:
+        for form in _spellings(float(value)):
+            assert not re.search(r"(?<![\d.,])" + re.escape(form) + r"(?![\d])", shown), \
+                f"{form} (an exercise's answer) is printed before the exercises"
+
+
 # ------------------------------------------------------------ number checkers name the mistake
 
-def _gpt2_bf16_grads():
-    return 2 * catalog.model("gpt2-small").param_count()
+def _number_exercises():
+    """{exercise: (checker, [(a wrong answer worked out as a learner would, its problem)])}.
 
-
-def _llama(name):
-    return catalog.model(name).param_count()
-
-
-def _wrong_answers():
-    """(checker, likely wrong answer, the problem it must be named as, words in the message)."""
+    Every number is derived here from the catalog's inputs with the mistake made on purpose,
+    never from the checker's own formula."""
     from labkit.exercises import context_parallel as cp, data_parallel as dp, hybrid
-    from labkit.exercises import moe, pipeline, tensor_parallel as tp, when_it_breaks as wib
-    from labkit.exercises import serving_systems as ss, why_parallelism as why, zero
-    from labkit.theory import hardware, roofline
-    s, n = _gpt2_bf16_grads(), 16
-    act = 1 * 4096 * 8192 * 2
-    kv = 2 * 8 * (65536 // 16) * 128 * 2
-    psi8, psi70 = _llama("llama-3-8b"), _llama("llama-3-70b")
-    mfu = 6 * psi8 * 600_000 / (64 * hardware.gpu("H100").bf16_flops)
-    return [
-        (why.check_gb_no_zero, 2 * psi8 / 1e9, "weights only", "2 bytes per parameter"),
-        (why.check_gb_no_zero, 16 * psi8, "units", "1 GB = 1e9 bytes"),
-        (why.check_fewest_gpus_zero3, 1, "does not fit", "more than an H100"),
-        (dp.check_ring_bytes, (n - 1) / n * s, "one phase", "once in reduce-scatter and once"),
-        (dp.check_ring_bytes, 2 * s, "factor (N-1)/N", "(N-1)/N"),
-        (dp.check_ring_bytes, 2 * (n - 1) / n * s * 8, "bits", "8 bits"),
-        (dp.check_ring_bytes, 2 * (n - 1) / n * 2 * s, "fp32", "bf16"),
-        (pipeline.check_gpipe_bubble, 5 / 20, "over ideal", "(P-1)/(M+P-1)"),
-        (pipeline.check_gpipe_bubble, 100 * 5 / 25, "percent", "fraction"),
-        (pipeline.check_dualpipe_idle, 7 * 2.5, "P-1", "P/2-1"),
-        (pipeline.check_dualpipe_idle, 3 * 1.5, "input grad only", "full backward"),
-        (pipeline.check_dualpipe_idle, 3 * 1, "F&B = F", "F + B"),
-        (pipeline.check_dualpipe_idle, 7 * 1.5, "ZB-H1's", "Table 2"),
-        (tp.check_block_bytes, 2 * 2 * 7 / 8 * act, "half the calls", "forward and backward"),
-        (tp.check_block_bytes, 4 * act, "payload", "2(t-1)/t"),
-        (moe.check_capacity_answer, math.floor(1.25 * 2 * 6000 / 64), "rounded down", "round up"),
-        (moe.check_capacity_answer, math.ceil(1.25 * 6000 / 64), "forgot k", "k = 2"),
-        (hybrid.check_hybrid_memory, 16 * psi70 / 32 / 1e9, "no ZeRO", "ZeRO-1"),
-        (hybrid.check_hybrid_memory, 16 * psi70 / 8 / 1e9, "forgot pp", "tp x pp"),
-        (hybrid.check_hybrid_memory, (2 + 4 + 12 / 2) * psi70 / 32 / 1e9, "fp32 gradients",
-         "the planner's convention"),
-        (wib.check_mfu_answer, mfu / 2, "sparse peak", "dense"),
-        (wib.check_mfu_answer, mfu / 3, "forward only", "6 x params"),
-        (wib.check_mfu_answer, mfu * 100, "percent", "fraction"),
-        (cp.check_ring_bytes, 16 * kv, "one pass too many", "N-1"),
-        (cp.check_ring_bytes, 15 * kv * 64 / 8, "query heads", "KV heads"),
-        (cp.check_ring_bytes, 15 * kv, "", "Correct"),
-        (zero.check_fsdp_critical_batch, roofline.critical_batch("dp", 64, "H100",
-                                                                 "InfiniBand NDR"),
-         "DP's bytes", "3(N-1)/N"),
-        (zero.check_fsdp_critical_batch, roofline.critical_batch("fsdp", 64, "H100",
-                                                                 "InfiniBand NDR") / 8,
-         "bits", "8 bits"),
-        (ss.check_requests_that_fit, 16384 // 300, "no rounding up", "ceil(300 / 16)"),
-        (ss.check_requests_that_fit, 16384 // 4096, "contiguous", "reserving 4,096"),
-    ]
+    from labkit.exercises import moe, pipeline, serving, serving_systems, tensor_parallel as tp
+    from labkit.exercises import when_it_breaks as wib, why_parallelism as why, zero
+    from labkit.theory import hardware
+    psi8, psi70 = catalog.model("llama-3-8b").param_count(), catalog.model("llama-3-70b") \
+        .param_count()
+    h100, a100 = hardware.gpu("H100"), hardware.gpu("A100")
+    gb = 16 * psi8 / 1e9                                          # 00-2's right answer
+    s, n = 2 * catalog.model("gpt2-small").param_count(), 16      # 01-2: bf16 grads, 16 GPUs
+    ring = 2 * (n - 1) / n * s
+    act, t = 1 * 4096 * 8192 * 2, 8                               # 03-2
+    block = 4 * 2 * (t - 1) / t * act
+    node = hardware.cluster("8xH100-NVLink")
+    alpha, eff, line = node.intra.latency, node.intra.effective_bandwidth, node.intra.bandwidth
+
+    def tokens(flops=h100.bf16_flops * node.mfu, value_bytes=2, bw=eff, outs=28672 / 8, per=8):
+        return per * alpha / (8192 * (2 * outs / flops - value_bytes / bw))
+    p8 = 8.03e9                                                   # 04-2, as the lesson gives
+    ib = hardware.link("InfiniBand NDR")
+    fsdp = h100.bf16_flops / ib.effective_bandwidth * 3 * 63 / 64 * 2 / 6
+    local = psi70 / (8 * 4)                                       # 06-3
+    mfu = 6 * psi8 * 600_000 / (64 * h100.bf16_flops)
+    kv = 2 * 8 * (65536 // 16) * 128 * 2                          # 08-3: one block
+    cache = 80 * 2 * 8 * 128 * 8192 * 8 * 2                       # 09-2
+    tpot = 2 * psi8 / h100.memory_bw * 1e3
+    return {
+        "00-2": (why.check_gb_no_zero, [
+            (2 * psi8 / 1e9, "weights only"), (16 * psi8 / 8 / 1e9, "divided by GPUs"),
+            (4 * psi8 / 1e9, "no optimizer"), (12 * psi8 / 1e9, "optimizer only"),
+            ((2 + 2 + 4 + 4) * psi8 / 1e9, "no master copy"),
+            (18 * psi8 / 1e9, "fp32 gradients"), (16 * psi8, "bytes, not GB"),
+            (16 * psi8 / 2 ** 30, "GiB"), (8 * gb, "bits")]),
+        "00-3": (why.check_fewest_gpus_zero3, [
+            (1, "does not fit"), (math.ceil(2 * psi8 / h100.memory_bytes), "weights only"),
+            (16 * psi8 / h100.memory_bytes, "not whole"), (3, "one too many")]),
+        "01-2": (dp.check_ring_bytes, [
+            (2 * s, "factor (N-1)/N"), ((n - 1) / n * s, "one phase"),
+            (ring / 2, "values, not bytes"), (2 * (n - 1) * s, "whole tensor"),
+            (2 * (n - 1) / n * 2 * s, "fp32"), (s, "just S"), (8 * ring, "bits"),
+            (ring / 1e9, "GB, not bytes")]),
+        "02-2": (pipeline.check_gpipe_bubble, [
+            (5 / 20, "over ideal"), (5 / 6, "one batch"), (5 / 26, "M+P slots"),
+            (6 / 26, "waits P slots"), (20 / 25, "busy share"), (100 * 5 / 25, "percent")]),
+        "02-3": (pipeline.check_dualpipe_idle, [
+            (7 * (1 + 1.5 + 1.5 - 1.5), "P-1"), (7 * (1 + 1.5), "1F1B's"),
+            (3 * (2 + 1 - 1.5), "input grad only"), (3 * (1 + 1.5 - 1.5), "F&B = F"),
+            (7 * (1 + 1.5 - 1), "ZB-H1's"), (3 * (2.5 + 1.5 - 1.5) / 1e3, "seconds")]),
+        "03-2": (tp.check_block_bytes, [
+            (2 * 2 * 7 / 8 * act, "half the calls"), (4 * 7 / 8 * act, "one phase"),
+            (block / 2, "values, not bytes"), (2 * 7 / 8 * act, "one call"),
+            (4 * act, "payload"), (4 * 2 * act, "factor (t-1)/t"), (2 * block, "fp32"),
+            (block / t, "divided by t"), (8 * block, "bits"), (block / 1e9, "GB, not bytes")]),
+        "03-3": (tp.check_break_even_tokens, [
+            (tokens(flops=h100.bf16_flops), "peak"),
+            (tokens(flops=2 * h100.bf16_flops * node.mfu), "FLOPs per multiply-add"),
+            (tokens(value_bytes=4), "fp32"), (tokens(bw=line), "line rate"),
+            (tokens(outs=28672), "all outputs"), (tokens(per=1), "chunk = T"),
+            (0, "no latency")]),
+        "04-2": (lambda a, verbose=False: zero.check_stage_memory_answer(
+            a, params=p8, world_size=8, stage=2, verbose=verbose), [
+            (16 * p8, "baseline"), ((4 + 12 / 8) * p8, "stage 1"), (16 * p8 / 8, "stage 3"),
+            ((2 + (2 + 8) / 8) * p8, "no master copy"), ((4 + 14 / 8) * p8, "fp32 weights"),
+            ((2 + 14 / 8) * p8 * 8, "bits"), ((2 + 14 / 8) * p8 / 1e9, "GB, not bytes")]),
+        "04-3": (zero.check_fsdp_critical_batch, [
+            (fsdp * 2 / 3, "DP's bytes"), (fsdp * 2 / 3, "one all-gather"),
+            (h100.bf16_flops / ib.bandwidth * 3 * 63 / 64 * 2 / 6, "line rate"),
+            (h100.bf16_flops / (ib.effective_bandwidth * 8) * 3 * 63 / 64 * 2 / 6, "bits"),
+            (fsdp / 2, "bytes per value"), (fsdp * 6 / 2, "forward only"),
+            (fsdp / node.mfu, "at mfu")]),
+        "05-2": (moe.check_capacity_answer, [
+            (1.25 * 2 * 6000 / 64, "not rounded"), (234, "rounded down"),
+            (round(1.25 * 2 * 6000 / 64), "rounded to nearest"),
+            (math.ceil(1.25 * 6000 / 64), "forgot k"), (math.ceil(2 * 6000 / 64),
+                                                        "forgot the factor"),
+            (math.ceil(6000 / 64), "even share"), (math.ceil(1.25 * 6000 / 128),
+                                                   "divided by k")]),
+        "06-3": (hybrid.check_hybrid_memory, [
+            (16 * local / 1e9, "no ZeRO"), (16 * psi70 / 8 / 1e9, "forgot pp"),
+            (16 * psi70 / 4 / 1e9, "forgot tp"), (16 * local / 2 / 1e9, "ZeRO-3"),
+            ((2 + 14 / 2) * local / 1e9, "ZeRO-2"), ((2 + 4 + 6) * local / 1e9,
+                                                     "fp32 gradients"),
+            (10 * local, "bytes, not GB")]),
+        "07-2": (wib.check_mfu_answer, [
+            (mfu / 2, "sparse peak"), (2 * psi8 * 600_000 / (64 * h100.bf16_flops),
+                                       "forward only"),
+            (8 * psi8 * 600_000 / (64 * h100.bf16_flops), "recompute"),
+            (6 * psi8 * 600_000 / h100.bf16_flops, "one GPU"),
+            (6 * psi8 * 600_000 / (64 * a100.bf16_flops), "wrong GPU"), (100 * mfu, "percent"),
+            (6 * psi8 * 600_000 / 64 / (64 * h100.bf16_flops), "GPUs twice")]),
+        "08-3": (cp.check_ring_bytes, [
+            (16 * kv, "one pass too many"), (15 * kv / 2, "K only"),
+            (15 * kv / 2, "values, not bytes"), (15 * kv * 64 / 8, "query heads"),
+            (15 * kv * 8, "bits"), (15 * kv * 16, "whole sequence"), (kv, "one block"),
+            (2 * 15 * kv, "fp32"), (2 * 15 * kv, "forward and backward")]),
+        "09-2": (serving.check_kv_bytes, [
+            (cache / 2, "forgot k or v"), (cache / 2, "values, not bytes"),
+            (cache * 64 / 8, "no GQA"), (cache * 8, "bits"), (cache / 80, "one layer"),
+            (cache * 2, "fp32"), (cache / 8, "one request"), (cache / 1e9, "GB, not bytes")]),
+        "10-3": (serving_systems.check_requests_that_fit, [
+            (16384 // 300, "no rounding up"), (16384 // 4096, "contiguous"),
+            (16384 // 16 // (300 // 16), "blocks rounded down")]),
+        "09-3": (serving.check_tpot_floor, [
+            (2 * psi8 / h100.bf16_flops * 1e3, "compute, not memory"), (tpot / 2,
+                                                                      "1 byte per weight"),
+            (tpot * 8, "bits"), (tpot / 1e3, "seconds"), (tpot * 2, "fp32 weights"),
+            (1e3 / tpot, "tokens per second")]),
+    }
 
 
-@pytest.mark.parametrize("checker, answer, problem, words", _wrong_answers(),
-                         ids=lambda v: v.__name__ if callable(v) else None)
-def test_number_checkers_name_the_likely_mistake(checker, answer, problem, words):
-    check = checker(answer, verbose=False)
-    assert check.problem == problem and words in check.message, check.message
-    if problem:
-        assert "Not quite" in check.message and not check.ok
+NUMBER_EXERCISES = sorted(_number_exercises())
 
 
-def test_a_number_checker_never_raises_and_hints_when_it_cannot_diagnose():
-    from labkit.exercises import check_number
+def _cases():
+    return [(ex, answer, problem) for ex in NUMBER_EXERCISES
+            for answer, problem in _number_exercises()[ex][1]]
+
+
+@pytest.mark.parametrize("exercise, answer, problem", _cases(),
+                         ids=[f"{e}-{p}" for e, _, p in _cases()])
+def test_each_likely_wrong_answer_is_named_for_its_mistake(exercise, answer, problem):
+    check = _number_exercises()[exercise][0](answer, verbose=False)
+    assert not check.ok and "Not quite" in check.message, check.message
+    assert problem in (check.problems or (check.problem,)), (problem, check.problems,
+                                                              check.message)
+    assert "\n" not in check.message
+
+
+@pytest.mark.parametrize("exercise", NUMBER_EXERCISES)
+def test_different_mistakes_never_share_a_diagnosis_and_equal_ones_name_each_other(exercise):
+    checker, catalog_ = _number_exercises()[exercise]
+    said = [(answer, problem, checker(answer, verbose=False)) for answer, problem in catalog_]
+    tolerance = 0 if exercise in ("00-3", "05-2") else 0.01     # counts are exact
+    for i, (a, pa, ca) in enumerate(said):
+        for b, pb, cb in said[i + 1:]:
+            if abs(a - b) <= tolerance * max(abs(a), abs(b)):    # one number, two mistakes
+                assert pb in ca.problems and pa in cb.problems, (pa, pb, ca.message)
+                assert "different mistakes give this number" in ca.message
+            else:
+                assert not set(ca.problems) & set(cb.problems), (pa, pb, ca.problems)
+                assert ca.message.split(": ", 2)[-1] != cb.message.split(": ", 2)[-1]
+
+
+def _exercise_module(exercise):
+    checker = _number_exercises()[exercise][0]
+    name = {"00": "why_parallelism", "01": "data_parallel", "02": "pipeline",
+            "03": "tensor_parallel", "04": "zero", "05": "moe", "06": "hybrid",
+            "07": "when_it_breaks", "08": "context_parallel", "09": "serving"}[exercise[:2]]
+    import importlib
+    return checker, importlib.import_module(f"labkit.exercises.{name}")
+
+
+@pytest.mark.parametrize("exercise", NUMBER_EXERCISES)
+def test_a_first_miss_gets_the_concept_the_second_the_formula(exercise, capsys):
+    checker, module = _exercise_module(exercise)
+    number = int(exercise[-1])
+    module.show_solution(number)
+    formula = capsys.readouterr().out.strip()
+    assert formula
+    first, second = (checker(3.217e-7, verbose=False) for _ in range(2))   # matches no mistake
+    assert first.problem == second.problem == "wrong value", first.message
+    assert "Hint:" in first.message and formula not in first.message, first.message
+    call = "show_solution()" if number == 1 else f"show_solution({number})"
+    assert call in first.message
+    assert f"The formula: {formula}" in second.message, second.message
+
+
+def test_no_answer_gives_the_concept_and_is_not_counted_as_a_miss():
+    from labkit.exercises import serving
+    none = serving.check_kv_bytes(None, verbose=False)
+    assert none.problem == "no answer" and "Hint:" in none.message
+    assert "Hint:" in serving.check_kv_bytes(1.0, verbose=False).message   # still the first
+
+
+@pytest.mark.parametrize("exercise", NUMBER_EXERCISES)
+def test_a_number_checker_answers_any_input_in_one_line(exercise):
+    import numpy as np
+    checker = _number_exercises()[exercise][0]
+    for answer in (None, "lots", [1, 2], torch.tensor([1.0, 2.0]), np.ones(3), float("nan"),
+                   float("inf"), True, {"a": 1}, torch.tensor(3.0, requires_grad=True)):
+        check = checker(answer, verbose=False)
+        assert not check.ok and check.message and "\n" not in check.message, (answer, check)
+
+
+def test_a_one_element_tensor_is_read_as_its_number():
+    from labkit.exercises import moe
+    assert moe.check_capacity_answer(torch.tensor(235), verbose=False).ok
+    assert moe.check_capacity_answer(torch.tensor([235.0]), verbose=False).ok
+
+
+def test_a_number_checker_hints_when_it_cannot_diagnose():
+    from labkit.exercises import Hints, check_number
+    hints = Hints("think twice", "x = 10")
     for answer in ("lots", float("nan"), [1, 2]):
-        assert check_number(answer, 10.0, what="x", hint="h", verbose=False).problem \
+        assert check_number(answer, 10.0, what="x", hints=hints, verbose=False).problem \
             == "not a number"
-    far = check_number(1234.5, 10.0, what="the bytes", hint="count twice", unit="bytes",
+    far = check_number(1234.5, 10.0, what="the bytes", hints=hints, unit="bytes",
                        verbose=False)
     assert far.problem == "wrong value" and "more than expected" in far.message
-    assert "Hint: count twice" in far.message
-
-
-# ------------------------------------ code checkers: plausible wrong answers, each with its words
-
-def test_zero2_shard_by_all_reduce_then_slice_is_rejected_for_its_bytes():
-    from labkit.exercises import zero
-    check = zero.check_gradient_shard(all_reduce_then_slice, timeout_s=60, verbose=False)
-    assert not check.ok and check.problem == "too many bytes", check.message
-    assert "RIGHT VALUES, TOO MANY BYTES" in check.message and "all_reduce" in check.message
-    assert "whole averaged gradient" in check.message and "(N-1)/N x S" in check.message
-
-
-def test_a_valid_order_that_is_not_1f1b_is_called_valid_and_told_what_1f1b_changes():
-    from labkit.exercises.pipeline import check_stage_order
-    ops = ["F0", "F1", "F2", "B0", "F3", "B1", "F4", "B2", "F5", "B3", "F6", "B4", "F7", "B5",
-           "B6", "B7"]                               # 3 forwards before the first backward
-    check = check_stage_order(ops, verbose=False)
-    assert not check.ok and check.problem == "not 1F1B", check.message
-    assert "VALID, BUT NOT 1F1B" in check.message and "same parameters" in check.message
-    assert "runs 3 forwards" in check.message and "P - stage = 4" in check.message
-    yours, ideal = (float(x) for x in
-                    check.message.split("bubble drops from your ")[1].split(" (")[0].split(" to "))
-    assert ideal < yours
-
-
-@pytest.mark.parametrize("lesson", ["01", "08"])
-def test_blocking_sends_are_said_to_deadlock_in_send(lesson):
-    from labkit.exercises import context_parallel as cp, data_parallel as dp
-    check = (dp.check_ring_all_reduce(blocking_ring, timeout_s=20, verbose=False)
-             if lesson == "01" else     # 20 s: time for every rank to reach its send under load
-             cp.check_ring_attention(blocking_ring_attention, timeout_s=20, verbose=False))
-    assert not check.ok and check.problem == "deadlock", check.message
-    assert "Every rank waits in send" in check.message and "async_op=True" in check.message
-    assert "waits in recv" not in check.message
-
-
-def test_the_deadlock_words_follow_the_op_the_ranks_are_in():
-    from labkit.exercises import deadlock_in_words, ranks_waiting_in
-    text = ("timed out after 5s; ranks still running and where they wait:\n"
-            "  rank 0: recv from rank 1 (16 bytes) \n  rank 1: send to rank 0 (16 bytes) \n")
-    assert ranks_waiting_in(text) == {0: "recv", 1: "send"}
-    assert "in send and in recv" in deadlock_in_words(text)
-    assert "Every rank waits in recv" in deadlock_in_words(text.replace("send to", "recv from"))
-    assert "more time" in deadlock_in_words("timed out after 5s: still computing")
-
-
-def test_a_launch_too_slow_to_start_is_not_blamed_on_the_code():
-    from labkit.exercises import SLOW, too_slow_to_start, when_it_breaks as wib
-    slow = ("timed out after 20s: still computing, no rank waits in a collective (ranks 0, 1 "
-            "are busy in fn).")
-    assert too_slow_to_start(slow) and not too_slow_to_start("timed out after 20s; ranks ...")
-    check = wib._failed_run(slow)
-    assert check.problem == "slow" and check.message == SLOW and "timeout_s=60" in SLOW
-
-
-def _second_failure_shows_code(run, code_words):
-    first, second = run(), run()
-    assert not first.ok and not second.ok
-    assert "Hint:" in first.message and code_words not in first.message, first.message
-    assert "show_solution()" in first.message
-    assert "The code:" in second.message and code_words in second.message, second.message
-
-
-def test_zero2_shard_hints_first_and_shows_the_code_second():
-    from labkit.exercises import zero
-    def run():
-        return zero.check_gradient_shard(summed_shard, timeout_s=60, verbose=False)
-    _second_failure_shows_code(run, "reduce_scatter(grad)")
-
-
-def test_dp_average_hints_first_and_shows_the_code_second():
-    from labkit.exercises import hybrid
-    def run():
-        return hybrid.check_dp_average(world_average, timeout_s=60, verbose=False)
-    _second_failure_shows_code(run, "group=mesh['dp']")
-    assert run().problem == "world"
-
-
-def test_gradient_sync_hints_first_and_shows_the_code_second():
-    from labkit.exercises import when_it_breaks as wib
-    _second_failure_shows_code(lambda: wib.check_gradient_sync(summed_sync, verbose=False),
-                               "p.grad /= ctx.world_size")
-
-
-def test_merge_hints_first_and_shows_the_code_second(capsys):
-    from labkit.exercises import context_parallel as cp
-
-    def averaged(out_a, lse_a, out_b, lse_b):
-        return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
-    _second_failure_shows_code(lambda: cp.check_merge(averaged, verbose=False), "logaddexp")
-    cp.show_solution()
-    assert "torch.logaddexp" in capsys.readouterr().out
+    assert "Hint: think twice" in far.message and "x = 10" not in far.message
+    assert "The formula: x = 10" not in far.message
+    assert "The code: x = 10" in check_number(1234.5, 10.0, what="b", hints=hints,
+                                              verbose=False).message
 
 
 def test_a_peak_rounded_to_one_pflops_is_accepted_and_said():

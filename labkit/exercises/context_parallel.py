@@ -19,7 +19,8 @@ import math
 import torch
 
 from ..theory import context_parallel as tcp
-from . import Check, Hints, Mistake, check_number, deadlock_in_words, say
+from . import (Check, Hints, Mistake, check_number, deadlock_in_words, not_a_function, not_started,
+               say, show, with_hint)
 
 
 def partial_attention(q, k, v, mask=None):
@@ -65,6 +66,10 @@ def _run(fn, kind):
     if got_out.shape != out.shape or got_lse.shape != lse.shape:
         return "shape", (f"out should be {tuple(out.shape)} and lse {tuple(lse.shape)}, got "
                          f"{tuple(got_out.shape)} and {tuple(got_lse.shape)}")
+    if not (got_out.is_floating_point() and got_lse.is_floating_point()):
+        return "shape", (f"out and lse should be floating point, got {got_out.dtype} and "
+                         f"{got_lse.dtype}")
+    got_out, got_lse = got_out.detach().float(), got_lse.detach().float()
     if got_out.isnan().any() or got_lse.isnan().any() or (got_out.isinf().any()):
         return "nonfinite", ""
     if not torch.allclose(got_out, out, atol=1e-5, rtol=1e-4):
@@ -84,17 +89,37 @@ MERGE_HINTS = Hints(
          "w_b[..., None] * out_b; return out, lse")
 
 
-def show_solution():
-    """Print the code of exercise 1 (the log-sum-exp merge)."""
-    MERGE_HINTS.show()
+RING_HINTS = Hints(
+    concept="a rank starts with its own K, V block; the other N-1 blocks come to it one ring "
+            "step at a time from its left neighbour while it passes what it has to the right, "
+            "and each block that arrives is merged into the result by its log-sum-exp; a rank "
+            "never holds more than the block it computes on and the one in flight.",
+    code="out, lse = partial_attention(q, k, v); for _ in range(N - 1): sends = "
+         "[ctx.comm.send(t, (r + 1) % N, async_op=True) for t in (k, v)]; k_in, v_in = "
+         "torch.empty_like(k), torch.empty_like(v); ctx.comm.recv(k_in, (r - 1) % N); "
+         "ctx.comm.recv(v_in, (r - 1) % N); [h.wait() for h in sends]; k, v = k_in, v_in; "
+         "out, lse = merge(out, lse, *partial_attention(q, k, v)); return out", exercise=2)
+BYTES_HINTS = Hints(
+    concept="count the bytes of one rank's K and V block (only the KV heads exist, bf16), and "
+            "how many blocks a rank must pass on for every rank to see every block.",
+    code="(N-1) x KV, KV = 2 (K and V) x b x h_kv x (s/N) x d x 2 bytes.",
+    exercise=3, kind="formula")
+HINTS = {1: MERGE_HINTS, 2: RING_HINTS, 3: BYTES_HINTS}
+
+
+def show_solution(exercise=1):
+    """Print the code of exercise 1 (the log-sum-exp merge) or 2 (the ring), or the formula
+    of exercise 3."""
+    show(HINTS, exercise)
 
 
 def check_merge(fn, verbose=True):
     """Run the learner's `fn(out_a, lse_a, out_b, lse_b) -> (out, lse)` on three cases; print
     the feedback and return a Check."""
+    if (refused := not_a_function(fn, "fn(out_a, lse_a, out_b, lse_b)")) is not None:
+        return say(refused, verbose)
     check = _judge(fn)
-    if not check.ok and check.problem != "not written":
-        check.message += " " + MERGE_HINTS.after_failure()
+    check = with_hint(check, MERGE_HINTS)
     return say(check, verbose)
 
 
@@ -111,7 +136,12 @@ def _judge(fn):
     if verdict == "out":
         args, (out, _) = _case("plain")
         average = (args[0] + args[2]) / 2
-        if torch.allclose(average, fn(*args)[0], atol=1e-5):
+        try:
+            again = torch.as_tensor(fn(*args)[0]).detach().float()
+        except Exception:  # noqa: BLE001 - it ran once already; a second run only names it
+            again = None
+        if again is not None and again.shape == average.shape and \
+                torch.allclose(average, again, atol=1e-5):
             return Check(False, "average", "You averaged the two outputs, as if both blocks "
                          "had the same softmax sum.")
         return Check(False, "wrong", f"The merged output differs from attention over all the "
@@ -139,10 +169,6 @@ def _judge(fn):
 
 
 RING_WORLD, RING_SHAPE = 4, (2, 16, 8)     # ranks; batch, whole sequence, head_dim
-RING_HINT = ("Hint: start from partial_attention(q, k, v) of your own block; then N-1 times "
-             "send (k, v) to rank r+1 (async_op=True), receive the next (k, v) from rank r-1, "
-             "and merge partial_attention(q, k_in, v_in) into your result with merge.")
-
 
 def _ring_inputs():
     g = torch.Generator().manual_seed(3)
@@ -152,32 +178,42 @@ def _ring_inputs():
 def _run_ring_attention(ctx, fn):
     q, k, v = (t.chunk(ctx.world_size, dim=1)[ctx.rank].clone() for t in _ring_inputs())
     out = fn(ctx, q, k, v)
-    sent = sum(rec.bytes for rec in ctx.comm.records if rec.op == "send")
+    records = list(ctx.comm.records)
+    sent = sum(rec.bytes for rec in records if rec.op == "send")
     return dict(rank=ctx.rank, out=out.detach().clone() if isinstance(out, torch.Tensor)
-                else out, sent=sent, kv_bytes=k.nbytes + v.nbytes)
+                else out, sent=sent, kv_bytes=k.nbytes + v.nbytes,
+                collectives=sorted({rec.op for rec in records if rec.op not in ("send", "recv")}),
+                wire=sum(rec.wire_bytes_per_rank for rec in records if rec.op != "recv"))
 
 
 def check_ring_attention(fn, timeout_s=20.0, verbose=True):
     """Run `fn(ctx, q, k, v) -> out` (this rank's queries against every rank's keys) on 4 ranks."""
     from ..runtime.launch import LaunchError, launch
+    if (refused := not_a_function(fn, "fn(ctx, q, k, v)")) is not None:
+        return say(refused, verbose)
     try:
         results = launch(_run_ring_attention, RING_WORLD, fn, timeout_s=timeout_s)
     except LaunchError as error:
-        return say(_ring_failed(str(error)), verbose)
-    return say(_judge_ring(results), verbose)
+        check = _ring_failed(str(error))
+    else:
+        check = _judge_ring(results)
+    check = with_hint(check, RING_HINTS)
+    return say(check, verbose)
 
 
 def _ring_failed(text):
+    if (busy := not_started(text)) is not None:
+        return Check(False, "slow", busy)
     if "NotImplementedError" in text:
         return Check(False, "not written", "NOT WRITTEN YET: your function (or the merge it "
-                     f"calls) raised NotImplementedError. {RING_HINT}")
+                     f"calls) raised NotImplementedError. Hint: {RING_HINTS.concept}")
     if "timed out" in text:
         waits = "\n".join(line for line in text.splitlines() if line.startswith("  rank"))
         return Check(False, "deadlock", f"DEADLOCK: the ranks still waited at the timeout:\n"
                      f"{waits}\n{deadlock_in_words(text)} Post the sends with async_op=True "
-                     f"before the recvs, and wait on their handles after. {RING_HINT}")
+                     "before the recvs, and wait on their handles after.")
     last = [line for line in text.splitlines() if line.strip()][-1].strip()
-    return Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}. {RING_HINT}")
+    return Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}.")
 
 
 def _judge_ring(results):
@@ -191,15 +227,31 @@ def _judge_ring(results):
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             return Check(False, "shape", f"Rank {r} returned {got}; expected out of shape "
                          f"{tuple(want.shape)} (batch, this rank's queries, head_dim).")
+        if not out.is_floating_point():
+            return Check(False, "dtype", f"Rank {r} returned dtype {out.dtype}; attention's "
+                         "output is floating point.")
+        out = out.float()
         if torch.allclose(out, want, atol=1e-5):
             continue
         mine = [t.chunk(n, dim=1)[r] for t in (q, k, v)]
         if torch.allclose(out, partial_attention(*mine)[0], atol=1e-5):
             return Check(False, "no ring", f"Rank {r}'s queries attended only to its own keys: "
-                         f"the other ranks' K and V blocks never arrived. {RING_HINT}")
+                         "the other ranks' K and V blocks never arrived.")
         return Check(False, "wrong", f"Rank {r}'s output differs from attention over the whole "
                      f"sequence by {(out - want).abs().max():.3g}. Is every block merged "
-                     f"exactly once (your own and N-1 received ones)? {RING_HINT}")
+                     "exactly once (your own and N-1 received ones)?")
+    used = sorted({op for res in results for op in res["collectives"]})
+    if used:
+        kv, moved = results[0]["kv_bytes"], max(res["wire"] for res in results)
+        same = (f"the ring's (N-1) x KV = {(n - 1) * kv:,} too" if moved <= (n - 1) * kv else
+                f"the ring's (N-1) x KV is {(n - 1) * kv:,}")
+        why = (f"but every rank held all {n} K, V blocks at once ({n * kv:,} bytes, N x KV: "
+               "the whole sequence's keys, what context parallelism exists to avoid), with no "
+               "transfer overlapping a block's compute" if used == ["all_gather"] else
+               "but not as a ring of sends and receives")
+        return Check(False, "not a ring", f"RIGHT VALUES, NOT A RING: the comm log shows "
+                     f"{', '.join(used)}, which moved {moved:,.0f} bytes per rank ({same}), "
+                     f"{why}. Pass one block at a time with ctx.comm.send / ctx.comm.recv.")
     worst = max(results, key=lambda res: res["sent"])
     if worst["sent"] > (n - 1) * worst["kv_bytes"]:
         return Check(False, "one pass too many", f"The outputs are right, but rank "
@@ -225,19 +277,23 @@ def check_ring_bytes(answer, verbose=True):
     mistakes = [
         Mistake(n * kv, "one pass too many", f"that is N = {n} passes; a rank already holds "
                 f"its own block, so N-1 = {n - 1} passes bring it every other block"),
-        Mistake(expected / 2, "K only", "K and V both travel: KV = 2 x b x h_kv x (s/N) x d "
-                "values"),
+        Mistake(expected / 2, "K only", "that sends the keys alone; the values travel with "
+                "them, a block of each"),
         Mistake(expected * c["heads"] / c["kv_heads"], "query heads", f"that uses the "
                 f"{c['heads']} query heads; with grouped-query attention only the "
                 f"{c['kv_heads']} KV heads' keys and values exist and travel"),
         Mistake(expected * n, "whole sequence", f"each block holds s/N = {c['seq'] // n} "
                 f"tokens, not the whole {c['seq']}"),
         Mistake(kv, "one block", f"that is one block; the ring passes N-1 = {n - 1} of them"),
+        Mistake(expected / 2, "values, not bytes", "that counts values; each bf16 value is 2 "
+                "bytes"),
+        Mistake(2 * expected, "fp32", "that counts 4 bytes per value; K and V are bf16"),
+        Mistake(2 * expected, "forward and backward", "that adds the backward ring; the "
+                "question asks for the forward alone"),
     ]
     return check_number(answer, expected, what=f"bytes one rank sends in the forward ring "
                         f"({c['model']}: b={c['batch']}, s={c['seq']}, h_kv={c['kv_heads']}, "
                         f"d={c['head_dim']}, CP={n}, bf16)", unit="bytes", mistakes=mistakes,
                         verbose=verbose,
-                        hint="KV = 2 x b x h_kv x (s/N) x d x 2 bytes per block; the ring "
-                             "passes N-1 blocks.",
+                        hints=BYTES_HINTS,
                         explain="The backward sends as much again, plus the dK, dV sums.")

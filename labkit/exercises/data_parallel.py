@@ -12,7 +12,8 @@ import torch
 from ..runtime.launch import LaunchError, launch
 from ..theory import catalog
 from ..theory.data_parallel import ring_all_reduce_bytes
-from . import Check, Mistake, check_number, deadlock_in_words, say
+from . import (Check, Hints, Mistake, check_number, deadlock_in_words, not_a_function, not_started,
+               say, show, with_hint)
 
 
 def _ring_input(rank, numel):
@@ -27,8 +28,8 @@ def _run_user_ring(ctx, user_fn, numel):
     got = out if isinstance(out, torch.Tensor) else tensor
     sent = sum(rec.bytes for rec in ctx.comm.records if rec.op == "send")
     others = sorted({rec.op for rec in ctx.comm.records if rec.op not in ("send", "recv")})
-    return dict(rank=ctx.rank, got=got.detach().clone().reshape(-1), input=original,
-                sent_bytes=sent, other_ops=others)
+    return dict(rank=ctx.rank, got=got.detach().reshape(-1).to(torch.float32, copy=True),
+                input=original, sent_bytes=sent, other_ops=others)
 
 
 def check_ring_all_reduce(user_fn, world_size=4, numel=16, timeout_s=20.0, verbose=True):
@@ -38,14 +39,16 @@ def check_ring_all_reduce(user_fn, world_size=4, numel=16, timeout_s=20.0, verbo
     expected back (returned, or written into `tensor`). Returns a `Check` (and prints it).
     """
     n = world_size
+    if (refused := not_a_function(user_fn, "user_fn(ctx, tensor)")) is not None:
+        return say(refused, verbose)
     try:
         results = launch(_run_user_ring, n, user_fn, numel, timeout_s=timeout_s)
     except LaunchError as error:
-        return say(_failed_run(str(error), timeout_s), verbose)
+        return say(with_hint(_failed_run(str(error), timeout_s), RING_HINTS), verbose)
     expected = sum(_ring_input(r, numel) for r in range(n))
     bad = [res for res in results if not torch.equal(res["got"], expected)]
     if bad:
-        return say(_diagnose(bad[0], expected, n), verbose)
+        return say(with_hint(_diagnose(bad[0], expected, n), RING_HINTS), verbose)
     limit = ring_all_reduce_bytes(numel * 4, n)
     worst = max(results, key=lambda res: res["sent_bytes"])
     cheat = sorted({op for res in results for op in res["other_ops"]})
@@ -64,10 +67,33 @@ def check_ring_all_reduce(user_fn, world_size=4, numel=16, timeout_s=20.0, verbo
             f"Correct: all {n} ranks hold the sum, and each rank sent "
             f"{worst['sent_bytes']} bytes = 2(N-1)/N x S = 2x{n - 1}/{n} x {numel * 4} "
             "bytes, the least any all-reduce can send."))
-    return say(check, verbose)
+    return say(with_hint(check, RING_HINTS), verbose)
+
+
+RING_HINTS = Hints(
+    concept="cut the tensor into N chunks; in a first phase each chunk travels round the ring "
+            "collecting the sum (N-1 steps, one chunk sent and one received per step), in a "
+            "second phase the finished chunks travel round once more (N-1 steps, copying).",
+    code="chunks = list(tensor.chunk(n)); for step in range(n - 1): send chunks[(r - step) % n] "
+         "to (r + 1) % n (async_op=True), recv into a buffer from (r - 1) % n, wait, and add it "
+         "into chunks[(r - step - 1) % n]; then for step in range(n - 1): send chunks[(r + 1 - "
+         "step) % n], recv and copy into chunks[(r - step) % n]; return torch.cat(chunks).")
+BYTES_HINTS = Hints(
+    concept="a ring all-reduce is a reduce-scatter followed by an all-gather; in each, a rank "
+            "sends every chunk but the one it ends up owning, one chunk of S/N per step.",
+    code="2 (N-1)/N x S bytes per rank, S = 2 bytes x the parameters (bf16 gradients).",
+    exercise=2, kind="formula")
+HINTS = {1: RING_HINTS, 2: BYTES_HINTS}
+
+
+def show_solution(exercise=1):
+    """Print the code (exercise 1) or the formula (exercise 2)."""
+    show(HINTS, exercise)
 
 
 def _failed_run(text, timeout_s):
+    if (busy := not_started(text)) is not None:
+        return Check(False, "slow", busy)
     if "NotImplementedError" in text:
         return Check(False, "not written", "NOT WRITTEN YET: your function raised "
                      "NotImplementedError. Hint: cut the tensor into N chunks, run N-1 "
@@ -100,6 +126,10 @@ def _diagnose(res, expected, n):
             f"Nothing was reduced: rank {rank} still holds its own input.\n{show}\n"
             "Add what you receive into your chunk (chunk += incoming) and write the result back "
             "into the tensor you were given (or return it)."))
+    if torch.equal(got, res["input"] * n):
+        return Check(False, "same data", (
+            f"Rank {rank} multiplied its own tensor by N = {n}, as if every rank held the same "
+            f"data; they differ, so the sum must be built from what the others send.\n{show}"))
     if torch.allclose(got * n, expected):
         return Check(False, "wrong sum", (
             f"You averaged instead of summing (got = sum / {n}).\n{show}"))
@@ -137,17 +167,18 @@ def check_ring_bytes(answer, model=RING_BYTES_MODEL, world_size=RING_BYTES_GPUS,
     mistakes = [
         Mistake(2 * size, "factor (N-1)/N", f"that is 2 x S: each phase moves (N-1)/N x S per "
                 f"rank, not S (a rank never sends the chunk it ends up owning); x {n - 1}/{n}"),
-        Mistake((n - 1) / n * size, "one phase", "off by a factor 2: a ring all-reduce sends "
-                "each byte twice, once in reduce-scatter and once in all-gather"),
         Mistake(2 * (n - 1) * size, "whole tensor", f"that sends the whole S in each of the "
                 f"2(N-1) steps; each step sends one chunk of S/N = S/{n}"),
         Mistake(2 * expected, "fp32", "that counts 4 bytes per gradient; they are bf16, 2 "
                 "bytes each"),
-        Mistake(size, "just S", "that is the gradient itself, S; the ring sends 2(N-1)/N x S"),
+        Mistake(size, "just S", "that is the gradient itself, S, not what the ring sends"),
+        Mistake(expected / 2, "values, not bytes", "that counts values (gradients), not "
+                "bytes: each bf16 value is 2 bytes"),
+        Mistake(2 * (n - 1) / n * size / 2, "one phase", "off by a factor 2: a ring "
+                "all-reduce sends each byte twice, once in reduce-scatter and once in "
+                "all-gather"),
     ]
     return check_number(answer, expected, what=f"bytes each of {n} GPUs sends to all-reduce "
                         f"{catalog.model(model).display_name}'s bf16 gradients", unit="bytes",
-                        mistakes=mistakes, verbose=verbose,
-                        hint=f"S = 2 bytes x {size // 2:,} parameters; a ring sends "
-                             "2(N-1)/N x S per rank.",
+                        mistakes=mistakes, verbose=verbose, hints=BYTES_HINTS,
                         explain="It stays under 2 S however many GPUs join.")

@@ -16,7 +16,8 @@ import torch
 
 from ..theory import catalog, planner
 from ..theory import memory as tm
-from . import SLOW, Check, Hints, Mistake, check_number, say, too_slow_to_start
+from . import (Check, Hints, Mistake, check_number, not_a_function, not_started, say, show,
+               with_hint)
 
 EXERCISE = dict(model="llama-3-70b", gpus=96, gpu="H100", global_batch=384, seq=4096,
                 target_mfu=0.45)
@@ -28,9 +29,22 @@ DP_HINTS = Hints(
          "replicas); then return grad / mesh['dp'].size.")
 
 
-def show_solution():
-    """Print the code of exercise 1 (averaging over the DP group of a mesh)."""
-    DP_HINTS.show()
+LAYOUT_HINTS = Hints(
+    concept="keep TP inside a node (its all-reduces are on the critical path), split the model "
+            "states until they fit (TP, PP or ZeRO), and give the rest of the GPUs to DP, whose "
+            "traffic overlaps.",
+    code="dict(dp=24, tp=4, pp=1): TP 4 inside a node, 24 replicas, the planner picks ZeRO "
+         "and recomputation.", exercise=2, kind="answer")
+MEMORY_HINTS = Hints(
+    concept="TP and PP each split the parameters a GPU holds; ZeRO-1 then splits only the "
+            "optimizer state over the data-parallel replicas.",
+    code="params / (tp x pp) x (2 + 2 + 12 / dp) bytes, in GB.", exercise=3, kind="formula")
+HINTS = {1: DP_HINTS, 2: LAYOUT_HINTS, 3: MEMORY_HINTS}
+
+
+def show_solution(exercise=1):
+    """Print the code (exercise 1), a layout (2) or the formula (3)."""
+    show(HINTS, exercise)
 
 
 def _mesh_input(rank):
@@ -43,12 +57,14 @@ def _run_mesh(ctx, fn):
     out = fn(ctx, mesh, grad)
     out = out if isinstance(out, torch.Tensor) else grad
     groups = {name: list(mesh[name].ranks) for name in ("dp", "tp")}
-    return dict(rank=ctx.rank, out=out.detach().clone(), groups=groups)
+    return dict(rank=ctx.rank, out=out.detach().to(torch.float32, copy=True), groups=groups)
 
 
 def check_dp_average(fn, timeout_s=30.0, verbose=True):
     """Run `fn(ctx, mesh, grad)` on a dp=2 x tp=2 mesh; each rank: the mean over its DP group."""
     from ..runtime.launch import LaunchError, launch
+    if (refused := not_a_function(fn, "fn(ctx, mesh, grad)")) is not None:
+        return say(refused, verbose)
     try:
         results = launch(_run_mesh, MESH["dp"] * MESH["tp"], fn, timeout_s=timeout_s)
     except LaunchError as error:
@@ -57,14 +73,12 @@ def check_dp_average(fn, timeout_s=30.0, verbose=True):
             return say(Check(False, "not written", "NOT WRITTEN YET: your function raised "
                              "NotImplementedError. Hint: every collective takes group=; which "
                              "of the mesh's groups holds copies of the same weights?"), verbose)
-        if too_slow_to_start(text):
-            return say(Check(False, "slow", SLOW), verbose)
+        if (busy := not_started(text)) is not None:
+            return say(Check(False, "slow", busy), verbose)
         last = [line for line in text.splitlines() if line.strip()][-1].strip()
         return say(Check(False, "raised", f"YOUR CODE RAISED (or hung) on a rank: {last}. "
                          f"{DP_HINTS.after_failure()}"), verbose)
-    check = _judge_dp(results)
-    if not check.ok:
-        check.message += " " + DP_HINTS.after_failure()
+    check = with_hint(_judge_dp(results), DP_HINTS)
     return say(check, verbose)
 
 
@@ -115,6 +129,13 @@ def check_layout(answer, model=EXERCISE["model"], gpus=EXERCISE["gpus"], gpu=EXE
                  target_mfu=EXERCISE["target_mfu"], verbose=True):
     """`answer`: a dict of plan fields (dp, tp, pp, and optionally v, micro_batch_size,
     zero_stage, recompute, sequence_parallel)."""
+    check = _layout(answer, model, gpus, gpu, global_batch, seq, target_mfu)
+    check = with_hint(check, LAYOUT_HINTS)
+    return say(check, verbose)
+
+
+def _layout(answer, model, gpus, gpu, global_batch, seq, target_mfu):
+    verbose = False     # the caller says it
     if not isinstance(answer, dict) or not {"dp", "tp", "pp"} <= set(answer):
         return say(Check(False, "not answered", (
             "Give a dict with at least dp, tp and pp, e.g. dict(dp=8, tp=8, pp=1). Their "
@@ -122,7 +143,7 @@ def check_layout(answer, model=EXERCISE["model"], gpus=EXERCISE["gpus"], gpu=EXE
     try:
         fix = planner.parse_fix(",".join(f"{k}={v}" for k, v in answer.items()))
         out = planner.plan(model, gpus, gpu, global_batch=global_batch, seq=seq, fix=fix, top=1)
-    except (ValueError, KeyError) as error:
+    except (ValueError, KeyError, TypeError) as error:
         return say(Check(False, "illegal", f"That layout cannot run: {error}"), verbose)
     p = out["plans"][0]
     if not p["fits"]:
@@ -184,9 +205,6 @@ def check_hybrid_memory(answer, verbose=True):
     ]
     return check_number(answer, expected, what=f"GB of model states per GPU (Llama 3 70B, "
                         f"dp={h['dp']} tp={h['tp']} pp={h['pp']}, ZeRO-{h['zero_stage']})",
-                        unit="GB", mistakes=mistakes, verbose=verbose,
-                        hint="parameters per GPU = params / (tp x pp); then 2 + 2 bytes "
-                             "(weights, gradients) + 12 / dp bytes (optimizer state, ZeRO-1) "
-                             "per parameter.",
+                        unit="GB", mistakes=mistakes, verbose=verbose, hints=MEMORY_HINTS,
                         explain="Activations and the embedding's extra weight on the first and "
                                 "last stage come on top.")

@@ -11,7 +11,7 @@ import torch
 
 from ..parallel.moe import choice_counts, queue_positions, top_k_gates
 from ..theory.moe import capacity as capacity_formula
-from . import Check, Mistake, check_number, say
+from . import (Check, Hints, Mistake, check_number, not_a_function, say, show, with_hint)
 
 
 def reference_top_k_routing(logits, k, capacity):
@@ -28,26 +28,58 @@ def _cases():
             (torch.randn(24, 8, generator=g), 2, 5)]
 
 
+ROUTING_HINTS = Hints(
+    concept="the router's softmax gives each token a probability per expert; a token goes to "
+            "its k most probable experts, and an expert takes assignments only while it has a "
+            "free slot, all first choices (in token order) before any second choice.",
+    code="probs = logits.softmax(-1); weight, expert = probs.topk(k, -1); if k > 1: weight = "
+         "weight / weight.sum(-1, keepdim=True); kept = zeros(T, k, bool); used = [0] * E; for "
+         "c in range(k): for t in range(T): e = expert[t, c]; if used[e] < capacity: kept[t, c] "
+         "= True; used[e] += 1; return expert, weight, kept")
+CAPACITY_HINTS = Hints(
+    concept="count the assignments (each token makes k of them), share them evenly over the "
+            "experts, add the capacity factor's headroom, and remember a slot holds a whole "
+            "assignment.",
+    code="capacity = ceil(capacity factor x k x T / E).", exercise=2, kind="formula")
+HINTS = {1: ROUTING_HINTS, 2: CAPACITY_HINTS}
+
+
+def show_solution(exercise=1):
+    """Print the code (exercise 1) or the formula (exercise 2)."""
+    show(HINTS, exercise)
+
+
 def check_top_k_routing(fn, verbose=True):
     """Check a learner's `fn(logits, k, capacity) -> (expert, weight, kept)`; say what is wrong."""
+    if (refused := not_a_function(fn, "fn(logits, k, capacity)")) is not None:
+        return say(refused, verbose)
+    check = _check_routing(fn)
+    check = with_hint(check, ROUTING_HINTS)
+    return say(check, verbose)
+
+
+def _check_routing(fn):
     for logits, k, capacity in _cases():
         where = (f"(T={logits.shape[0]} tokens, E={logits.shape[1]} experts, k={k}, "
                  f"capacity={capacity})")
         try:
-            got_e, got_w, got_k = (torch.as_tensor(t) for t in fn(logits.clone(), k, capacity))
+            got = fn(logits.clone(), k, capacity)
         except NotImplementedError:
-            return say(Check(False, "not written", "NOT WRITTEN YET: your function raised "
-                             "NotImplementedError. Hint: softmax, then topk; then walk the "
-                             "choices (first choices of every token, then second) and keep an "
-                             "assignment while its expert has a free slot."), verbose)
+            return Check(False, "not written", "NOT WRITTEN YET: your function raised "
+                         f"NotImplementedError. Hint: {ROUTING_HINTS.concept}")
         except Exception as error:   # the learner's code raised: say so, do not raise
-            return say(Check(False, "error", f"Your function raised {error!r} {where}."),
-                       verbose)
+            return Check(False, "error", f"Your function raised {error!r} {where}.")
+        try:
+            got_e, got_w, got_k = (torch.as_tensor(t) for t in got)
+        except (TypeError, ValueError, RuntimeError):
+            return Check(False, "not a triple", f"Your function returned "
+                         f"{type(got).__name__}; return three tensors (expert, weight, kept), "
+                         f"each (tokens, k) {where}.")
         problem = _first_problem(logits, k, capacity, got_e, got_w, got_k.bool(), where)
         if problem is not None:
-            return say(problem, verbose)
-    return say(Check(True, "", "Correct: top-k routing with capacity and drops matches labkit "
-                               "on all cases."), verbose)
+            return problem
+    return Check(True, "", "Correct: top-k routing with capacity and drops matches labkit on "
+                 "all cases.")
 
 
 def _first_problem(logits, k, capacity, got_e, got_w, got_k, where):
@@ -55,6 +87,12 @@ def _first_problem(logits, k, capacity, got_e, got_w, got_k, where):
     if tuple(got_e.shape) != tuple(want_e.shape):
         return Check(False, "shape", f"expert has shape {tuple(got_e.shape)}, expected "
                                      f"{tuple(want_e.shape)} (tokens, k) {where}.")
+    for name, got in (("weight", got_w), ("kept", got_k)):
+        if tuple(got.shape) != tuple(want_e.shape):
+            return Check(False, "shape", f"{name} has shape {tuple(got.shape)}, expected "
+                                         f"{tuple(want_e.shape)} (tokens, k) {where}.")
+    if got_e.is_floating_point() or got_e.is_complex():
+        got_e = got_e.long()
     if not torch.equal(got_e.sort(-1).values, want_e.sort(-1).values):
         return Check(False, "experts", f"Wrong experts chosen {where}: each token must go to "
                                        "its k experts with the largest router probability "
@@ -109,10 +147,13 @@ def check_capacity_answer(answer, tokens=CAPACITY["tokens"], experts=CAPACITY["e
                 f"capacity factor {cf} adds headroom for an uneven load"),
         Mistake(math.ceil(t / e), "even share", "that is T / E; multiply by k (assignments per "
                 "token) and the capacity factor"),
+        Mistake(round(cf * k * t / e), "rounded to nearest", "rounded to the nearest whole "
+                "slot; round up, or the last assignment of an evenly loaded expert is dropped"),
+        Mistake(math.ceil(cf * t / (e * k)), "divided by k", f"that divides by k = {k}; each "
+                "token makes k assignments, so multiply"),
     ]
     return check_number(answer, expected, what=f"slots per expert (T = {t} tokens, E = {e} "
                         f"experts, k = {k}, capacity factor {cf})", unit="tokens", exact=True,
-                        mistakes=mistakes, verbose=verbose,
-                        hint="capacity = capacity factor x k x T / E, rounded up.",
+                        mistakes=mistakes, verbose=verbose, hints=CAPACITY_HINTS,
                         explain=f"{e} experts x {expected} slots = {e * expected} slots for "
                                 f"{k * t} assignments.")

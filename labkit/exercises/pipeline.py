@@ -19,7 +19,7 @@ from ..parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stag
 from ..theory import pipeline as schedules
 from ..theory import pipeline_layouts as layouts
 from ..theory.time import bubble_fraction, bubble_over_ideal
-from . import Check, Mistake, check_number, say
+from . import (Check, Hints, Mistake, check_number, not_started, say, show, with_hint)
 
 WIDTH, BATCH, LR = 16, 8, 0.1
 
@@ -76,7 +76,36 @@ def check_stage_order(my_ops, stage=0, stages=4, microbatches=8, timeout_s=60, v
     """The learner's order of ops for `stage`, the other stages running 1F1B: malformed,
     deadlock, wrong result, right but holding more than 1F1B, or right (and 1F1B?). Prints
     the feedback (`say`) and returns the Check."""
-    return say(_stage_order(my_ops, stage, stages, microbatches, timeout_s), verbose)
+    check = _stage_order(my_ops, stage, stages, microbatches, timeout_s)
+    check = with_hint(check, ORDER_HINTS)
+    return say(check, verbose)
+
+
+ORDER_HINTS = Hints(
+    concept="a stage may start a backward as soon as its micro-batch's gradient can arrive, "
+            "and 1F1B does: it runs only as many forwards as the stages after it need to fill "
+            "the pipe, then alternates, so it never holds more than P - stage micro-batches.",
+    code="stage s of P with M micro-batches: ['F0', ..., 'F{P-1-s-1}'] (P-1-s warm-up "
+         "forwards), then for i in range(M - (P-1-s)): 'F{P-1-s+i}', 'B{i}'; then the "
+         "remaining Bs in order. For P = 4, M = 8, stage 0: F0 F1 F2, F3 B0 F4 B1 ... F7 B4, "
+         "B5 B6 B7.")
+BUBBLE_HINTS = Hints(
+    concept="count slots of one micro-batch's forward: how many slots does the whole step "
+            "last, and in how many of them is a given stage busy?",
+    code="bubble = (P-1) / (M+P-1): P-1 idle slots (fill and drain) out of M+P-1.",
+    exercise=2, kind="formula")
+DUALPIPE_HINTS = Hints(
+    concept="Table 2 of the DeepSeek-V3 report gives DualPipe's idle per rank; read which "
+            "backward its B is, and what an overlapped F&B slot costs when there is no "
+            "communication to hide.",
+    code="Table 2: (P/2-1)(F&B + B - 3W), B the full backward (T_B + T_W), F&B = F + B "
+         "with free links.", exercise=3, kind="formula")
+HINTS = {1: ORDER_HINTS, 2: BUBBLE_HINTS, 3: DUALPIPE_HINTS}
+
+
+def show_solution(exercise=1):
+    """Print the code (exercise 1) or the formula (2, 3)."""
+    show(HINTS, exercise)
 
 
 def _stage_order(my_ops, stage, stages, microbatches, timeout_s):
@@ -106,6 +135,8 @@ def _stage_order(my_ops, stage, stages, microbatches, timeout_s):
         results = launch(_train_one_step, p, schedule, m, timeout_s=timeout_s,
                          cluster=schedules.comm_free_cluster())
     except LaunchError as error:
+        if (busy := not_started(str(error))) is not None:
+            return Check(False, "slow", busy)
         last = [line for line in str(error).splitlines() if line.strip()][-1].strip()
         return Check(False, "run failed", f"The run failed on a rank: {last}")
     params = {k: v for r in results for k, v in r["params"].items()}
@@ -155,20 +186,21 @@ def check_gpipe_bubble(answer, stages=BUBBLE_STAGES, microbatches=BUBBLE_MICROBA
     p, m = stages, microbatches
     expected = bubble_fraction(p, m)
     mistakes = [
-        Mistake(bubble_over_ideal(p, m), "over ideal", "that is (P-1)/M, the bubble divided "
-                "by the busy time; the question asks for a share of the whole step, busy "
-                "time + bubble: (P-1)/(M+P-1)"),
+        Mistake(bubble_over_ideal(p, m), "over ideal", "that is the bubble divided by the busy "
+                "time (P-1)/M; the question asks for a share of the whole step, busy time + "
+                "bubble"),
         Mistake((p - 1) / p, "one batch", "that is the idle share without micro-batches (M = "
-                "1); with M micro-batches the fill and drain are P-1 slots out of M+P-1"),
-        Mistake((p - 1) / (m + p), "off by one", "count the slots again: a stage is busy M "
-                "slots and idle P-1, so the step is M+P-1 slots long"),
-        Mistake(p / (m + p), "off by one", "the first stage starts at once: it waits P-1 "
-                "slots, not P; the step is M+P-1 slots long"),
+                "1); with M micro-batches the same fill and drain are shared by M"),
+        Mistake((p - 1) / (m + p), "M+P slots", "count the slots again: the step is one slot "
+                "shorter than M+P (the last stage's first forward starts P-1 slots in)"),
+        Mistake(p / (m + p), "waits P slots", "the first stage starts at once: a stage "
+                "waits P-1 slots, not P"),
+        Mistake(1 - expected, "busy share", "that is the busy share; the question asks for the "
+                "idle one"),
     ]
     return check_number(answer, expected, what=f"GPipe's bubble for P = {p} stages and M = {m} "
                         "micro-batches", unit="fraction", mistakes=mistakes, verbose=verbose,
-                        hint="draw the forward slots: stage P-1 starts after P-1 slots and "
-                             "the backward drains the same way; idle slots / all slots.",
+                        hints=BUBBLE_HINTS,
                         explain="1F1B has the same bubble, with less memory.")
 
 
@@ -192,11 +224,13 @@ def check_dualpipe_idle(answer, stages=DUALPIPE_STAGES, times=DUALPIPE_TIMES, ve
         Mistake((p - 1) * (t_f + full - 2 * t_w), "ZB-H1's",
                 "that is ZB-H1's (ZB1P's) idle, (P-1)(F+B-2W); DualPipe's is in Table 2's "
                 "last row"),
+        Mistake((p - 1) * (t_f + full), "1F1B's", "that is 1F1B's idle, (P-1)(F+B): DualPipe "
+                "feeds both ends and fills the bubble with weight gradients"),
+        Mistake((p / 2 - 1) * (t_f + full + full - 3 * t_w) / 1e3, "seconds",
+                "that is seconds; give milliseconds"),
     ]
     return check_number(answer, expected, what=f"DualPipe's idle per rank, P = {p}, "
                         f"T_F = {t_f:g} ms, T_B = {t_b:g} ms, T_W = {t_w:g} ms", unit="ms",
-                        mistakes=mistakes, verbose=verbose,
-                        hint="Table 2: (P/2-1)(F&B + B - 3W), B the full backward "
-                             "(T_B + T_W), F&B = F + B with free links.",
+                        mistakes=mistakes, verbose=verbose, hints=DUALPIPE_HINTS,
                         explain="The replayed order idles just that (T_F = T_B); ZB-H1 idles "
                                 f"{(p - 1) * (t_f + t_b - t_w):g} ms, with half the weights.")

@@ -8,7 +8,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import Check, Mistake, check_number, say
+from . import (Check, Hints, Mistake, check_number, not_a_function, not_started, say, show,
+               with_hint)
 from ..models import Attention, causal_attention
 from ..parallel.serving import KVCache
 from ..theory import catalog, hardware
@@ -50,34 +51,86 @@ def _exercise_rank(ctx, fn):
         for x in inputs:
             reference.append(attn(x, kv_cache=ref_cache))
     shard, cache = _shard(attn, ctx.rank, ctx.world_size), {}
-    out = dict(rank=ctx.rank, reference=reference, outputs=[], calls=[])
+    out = dict(rank=ctx.rank, reference=reference, outputs=[], calls=[], flops=[])
     warnings.simplefilter("ignore")
     try:
         with torch.no_grad():
             for x in inputs:
-                before = len(ctx.comm.records)
-                out["outputs"].append(fn(ctx, x, shard, cache, ctx.world))
+                before, flops = len(ctx.comm.records), ctx.clock.flops
+                with ctx.clock.compute("decode step"):   # labkit's FLOP counter
+                    got = fn(ctx, x, shard, cache, ctx.world)
+                out["flops"].append(ctx.clock.flops - flops)
                 out["calls"].append([r.op for r in list(ctx.comm.records)[before:]])
+                out["outputs"].append(got.detach().float() if isinstance(got, torch.Tensor)
+                                      and got.is_floating_point() else got)
     except Exception as error:  # noqa: BLE001 - the learner's code: report, never crash
         out["error"] = f"{type(error).__name__}: {error}"
         return out
+    out["answer_flops"] = _answer_flops(ctx, inputs, _shard(attn, ctx.rank, ctx.world_size))
     out["cache_len"] = cache["k"].shape[1] if isinstance(cache.get("k"), torch.Tensor) else 0
     out["cache_width"] = cache["k"].shape[-1] if out["cache_len"] else 0
     out["b_proj"] = shard["b_proj"]
     return out
 
 
+def _answer_flops(ctx, inputs, shard):
+    """The FLOPs of each step of the model answer (a KV cache), counted the same way."""
+    cache, flops = {}, []
+    with torch.no_grad():
+        for x in inputs:
+            before = ctx.clock.flops
+            with ctx.clock.compute("answer step"):
+                attention_decode_step(ctx, x, shard, cache, ctx.world)
+            flops.append(ctx.clock.flops - before)
+    return flops
+
+
+STEP_HINTS = Hints(
+    concept="each rank owns some heads: their rows of w_qkv give this rank's q, k, v, and "
+            "their columns of w_proj a partial sum of the output, which the ranks add; the "
+            "keys and values of earlier tokens never change, so keep them and compute k and v "
+            "for the new tokens only.",
+    code="q, k, v = F.linear(x, shard['w_qkv'], shard['b_qkv']).chunk(3, dim=-1); if 'k' in "
+         "cache: k, v = torch.cat([cache['k'], k], 1), torch.cat([cache['v'], v], 1); "
+         "cache['k'], cache['v'] = k, v; out = causal_attention(q, k, v, q.shape[-1] // "
+         "shard['head_dim']); return ctx.comm.all_reduce(F.linear(out, shard['w_proj']), "
+         "group=group) + shard['b_proj']")
+KV_HINTS = Hints(
+    concept="every layer keeps, for every token of every request, a key and a value vector "
+            "for each KV head (grouped-query attention: fewer KV heads than query heads).",
+    code="layers x 2 (k, v) x kv_heads x head_dim x tokens x requests x 2 bytes (bf16).",
+    exercise=2, kind="formula")
+TPOT_HINTS = Hints(
+    concept="at batch 1 each new token needs every weight once, read from HBM; the GPU's "
+            "FLOPs are not the limit, its memory bandwidth is.",
+    code="weight bytes (parameters x 2, bf16) / HBM bandwidth, in milliseconds.",
+    exercise=3, kind="formula")
+HINTS = {1: STEP_HINTS, 2: KV_HINTS, 3: TPOT_HINTS}
+
+
+def show_solution(exercise=1):
+    """Print the code (exercise 1) or the formula (2, 3)."""
+    show(HINTS, exercise)
+
+
 def check_tp_decode_step(fn, world_size=2, verbose=True):
     """Run the learner's `fn(ctx, x, shard, cache, group)` for a prompt and three decode steps
     on `world_size` ranks; print the feedback and return a Check."""
     from ..runtime.launch import LaunchError, launch
+    if (refused := not_a_function(fn, "fn(ctx, x, shard, cache, group)")) is not None:
+        return say(refused, verbose)
     try:
         results = launch(_exercise_rank, world_size, fn, timeout_s=90)
     except LaunchError as error:
-        return say(Check(False, "hang", "Your step did not finish on every rank: "
-                         + str(error).splitlines()[0] + ". Every rank must call the same "
-                         "collectives in the same order."), verbose)
-    return say(_diagnose(results, world_size), verbose)
+        busy = not_started(str(error))
+        check = Check(False, "slow", busy) if busy else Check(
+            False, "hang", "Your step did not finish on every rank: "
+            + str(error).splitlines()[0] + ". Every rank must call the same collectives in the "
+            "same order.")
+    else:
+        check = _diagnose(results, world_size)
+    check = with_hint(check, STEP_HINTS)
+    return say(check, verbose)
 
 
 def _diagnose(results, world_size):
@@ -90,8 +143,8 @@ def _diagnose(results, world_size):
     if "error" in first:
         return Check(False, "error", f"Your step raised {first['error']}")
     outputs, reference = first["outputs"], first["reference"]
-    if any(not isinstance(o, torch.Tensor) or o.shape != r.shape
-           for o, r in zip(outputs, reference)):
+    if any(not isinstance(o, torch.Tensor) or not o.is_floating_point()
+           or o.shape != r.shape for o, r in zip(outputs, reference)):
         return Check(False, "shape", "Return the attention output for this step's tokens: "
                      f"shapes {[tuple(r.shape) for r in reference]}.")
     reduces = [sum(op == "all_reduce" for op in calls) for calls in first["calls"]]
@@ -108,9 +161,9 @@ def _diagnose(results, world_size):
         return Check(False, "bias summed", f"The bias is added {world_size} times: add it "
                      "once, after the all-reduce (each rank added it before the sum).")
     if not torch.allclose(outputs[0], reference[0], atol=1e-5):
-        return Check(False, "prefill", "The prompt's output is wrong: split q|k|v into thirds, "
-                     "attend causally over this rank's heads (head_dim from the shard), project "
-                     "with w_proj, all-reduce, add b_proj.")
+        return Check(False, "prefill", "The prompt's output is wrong already, before any "
+                     "decode step (q|k|v come in thirds; heads = width / head_dim on this "
+                     "rank).")
     if first["cache_len"] != 6 + STEPS - 1:
         return Check(False, "cache", f"The cache holds {first['cache_len']} positions after "
                      f"the last step, not {6 + STEPS - 1}: append each step's k and v to "
@@ -119,6 +172,17 @@ def _diagnose(results, world_size):
         return Check(False, "decode", "The prompt is right but a decode step is not: a new "
                      "token attends to every cached key, its own included (causal_attention "
                      "handles k longer than q).")
+    recomputed = [i for i in range(1, len(outputs))
+                  if first["flops"][i] > 1.5 * first["answer_flops"][i]]
+    if recomputed:
+        i = recomputed[-1]
+        return Check(False, "no cache", f"RIGHT VALUES, NO CACHE: decode step {i} ran "
+                     f"{first['flops'][i]:,.0f} FLOPs on rank 0 (labkit's FLOP counter), "
+                     f"{first['flops'][i] / first['answer_flops'][i]:.1f}x the "
+                     f"{first['answer_flops'][i]:,.0f} of a step with a KV cache, as if the "
+                     f"keys and values of all {6 + i} tokens were computed again each step: a "
+                     "step's cost then grows with the context. Compute k and v for the new "
+                     "token only and append them to cache['k'] and cache['v'].")
     width = first["cache_width"]
     return Check(True, "", f"Correct on {world_size} ranks: the prompt and {STEPS - 1} decode "
                  f"steps equal one device, one all-reduce per step, and each rank's cache holds "
@@ -136,17 +200,21 @@ def check_kv_bytes(answer, verbose=True, **case):
     m = catalog.model(c["model"])
     expected = theory.kv_cache_bytes(m, c["batch"], c["context"])
     mistakes = [
-        Mistake(expected / 2, "forgot k or v", "the cache keeps keys AND values: a factor 2"),
+        Mistake(expected / 2, "forgot k or v", "the cache keeps keys AND values"),
+        Mistake(expected / 2, "values, not bytes", "that counts values; each bf16 value is 2 "
+                "bytes"),
+        Mistake(expected * 2, "fp32", "that counts 4 bytes per value; the cache is bf16"),
+        Mistake(expected / c["batch"], "one request", f"that is one request; the cache holds "
+                f"all {c['batch']}"),
         Mistake(expected * m.heads / m.kv_heads, "no GQA", f"Llama 3 has {m.kv_heads} KV heads "
                 f"shared by its {m.heads} query heads (grouped-query attention): use kv_heads"),
         Mistake(expected / m.layers, "one layer", f"every one of the {m.layers} layers keeps "
                 "its own keys and values"),
-        Mistake(expected / 2 * 4, "fp32", "bf16 is 2 bytes per value, not 4")]
+        ]
     return check_number(answer, expected, unit="bytes", mistakes=mistakes, verbose=verbose,
                         what=f"the KV cache of {m.display_name}, {c['batch']} requests x "
                              f"{c['context']} tokens, bf16",
-                        hint="layers x 2 (k, v) x kv_heads x head_dim x tokens x requests x "
-                             "2 bytes.",
+                        hints=KV_HINTS,
                         explain=f"{expected / 1e9:.1f} GB: beside the bf16 weights' "
                                 f"{theory.weight_bytes(m)['total'] / 1e9:.0f} GB, and it grows "
                                 "with every user and every token.")
@@ -164,12 +232,15 @@ def check_tpot_floor(answer_ms, verbose=True, model="llama-3-8b", gpu="H100"):
                 "the GPU waits for the weights to arrive from memory: bytes / bandwidth"),
         Mistake(expected / 2, "1 byte per weight", "bf16 is 2 bytes per weight"),
         Mistake(expected * 8, "bits", "that divides bits by bytes per second"),
-        Mistake(expected / 1e3, "seconds", "give milliseconds")]
+        Mistake(expected / 1e3, "seconds", "give milliseconds"),
+        Mistake(expected * 2, "fp32 weights", "that reads 4 bytes per weight; the weights are "
+                "bf16, 2 bytes"),
+        Mistake(1e3 / expected, "tokens per second", "that is tokens per second, the inverse; "
+                "give the milliseconds per token")]
     return check_number(answer_ms, expected, unit="ms", mistakes=mistakes, verbose=verbose,
                         tolerance=0.02,
                         what=f"the floor of the time per token of {m.display_name} on one "
                              f"{g.name}, batch 1",
-                        hint=f"weight bytes ({m.param_count() / 1e9:.2f}B parameters x 2) / "
-                             f"HBM bandwidth ({g.memory_bw / 1e12:.2f} TB/s).",
+                        hints=TPOT_HINTS,
                         explain=f"at most {1e3 / expected:.0f} tokens/s for one user, however "
                                 "many FLOP/s the GPU has; a batch shares each read.")

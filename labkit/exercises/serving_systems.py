@@ -5,7 +5,7 @@ bytes a contiguous cache wastes against a paged one, and how many requests a pag
 `labkit.theory.serving_stream`)."""
 import torch
 
-from . import Check, Hints, Mistake, check_number, say
+from . import Check, Hints, Mistake, check_number, not_a_function, say, show
 from ..parallel.paged_kv import PagedKVCache
 from ..theory import serving_stream as theory
 
@@ -17,8 +17,22 @@ GATHER_HINTS = Hints(
          "return pool[blocks, pos % block_size]")
 
 
-def show_solution():
-    GATHER_HINTS.show()
+WASTE_HINTS = Hints(
+    concept="a cache wastes the token slots it reserved but does not use; each slot holds a key "
+            "and a value in every layer.",
+    code="unused token slots x (2 x layers x kv_width x 2 bytes); contiguous: 512 - length per "
+         "request; paged: the tail of each request's last block of 16.",
+    exercise=2, kind="formula")
+FIT_HINTS = Hints(
+    concept="a paged cache hands out whole blocks, so a request holds its length rounded up "
+            "to a block.",
+    code="(16,384 / 16) // ceil(300 / 16) requests.", exercise=3, kind="formula")
+HINTS = {1: GATHER_HINTS, 2: WASTE_HINTS, 3: FIT_HINTS}
+
+
+def show_solution(exercise=1):
+    """Print the code (exercise 1) or the formula (2, 3)."""
+    show(HINTS, exercise)
 
 
 def gather_blocks(pool, table, length, block_size):
@@ -41,6 +55,8 @@ def _case():
 
 def check_gather_blocks(fn, verbose=True):
     """Run fn(pool, table, length, block_size) for request 1 of the case; compare."""
+    if (refused := not_a_function(fn, "fn(pool, table, length, block_size)")) is not None:
+        return say(refused, verbose)
     cache = _case()
     pool, table, length = cache.pool[0, 0], list(cache.tables[1]), 10
     want = cache.read(0, 1, length)[0]
@@ -89,8 +105,7 @@ def check_wasted_bytes(contiguous, paged, verbose=True):
         checks.append(check_number(
             answer, want, unit="bytes", verbose=verbose,
             what=f"the bytes the {name} cache wastes",
-            hint="unused token slots x (2 x layers x kv_width x 2 bytes); contiguous: 512 - "
-                 "length per request; paged: the tail of each request's last block of 16.",
+            hints=WASTE_HINTS,
             mistakes=[Mistake(want / 2, "forgot k or v", "keys AND values: a factor 2"),
                       Mistake(want / c["layers"], "one layer", "every layer keeps its own")]))
     ok = all(checks)
@@ -109,8 +124,11 @@ def check_requests_that_fit(answer, verbose=True):
     return check_number(
         answer, want, exact=True, verbose=verbose,
         what="requests of 300 tokens in 16,384 slots, blocks of 16",
-        hint="each request takes ceil(300 / 16) whole blocks; the pool has 16,384 / 16.",
+        hints=FIT_HINTS,
         mistakes=[Mistake(c["budget_tokens"] // c["length"], "no rounding up",
                           "a request holds whole blocks: ceil(300 / 16) = 19, not 18.75"),
+                  Mistake(c["budget_tokens"] // c["block_size"]
+                          // (c["length"] // c["block_size"]), "blocks rounded down",
+                          "18 blocks of 16 hold 288 tokens: a request of 300 needs 19"),
                   Mistake(contiguous, "contiguous", "that is the cache reserving 4,096 each")],
         explain=f"A cache reserving the maximum length of 4,096 per request fits {contiguous}.")

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from ..theory import catalog, hardware
 from ..theory.time import training_flops
-from . import (SLOW, Check, Hints, Mistake, Rounding, check_number, say,
-               too_slow_to_start)
+from . import (Check, Hints, Mistake, Rounding, check_number, not_a_function, not_started, say,
+               show, with_hint)
 
 DIMS, BATCH, LR, STEPS = (8, 16, 4), 8, 0.1, 3
 
@@ -89,21 +89,30 @@ SYNC_HINTS = Hints(
          "p.grad /= ctx.world_size.")
 
 
-def show_solution():
-    """Print the code of exercise 1 (averaging the replicas' gradients)."""
-    SYNC_HINTS.show()
+MFU_HINTS = Hints(
+    concept="MFU is the model's FLOPs per second (what training the model needs per token, "
+            "times the tokens per second) over what the GPUs could do at their dense peak.",
+    code=lambda: f"6 x params x tokens/s / (GPUs x dense bf16 peak) = 6 x "
+                 f"{catalog.model(MFU_RUN['model']).param_count():,} x "
+                 f"{MFU_RUN['tokens_per_s']:,} / ({MFU_RUN['gpus']} x "
+                 f"{hardware.gpu(MFU_RUN['gpu']).bf16_flops:.3g}).",
+    exercise=2, kind="formula")
+
+
+def show_solution(exercise=1):
+    """Print the code (exercise 1) or the formula (exercise 2)."""
+    show({1: SYNC_HINTS, 2: MFU_HINTS}, exercise)
 
 
 def check_gradient_sync(sync_fn, world_size=2, timeout_s=60, verbose=True):
     """Run `sync_fn(ctx, model)` after each backward on `world_size` ranks; a `Check`."""
     from ..runtime.launch import LaunchError, launch
+    if (refused := not_a_function(sync_fn, "sync_fn(ctx, model)")) is not None:
+        return say(refused, verbose)
     try:
         runs = launch(train_replicas, world_size, sync_fn, timeout_s=timeout_s)
     except LaunchError as error:
-        check = _failed_run(str(error))
-        if check.problem not in ("not written", "slow"):
-            check.message += " " + SYNC_HINTS.after_failure()
-        return say(check, verbose)
+        return say(with_hint(_failed_run(str(error)), SYNC_HINTS), verbose)
     start = _flat(exercise_model())
     ref = reference()
     drift = max((runs[r][0] - runs[0][0]).abs().max().item() for r in range(world_size))
@@ -139,8 +148,8 @@ def _failed_run(text):
         return Check(False, "not written", (
             "NOT WRITTEN YET: sync_fn raised NotImplementedError. Replace the raise with your "
             f"code. Hint: {SYNC_HINTS.concept}"))
-    if too_slow_to_start(text):
-        return Check(False, "slow", SLOW)
+    if (busy := not_started(text)) is not None:
+        return Check(False, "slow", busy)
     if "timed out" in text:
         waits = "\n".join(line for line in text.splitlines() if line.startswith("  rank"))
         return Check(False, "deadlock", (
@@ -176,6 +185,8 @@ def check_mfu_answer(answer, model=MFU_RUN["model"], gpus=MFU_RUN["gpus"], gpu=M
                 f"divide by {gpus} x the peak of one"),
         Mistake(expected * peak / a100, "wrong GPU", "that uses the A100's peak; the run is on "
                 "H100s"),
+        Mistake(expected / gpus, "GPUs twice", f"that divides by the {gpus} GPUs twice: the "
+                "tokens/s are the whole run's, the peak is one GPU's"),
     ]
     flops = training_flops(psi, tokens_per_s)
     round_psi = float(f"{psi:.1g}")                       # 8.03e9 -> 8e9
@@ -192,6 +203,5 @@ def check_mfu_answer(answer, model=MFU_RUN["model"], gpus=MFU_RUN["gpus"], gpu=M
     return check_number(answer, expected, what=f"the MFU of {tokens_per_s:,} tokens/s on "
                         f"{gpus} {gpu}s ({catalog.model(model).display_name})", unit="fraction",
                         mistakes=mistakes, roundings=roundings, verbose=verbose,
-                        hint=f"6 x {psi / 1e9:.2f}e9 FLOPs per token x tokens/s, over {gpus} x "
-                             f"the dense bf16 peak ({peak / 1e12:.0f} TFLOP/s each).",
+                        hints=MFU_HINTS,
                         explain="Between 0.3 and 0.6 is what good large runs report.")

@@ -16,7 +16,8 @@ import torch
 
 from ..theory import memory as tm
 from ..theory.time import wire_bytes_per_rank
-from . import SLOW, Check, Hints, Mistake, check_number, say, too_slow_to_start
+from . import (Check, Hints, Mistake, check_number, not_a_function, not_started, say, show,
+               with_hint)
 
 SHARD_HINTS = Hints(
     concept="one collective both sums over the ranks and leaves each rank only its 1/N slice, "
@@ -26,9 +27,24 @@ SHARD_HINTS = Hints(
          "dim 0), then return mine / ctx.world_size.")
 
 
-def show_solution():
-    """Print the code of exercise 1 (a ZeRO-2 gradient shard)."""
-    SHARD_HINTS.show()
+STAGE_HINTS = Hints(
+    concept="list the model states per parameter (weight, gradient, optimizer state, in "
+            "bytes) and ask, for each, whether this stage keeps it whole on every GPU or splits "
+            "it over the N GPUs.",
+    code="stage 1: (2 + 2 + 12/N) Psi; stage 2: (2 + (2 + 12)/N) Psi; stage 3: 16 Psi / N "
+         "(mixed-precision Adam: 2 + 2 + 12 bytes per parameter).", exercise=2, kind="formula")
+ROOFLINE_HINTS = Hints(
+    concept="a step on B tokens per GPU computes 6 Psi B FLOPs and FSDP sends a fixed number "
+            "of bytes per parameter; the communication can hide once the compute takes as long "
+            "as the transfer.",
+    code="6 Psi B / peak = 3 (N-1)/N x 2 Psi / effective bandwidth, so B = peak / bandwidth x "
+         "3 (N-1)/N x 2 / 6 (Psi cancels).", exercise=3, kind="formula")
+HINTS = {1: SHARD_HINTS, 2: STAGE_HINTS, 3: ROOFLINE_HINTS}
+
+
+def show_solution(exercise=1):
+    """Print the code (exercise 1, a ZeRO-2 gradient shard) or the formula (2, 3)."""
+    show(HINTS, exercise)
 
 
 def _shard_input(rank, numel):
@@ -48,6 +64,8 @@ def _run_shard(ctx, fn, numel):
 def check_gradient_shard(fn, world_size=4, numel=16, timeout_s=20.0, verbose=True):
     """Run `fn(ctx, grad)` on `world_size` ranks; each must return its averaged shard."""
     from ..runtime.launch import LaunchError, launch
+    if (refused := not_a_function(fn, "fn(ctx, grad)")) is not None:
+        return say(refused, verbose)
     try:
         results = launch(_run_shard, world_size, fn, numel, timeout_s=timeout_s)
     except LaunchError as error:
@@ -55,8 +73,8 @@ def check_gradient_shard(fn, world_size=4, numel=16, timeout_s=20.0, verbose=Tru
         if "NotImplementedError" in text:
             return say(Check(False, "not written", "NOT WRITTEN YET: your function raised "
                              f"NotImplementedError. Hint: {SHARD_HINTS.concept}"), verbose)
-        if too_slow_to_start(text):
-            return say(Check(False, "slow", SLOW), verbose)
+        if (busy := not_started(text)) is not None:
+            return say(Check(False, "slow", busy), verbose)
         if "timed out" in text:
             return say(Check(False, "hang", "HANG: the ranks did not call the same collectives. "
                              f"{SHARD_HINTS.after_failure()}"), verbose)
@@ -64,8 +82,7 @@ def check_gradient_shard(fn, world_size=4, numel=16, timeout_s=20.0, verbose=Tru
         return say(Check(False, "raised", f"YOUR CODE RAISED on a rank: {last}. "
                          f"{SHARD_HINTS.after_failure()}"), verbose)
     check = _judge_shard(results, world_size, numel)
-    if not check.ok:
-        check.message += " " + SHARD_HINTS.after_failure()
+    check = with_hint(check, SHARD_HINTS)
     return say(check, verbose)
 
 
@@ -98,6 +115,9 @@ def _judge_shard(results, n, numel):
             return Check(False, "summed", f"Rank {r}'s slice is the sum over the ranks, {n}x "
                          "the average: each rank's loss is already a mean over its shard of "
                          f"the batch; divide the sum by ctx.world_size = {n}.")
+        if torch.allclose(out, _shard_input(r, numel).chunk(n)[r]):
+            return Check(False, "not reduced", f"Rank {r} returned its own slice, unreduced: "
+                         "the other ranks' gradients for it never arrived.")
         owner = [i for i in range(n) if torch.allclose(out, shards[i])]
         if owner:
             return Check(False, "wrong slice", f"Rank {r} holds slice {owner[0]}: rank r "
@@ -138,23 +158,24 @@ def check_stage_memory_answer(answer, params, world_size, stage=2, mixed_precisi
     n = world_size
     w, k = (2, 12) if mixed_precision else (4, 8)
     expected = stage_memory_answer(params, world_size, stage, mixed_precision)
-    layouts = {
-        "the baseline without ZeRO (nothing divided by N)": (2 * w + k) * params,
-        "stage 1 (only the optimizer state divided by N)": (2 * w + k / n) * params,
-        "stage 2 (optimizer state and gradients divided by N)": (w + (w + k) / n) * params,
-        "stage 3 (the weights divided by N as well)": (2 * w + k) * params / n,
-        "stage 2 without the fp32 master copy (K = 8 instead of 12)":
-            (w + (w + k - 4) / n) * params,
-        "stage 2 with the weights in fp32 (4 bytes)": (4 + (w + k) / n) * params,
+    full = stage_memory_answer(params, n, stage, mixed_precision)
+    layouts = {   # name: (what the number is, its bytes)
+        "baseline": ("the baseline without ZeRO (nothing divided by N)", (2 * w + k) * params),
+        "stage 1": ("stage 1 (only the optimizer state divided by N)", (2 * w + k / n) * params),
+        "stage 2": ("stage 2 (optimizer state and gradients divided by N)",
+                    (w + (w + k) / n) * params),
+        "stage 3": ("stage 3 (the weights divided by N as well)", (2 * w + k) * params / n),
+        "no master copy": ("this stage without the fp32 master copy (K = 8 instead of 12)",
+                           full - 4 * params / (n if stage >= 1 else 1)),
+        "fp32 weights": ("this stage with the weights in fp32 (4 bytes, not 2)",
+                         full + (4 - w) * params / (n if stage == 3 else 1)),
     }
     mistakes = [Mistake(nbytes, "another layout", f"that is {name}. Which states does stage "
-                        f"{stage} shard, and which does every GPU keep whole?")
-                for name, nbytes in layouts.items() if not name.startswith(f"stage {stage} ")]
+                        f"{stage} shard, and which does every GPU keep whole?", short)
+                for short, (name, nbytes) in layouts.items() if short != f"stage {stage}"]
     return check_number(answer, expected, what=f"bytes of model states per GPU, ZeRO stage "
                         f"{stage} on N = {n}", unit="bytes", mistakes=mistakes, verbose=verbose,
-                        hint=f"every parameter costs {w} bytes (weight) + {w} bytes (gradient) "
-                             f"+ {k} bytes (optimizer state); which does stage {stage} divide "
-                             f"by N = {n}?",
+                        hints=STAGE_HINTS,
                         explain=f"That is {expected / params:.3g} bytes per parameter.")
 
 
@@ -177,15 +198,21 @@ def check_fsdp_critical_batch(answer, gpus=ROOFLINE["gpus"], gpu=ROOFLINE["gpu"]
                 f"that uses the line rate {ln.bandwidth / 1e9:.0f} GB/s; the lab's link model "
                 f"delivers {ln.efficiency:.0%} of it ({ln.effective_bandwidth / 1e9:.0f} GB/s)"),
         Mistake(expected / 8, "bits", "that reads 400 Gb/s as 400 GB/s: 8 bits to a byte"),
-        Mistake(expected / 2, "bytes per value", "off by 2: weights and gradients travel in "
-                "bf16, 2 bytes each, not 1"),
+        Mistake(expected / 2, "bytes per value", "weights and gradients travel in bf16, 2 "
+                "bytes each, not 1"),
+        Mistake(roofline.critical_batch("dp", gpus, gpu, link), "one all-gather",
+                "that gathers the weights once; FSDP gathers them in forward and again in "
+                "backward (it freed them in between), besides the reduce-scatter"),
+        Mistake(3 * expected, "forward only", "that counts 2 Psi FLOPs per token, the forward "
+                "alone; a training step computes 6 Psi (backward twice the forward)"),
+        Mistake(expected / 0.5, "at mfu", "that runs the GPU at an mfu of 0.5; the question "
+                "asks at peak, where the batch is smallest"),
     ]
     return check_number(
         answer, expected, unit="tokens", tolerance=0.02,   # dropping (N-1)/N = 63/64 is fine
         mistakes=mistakes, verbose=verbose,
         what=f"the smallest per-GPU batch at which FSDP on {n} {gpu}s over {link} can be "
              "compute-bound",
-        hint="compute 6 Psi B FLOPs at peak vs 3(N-1)/N x 2 Psi bytes at the link's effective "
-             "bandwidth: set them equal and solve for B (Psi cancels).",
+        hints=ROOFLINE_HINTS,
         explain="Psi cancels: the answer holds for any model size. Below it, FSDP waits for "
                 "its link however well it overlaps.")

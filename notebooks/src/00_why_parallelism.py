@@ -64,7 +64,7 @@ from labkit.theory import catalog, hardware, memory as tm
 from labkit.viz import comm_bars, memory_stack
 from labkit.viz.widgets import capacities, memory_explorer
 from labkit.exercises.why_parallelism import (check_broadcast, check_fewest_gpus_zero3,
-                                            check_gb_no_zero)
+                                            check_gb_no_zero, show_solution)
 
 pd.set_option("display.precision", 3)
 pd.set_option("display.width", 120)
@@ -287,8 +287,9 @@ fig = comm_bars(summary, title="rank 0's collectives (payload logged, wire bytes
 # ## Exercises
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
-# `NotImplementedError` or is `None`), and the cell after it checks it and says, in words, what is
-# wrong and how to fix it.
+# `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · A broadcast by hand.** `hello` above used a collective. Collectives are made of
 # point-to-point messages: `ctx.comm.send(tensor, dst)` sends a tensor to rank `dst` and

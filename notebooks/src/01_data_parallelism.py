@@ -54,7 +54,8 @@ from IPython.display import Markdown, display
 
 import labkit
 from labkit import numerics
-from labkit.exercises.data_parallel import check_ring_all_reduce, check_ring_bytes
+from labkit.exercises import reset_hints
+from labkit.exercises.data_parallel import check_ring_all_reduce, check_ring_bytes, show_solution
 from labkit.parallel.data_parallel import DataParallel, ring_all_reduce
 from labkit.runs import data_parallel as dp
 from labkit.runs.reference import RunConfig, batch, build_model, float64_reference, train
@@ -855,6 +856,8 @@ print(f"latency = bandwidth time at {half_here / 1e6:.2f} MB here, "
 #
 # Two exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · Write the ring all-reduce.** Fill in `my_ring_all_reduce` using only `ctx.comm.send(t,
 # dst, async_op=True)` (returns a handle with `.wait()`) and `ctx.comm.recv(t, src)`: cut the
@@ -906,9 +909,11 @@ def receives_first(ctx, tensor):
     return tensor + incoming
 
 
-_ = check_ring_all_reduce(assumes_same_data)
-print()
-_ = check_ring_all_reduce(receives_first, timeout_s=3)
+for mistake, timeout_s in ((assumes_same_data, 20), (receives_first, 3)):
+    reset_hints()      # a demo is not your try: each shows a first miss (a hint, not the code)
+    _ = check_ring_all_reduce(mistake, timeout_s=timeout_s)
+    print()
+reset_hints()
 
 # %% [markdown]
 # **2 · The bytes of one all-reduce.** Sixteen GPUs (two nodes) train GPT-2 small (124,439,808

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 
 import labkit
 from labkit import PipelineSchedule, PipelineStage, numerics, split_into_stages
-from labkit.exercises.pipeline import check_dualpipe_idle, check_gpipe_bubble, check_stage_order
+from labkit.exercises.pipeline import (check_dualpipe_idle, check_gpipe_bubble, check_stage_order,
+                                       show_solution)
 from labkit.runs import pipeline as run_pp, reference
 from labkit.theory import catalog, hardware, memory as tm, pipeline as sched, time as tt
 from labkit.viz.pipeline_widgets import pipeline_explorer, run_gantts, stage0_memory_plot
@@ -505,7 +506,8 @@ plt.show()
 # %%
 rows = []
 for p in (4, 8):
-    for t_f, t_b, t_w in ((1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 1.5, 0.5), (2.0, 1.5, 0.5)):
+    # not (1, 1, 0.5) at P = 8: that is exercise 3's answer, derived at the end
+    for t_f, t_b, t_w in ((1.0, 1.0, 1.0), (1.0, 1.0, 0.25), (1.0, 1.5, 0.5), (2.0, 1.5, 0.5)):
         times = (t_f, t_b, t_w)
         row = {"P": p, "T_F, T_B, T_W (ms)": f"{t_f:g}, {t_b:g}, {t_w:g}"}
         for name, schedule in (("1F1B", layouts.from_loop(sched.one_f_one_b_schedule(p, 2 * p))),
@@ -611,6 +613,8 @@ for share in (0.5, 0.25):
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · Write the 1F1B order for one stage.** Below, `my_stage0` is the order of ops on stage 0 of
 # a 4-stage pipeline with 8 micro-batches; the other stages run labkit's 1F1B. `check_stage_order`

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 import labkit
 from labkit import numerics
 from labkit.exercises.tensor_parallel import (check_block_bytes, check_break_even_tokens,
-                                              check_row_parallel)
+                                              check_row_parallel, show_solution)
 from labkit.parallel import tensor_parallel as tp
 from labkit.runs import tensor_parallel as run_tp
 from labkit.runs.reference import RunConfig, build_model
@@ -550,6 +550,8 @@ print(f"Modelled, Llama-3-70B fc1 at TP=8 on H100 NVLink, 4096 tokens: the plain
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · The row-parallel forward.** Write the forward of a row-parallel linear. You get this
 # rank's slice of the input features `x_shard` (4 × 8/t), the matching columns of the weight

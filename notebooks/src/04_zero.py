@@ -613,19 +613,20 @@ against the same run without it.)
 from labkit.theory import roofline
 from labkit.viz.roofline import roofline_figure
 
-fig = roofline_figure(64, "H100", links=("NVLink 4", "InfiniBand NDR"))
+# DP only: FSDP's line over InfiniBand is exercise 3 at the end, derived before it is drawn
+fig = roofline_figure(64, "H100", links=("NVLink 4", "InfiniBand NDR"), techniques=("dp",))
 plt.show()
 rows = [dict(link=link, ridge_FLOPs_per_byte=roofline.ridge("H100", link),
-             DP_min_tokens_per_GPU=roofline.critical_batch("dp", 64, "H100", link),
-             FSDP_min_tokens_per_GPU=roofline.critical_batch("fsdp", 64, "H100", link))
+             DP_min_tokens_per_GPU=roofline.critical_batch("dp", 64, "H100", link))
         for link in ("NVLink 4", "InfiniBand NDR")]
 pd.DataFrame(rows).round(0)
 
 # %% [markdown]
-# FSDP needs 1.5× DP's tokens per GPU to hide its traffic (3Ψ against 2Ψ), and the slower
-# link multiplies both by the ratio of the bandwidths. In sequences of 4,096 tokens, that is a
-# few sequences per GPU over InfiniBand: easy for pre-training, not for a small fine-tuning
-# batch. The exercise at the end asks for one of these numbers; derive it before you look.
+# DP's line crosses each ridge at B*, and the slower link moves B* by the ratio of the
+# bandwidths. In sequences of 4,096 tokens, DP's B* over InfiniBand is a few sequences per GPU:
+# easy for pre-training, not for a small fine-tuning batch. FSDP sends more bytes per step, so
+# its B* lies further right; exercise 3 at the end asks for it over InfiniBand (the table and
+# the figure leave it out, so that you derive it first).
 
 # %%
 ratio = per_step("ZeRO-3", runs["ZeRO-3"]) / dp_bytes
@@ -655,8 +656,8 @@ display(Markdown(f'''
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
-# For exercise 1 a first wrong answer gets a hint; the code comes with the second, or at
-# once with `show_solution()`.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · A ZeRO-2 gradient shard.** After backward every rank holds the gradient of its own part
 # of the batch, the whole flat vector. ZeRO-2 keeps only this rank's 1/N slice of the *averaged*

@@ -43,7 +43,7 @@ import torch
 from IPython.display import Markdown, display
 
 import labkit
-from labkit.exercises.moe import check_capacity_answer, check_top_k_routing
+from labkit.exercises.moe import check_capacity_answer, check_top_k_routing, show_solution
 from labkit.models import MoEConfig, MoELayer
 from labkit.runs import moe
 from labkit.runs.reference import RunConfig
@@ -307,6 +307,8 @@ bench[(bench.benchmark == "moe") & (bench.labkit_impl == "ExpertParallel")].drop
 #
 # Two exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · Top-k routing with capacity.** Write `route(logits, k, capacity)` for logits of shape (T,
 # E). Return `expert` (T, k: each token's k experts with the highest softmax probability, best

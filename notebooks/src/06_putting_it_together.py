@@ -380,8 +380,8 @@ Markdown(
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
-# For exercise 1 a first wrong answer gets a hint; the code comes with the second, or at
-# once with `show_solution()`.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · Average over the right group.** On a mesh, a gradient must be averaged over the ranks
 # that hold copies of the *same* weights, and only those. Write `my_dp_average(ctx, mesh, grad)`

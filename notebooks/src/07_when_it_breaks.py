@@ -408,8 +408,8 @@ explorer({"zero_stage": widgets.IntSlider(0, 0, 3, description="ZeRO stage"),
 #
 # Two exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
-# For exercise 1 a first wrong answer gets a hint; the code comes with the second, or at
-# once with `show_solution()`.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · Fix the summed gradients.** Write `my_gradient_sync(ctx, model)`: it is called on every
 # rank right after `backward()`, and must leave in every parameter's `.grad` the gradient of the

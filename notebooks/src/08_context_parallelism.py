@@ -498,8 +498,8 @@ for n in (2, 4, 8):
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
-# For exercise 1 a first wrong answer gets a hint; the code comes with the second, or at
-# once with `show_solution()`.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · The log-sum-exp merge.** Write `merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the
 # attention of the same queries over the keys of block a *and* block b, from the two partial
@@ -528,7 +528,8 @@ check_merge(merge);
 # (returns out and lse for these keys only); then pass the K and V blocks around the ring with
 # `ctx.comm.send(t, dst, async_op=True)` (a handle with `.wait()`) and `ctx.comm.recv(t, src)`,
 # and merge each block's partial result into yours with your `merge`. The checker runs it on 4
-# ranks against attention on one device, and counts the bytes each rank sends.
+# ranks against attention on one device, and reads the comm log: the bytes each rank sends, and
+# which ops it used (an all-gather of K and V gives the right values, but it is not a ring).
 
 # %% tags=["solution"]
 def my_ring_attention(ctx, q, k, v):

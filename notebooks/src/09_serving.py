@@ -53,7 +53,8 @@ from IPython.display import Markdown, display
 
 import labkit
 from labkit import models
-from labkit.exercises.serving import check_kv_bytes, check_tp_decode_step, check_tpot_floor
+from labkit.exercises.serving import (check_kv_bytes, check_tp_decode_step, check_tpot_floor,
+                                      show_solution)
 from labkit.parallel.serving import KVCache, generate, generate_without_cache
 from labkit.runs import serve
 from labkit.theory import catalog, moe as tmoe, serving as theory
@@ -469,6 +470,8 @@ serving_explorer()
 #
 # Three exercises; each answer goes in its own cell (in the student edition it raises
 # `NotImplementedError` or is `None`), and the cell after it checks it and says what is wrong.
+# A first wrong answer gets a hint; the code (or the formula) comes with the second, or at
+# once with `show_solution(n)` for exercise n.
 #
 # **1 · A tensor-parallel decode step of attention, on 2 ranks.** Write
 # `attention_step(ctx, x, shard, cache, group)`: `x` is (batch, new tokens, 16); `shard` holds
@@ -478,7 +481,8 @@ serving_explorer()
 # empty before the prompt; along dim 1); attend with `labkit.models.causal_attention(q, k, v,
 # heads)` (it accepts k longer than q); project, **all-reduce** over `group` with
 # `ctx.comm.all_reduce`, and add the bias once. The checker runs the prompt and three decode
-# steps on 2 ranks against the full attention with a KV cache.
+# steps on 2 ranks against the full attention with a KV cache, and counts each step's FLOPs
+# (recomputing every token's k and v gives the right values, at a cost that grows each step).
 
 # %% tags=["solution"]
 import torch.nn.functional as F

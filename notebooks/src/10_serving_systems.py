@@ -48,7 +48,7 @@ import torch
 from IPython.display import Markdown, display
 
 from labkit.exercises.serving_systems import (check_gather_blocks, check_requests_that_fit,
-                                              check_wasted_bytes)
+                                              check_wasted_bytes, show_solution)
 from labkit.runs import stream
 from labkit.runs.stream import StreamConfig, serve_locally
 from labkit.theory import catalog
@@ -329,6 +329,10 @@ stream_explorer(serve_stream)
 
 # %% [markdown]
 # ## Exercises
+#
+# Three exercises; each answer goes in its own cell, and the cell after it checks it and says
+# what is wrong. A first wrong answer gets a hint; the code (or the formula) comes with the
+# second, or at once with `show_solution(n)` for exercise n.
 #
 # **1 · Read through a block table.** Write `gather(pool, table, length, block_size)`: `pool`
 # is (blocks, block_size, width): all requests' keys; `table` the list of this request's block
