@@ -22,6 +22,7 @@ import sys
 
 from . import import_whole
 from .cli_output import check_writable, finish, out_of_memory, stdout_closed
+from .cli_plan import memory_table, plan_arguments, plan_command, serve_plan_main
 
 # technique name on the command line -> the module that implements it
 TECHNIQUES = {
@@ -83,7 +84,7 @@ def _main(argv):
     memory.add_argument("--batch", type=int, default=1)
     memory.add_argument("--seq", type=int, default=4096)
     memory.add_argument("--gpus", type=int, default=8, help="data-parallel size for ZeRO")
-    _plan_arguments(commands.add_parser(
+    plan_arguments(commands.add_parser(
         "plan", help="which DP x TP x PP layouts of a model fit a cluster, and how fast"))
     calibrate = commands.add_parser("calibrate", help="measure this machine's GPU (GEMM, HBM, "
                                     "decode and training steps, all-reduce) into a profile")
@@ -232,104 +233,6 @@ def _check_gpt_shape(cfg):
     GPTConfig(**cfg.model_kwargs)   # raises ValueError, e.g. hidden not divisible by heads
 
 
-def _plan_arguments(parser):
-    parser.add_argument("--model", required=True,
-                        help="a catalog name (llama-3-70b) or a shape: layers=48,hidden=6144,"
-                             "heads=64,ffn=24576,vocab=51200[,kv_heads=8,experts=8,top_k=2]")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
-    parser.add_argument("--gpu", default="H100",
-                        help="GPU kind: V100, A100, A100-40GB, H100, H100-PCIe, H100-NVL, H200, "
-                             "B200, GB200, MI300X, RTX4090")
-    parser.add_argument("--gpu-peak-tflops", type=float, default=None,
-                        help="a GPU not in the catalog: dense bf16 TFLOP/s (with --gpu-hbm-gb "
-                             "and --gpu-hbm-tbps)")
-    parser.add_argument("--gpu-hbm-gb", type=float, default=None, help="its memory, GB")
-    parser.add_argument("--gpu-hbm-tbps", type=float, default=None, help="its HBM TB/s")
-    parser.add_argument("--gpu-fp8-tflops", type=float, default=None,
-                        help="its dense fp8 TFLOP/s (for --precision fp8)")
-    parser.add_argument("--gpu-profile", default=None, metavar="FILE",
-                        help="a profile from `calibrate`: its measured peak bf16 TFLOP/s (best "
-                             "large GEMM) and HBM bandwidth replace --gpu's datasheet numbers")
-    parser.add_argument("--gpus-per-node", type=int, default=None,
-                        help="GPUs one NVLink domain joins (default: the GPU's, 8; GB200: 72)")
-    parser.add_argument("--intra-link", default=None, help="default: the GPU's own (NVLink)")
-    parser.add_argument("--inter-link", default=None, help="default: InfiniBand NDR")
-    batch = parser.add_mutually_exclusive_group(required=True)
-    batch.add_argument("--global-batch", type=int, help="global batch in sequences")
-    batch.add_argument("--global-batch-tokens", type=int, help="global batch in tokens")
-    parser.add_argument("--seq", type=int, default=4096, help="sequence length")
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp32"),
-                        help="fp8: linear layers in fp8 (Transformer Engine), the rest bf16")
-    parser.add_argument("--stack", default="megatron",
-                        choices=("megatron", "megatron-2021", "fsdp2", "deepspeed"),
-                        help="which communication the software hides under compute")
-    parser.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True,
-                        help="FlashAttention (no s^2 softmax kept; --no-flash: unfused)")
-    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
-                        help="causal mask: FlashAttention skips the masked half of the scores, "
-                             "and MFU counts only that half (what a causal model needs)")
-    parser.add_argument("--fix", default="",
-                        help="hold fields: dp=64,tp=8,pp=16,v=2,zero_stage=1,recompute=full,"
-                             "recompute_layers=4,sequence_parallel=true")
-    parser.add_argument("--top", type=int, default=10, help="plans to show")
-    parser.add_argument("--json", action="store_true")
-
-
-def plan_command(args):
-    """`python -m labkit plan`: the planner's ranking as a table or DESIGN.md's JSON."""
-    import json
-    from .theory import hardware, planner
-    gpu = args.gpu
-    custom = (args.gpu_peak_tflops, args.gpu_hbm_gb, args.gpu_hbm_tbps)
-    if any(v is not None for v in custom):
-        if any(v is None for v in custom):
-            raise ValueError("a custom GPU needs --gpu-peak-tflops, --gpu-hbm-gb and "
-                             "--gpu-hbm-tbps together")
-        gpu = hardware.custom_gpu(*custom, link_name=args.intra_link or "NVLink 4",
-                                  fp8_tflops=args.gpu_fp8_tflops)
-    header = None
-    if getattr(args, "gpu_profile", None):
-        from .theory import profile
-        if any(v is not None for v in custom):
-            raise ValueError("--gpu-profile replaces the custom GPU's numbers: give one of them")
-        gpu, header = profile.plan_gpu(args.gpu_profile,
-                                       args.gpu if "gpu" in args.explicit else None)
-    out = planner.plan(args.model, args.gpus, gpu, args.gpus_per_node, args.intra_link,
-                       args.inter_link, global_batch=args.global_batch,
-                       global_batch_tokens=args.global_batch_tokens, seq=args.seq,
-                       fix=args.fix, top=args.top, flash_attention=args.flash,
-                       precision=args.precision, stack=args.stack, causal=args.causal)
-    if header:
-        out["gpu_profile"] = dict(path=args.gpu_profile, peak_bf16_flops=gpu.bf16_flops,
-                                  memory_bw=gpu.memory_bw)
-    if args.json:
-        return json.dumps(out, indent=2)
-    return (header + "\n" if header else "") + planner.format_plans(out)
-
-
-def memory_table(model_name, batch, seq, gpus):
-    """Inference and training bytes for a catalog model, in GB (1e9 bytes)."""
-    from .theory import catalog, memory as tm
-    m = catalog.model(model_name)
-    lines = [f"{m.display_name}: {m.param_count() / 1e9:.2f}B parameters (derived from shapes)",
-             "", "inference (weights + KV cache at batch %d, context %d):" % (batch, seq)]
-    for dtype in ("bf16", "int8", "int4"):
-        inf = tm.inference_memory(m, batch=batch, context=seq, weight_dtype=dtype)
-        gb = {k: v / 1e9 for k, v in inf.items()}
-        lines.append(f"  {dtype:>5}: weights {gb['weights']:8.1f} GB   "
-                     f"KV cache {gb['kv_cache']:6.1f} GB   total {gb['total']:8.1f} GB")
-    lines += ["", f"training, mixed-precision Adam, batch {batch} x {seq} tokens, "
-              f"{gpus} data-parallel GPU(s):"]
-    for stage in range(4):
-        tr = tm.training_memory(m, batch=batch, seq=seq, zero_stage=stage, dp=gpus)
-        label = "no ZeRO" if stage == 0 else f"ZeRO-{stage}"
-        gb = {k: v / 1e9 for k, v in tr.items()}
-        lines.append(f"  {label:>8}: params {gb['params']:7.1f}  grads {gb['grads']:7.1f}"
-                     f"  optimizer {gb['optimizer']:7.1f}  activations "
-                     f"{gb['activations']:7.1f}  total {gb['total']:8.1f} GB")
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------------ serving (lesson 09)
 
 def _serve_run_parser(techniques, chosen):
@@ -396,52 +299,3 @@ def format_serve_report(r):
     lines.append(f"  on {r['cluster']} (modelled, bf16): TTFT {r['modelled_ttft_s'] * 1e6:.1f} "
                  f"us, TPOT {r['modelled_tpot_s'] * 1e6:.2f} us")
     return "\n".join(lines)
-
-
-def serve_plan_main(argv):
-    """`python -m labkit plan --serve ...`: the serving planner (its own parser)."""
-    import json
-    from .theory import serving
-    parser = argparse.ArgumentParser(
-        prog="python -m labkit plan --serve",
-        description="which TP x PP x EP x replicas x weight precision layouts serve a model "
-                    "on a cluster, ranked by output tokens/s per GPU (all modelled)")
-    parser.add_argument("--serve", action="store_true", required=True)
-    parser.add_argument("--model", required=True, help="a catalog name or a shape (see plan)")
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--gpu", default="H100")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--intra-link", default=None)
-    parser.add_argument("--inter-link", default=None)
-    parser.add_argument("--prompt-len", type=int, default=None, help="default 1024")
-    parser.add_argument("--context", type=int, default=None, help="same as --prompt-len")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=1, help="requests served at once")
-    parser.add_argument("--weights", choices=serving.WEIGHTS, default=None,
-                        help="default: try each")
-    parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
-    parser.add_argument("--max-tpot-ms", type=float, default=None)
-    parser.add_argument("--fix", default="", help="hold fields: tp=8,pp=1,ep=1,replicas=1")
-    parser.add_argument("--top", type=int, default=10)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    try:
-        for name in ("gpus", "new_tokens", "batch", "prompt_len", "context", "top"):
-            value = getattr(args, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
-                                 f"got {value}")
-        if args.max_tpot_ms is not None and not args.max_tpot_ms > 0:
-            raise ValueError(f"--max-tpot-ms must be positive, got {args.max_tpot_ms}")
-        out = serving.plan_serving(
-            args.model, args.gpus, args.gpu, prompt_len=args.prompt_len or args.context or 1024,
-            new_tokens=args.new_tokens, batch=args.batch, weights=args.weights,
-            kv_dtype=args.kv_dtype, max_tpot_ms=args.max_tpot_ms, fix=args.fix,
-            gpus_per_node=args.gpus_per_node, intra_link=args.intra_link,
-            inter_link=args.inter_link, top=args.top)
-    except (ValueError, KeyError) as error:
-        message = error.args[0] if error.args else error
-        print(f"error: {message}", file=sys.stderr)
-        return 2
-    print(json.dumps(out, indent=2) if args.json else serving.format_serving_plans(out))
-    return 0

@@ -104,6 +104,20 @@ def test_plan_uses_the_profiles_numbers(tmp_path, capsys):
     assert header.startswith("GPU numbers from the profile") and "800.0 TFLOP/s" in header
 
 
+def test_plan_serve_uses_the_profiles_bandwidth(tmp_path, capsys):
+    """Decode at batch 1 reads every weight once: half the measured HBM bandwidth, about twice
+    the time per output token (the serving planner reads the profile too)."""
+    def tpot(hbm):
+        path = write(tmp_path, profile(hbm=hbm), f"hbm{hbm}.json")
+        assert cli.main(["plan", "--serve", "--model", "llama-3-8b", "--gpus", "1", "--gpu",
+                         "H200", "--batch", "1", "--weights", "bf16", "--gpu-profile", path,
+                         "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert "measured" in out["cluster"]["gpu"]
+        return out["plans"][0]["tpot_s"]
+    assert 1.8 < tpot(2000.0) / tpot(4000.0) < 2.05
+
+
 def test_plan_with_a_bad_profile_is_one_line_and_imports_no_torch(tmp_path):
     bad = write(tmp_path, dict(profile(), hbm_gbps=0))
     good = write(tmp_path, profile(), "good.json")

@@ -328,7 +328,7 @@ def plan_serving(model, gpus, gpu="H100", *, prompt_len=1024, new_tokens=128, ba
 
 def _serve_plan(m, g, layout, w, kv_dtype, batch, prompt_len, new_tokens, usable, max_tpot_ms,
                 gpus_per_node, intra_link, inter_link):
-    t = serving_time(m, gpu=g.name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+    t = serving_time(m, gpu=g, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                      weights=w, kv_dtype=kv_dtype, gpus_per_node=gpus_per_node,
                      intra_link=intra_link, inter_link=inter_link, **layout)
     mem = t["memory_bytes"]
