@@ -513,3 +513,17 @@ def test_serving_titles_stay_put_because_nothing_sits_above_the_axes():
         for ax in box.figure.axes:
             assert ax.xaxis.get_ticks_position() == "bottom" and ax.title.get_position()[1] == 1
             assert ax.yaxis.offsetText.get_text() == "", (name, value)
+
+
+def test_serving_tpot_bars_add_up_to_the_modelled_tpot():
+    """Lesson 09's TPOT bars: the step, the TP and EP communication and the pipeline hand-offs
+    stack to the modelled TPOT for every layout (no unexplained remainder)."""
+    from labkit.theory.serving import serving_time
+    from labkit.viz.serving_widgets import _tpot_parts
+    for model, layout in [("llama-3-70b", dict(tp=8)), ("llama-3-70b", dict(tp=4, pp=2)),
+                          ("llama-3-70b", dict(pp=8)), ("mixtral-8x7b", dict(ep=8)),
+                          ("llama-3-8b", dict(replicas=8))]:
+        for batch in (1, 64):
+            t = serving_time(model, gpu="H100", batch=batch, **layout)
+            assert abs(sum(_tpot_parts(t).values()) - t["tpot_s"]) <= 1e-9 * t["tpot_s"], \
+                (model, layout, batch)

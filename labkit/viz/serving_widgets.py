@@ -17,7 +17,7 @@ NEW_TOKENS = 256
 LAYOUTS = ("1 GPU", "TP", "PP", "replicas", "EP")
 TPOT_COLORS = {"memory-bound step": "#64b5cd", "compute-bound step": "#2ca02c",
                "TP all-reduces": "#9467bd", "EP all-to-alls": "#e377c2",
-               "pipeline: other stages, hops": "#dcdcdc"}
+               "pipeline hand-offs": "#dcdcdc"}
 MEMORY_KEEP = ("weights", "kv_cache", "activations")
 SHORT = {"1 GPU": "1\nGPU", "TP": "TP\n{g}", "PP": "PP\n{g}", "replicas": "{g}\nrepl.",
          "EP": "EP\n{g}"}
@@ -67,7 +67,7 @@ def _tpot_parts(t):
     parts = {"memory-bound step": step if d["memory"] >= d["compute"] else 0.0,
              "compute-bound step": step if d["compute"] > d["memory"] else 0.0,
              "TP all-reduces": d["tp_comm"], "EP all-to-alls": d["ep_comm"]}
-    parts["pipeline: other stages, hops"] = max(0.0, t["tpot_s"] - sum(parts.values()))
+    parts["pipeline hand-offs"] = d["pp_hops"]   # every stage's time is in the step already
     return parts
 
 
