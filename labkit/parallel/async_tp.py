@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.context import context
+from .mappings import SEQUENCE_DIM   # (..., s, h): the chunks are sequence shards
 
-SEQUENCE_DIM = -2           # (..., s, h): the chunks are sequence shards
 
 
 def _chunk(x, index, size):

@@ -12,23 +12,8 @@ Both return what `ring_attention` returns: (b, h, s/N, d) for this rank's querie
 import torch
 
 from ..runtime.context import context
+from .mappings import gather_along
 from .ring_attention import SEQ_DIM, _repeat_heads, _sdpa, _setup, sequence_positions
-
-
-class _AllGatherSequence(torch.autograd.Function):
-    """all_gather along the sequence forward; reduce-scatter of the gradient backward."""
-
-    @staticmethod
-    def forward(fctx, x, group, tag):
-        fctx.group, fctx.tag = group, tag
-        return context().comm.all_gather(x.movedim(SEQ_DIM, 0), group=group,
-                                         tag=f"{tag} fwd").movedim(0, SEQ_DIM)
-
-    @staticmethod
-    def backward(fctx, grad):
-        out = context().comm.reduce_scatter(grad.movedim(SEQ_DIM, 0), group=fctx.group,
-                                            tag=f"{fctx.tag} bwd")
-        return out.movedim(0, SEQ_DIM).contiguous(), None, None
 
 
 def all_gather_attention(q, k, v, group=None, causal=True, layout="contiguous", scale=None):
@@ -36,8 +21,8 @@ def all_gather_attention(q, k, v, group=None, causal=True, layout="contiguous", 
     per tensor, not overlapped), attend with the mask of the layout's positions, and
     reduce-scatter dK, dV in backward."""
     group = _setup(q, k, v, group, layout)
-    kv = _AllGatherSequence.apply(torch.stack((k, v), dim=1).flatten(1, 2).contiguous(),
-                                  group, "all-gather attention kv")
+    kv = gather_along(torch.stack((k, v), dim=1).flatten(1, 2).contiguous(), group,
+                      "all-gather attention kv", dim=SEQ_DIM)
     k_all, v_all = kv.unflatten(1, (2, k.shape[1])).unbind(1)
     mask = None
     if causal:

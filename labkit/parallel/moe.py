@@ -58,6 +58,7 @@ from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from .flat import FlatBuffer, average_gradients
 from .hf_experts import as_expert_layer, is_hf_module, router_logits
+from .mappings import all_to_all_rows
 
 
 # ----------------------------------------------------------------------------------- routing
@@ -119,27 +120,6 @@ def check_expert_parallel(experts, top_k, capacity_factor, ranks):
     if experts % ranks:
         raise ValueError(f"{experts} experts do not split evenly over {ranks} expert-parallel "
                          f"ranks: the number of experts must divide by the EP group size")
-
-
-# ------------------------------------------------------------------------------ all-to-all
-
-class _AllToAll(torch.autograd.Function):
-    """Rows [sum(send[:i]), sum(send[:i+1])) go to group member i; recv[i] rows come from it.
-    Backward sends the gradients back the way the rows came: the same op, splits swapped."""
-
-    @staticmethod
-    def forward(fctx, rows, group, send, recv, tag):
-        fctx.route = (group, send, recv, tag)
-        return context().comm.all_to_all(rows, input_splits=send, output_splits=recv,
-                                         group=group, tag=tag)
-
-    @staticmethod
-    def backward(fctx, grad):
-        group, send, recv, tag = fctx.route
-        back = context().comm.all_to_all(grad.contiguous(), input_splits=recv,
-                                         output_splits=send, group=group,
-                                         tag=f"{tag} (backward)")
-        return back, None, None, None, None
 
 
 # --------------------------------------------------------------------------------- the block
@@ -207,12 +187,12 @@ class ExpertParallel(nn.Module):
         if torch.is_grad_enabled() and not rows.requires_grad:
             # every rank must take part in both backward all-to-alls, whatever it holds
             rows = rows.detach().requires_grad_()
-        rows = _AllToAll.apply(rows, group, send, recv, f"{tag} dispatch")
+        rows = all_to_all_rows(rows, group, send, recv, f"{tag} dispatch")
         # 3. my experts on the rows that arrived (by source rank, then expert, then slot)
         row_expert = torch.arange(self.local_experts.start, self.local_experts.stop,
                                   device=rows.device).repeat(n)
         row_expert = row_expert.repeat_interleave(arriving.flatten())
-        done = _AllToAll.apply(self._run_experts(rows, row_expert), group, recv, send,
+        done = all_to_all_rows(self._run_experts(rows, row_expert), group, recv, send,
                                f"{tag} combine")
         # 4. home again: weight by the gates and sum a token's choices
         out = torch.zeros_like(tokens).index_add(0, tok, done * weight[tok, choice, None])

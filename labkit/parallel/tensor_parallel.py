@@ -47,103 +47,19 @@ from .async_tp import all_gather_linear, linear_reduce_scatter
 from .tensor_parallel_plan import (features, fused_parts, is_conv1d, localize_attention,
                                    refuse_sequence_parallel, resolve_plan)
 from .tp_presets import tp_plan_for
-from .tp_shards import all_gather_dim, gather_grads, gather_params, shard  # noqa: F401 (API)
+from .mappings import (SEQUENCE_DIM, all_gather_dim, all_reduce_copy, copy_to, gather_along,
+                       gather_keep_slice, reduce_from, reduce_scatter_dim, scatter_along)
+from .tp_shards import gather_grads, gather_params, shard  # noqa: F401 (API)
 
-SEQUENCE_DIM = -2           # (..., s, h): sequence parallelism splits the tokens
-
-
-# --------------------------------------------------------------- collectives along one dim
-# ctx.comm gathers and scatters along dim 0: move the wanted dim there and back.
-
-def _reduce_scatter(x, dim, group, tag):
-    out = context().comm.reduce_scatter(x.movedim(dim, 0), group=group, tag=tag)
-    return out.movedim(0, dim).contiguous()
+# The conjugate pairs (parallel/mappings.py), by their Megatron names: f and g of a split layer,
+# and their sequence-parallel forms (gather / reduce-scatter along the sequence).
+copy_to_tp, reduce_from_tp = copy_to, reduce_from
+gather_from_sp, scatter_to_sp = gather_along, scatter_along
 
 
-def _all_reduce(x, group, tag):
-    # a contiguous copy: the input of an autograd Function must not change in place
-    return context().comm.all_reduce(x.clone(memory_format=torch.contiguous_format),
-                                     group=group, tag=tag)
-
-
-# --------------------------------------------------------------- the conjugate operators
-
-class _CopyToTP(torch.autograd.Function):
-    """f: identity forward; all-reduce backward (each rank's gradient is one part of the sum)."""
-
-    @staticmethod
-    def forward(fctx, x, group, tag):
-        fctx.group, fctx.tag = group, tag
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(fctx, grad):
-        return _all_reduce(grad, fctx.group, f"{fctx.tag} bwd"), None, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward (sum the partial outputs); identity backward."""
-
-    @staticmethod
-    def forward(fctx, x, group, tag):
-        return _all_reduce(x, group, f"{tag} fwd")
-
-    @staticmethod
-    def backward(fctx, grad):
-        return grad, None, None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    """Sequence-parallel f: all-gather the sequence shards forward; reduce-scatter backward."""
-
-    @staticmethod
-    def forward(fctx, x, group, tag):
-        fctx.group, fctx.tag = group, tag
-        return all_gather_dim(x, SEQUENCE_DIM, group, f"{tag} fwd")
-
-    @staticmethod
-    def backward(fctx, grad):
-        return _reduce_scatter(grad, SEQUENCE_DIM, fctx.group, f"{fctx.tag} bwd"), None, None
-
-
-class _ScatterToSP(torch.autograd.Function):
-    """Sequence-parallel g: reduce-scatter the partial sums forward; all-gather backward."""
-
-    @staticmethod
-    def forward(fctx, x, group, tag):
-        fctx.group, fctx.tag = group, tag
-        return _reduce_scatter(x, SEQUENCE_DIM, group, f"{tag} fwd")
-
-    @staticmethod
-    def backward(fctx, grad):
-        return all_gather_dim(grad, SEQUENCE_DIM, fctx.group, f"{fctx.tag} bwd"), None, None
-
-
-class _GatherFromTP(torch.autograd.Function):
+def gather_from_tp(x, group=None, tag=""):
     """All-gather the feature shards (last dim) forward; backward keeps this rank's slice."""
-
-    @staticmethod
-    def forward(fctx, x, group, tag):
-        fctx.group = group
-        return all_gather_dim(x, -1, group, f"{tag} fwd (gather output)")
-
-    @staticmethod
-    def backward(fctx, grad):
-        return grad.chunk(fctx.group.size, dim=-1)[fctx.group.rank].contiguous(), None, None
-
-
-def _operator(function):
-    def apply(x, group=None, tag=""):   # group: None (the world), a labkit Group or a torch pg
-        return function.apply(x, context().group(group), tag)
-    apply.__doc__ = function.__doc__
-    return apply
-
-
-copy_to_tp = _operator(_CopyToTP)
-reduce_from_tp = _operator(_ReduceFromTP)
-gather_from_sp = _operator(_GatherFromSP)
-scatter_to_sp = _operator(_ScatterToSP)
-gather_from_tp = _operator(_GatherFromTP)
+    return gather_keep_slice(x, group, f"{tag} (gather output)", dim=-1)
 
 
 class _GatherLinear(torch.autograd.Function):
@@ -163,7 +79,7 @@ class _GatherLinear(torch.autograd.Function):
         x, weight = fctx.saved_tensors
         pending = context().comm.all_gather(x.movedim(SEQUENCE_DIM, 0), group=group,
                                             async_op=True, tag=f"{tag} bwd (regather)")
-        grad_input = _reduce_scatter(grad @ weight, SEQUENCE_DIM, group, f"{tag} bwd") \
+        grad_input = reduce_scatter_dim(grad @ weight, SEQUENCE_DIM, group, f"{tag} bwd") \
             if fctx.needs_input_grad[0] else None   # data in: no gradient to reduce
         full = pending.wait().movedim(0, SEQUENCE_DIM)
         flat_grad = grad.reshape(-1, grad.shape[-1])
@@ -370,7 +286,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, str] | None = None,
         param.tp_split, param.tp_group = None, group
         if sequence_parallel and param.requires_grad and not getattr(param, "_tp_sum", False):
             # it saw only this rank's tokens: the full gradient is the sum over the group
-            param.register_hook(partial(_all_reduce, group=group,
+            param.register_hook(partial(all_reduce_copy, group=group,
                                         tag=f"sequence-parallel grad {name}"))
             param._tp_sum = True
     return module

@@ -10,12 +10,7 @@ tensor under its original name, to compare with one device.
 import torch
 import torch.nn as nn
 
-from ..runtime.context import context
-
-
-def all_gather_dim(x, dim, group, tag):
-    """All-gather `x` along `dim` (ctx.comm gathers along dim 0: move the dim there and back)."""
-    return context().comm.all_gather(x.movedim(dim, 0), group=group, tag=tag).movedim(0, dim)
+from .mappings import all_gather_dim
 
 
 def split_parts(tensor, dim, parts, divide=1):

@@ -56,7 +56,7 @@ import labkit
 from labkit import numerics
 from labkit.exercises.tensor_parallel import (check_block_bytes, check_break_even_tokens,
                                               check_row_parallel, show_solution)
-from labkit.parallel import tensor_parallel as tp
+from labkit.parallel import mappings, tensor_parallel as tp
 from labkit.runs import tensor_parallel as run_tp
 from labkit.runs.reference import RunConfig, build_model
 from labkit.theory import hardware
@@ -72,11 +72,15 @@ pd.set_option("display.width", 120)
 #
 # The two operators are ordinary `torch.autograd.Function`s: the all-reduce is in `backward` for
 # f and in `forward` for g. Each calls `ctx.comm` with the process group and a tag (the layer's
-# name), so every call lands in the comm log and on the modelled clock. The layers are a few lines
-# on top; the column-parallel one below (the row-parallel forward is the exercise at the end):
+# name), so every call lands in the comm log and on the modelled clock. They live, with every
+# other forward/backward pair of collectives the lab's techniques use, in
+# `labkit/parallel/mappings.py` (Megatron keeps them in a `mappings.py` too). The layers are a
+# few lines on top; the column-parallel one below (the row-parallel forward is the exercise at
+# the end):
 
 # %%
-print(inspect.getsource(tp._CopyToTP))
+print(inspect.getsource(mappings._CopyTo))
+print(inspect.getsource(mappings._ReduceFrom))
 print(inspect.getsource(tp.ColumnParallelLinear.forward))
 
 
