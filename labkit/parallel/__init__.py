@@ -6,7 +6,9 @@ What they share lives in `flat.py` (FlatBuffer, bucket_params, average_gradients
 all_gather_objects, unwrapped_name); `mixed_precision.py` has MasterWeights (fp32 masters);
 `tensor_parallel_plan.py` reads a TP plan; `paged_kv.py` holds the paged KV cache and the
 ragged forward through it that the serving systems (batching, speculative, disaggregated)
-share. Techniques never import each other; hybrid.py composes them.
+share; `mappings.py` the autograd collectives (f, g, gather/scatter along a dim, all-to-all
+of rows) the techniques are built from. Techniques never import each other; hybrid.py composes
+them.
 """
 # `from labkit.parallel import FullyShard` works, and importing the package imports no block:
 # each name is imported on first use (PEP 562), from the one module that defines it. (The
