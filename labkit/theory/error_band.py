@@ -49,7 +49,7 @@ def band(rows, coverage=COVERAGE):
         if not math.isfinite(r["error"]):
             raise ValueError(f"check row {r['name']!r} has no finite error ({r['error']!r})")
     errors = sorted(r["error"] for r in rows)
-    cut = int(len(errors) * (1 - coverage) / 2)
+    cut = math.floor(round(len(errors) * (1 - coverage) / 2, 9))   # 10 x 0.2 / 2 is 0.999..
     low, high = errors[cut], errors[len(errors) - 1 - cut]
     outside = [r["name"] for r in sorted(rows, key=lambda r: -abs(r["error"]))
                if not low <= r["error"] <= high]
