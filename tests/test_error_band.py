@@ -88,9 +88,9 @@ def test_no_rows_refuses_in_one_line():
 
 def test_plan_prints_and_returns_the_band(capsys):
     args = ["plan", "--model", "llama-3-8b", "--gpus", "8", "--global-batch", "64", "--top", "1"]
-    started = time.perf_counter()
+    started = time.process_time()       # CPU time: the shared machine's load does not count
     assert main(args + ["--json"]) == 0
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
     b = json.loads(capsys.readouterr().out)["error_band"]
     assert b["n"] == len(published.runs("check")) and len(b["rows"]) == b["n"]
     assert b["kind"] == "training" and b["measured"]["n"] == 2
