@@ -24,12 +24,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .theory import catalog, plan_cluster, serving, transformer
+from .theory import plan_cluster, serving, transformer
+from .theory.error_band import LLAMA_1B, model_shape
 from .theory.profile import catalog_gpu, check_profile, peak_tflops
 
-# (layers, hidden, heads, ffn, vocab): a Llama-3.2-1B-like shape (its vocab cut to 32000), and
-# the brief's "1B-shaped at least"; the quick run keeps the same shape, fewer repetitions.
-LLAMA_1B = dict(layers=16, hidden=2048, heads=16, ffn=8192, vocab=32000)
+# LLAMA_1B: the measured model's shape (theory/error_band.py keeps it: its check rows model the
+# same shape); the quick run keeps the same shape, fewer repetitions.
 SQUARES = (1024, 2048, 4096, 8192)
 TOKENS = (1, 16, 64, 256)                          # decode batches / short prefill chunks
 SKINNY_NK = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (3584, 8192))
@@ -125,14 +125,6 @@ class Llama(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[i])
         return self.head(self.norm(x))
-
-
-def model_shape(shape, name="llama-1b-shaped"):
-    """The theory's ModelShape of the measured model (Llama family: SwiGLU, no biases)."""
-    return catalog.ModelShape(name=name, display_name=name, arch="llama",
-                              layers=shape["layers"], hidden=shape["hidden"],
-                              heads=shape["heads"], kv_heads=shape["heads"], ffn=shape["ffn"],
-                              vocab=shape["vocab"], max_seq=8192)
 
 
 def measure_decode(shape, batch, context, device="cuda", reps=10, model=None):

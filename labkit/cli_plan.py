@@ -78,9 +78,15 @@ def plan_command(args):
     if header:
         out["gpu_profile"] = dict(path=args.gpu_profile, peak_bf16_flops=gpu.bf16_flops,
                                   memory_bw=gpu.memory_bw)
+    from .theory import error_band
+    # the published check rows ran on their own GPUs, so a profile changes only the H200 rows
+    out["error_band"] = error_band.training_band(profiled=bool(header))
     if args.json:
         return json.dumps(out, indent=2)
-    return (header + "\n" if header else "") + planner.format_plans(out)
+    best = out["plans"][0]
+    band = error_band.format_band(out["error_band"],
+                                  best["tokens_per_s_per_gpu"] if best["fits"] else None)
+    return "\n".join(([header] if header else []) + [planner.format_plans(out)] + band)
 
 
 def memory_table(model_name, batch, seq, gpus):
@@ -154,6 +160,8 @@ def serve_plan_main(argv):
             kv_dtype=args.kv_dtype, max_tpot_ms=args.max_tpot_ms, fix=args.fix,
             gpus_per_node=args.gpus_per_node, intra_link=args.intra_link,
             inter_link=args.inter_link, top=args.top)
+        from .theory import error_band
+        out["error_band"] = error_band.serving_band(profiled=bool(header))
     except (ValueError, KeyError) as error:
         message = error.args[0] if error.args else error
         print(f"error: {message}", file=sys.stderr)
@@ -161,5 +169,9 @@ def serve_plan_main(argv):
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print((header + "\n" if header else "") + serving.format_serving_plans(out))
+        best = out["plans"][0]
+        band = error_band.format_band(out["error_band"], best["tokens_per_s_per_gpu"]
+                                      if best["fits"] and not best["reason"] else None)
+        print("\n".join(([header] if header else []) + [serving.format_serving_plans(out)]
+                        + band))
     return 0

@@ -9,6 +9,7 @@ in the published convention (6 N + 12 L h s per token, no causal halving); else 
 TFLOP/s by the row's `metric` (mfu: the predicted tokens/s in that convention; hfu: the
 planner's HFU, the FLOPs run with recompute, which for these unfused rows is the convention).
 The planner's own MFU halves the causal scores (transformer.model_flops_per_token).
+theory/error_band.py turns the check rows' errors into the band every `plan` prints.
 """
 from __future__ import annotations
 

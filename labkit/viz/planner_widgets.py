@@ -1,6 +1,7 @@
-"""The planner drawn (lesson 06): the best plans' memory per GPU and modelled step time, and an
-explorer over model, GPU count, GPU kind, batch and sequence length. Everything here is
-*modelled* by `labkit.theory.planner`; the labels say so.
+"""The planner drawn (lesson 06): the best plans' memory per GPU and modelled step time, an
+explorer over model, GPU count, GPU kind, batch and sequence length, and the planner against
+published runs with its expected error band (theory/error_band.py). Everything here is
+*modelled* by `labkit.theory.planner` unless labelled published; the labels say so.
 """
 from __future__ import annotations
 
@@ -185,4 +186,52 @@ def mesh_layout(table, gpus_per_node=8, title="", ax=None):
     ax.axis("off")
     ax.set_title(title or "rank layout: colour = pipeline stage, shade = TP shard")
     fig.tight_layout()
+    return fig
+
+
+def error_band_figure(band, calibration=(), ax=None):
+    """Modelled against published TFLOP/s per GPU (theory.error_band.training_band's `band`):
+    each check row a numbered dot named in the key beside it, the calibration rows (what the
+    planner was fitted on, not in the band) as hollow grey circles, y = x and the band
+    (modelled = (1 + error) x published, error from low to high) shaded. Returns the figure."""
+    rows = band["rows"]
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(13, 7.2))
+    else:
+        fig = ax.figure
+    values = [v for r in list(rows) + list(calibration) for v in (r["modelled"], r["reference"])]
+    lo, hi = min(values) / 1.3, max(values) * 1.3
+    line = [lo, hi]
+    ax.fill_between(line, [x * (1 + band["low"]) for x in line],
+                    [x * (1 + band["high"]) for x in line], color="#1f77b4", alpha=0.12,
+                    label=f"expected band {band['low']:+.0%}/{band['high']:+.0%} "
+                          f"({band['inside']} of {band['n']} check rows)")
+    ax.plot(line, line, color="0.3", lw=1, label="modelled = published")
+    if calibration:
+        ax.scatter([r["reference"] for r in calibration], [r["modelled"] for r in calibration],
+                   facecolors="none", edgecolors="0.5", s=40,
+                   label=f"calibration rows ({len(calibration)}, fitted on: not in the band)")
+    sources = sorted({r["source"] for r in rows})
+    colors = plt.get_cmap("tab10")
+    key = []
+    for i, r in enumerate(rows, 1):
+        c = colors(sources.index(r["source"]) % 10)
+        outside = r["name"] in band["outside"]
+        ax.scatter([r["reference"]], [r["modelled"]], color=c, s=36, zorder=3,
+                   marker="X" if outside else "o")
+        ax.annotate(str(i), (r["reference"], r["modelled"]), xytext=(3, 3),
+                    textcoords="offset points", fontsize=7, color=c)
+        key.append(f"{i:>2} {r['name'][:52]:<52} {r['error']:+6.1%}"
+                   + (" *" if outside else ""))
+    for s in sources:
+        ax.scatter([], [], color=colors(sources.index(s) % 10), s=36, label=s)
+    ax.set(xscale="log", yscale="log", xlim=line, ylim=line,
+           xlabel="published TFLOP/s per GPU (6N + 12Lhs per token)",
+           ylabel="labkit's planner, modelled TFLOP/s per GPU",
+           title=f"modelled vs published: {band['n']} runs never fitted to, mean |error| "
+                 f"{band['mean_abs']:.1%} (X, *: outside the band)")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.text(0.6, 0.5, "\n".join(["check rows: modelled / published - 1"] + key),
+             family="monospace", fontsize=7, va="center")
+    fig.subplots_adjust(left=0.07, right=0.57)
     return fig

@@ -274,6 +274,31 @@ published.style.format({"labkit error": "{:+.1%}", "llm-analysis error": "{:+.1%
                         "llm-analysis": "{:.1f}"}, na_rep="-")
 
 # %% [markdown]
+# ### How far to trust a plan: the expected error band
+#
+# The check rows are the planner's error bars. Every `python -m labkit plan` prints them under
+# its table (and its `--json` carries them as `error_band`): the spread of modelled / published
+# - 1 over the check rows, the central 80% of them (so one run with a known cause, below, does
+# not set it), the full range, and the rows outside. A real run of a plan is then expected
+# near modelled / (1 + error). The figure puts each check row at (published, modelled): on the
+# grey line the planner is exact; inside the shaded band lie the rows that set it. The hollow
+# circles are the calibration rows, what the two constants were fitted on, so they are not in
+# the band. Beside it, the training steps that `labkit calibrate` measured on one H200 (a
+# 1B-shaped Llama), predicted by the same planner. `plan --serve` prints its own band, from the
+# decode steps measured on that H200; no published serving run is checked yet.
+
+# %%
+from labkit.theory import error_band
+from labkit.viz.planner_widgets import error_band_figure
+
+band = error_band.training_band()
+signed = sum(r["error"] for r in band["rows"]) / band["n"]
+print(f"mean error over the {band['n']} check rows (modelled / published - 1): {signed:+.1%} "
+      f"signed, {band['mean_abs']:.1%} absolute")
+print("\n".join(error_band.format_band(band)))
+fig = error_band_figure(band, error_band.published_rows(runs_check.runs("calibration")))
+
+# %% [markdown]
 # What the model leaves out, so the errors can be read. **Kernel choice**: one efficiency per
 # GPU and precision (the A100 fit times each GPU's best matmul), the same for every GEMM shape,
 # attention kernel and fused element-wise kernel; a stack with better kernels than Megatron-LM

@@ -1,0 +1,137 @@
+"""The planners' expected error band (labkit/theory/error_band.py): taken from the check rows
+(a changed row changes it), printed by `plan` and `plan --serve`, in their --json as
+`error_band`, drawn in lesson 06's figure."""
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+from labkit.cli import main
+from labkit.theory import error_band, published
+
+matplotlib.use("Agg")
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+@pytest.fixture(scope="module")
+def check_rows():
+    return published.runs("check")
+
+
+@pytest.fixture(scope="module")
+def training(check_rows):
+    return error_band.training_band(check_rows)
+
+
+def test_the_band_is_the_central_spread_of_the_rows():
+    rows = [dict(name=f"r{i}", error=e) for i, e in
+            enumerate([-0.5, -0.2, -0.1, 0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.9])]
+    b = error_band.band(rows)           # 10 rows, 80%: the lowest and the highest dropped
+    assert (b["low"], b["high"], b["min"], b["max"]) == (-0.2, 0.3, -0.5, 0.9)
+    assert b["inside"] == 8 and b["outside"] == ["r9", "r0"]     # largest |error| first
+    assert b["mean_abs"] == pytest.approx(2.5 / 10)
+    few = error_band.band(rows[:4])     # too few to drop any: the full range
+    assert (few["low"], few["high"], few["inside"]) == (-0.5, 0.0, 4)
+
+
+def test_only_check_rows_and_each_named(training, check_rows):
+    names = {r["name"] for r in training["rows"]}
+    assert names == {r["name"] for r in check_rows} and len(names) == training["n"]
+    assert not names & {r["name"] for r in published.runs("calibration")}
+    assert training["low"] <= 0 <= training["high"] and training["inside"] < training["n"]
+    for r in training["rows"]:          # the error is the row's, predicted by the planner
+        assert r["error"] == pytest.approx(r["modelled"] / r["reference"] - 1)
+
+
+def test_changing_a_row_changes_the_band(training, check_rows):
+    top = max(training["rows"], key=lambda r: r["error"] if r["name"] not in
+              training["outside"] else -1)           # the row that sets the band's high edge
+    assert top["error"] == pytest.approx(training["high"])
+    rows = copy.deepcopy(check_rows)
+    row = next(r for r in rows if r["name"] == top["name"])
+    field = "tokens_per_s_per_gpu" if row["tokens_per_s_per_gpu"].strip() else "tflops_per_gpu"
+    row[field] = str(float(row[field]) * 3)   # published 3x as fast: a -62% row, the lowest
+    moved = error_band.training_band(rows, measured=None)
+    assert moved["high"] < training["high"] and moved["min"] < training["min"]
+    assert moved["measured"] is None
+
+
+def test_measured_rows_are_the_profile_against_the_lab_model():
+    measured = error_band.load_measured()
+    assert measured is not None, "data/profiles/h200.json is the lab's check profile"
+    decode = error_band.measured_decode_rows(measured)
+    assert len(decode) == len(measured["decode_step_s"])
+    for r, m in zip(decode, measured["decode_step_s"]):
+        assert r["reference"] == m["seconds"] and r["error"] == pytest.approx(
+            m["seconds"] / r["modelled"] - 1) and error_band.MEASURED == r["source"]
+    # a faster measured GPU (the profile's peak and bandwidth) is modelled faster still
+    profiled = error_band.measured_decode_rows(measured, profiled=True)
+    assert all(p["modelled"] != d["modelled"] for p, d in zip(profiled, decode))
+    slower = copy.deepcopy(measured)
+    slower["decode_step_s"][0]["seconds"] *= 3
+    assert error_band.serving_band(slower)["max"] > error_band.serving_band(measured)["max"]
+
+
+def test_no_rows_refuses_in_one_line():
+    with pytest.raises(ValueError, match="at least one check row"):
+        error_band.band([])
+    missing = error_band.serving_band(measured=None)
+    assert "missing" in missing
+    assert error_band.format_band(missing)[0].startswith("expected error: unknown")
+
+
+def test_plan_prints_and_returns_the_band(capsys):
+    args = ["plan", "--model", "llama-3-8b", "--gpus", "8", "--global-batch", "64", "--top", "1"]
+    started = time.process_time()       # CPU time: the shared machine's load does not count
+    assert main(args + ["--json"]) == 0
+    assert time.process_time() - started < 1.0
+    b = json.loads(capsys.readouterr().out)["error_band"]
+    assert b["n"] == len(published.runs("check")) and len(b["rows"]) == b["n"]
+    assert b["kind"] == "training" and b["measured"]["n"] == 2
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert f"expected error {b['low']:+.0%}/{b['high']:+.0%}" in text
+    assert all(name in text for name in b["outside"]) and error_band.MEASURED in text
+
+
+def test_plan_serve_prints_and_returns_the_band(capsys):
+    args = ["plan", "--serve", "--model", "llama-3-8b", "--gpus", "8", "--top", "1"]
+    assert main(args + ["--json"]) == 0
+    b = json.loads(capsys.readouterr().out)["error_band"]
+    assert b["kind"] == "serving" and b["n"] == 4 and "decode" in b["rows"][0]["name"]
+    assert main(args) == 0
+    assert f"expected error {b['low']:+.0%}/{b['high']:+.0%}" in capsys.readouterr().out
+
+
+def test_plan_with_the_band_imports_no_torch():
+    code = ("import sys; from labkit.cli import main; "
+            "rc = main(['plan', '--model', 'llama-3-8b', '--gpus', '8', '--global-batch', '64',"
+            " '--top', '1']); rc2 = main(['plan', '--serve', '--model', 'llama-3-8b', "
+            "'--gpus', '8', '--top', '1']); "
+            "assert rc == rc2 == 0 and 'torch' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_figure_draws_every_row_and_the_band(training):
+    from labkit.viz.planner_widgets import error_band_figure
+    calibration = error_band.published_rows(published.runs("calibration"))
+    fig = error_band_figure(training, calibration)
+    ax = fig.axes[0]
+    from matplotlib.collections import PathCollection
+    dots = [tuple(c.get_offsets()[0]) for c in ax.collections
+            if isinstance(c, PathCollection) and len(c.get_offsets()) == 1]
+    assert dots == [(r["reference"], r["modelled"]) for r in training["rows"]]  # x published
+    assert any(len(c.get_offsets()) == len(calibration) for c in ax.collections)
+    band = ax.collections[0].get_paths()[0].vertices     # the shaded band, low to high
+    assert band[:, 1].min() == pytest.approx(ax.get_xlim()[0] * (1 + training["low"]))
+    key = fig.texts[0].get_text()
+    assert all(r["name"][:52] in key for r in training["rows"])
+    fig.canvas.draw()
