@@ -306,7 +306,8 @@ def _exercise_module(exercise):
     checker = _number_exercises()[exercise][0]
     name = {"00": "why_parallelism", "01": "data_parallel", "02": "pipeline",
             "03": "tensor_parallel", "04": "zero", "05": "moe", "06": "hybrid",
-            "07": "when_it_breaks", "08": "context_parallel", "09": "serving"}[exercise[:2]]
+            "07": "when_it_breaks", "08": "context_parallel", "09": "serving",
+            "10": "serving_systems"}[exercise[:2]]
     import importlib
     return checker, importlib.import_module(f"labkit.exercises.{name}")
 
