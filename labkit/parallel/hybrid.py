@@ -91,10 +91,6 @@ def validate_dims(*, dp, tp, pp, ep=1, dp_replicate=1, zero_stage=0, sequence_pa
         raise ValueError(f"zero_stage=3 with experts (ep={ep}, experts={experts}) is not "
                          "composed here: FullyShard would shard the expert weights over all "
                          "of dp, whose EP ranks hold different experts")
-    if zero_stage == 3 and sequence_parallel:
-        raise ValueError("zero_stage=3 with sequence_parallel is not composed here: "
-                         "FullyShard's gathered weights lose the hook that sums a replicated "
-                         "weight's gradient over the TP group")
     if world_size is not None and world_size != dp * tp * pp:
         raise ValueError(f"world_size={world_size} but dp x tp x pp = {dp * tp * pp}")
 
@@ -187,6 +183,7 @@ class HybridParallel:
         mine = list(range(mesh.coords["pp"], total, pp))
         self._tp_splits = {}   # stage -> {name: (tp_split, tp_group)}: FullyShard hides them
         self.stage_params = 0  # this rank's parameters after TP, before FullyShard
+        self._sp_sum = []      # ZeRO-3 + SP: shards whose gradient is summed over TP
         for s in mine:
             if mesh.sizes["tp"] > 1 and tp_plan:
                 parallelize(modules[s], plan_for(modules[s], tp_plan), group=mesh["tp"],
@@ -196,11 +193,17 @@ class HybridParallel:
                     setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"]))
             self.stage_params += sum(p.numel() for p in modules[s].parameters())
             if zero_stage == 3:   # last, on the TP shards: torchtitan's order
+                named = dict(modules[s].named_parameters())
                 self._tp_splits[s] = {n: (getattr(p, "tp_split", None),
                                           getattr(p, "tp_group", None))
-                                      for n, p in modules[s].named_parameters()}
+                                      for n, p in named.items()}
                 modules[s] = FullyShard(modules[s], group=self.dp_shard,
                                         units=one_unit_per_layer(modules[s]))
+                # SP's replicated weights lose their TP-sum hook to FullyShard's leaves:
+                # their shards' gradients are summed over TP after the pipeline instead
+                shards = dict(modules[s].module.named_parameters())
+                self._sp_sum += [shards[n] for n, p in named.items()
+                                 if getattr(p, "_tp_sum", False)]
         self.stages = [PipelineStage(modules[s], s, total, group=mesh["pp"]) for s in mine]
         self.module = nn.ModuleList(stage.module for stage in self.stages)
         self.pipe = PipelineSchedule(self.stages, schedule, loss_fn, n_microbatches)
@@ -236,6 +239,7 @@ class HybridParallel:
         with self.ctx.memory.track_activations():
             loss = self.pipe.step(x, target=target)
         if self.zero_stage == 3:   # FullyShard averaged over dp_shard; HSDP: across replicas
+            self._sum_over_tp(self._sp_sum)
             if self.dp_replicate is not None:
                 average_gradients(self.dense, self.dp_replicate, tag="dp_replicate grads")
         else:   # DP: a stage's replicas average their gradients (one flat all-reduce)
@@ -244,6 +248,18 @@ class HybridParallel:
         for opt in self.optimizers:
             opt.step()
         return loss
+
+    @torch.no_grad()
+    def _sum_over_tp(self, shards):
+        """Sum `shards`' gradients over the TP group (one flat all-reduce): TP peers shard a
+        replicated weight the same way (equal TP splits: equal flat layouts), so the sum of
+        their dp-averaged shards is the shard of the sum that SP's hook would have made."""
+        if not shards:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in shards])
+        self.ctx.comm.all_reduce(flat, group=self.mesh["tp"], tag="sequence-parallel grads")
+        for p, g in zip(shards, flat.split([p.numel() for p in shards])):
+            p.grad.copy_(g.view_as(p.grad))
 
     def full_params(self):
         """{name in the sequential: whole tensor} of this rank's stages: TP shards gathered
