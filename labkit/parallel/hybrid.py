@@ -21,12 +21,15 @@ after each forward (reshard_after_forward) and each micro-batch's backward ends 
 reduce-scatter, added into the shards' `.grad` (FullyShard has no "accumulate unsharded, reduce
 once" mode). So DP traffic per rank and step is 3 m (S-1)/S x the stage's bytes (m
 micro-batches, S = dp_shard) where ZeRO-1 moves 2 (S-1)/S once: (3m/2)x the bytes, for model
-states of 16 Ψ / (tp pp S) instead of (8 + 8/S) Ψ / (tp pp) (fp32 Adam).
+states of 16 Ψ / (tp pp S) instead of (8 + 8/S) Ψ / (tp pp) (fp32 Adam). With sequence
+parallelism a replicated weight's gradient, which SP sums over TP by a hook on the parameter
+(lost when FullyShard computes with its own full copies), is summed over TP on the shards after
+the pipeline: one all-reduce of those shards per step. Experts are not sharded (refused).
 
 Memory per GPU (model states): Ψ / (tp * pp) of the weights each (+ 1/ep of the experts);
-ZeRO-1 divides the optimizer state by dp too. ZeRO-3 divides weights, gradients and optimizer
-state by dp_shard. Activations: those of the micro-batches in
-flight on this stage, / tp with sequence parallelism. Communication per step: TP 4 collectives
+ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
+dp_shard. Activations: those of the micro-batches in flight on this stage, / tp with sequence
+parallelism. Communication per step: TP 4 collectives
 per layer and micro-batch of b*s*h values (inside a node); PP 2 point-to-point messages per
 stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the stage's gradients
 (2 (dp-1)/dp x its bytes; ZeRO-1 the same in reduce-scatter + all-gather form).
