@@ -86,13 +86,17 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
 
 
 def label_dp(rows, hybrid):
-    """Under ZeRO-3 the DP traffic by torchtitan's names: FullyShard's gathers and
-    reduce-scatters on `dp_shard`, HSDP's all-reduce across `dp_replicate`."""
-    names = {g.name: dim for dim, g in (("dp_shard", hybrid.dp_shard),
-                                         ("dp_replicate", hybrid.dp_replicate)) if g is not None}
+    """Under ZeRO-3 the DP traffic by torchtitan's names: FullyShard's gathers ("params ...")
+    and reduce-scatters ("grads ...") on `dp_shard`, HSDP's all-reduce across `dp_replicate`
+    (by tag and group: a one-rank dp_shard has the ranks, so the name, of other groups)."""
+    if hybrid.dp_shard is None:
+        return rows
     for row in rows:
-        if row["group"] in names and row["dim"] in ("dp", "other"):
-            row["dim"] = names[row["group"]]
+        if row["group"] == hybrid.dp_shard.name and row["tag"].startswith(("params ",
+                                                                             "grads ")):
+            row["dim"] = "dp_shard"
+        elif row["tag"].startswith("dp_replicate"):
+            row["dim"] = "dp_replicate"
     return rows
 
 
