@@ -91,9 +91,9 @@ def validate_dims(*, dp, tp, pp, ep=1, dp_replicate=1, zero_stage=0, sequence_pa
         raise ValueError(f"dp_replicate={dp_replicate} needs zero_stage=3 (HSDP shards within "
                          f"dp_shard; with zero_stage={zero_stage} every dp rank is a replica)")
     if zero_stage == 3 and (ep > 1 or experts):
-        raise ValueError(f"zero_stage=3 with experts (ep={ep}, experts={experts}) is not "
-                         "composed here: FullyShard would shard the expert weights over all "
-                         "of dp, whose EP ranks hold different experts")
+        raise ValueError(f"zero_stage=3 with experts (ep={ep}) is not composed here: "
+                         "FullyShard would shard the expert weights over all of dp, whose EP "
+                         "ranks hold different experts")
     if world_size is not None and world_size != dp * tp * pp:
         raise ValueError(f"world_size={world_size} but dp x tp x pp = {dp * tp * pp}")
 
@@ -176,7 +176,7 @@ class HybridParallel:
         validate_dims(dp=mesh.sizes["dp"], tp=mesh.sizes["tp"], pp=mesh.sizes["pp"],
                       ep=mesh.ep, dp_replicate=dp_replicate, zero_stage=zero_stage,
                       sequence_parallel=sequence_parallel and mesh.sizes["tp"] > 1,
-                      experts=int(expert_parallel and mesh.ep > 1))
+                      experts=int(bool(expert_parallel)))
         self.ctx, self.mesh, self.zero_stage = context(), mesh, zero_stage
         self.dp_shard, self.dp_replicate = (dp_groups(mesh, dp_replicate) if zero_stage == 3
                                             else (None, None))
