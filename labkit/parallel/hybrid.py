@@ -11,9 +11,25 @@ optimizer or with ZeRO-1 (`ShardedOptimizer`) over the same group. An MoE model'
 spread by `ExpertParallel` over EP groups carved out of DP; an expert's gradient is averaged
 over its replicas (`ep_dp`), every other one over DP.
 
+`zero_stage=3` (ZeRO-3 / FSDP, torchtitan's order: TP -> PP stages -> FullyShard) wraps each of
+this rank's TP-split stages in `FullyShard` (one unit per layer) over the DP group; HSDP
+(`dp_replicate=R`, torchtitan's ParallelDims names): the dp ranks split into R replicas of
+dp_shard = dp / R ranks each, FullyShard shards within `dp_shard` (consecutive dp indices) and
+the shards' gradients are averaged across `dp_replicate` (one all-reduce per step). Under a
+pipeline, FullyShard gathers and reduce-scatters *per micro-batch*: it frees the full weights
+after each forward (reshard_after_forward) and each micro-batch's backward ends with its own
+reduce-scatter, added into the shards' `.grad` (FullyShard has no "accumulate unsharded, reduce
+once" mode). So DP traffic per rank and step is 3 m (S-1)/S x the stage's bytes (m
+micro-batches, S = dp_shard) where ZeRO-1 moves 2 (S-1)/S once: (3m/2)x the bytes, for model
+states of 16 Ψ / (tp pp S) instead of (8 + 8/S) Ψ / (tp pp) (fp32 Adam). With sequence
+parallelism a replicated weight's gradient, which SP sums over TP by a hook on the parameter
+(lost when FullyShard computes with its own full copies), is summed over TP on the shards after
+the pipeline: one all-reduce of those shards per step. Experts are not sharded (refused).
+
 Memory per GPU (model states): Ψ / (tp * pp) of the weights each (+ 1/ep of the experts);
-ZeRO-1 divides the optimizer state by dp too. Activations: those of the micro-batches in
-flight on this stage, / tp with sequence parallelism. Communication per step: TP 4 collectives
+ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
+dp_shard. Activations: those of the micro-batches in flight on this stage, / tp with sequence
+parallelism. Communication per step: TP 4 collectives
 per layer and micro-batch of b*s*h values (inside a node); PP 2 point-to-point messages per
 stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the stage's gradients
 (2 (dp-1)/dp x its bytes; ZeRO-1 the same in reduce-scatter + all-gather form).
@@ -37,6 +53,8 @@ from .moe import ExpertParallel
 from .pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from .serving import PipelineGenerator, generate, new_cache, split_requests
 from .flat import average_gradients, unwrapped_name
+from .fully_shard import FullyShard, one_unit_per_layer
+from .tp_shards import all_gather_dim, split_parts
 from .tensor_parallel import gather_params, parallelize
 from .tensor_parallel_plan import plan_for
 from .zero import ShardedOptimizer
@@ -55,21 +73,66 @@ def moe_layers(module):
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
+def validate_dims(*, dp, tp, pp, ep=1, dp_replicate=1, zero_stage=0, sequence_parallel=False,
+                  experts=0, world_size=None):
+    """The one check of a mesh's degrees (like torchtitan's ParallelDims._validate): a one-line
+    ValueError naming the argument, before any group is made."""
+    sizes = dict(dp=dp, tp=tp, pp=pp, ep=ep, dp_replicate=dp_replicate)
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if zero_stage not in (0, 1, 3):
+        raise ValueError(f"zero_stage must be 0, 1 or 3, got {zero_stage!r} (ZeRO-2 would "
+                         "shard gradients the pipeline accumulates; 3 is FullyShard)")
+    if dp % dp_replicate:
+        raise ValueError(f"dp_replicate={dp_replicate} does not divide dp={dp} "
+                         "(HSDP: dp = dp_replicate x dp_shard)")
+    if dp_replicate > 1 and zero_stage != 3:
+        raise ValueError(f"dp_replicate={dp_replicate} needs zero_stage=3 (HSDP shards within "
+                         f"dp_shard; with zero_stage={zero_stage} every dp rank is a replica)")
+    if zero_stage == 3 and (ep > 1 or experts):
+        raise ValueError(f"zero_stage=3 with experts (ep={ep}) is not composed here: "
+                         "FullyShard would shard the expert weights over all of dp, whose EP "
+                         "ranks hold different experts")
+    if world_size is not None and world_size != dp * tp * pp:
+        raise ValueError(f"world_size={world_size} but dp x tp x pp = {dp * tp * pp}")
+
+
+def dp_groups(mesh, dp_replicate):
+    """(dp_shard, dp_replicate) groups of this rank: dp index i is replica i // S, shard
+    member i % S (S = dp / dp_replicate: consecutive dp ranks shard together, torchtitan's
+    order). Every rank calls it (it makes groups)."""
+    dp = mesh.sizes["dp"]
+    if dp_replicate == 1:
+        return mesh["dp"], None
+    size = dp // dp_replicate
+    table = mesh.table()
+
+    def partition(key):
+        groups = {}
+        for row in table:
+            rest = tuple(row[d] for d in ("pp", "cp", "tp"))
+            groups.setdefault((rest, key(row["dp"])), []).append(row["rank"])
+        return list(groups.values())
+    shard = mesh.ctx.split_groups(partition(lambda i: i // size))
+    replicate = mesh.ctx.split_groups(partition(lambda i: i % size))
+    return shard, replicate
+
+
 def check_layout(*, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
                  sequence_parallel=False, experts=0, layers, heads, ffn, vocab, seq,
-                 global_batch):
+                 global_batch, dp_replicate=1):
     """One-line ValueError (CLI flag names) for a mesh layout a GPT of this shape or this batch
     cannot take, before any rank starts: TP must divide what it splits, each pipeline stage
     needs a layer (the embeddings and the head are stages of their own), the batch must split
     into dp replicas x micro-batches, EP must divide the experts and DP."""
-    for name, value in dict(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches,
-                            virtual=virtual).items():
+    validate_dims(dp=dp, tp=tp, pp=pp, ep=ep, dp_replicate=dp_replicate, zero_stage=zero,
+                  sequence_parallel=sequence_parallel, experts=experts)
+    for name, value in dict(microbatches=microbatches, virtual=virtual).items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be a positive integer, got {value!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}")
-    if zero not in (0, 1):
-        raise ValueError(f"--zero must be 0 or 1 with a pipeline, got {zero}")
     for name, size in dict(heads=heads, ffn=ffn, vocab=vocab,
                            **({"seq": seq} if sequence_parallel else {})).items():
         if size % tp:
@@ -99,22 +162,31 @@ class HybridParallel:
     loss_fn(output, target) on the last stage; tp_plan: `parallelize`'s plan with names of
     the sequential (e.g. {"*.attn.qkv": "colwise", ...}); schedule / n_microbatches / virtual:
     the pipeline's; expert_parallel: wrap every MoE layer in ExpertParallel over mesh["ep"];
-    zero_stage 0 (a plain optimizer) or 1 (ShardedOptimizer over the DP group).
+    zero_stage 0 (a plain optimizer), 1 (ShardedOptimizer over the DP group) or 3 (each stage
+    in FullyShard over `dp_shard`; `dp_replicate` > 1: HSDP, the shards' gradients averaged
+    over `dp_replicate`). After construction: `dp_shard` / `dp_replicate` (the groups; None
+    where there is no such dimension), `stage_params` (this rank's stages' parameters after
+    TP, before FullyShard shards them).
     """
 
     def __init__(self, model, mesh, loss_fn, *, tp_plan=None, sequence_parallel=False,
                  schedule="1f1b", n_microbatches=4, virtual=1, balance="layers",
-                 expert_parallel=False, zero_stage=0, optimizer_class=torch.optim.Adam,
-                 **optimizer_defaults):
-        if zero_stage not in (0, 1):
-            raise ValueError(f"zero_stage must be 0 or 1 with pipeline parallelism, got "
-                             f"{zero_stage} (ZeRO-2/3 would shard gradients that the pipeline "
-                             "accumulates over micro-batches)")
-        self.ctx, self.mesh = context(), mesh
+                 expert_parallel=False, zero_stage=0, dp_replicate=1,
+                 optimizer_class=torch.optim.Adam, **optimizer_defaults):
+        validate_dims(dp=mesh.sizes["dp"], tp=mesh.sizes["tp"], pp=mesh.sizes["pp"],
+                      ep=mesh.ep, dp_replicate=dp_replicate, zero_stage=zero_stage,
+                      sequence_parallel=sequence_parallel and mesh.sizes["tp"] > 1,
+                      experts=int(bool(expert_parallel)))
+        self.ctx, self.mesh, self.zero_stage = context(), mesh, zero_stage
+        self.dp_shard, self.dp_replicate = (dp_groups(mesh, dp_replicate) if zero_stage == 3
+                                            else (None, None))
         pp = mesh.sizes["pp"]
         total = pp * virtual
         modules = split_into_stages(model, total, balance)
         mine = list(range(mesh.coords["pp"], total, pp))
+        self._tp_splits = {}   # stage -> {name: (tp_split, tp_group)}: FullyShard hides them
+        self.stage_params = 0  # this rank's parameters after TP, before FullyShard
+        self._sp_sum = []      # ZeRO-3 + SP: shards whose gradient is summed over TP
         for s in mine:
             if mesh.sizes["tp"] > 1 and tp_plan:
                 parallelize(modules[s], plan_for(modules[s], tp_plan), group=mesh["tp"],
@@ -122,6 +194,19 @@ class HybridParallel:
             if expert_parallel:
                 for parent, attr, layer in moe_layers(modules[s]):
                     setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"]))
+            self.stage_params += sum(p.numel() for p in modules[s].parameters())
+            if zero_stage == 3:   # last, on the TP shards: torchtitan's order
+                named = dict(modules[s].named_parameters())
+                self._tp_splits[s] = {n: (getattr(p, "tp_split", None),
+                                          getattr(p, "tp_group", None))
+                                      for n, p in named.items()}
+                modules[s] = FullyShard(modules[s], group=self.dp_shard,
+                                        units=one_unit_per_layer(modules[s]))
+                # SP's replicated weights lose their TP-sum hook to FullyShard's leaves:
+                # their shards' gradients are summed over TP after the pipeline instead
+                shards = dict(modules[s].module.named_parameters())
+                self._sp_sum += [shards[n] for n, p in named.items()
+                                 if getattr(p, "_tp_sum", False)]
         self.stages = [PipelineStage(modules[s], s, total, group=mesh["pp"]) for s in mine]
         self.module = nn.ModuleList(stage.module for stage in self.stages)
         self.pipe = PipelineSchedule(self.stages, schedule, loss_fn, n_microbatches)
@@ -137,7 +222,7 @@ class HybridParallel:
             if zero_stage == 1:
                 opt = ShardedOptimizer(group_params, optimizer_class, group=group, stage=1,
                                        **optimizer_defaults)
-            else:
+            else:   # ZeRO-3: a plain optimizer over the shards is already 1/dp_shard
                 opt = optimizer_class(group_params, **optimizer_defaults)
             self.optimizers.append(opt)
         self.ctx.memory.watch(
@@ -156,12 +241,28 @@ class HybridParallel:
             opt.zero_grad(set_to_none=True)
         with self.ctx.memory.track_activations():
             loss = self.pipe.step(x, target=target)
-        # DP: the replicas of a stage average their gradients (one flat all-reduce each group).
-        average_gradients(self.dense, self.mesh["dp"], tag="dp grads")
+        if self.zero_stage == 3:   # FullyShard averaged over dp_shard; HSDP: across replicas
+            self._sum_over_tp(self._sp_sum)
+            if self.dp_replicate is not None:
+                average_gradients(self.dense, self.dp_replicate, tag="dp_replicate grads")
+        else:   # DP: a stage's replicas average their gradients (one flat all-reduce)
+            average_gradients(self.dense, self.mesh["dp"], tag="dp grads")
         average_gradients(self.experts, self.mesh["ep_dp"], tag="ep_dp grads")
         for opt in self.optimizers:
             opt.step()
         return loss
+
+    @torch.no_grad()
+    def _sum_over_tp(self, shards):
+        """Sum `shards`' gradients over the TP group (one flat all-reduce): TP peers shard a
+        replicated weight the same way (equal TP splits: equal flat layouts), so the sum of
+        their dp-averaged shards is the shard of the sum that SP's hook would have made."""
+        if not shards:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in shards])
+        self.ctx.comm.all_reduce(flat, group=self.mesh["tp"], tag="sequence-parallel grads")
+        for p, g in zip(shards, flat.split([p.numel() for p in shards])):
+            p.grad.copy_(g.view_as(p.grad))
 
     def full_params(self):
         """{name in the sequential: whole tensor} of this rank's stages: TP shards gathered
@@ -169,11 +270,28 @@ class HybridParallel:
         out = {}
         for stage in self.stages:
             module = stage.module
-            if self.mesh.sizes["tp"] > 1:
+            if isinstance(module, FullyShard):
+                out.update(self._unshard(module, self._tp_splits[stage.stage_index]))
+            elif self.mesh.sizes["tp"] > 1:
                 out.update(gather_params(module))
             else:
                 out.update({k: p.detach().clone() for k, p in module.named_parameters()})
         return {unwrapped_name(k): v for k, v in out.items()}
+
+
+    @staticmethod
+    def _unshard(module, splits):
+        """A FullyShard stage's whole tensors: gathered over dp_shard, then over TP."""
+        out = {}
+        for name, tensor in module.full_state_dict().items():
+            split, group = splits[name]
+            if split is not None:
+                dim, parts = split
+                tensor = torch.cat([all_gather_dim(p, dim, group, "gather params")
+                                    for p in split_parts(tensor, dim, parts, group.size)],
+                                   dim=dim)
+            out[name] = tensor
+        return out
 
 
 class HybridGenerator:

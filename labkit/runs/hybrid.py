@@ -1,10 +1,12 @@
 """DP x TP x PP (x EP) on labkit's GPT: the blocks composed on a mesh, checked against one device.
 
-`python -m labkit run hybrid --dp 2 --tp 2 --pp 2 [--zero 1] [--schedule 1f1b]
+`python -m labkit run hybrid --dp 2 --tp 2 --pp 2 [--zero 1|3 [--dp-replicate R]] [--schedule 1f1b]
 [--sequence-parallel] [--experts 4 --ep 2] [--order tp,pp,dp,cp] --json` trains the tiny GPT
 (or its MoE variant) on dp x tp x pp CPU ranks with `labkit.parallel.hybrid.HybridParallel`
 and reports DESIGN.md's contract: loss and parameters against the single-device run, memory
-per rank, the comm log split by the mesh's groups (dp / tp / pp / ep), the modelled step.
+per rank, the comm log split by the mesh's groups (dp / tp / pp / ep; under --zero 3
+dp_shard / dp_replicate), the modelled step. `--zero 3` is FSDP (HSDP with --dp-replicate):
+the report adds `predicted_comm_by_dim` (theory/hybrid.fsdp_wire_bytes for each rank's stage).
 The MoE variant routes without capacity limits (capacity factor = experts / top_k: nothing is
 dropped, so micro-batching cannot change the routing) and without router losses, so the one
 device reference trains the same function.
@@ -37,7 +39,7 @@ def run_config(cfg, experts=0, top_k=1):
 
 
 def check_config(cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
-                 sequence_parallel=False, experts=0, top_k=1):
+                 sequence_parallel=False, experts=0, top_k=1, dp_replicate=1):
     """One-line ValueError for a layout this model or batch cannot take (before any rank)."""
     if cfg.model != "gpt":
         raise ValueError("the hybrid trains the tiny GPT (--model gpt; --experts N for MoE)")
@@ -48,11 +50,11 @@ def check_config(cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4,
                  microbatches=microbatches, virtual=virtual,
                  sequence_parallel=sequence_parallel, experts=experts, layers=c.layers,
                  heads=c.heads, ffn=c.ffn, vocab=c.vocab, seq=c.seq,
-                 global_batch=cfg.global_batch)
+                 global_batch=cfg.global_batch, dp_replicate=dp_replicate)
 
 
 def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
-          sequence_parallel=False, order=DIMS):
+          sequence_parallel=False, order=DIMS, dp_replicate=1):
     """Train on this rank's place in the mesh; returns `rank_result` with its stages' params."""
     mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, ep=ep, order=tuple(order))
     model = reference.build_model(cfg)
@@ -65,8 +67,8 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
         layers, mesh, reference.token_loss, tp_plan=gpt_plan(sequence_parallel, sequential=True),
         sequence_parallel=sequence_parallel, schedule=schedule, n_microbatches=microbatches,
         virtual=virtual if schedule == "interleaved" else 1,
-        expert_parallel=cfg.model == "moe", zero_stage=zero, optimizer_class=opt_class,
-        **options)
+        expert_parallel=cfg.model == "moe", zero_stage=zero, dp_replicate=dp_replicate,
+        optimizer_class=opt_class, **options)
     first, last = any(s.is_first for s in hybrid.stages), hybrid.is_last
     losses = []
     for step, (x, y) in enumerate(batches):
@@ -77,9 +79,25 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
             losses.append(loss.item())
     with ctx.off_the_record():
         params = {model_name[k]: v for k, v in hybrid.full_params().items()}
-    comm = mesh.label_comm(ctx.comm.summary(by=("op", "group", "tag")))
+    comm = label_dp(mesh.label_comm(ctx.comm.summary(by=("op", "group", "tag"))), hybrid)
     return rank_result(ctx, losses, stage_params=params, coords=mesh.coords,
-                       mesh_table=mesh.table(), is_last=last, comm_by_group=comm)
+                       mesh_table=mesh.table(), is_last=last, comm_by_group=comm,
+                       held_params=hybrid.stage_params)
+
+
+def label_dp(rows, hybrid):
+    """Under ZeRO-3 the DP traffic by torchtitan's names: FullyShard's gathers ("params ...")
+    and reduce-scatters ("grads ...") on `dp_shard`, HSDP's all-reduce across `dp_replicate`
+    (by tag and group: a one-rank dp_shard has the ranks, so the name, of other groups)."""
+    if hybrid.dp_shard is None:
+        return rows
+    for row in rows:
+        if row["group"] == hybrid.dp_shard.name and row["tag"].startswith(("params ",
+                                                                             "grads ")):
+            row["dim"] = "dp_shard"
+        elif row["tag"].startswith("dp_replicate"):
+            row["dim"] = "dp_replicate"
+    return rows
 
 
 def merge_results(results, dp):
@@ -90,6 +108,20 @@ def merge_results(results, dp):
     return [dict(results[0], loss=mean_loss(last, key="loss"), params=params)] + results[1:]
 
 
+def dp_comm_by_rank(results, steps, dp, dp_replicate, microbatches):
+    """Per rank, ZeRO-3's DP bytes on the wire (ring model) by dimension over the run: those
+    its comm log counted (`measured`) and theory/hybrid.fsdp_wire_bytes (`predicted`)."""
+    out = []
+    for r in results:
+        per_step = theory_hybrid.fsdp_wire_bytes(r["held_params"], dp // dp_replicate,
+                                                 dp_replicate, microbatches)
+        measured = {dim: sum(row["wire_bytes_per_rank"] for row in r["comm_by_group"]
+                             if row["dim"] == dim) for dim in per_step}
+        out.append(dict(rank=r["rank"], measured=measured,
+                        predicted={k: v * steps for k, v in per_step.items()}))
+    return out
+
+
 def add_arguments(parser):
     """Options of `python -m labkit run hybrid` (the world size is dp x tp x pp)."""
     parser.set_defaults(world_size=None)
@@ -97,7 +129,10 @@ def add_arguments(parser):
                         ("pp", "pipeline stages"), ("ep", "expert-parallel degree (MoE)")):
         parser.add_argument(f"--{name}", type=int, default=2 if name != "ep" else 1,
                             help=help_)
-    parser.add_argument("--zero", type=int, default=0, help="0 or 1 (ZeRO-1 over the DP group)")
+    parser.add_argument("--zero", type=int, default=0,
+                        help="0, 1 (ZeRO-1 over the DP group) or 3 (FullyShard over dp_shard)")
+    parser.add_argument("--dp-replicate", type=int, default=1,
+                        help="HSDP (--zero 3): replicas of dp_shard = dp / dp_replicate ranks")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--virtual", type=int, default=2, help="stages per rank (interleaved)")
@@ -110,11 +145,11 @@ def add_arguments(parser):
 
 def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2, ep=1, zero=0,
            schedule="1f1b", microbatches=2, virtual=2, sequence_parallel=False, experts=0,
-           top_k=2, order=",".join(DIMS), timeout_s=180, **_):
+           top_k=2, order=",".join(DIMS), dp_replicate=1, timeout_s=180, **_):
     """Run the hybrid and return the run report of DESIGN.md (+ mesh table, comm by group)."""
     cfg = cfg or reference.RunConfig(model_kwargs=dict(layers=2))
     check_config(cfg, dp, tp, pp, ep, zero, schedule, microbatches, virtual, sequence_parallel,
-                 experts, top_k)
+                 experts, top_k, dp_replicate)
     world = dp * tp * pp
     if world_size not in (None, world):
         raise ValueError(f"--world-size {world_size} but dp x tp x pp = {world}: drop "
@@ -125,7 +160,7 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
     run = run_config(cfg, experts, top_k)
     options = dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, schedule=schedule,
                    microbatches=microbatches, virtual=virtual,
-                   sequence_parallel=sequence_parallel)
+                   sequence_parallel=sequence_parallel, dp_replicate=dp_replicate)
     results = launch_checked("hybrid", train, world, run, dict(options, order=dims),
                              cli_options=dict(options, experts=experts, top_k=top_k),
                              cluster=cluster, timeout_s=timeout_s)
@@ -134,13 +169,17 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
     return build_report(
         "hybrid", run, results, reference=reference.train(run),
         exact=reference.float64_reference(run),
-        config=dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, schedule=schedule,
+        config=dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, dp_replicate=dp_replicate,
+                    schedule=schedule,
                     microbatches=microbatches, virtual=v, sequence_parallel=sequence_parallel,
                     experts=experts, top_k=top_k if experts else None, order=list(dims)),
         predicted_memory=None if experts else theory_hybrid.tiny_gpt_memory(
             **models.GPTConfig(**run.model_kwargs).as_dict(), global_batch=run.global_batch,
             dp=dp, tp=tp, pp=pp, microbatches=microbatches, virtual=v,
-            sequence_parallel=sequence_parallel, zero=zero, optimizer=run.optimizer),
+            sequence_parallel=sequence_parallel, zero=zero, optimizer=run.optimizer,
+            dp_replicate=dp_replicate),
+        dp_comm_by_rank=dp_comm_by_rank(results, run.steps, dp, dp_replicate, microbatches)
+        if zero == 3 else None,
         comm_by_dim=comm_by_dim(r["comm_by_group"] for r in results),
         mesh_table=results[0]["mesh_table"],
         bubble_fraction_formula=schedules.bubble_formula(pp, microbatches, v))

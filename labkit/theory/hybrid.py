@@ -5,6 +5,16 @@ stage's layers split by tp (and the optimizer state by dp under ZeRO-1) and the 
 the micro-batches the schedule keeps in flight (Narayanan et al. 2021, arXiv 2104.04473;
 Korthikanti et al. 2022, arXiv 2205.05198). Here it is asked about the tiny GPT as labkit's
 hybrid run trains it: fp32 Adam, no dropout, the softmax stored, no CUDA reserve.
+
+ZeRO-3 / FSDP on the mesh (TP -> PP -> FullyShard over dp_shard, HSDP replicas across
+dp_replicate; Rajbhandari et al. 2020, arXiv 1910.02054; Zhao et al. 2023, arXiv 2304.11277):
+the stage's TP-split weights, gradients and optimizer state each divided by dp_shard = dp / R,
+activations unchanged. Bytes a rank sends per step (ring model, B = the stage's TP-split
+weights in bytes, S = dp_shard, m micro-batches; FullyShard gathers twice and reduce-scatters
+once per micro-batch):
+
+    dp_shard:      3 m (S - 1) / S x B
+    dp_replicate:  2 (R - 1) / R x B / S       (the shards' gradients, one all-reduce)
 """
 from __future__ import annotations
 
@@ -13,13 +23,16 @@ from . import planner
 
 def tiny_gpt_memory(*, layers, hidden, heads, ffn, vocab, seq, global_batch, dp, tp, pp,
                     microbatches=2, virtual=1, sequence_parallel=False, zero=0,
-                    optimizer="adam") -> dict | None:
+                    optimizer="adam", dp_replicate=1) -> dict | None:
     """Bytes per GPU (worst stage) by category and their sum `peak`; None where the planner has
     no such plan (e.g. more stages than blocks: it gives the embedding and the head no stage
     of their own)."""
     shape = (f"layers={layers},hidden={hidden},heads={heads},ffn={ffn},"
              f"vocab={vocab},seq={seq},arch=gpt,tied=false")
-    fix = dict(dp=dp, tp=tp, pp=pp, v=virtual, zero_stage=zero, recompute="none",
+    # ZeRO-3: the planner's replicated plan, model states / dp_shard below (the planner
+    # itself refuses ZeRO-3 with a pipeline, as Megatron-LM and DeepSpeed do)
+    fix = dict(dp=dp, tp=tp, pp=pp, v=virtual, zero_stage=0 if zero == 3 else zero,
+               recompute="none",
                micro_batch_size=global_batch // (dp * microbatches),
                sequence_parallel=sequence_parallel)
     try:
@@ -30,7 +43,20 @@ def tiny_gpt_memory(*, layers, hidden, heads, ffn, vocab, seq, global_batch, dp,
         return None
     # a CPU run has no CUDA context or caching allocator: the reserve is left out
     out = {k: v for k, v in plan["memory_bytes"].items() if k not in ("total", "reserved")}
+    if zero == 3:
+        for key in ("params", "grads", "optimizer"):
+            out[key] /= dp // dp_replicate
     if optimizer == "sgd":
         out["optimizer"] = 0
     out["peak"] = sum(out.values())
     return out
+
+
+def fsdp_wire_bytes(params, dp_shard, dp_replicate=1, microbatches=1, dtype_bytes=4) -> dict:
+    """Ring-model bytes one rank sends per step under ZeRO-3 on the mesh (module docstring),
+    by mesh dimension: {"dp_shard": ..., "dp_replicate": ...}; `params`: the rank's
+    TP-split stage parameters (modelled)."""
+    full = params * dtype_bytes
+    s, r = dp_shard, dp_replicate
+    return {"dp_shard": 3 * microbatches * (s - 1) / s * full,
+            "dp_replicate": 2 * (r - 1) / r * full / s}
