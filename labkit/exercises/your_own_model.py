@@ -151,7 +151,7 @@ def _read_plan(model, plan):
             for n in planned)})
         what = (f"so its pair is broken: {', '.join(broken)} stays whole while its partner is "
                 "split, and the shapes or the sums no longer match" if broken else
-                "so it stays whole on every rank: right numbers, but its weights are not "
+                "left whole on every rank: right numbers, but its weights are not "
                 "split and no memory is saved")
         verb = "is" if len(missed) == 1 else "are"
         return "missed", (f"a layer missed: {', '.join(missed)} {verb} in no entry of the "
