@@ -15,6 +15,8 @@ WRONG = {  # name -> (plan, problem tag, words the message must say)
                 ["column and row swapped: fc1, fc2", "raised"]),
     "missed-pair": ({k: v for k, v in SOLUTION.items() if not k.endswith("fc2")}, "missed",
                     ["fc2 is in no entry", "its pair is broken", "raised"]),
+    "missed-k-v": ({k: v for k, v in SOLUTION.items() if not k.endswith(("k_proj", "v_proj"))},
+                   "missed", ["k_proj, v_proj are in no entry", "k_proj, v_proj stay whole"]),
     "missed-mlp": ({k: v for k, v in SOLUTION.items() if ".mlp." not in k}, "missed",
                    ["fc1, fc2 are in no entry", "left whole", "equals one device"]),
     "attention-as-fused": ({"model.layers.*.self_attn": "colwise",

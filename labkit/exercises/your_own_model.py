@@ -149,8 +149,9 @@ def _read_plan(model, plan):
         broken = sorted({m for m in missed if any(
             leaves[n] in (PAIRS.get(m), *[a for a, b in PAIRS.items() if b == m])
             for n in planned)})
-        what = (f"so its pair is broken: {', '.join(broken)} stays whole while its partner is "
-                "split, and the shapes or the sums no longer match" if broken else
+        stay = "stays" if len(broken) == 1 else "stay"
+        what = (f"so its pair is broken: {', '.join(broken)} {stay} whole while the partner "
+                "is split, and the shapes or the sums no longer match" if broken else
                 "left whole on every rank: right numbers, but its weights are not "
                 "split and no memory is saved")
         verb = "is" if len(missed) == 1 else "are"
