@@ -376,6 +376,10 @@ for family in ("llama", "gpt2"):
           f"TP 2 = HF generate: {all(torch.equal(r[0], hf_generate(whole)) for r in on_ranks)}"
           f"; cache {cache.nbytes():,} B on one device, {on_ranks[0][1]:,} B per rank; "
           + "; ".join(f"{r['op']} {r['calls']}x" for r in on_ranks[0][2]))
+forwards, layers = 8, whole.config.num_hidden_layers   # the prefill + 7 decode steps
+print(f"expected per rank: {forwards * (2 * layers + 1)} all-reduces ({forwards} forwards x (2 "
+      f"per layer x {layers} layers + 1 for the vocab-split embedding)) and {forwards} "
+      "all-gathers (the vocab-split head's logits, for the greedy pick)")
 
 # %% [markdown]
 # ## 5 · When a block cannot: one line that says why
