@@ -8,8 +8,9 @@ costs 2 all-reduces forward), then runs it: 2 AdamW steps on 2 ranks against one
 float32 and float64, judged by `labkit.numerics` (losses and gathered parameters). Each
 plausible wrong plan gets its own message: column and row swapped, a layer missed (whole on
 every rank: right but not split, or a broken pair), the attention module planned as if it were
-one fused projection, a key that names no layer; what the run gave (an error, numbers that
-differ from one device) is said with it.
+one fused projection, another family's fused projections (Phi-3's qkv_proj, gate_up_proj:
+split part by part there, absent here), a key that names no layer; what the run gave (an
+error, numbers that differ from one device) is said with it.
 """
 import torch
 
@@ -21,6 +22,7 @@ VOCAB = 128
 PAIRS = {"q_proj": "dense", "k_proj": "dense", "v_proj": "dense", "fc1": "fc2"}
 COLWISE, ROWWISE = ("q_proj", "k_proj", "v_proj", "fc1"), ("dense", "fc2")
 VOCAB_LAYERS = ("embed_tokens", "lm_head")
+FUSED_ELSEWHERE = ("qkv_proj", "gate_up_proj", "c_attn", "query_key_value", "qkv", "W_pack")
 SOLUTION = {
     "model.embed_tokens": "vocab",
     "model.layers.*.self_attn.q_proj": "colwise",
@@ -119,6 +121,14 @@ def _read_plan(model, plan):
     """The first mistake a reading of the plan finds, as (problem, message), or None."""
     from ..parallel.tensor_parallel_plan import _matches
     modules = dict(model.named_modules())
+    fused = sorted({p.rsplit(".", 1)[-1] for p in plan if p.rsplit(".", 1)[-1] in FUSED_ELSEWHERE
+                    and not any(_matches(p, n) for n in modules)})
+    if fused:
+        return "fused names", (
+            f"{', '.join(fused)} {'is' if len(fused) == 1 else 'are'} fused projections of "
+            "other families (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn, GPT-NeoX's "
+            "query_key_value), which labkit splits part by part; Phi has none: it keeps "
+            "q_proj, k_proj and v_proj apart, and its MLP is fc1 then fc2: plan those.")
     for pattern, style in plan.items():
         hits = [n for n in modules if n and _matches(pattern, n)]
         kinds = {type(modules[n]).__name__ for n in hits}
