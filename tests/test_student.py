@@ -13,7 +13,7 @@ import pytest
 from labkit import editions
 
 # every lesson has exercises
-TAGGED = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10"]
+TAGGED = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11"]
 
 
 @pytest.fixture(scope="module")
