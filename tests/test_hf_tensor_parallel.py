@@ -197,3 +197,14 @@ def test_refuses_a_model_without_a_preset():
         tp_plan_for(model)
     with pytest.raises(ValueError, match="Linear has no config.model_type"):
         tp_plan_for(nn.Linear(4, 4))
+
+
+def test_refuses_a_config_whose_head_dim_is_derived():
+    """Falcon's config computes head_dim from hidden_size / heads: a per-rank copy with fewer
+    heads would widen every head. Refused in one line, not an AttributeError from HF."""
+    import transformers
+    from labkit.parallel.tensor_parallel_plan import _local_config
+    cfg = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                    num_attention_heads=4, new_decoder_architecture=False)
+    with pytest.raises(ValueError, match="FalconConfig computes head_dim from hidden_size"):
+        _local_config(cfg, 2)

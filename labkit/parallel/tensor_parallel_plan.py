@@ -121,7 +121,13 @@ def _local_config(config, tp):
     local = copy.copy(config)
     for attr, value in heads.items():
         setattr(local, attr, value // tp)
-    local.head_dim = head_dim
+    try:
+        local.head_dim = head_dim
+    except AttributeError:   # a read-only property: hidden_size / heads (Falcon's config)
+        raise ValueError(f"{type(config).__name__} computes head_dim from hidden_size and the "
+                         "head count, so a per-rank copy with 1/tp of the heads would get heads "
+                         "tp times too wide: this model family cannot be split by heads here "
+                         "(leave its attention out of the plan)") from None
     return local
 
 
