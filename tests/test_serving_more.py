@@ -11,8 +11,10 @@ import torch
 
 from labkit import models
 from labkit.parallel import serving
+from labkit.parallel.batching import Engine, Request
 from labkit.parallel.paged_kv import PagedKVCache
 from labkit.parallel.prefix_sharing import shared_prefix_generate
+from labkit.theory import catalog, hardware, stream_sim
 from labkit.theory import serving_stream as theory
 
 
@@ -65,3 +67,62 @@ def test_prefix_sharing_saves_the_blocks_the_formula_says_and_tokens_equal(prefi
     assert a["peak_bytes"] - s["peak_bytes"] == saved * block_size * 2 * 2 * 64 * 4
     assert s["copies"] == (4 if prefix_len % block_size else 0)
     assert a["prefill_tokens"] - s["prefill_tokens"] == 3 * prefix_len
+
+
+# ------------------------------------------------------------------------------ plan --serve --rate
+
+LLAMA_H100 = partial(theory.modelled_step_s, catalog.model("llama-3-8b"), hardware.gpu("H100"))
+
+
+@pytest.mark.parametrize("policy,chunk,blocks", [("static", None, 64), ("continuous", None, 64),
+                                                 ("continuous", 5, 64),
+                                                 ("continuous", None, 10)])   # preempts
+def test_the_simulated_scheduler_keeps_the_engines_times(policy, chunk, blocks):
+    """The token-free replay gives every token the time the engine's modelled clock gave it
+    (the engine computes the tokens with a real model; the schedule must not depend on them)."""
+    model = models.build("gpt", seed=0, seq=48, layers=1).eval()
+    rows = theory.poisson_stream(10, 300.0, (3, 20), (6, 14), seed=1)
+    reqs = [Request(r["id"], _ids(r["prompt"], r["id"]), r["output"], r["arrival_s"])
+            for r in rows]
+    done = Engine(model, PagedKVCache(1, 64, blocks, 4), policy, max_batch=4, chunk=chunk,
+                  step_time=LLAMA_H100).run(reqs)
+    sim = stream_sim.simulate(rows, LLAMA_H100, policy, 4, chunk, blocks, 4)
+    assert [len(r.token_times) for r in sim] == [r.output for r in done]
+    flat = [t for r in done for t in r.token_times]
+    assert [t for r in sim for t in r.token_times] == pytest.approx(flat, rel=1e-12)
+    assert [r.preemptions for r in sim] == [r.preemptions for r in done]
+    if blocks == 10:
+        assert sum(r.preemptions for r in sim) > 0
+
+
+def test_plan_stream_orders_the_policies_and_refuses_what_does_not_fit():
+    out = stream_sim.plan_stream("llama-3-8b", 2, "H100", rate=20, requests=120, ttft_ms=300,
+                                 tpot_ms=40)
+    static, continuous, chunked = out["policies"]
+    assert out["modelled"] and chunked["chunk"] == stream_sim.CHUNK
+    # static batching makes arrivals wait for a whole batch: TTFT and goodput both worse
+    assert continuous["latency"]["ttft_s"]["p99"] < static["latency"]["ttft_s"]["p99"]
+    assert continuous["goodput"]["requests_per_s"] > static["goodput"]["requests_per_s"]
+    # chunks of 512 keep a long prompt from stalling the decodes: the worst gap shrinks
+    assert chunked["latency"]["tbt_s"]["p99"] < continuous["latency"]["tbt_s"]["p99"]
+    # a decode step reads the weights at least once: TPOT is above weights / HBM bandwidth
+    floor = catalog.model("llama-3-8b").param_count() * 2 / hardware.gpu("H100").memory_bw
+    assert all(p["latency"]["tpot_s"]["p50"] > floor for p in out["policies"])
+    with pytest.raises(ValueError, match="do not fit one"):
+        stream_sim.plan_stream("llama-3-70b", 8, "H100", rate=5)
+
+
+def test_cli_plan_serve_rate_json_and_table():
+    base = [sys.executable, "-m", "labkit", "plan", "--serve", "--model", "llama-3-8b",
+            "--gpus", "1", "--gpu", "H100", "--rate", "5", "--requests", "40",
+            "--ttft-ms", "200", "--tpot-ms", "50"]
+    out = subprocess.run(base + ["--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)
+    assert r["modelled"] and [p["policy"] for p in r["policies"]] == ["static", "continuous",
+                                                                        "continuous"]
+    assert all(0 <= p["goodput"]["fraction"] <= 1 for p in r["policies"])
+    text = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0 and "modelled" in text.stdout
+    bad = subprocess.run(base + ["--fix", "tp=2"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--rate" in bad.stderr and "\n" not in bad.stderr.strip()
