@@ -129,7 +129,7 @@ def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
     step = partial(stream_theory.modelled_step_s, m, g, kv_dtype=kv_dtype)
     rows = []
     for policy, c in ((p, chunk if c else None) for p, c in POLICIES):
-        done = [r for replica in range(gpus) for r in simulate(
+        done = [r for replica in range(min(gpus, requests)) for r in simulate(
             [r for r in stream if r["id"] % gpus == replica], step, policy, max_batch, c,
             int(slots // BLOCK_SIZE))]
         records = [dict(arrival_s=r.arrival_s, output=r.output, **stream_theory.request_metrics(
