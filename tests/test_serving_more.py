@@ -126,3 +126,50 @@ def test_cli_plan_serve_rate_json_and_table():
     assert text.returncode == 0 and "modelled" in text.stdout
     bad = subprocess.run(base + ["--fix", "tp=2"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--rate" in bad.stderr and "\n" not in bad.stderr.strip()
+
+
+# ------------------------------------------------------------------------------ run serve modes
+
+def _run_serve(*args):
+    out = subprocess.run([sys.executable, "-m", "labkit", "run", "serve", *args, "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_cli_speculative_stream_gives_greedy_tokens_and_measures_acceptance():
+    r = _run_serve("--requests", "4", "--layers", "3", "--draft-layers", "2", "--draft-len", "3",
+                   "--replicas", "2")
+    assert r["mode"] == "speculative" and r["world_size"] == 2 and len(r["requests"]) == 4
+    assert r["tokens_differing"] == 0 and r["tokens_equal_reference"]
+    examined = sum(q["examined"] for q in r["requests"])
+    assert r["acceptance"] == sum(q["accepted"] for q in r["requests"]) / examined
+    assert 0 < r["acceptance"] <= 1
+    # each round checks k proposals in one target forward: more than one token per forward
+    assert 1 < r["tokens_per_target_forward"] <= 3 + 1
+    assert 1 <= r["tokens_per_round"] <= 3 + 1
+
+
+def test_cli_disaggregated_stream_sends_the_formulas_kv_bytes():
+    r = _run_serve("--requests", "3", "--layers", "2", "--prefill-ranks", "1")
+    assert r["mode"] == "disaggregated" and r["world_size"] == 2
+    assert r["tokens_differing"] == 0
+    hidden, layers = 64, 2        # the stream's GPT: hidden 64 (runs/stream.py's default shape)
+    for q in r["requests"]:      # keys and values, every layer, every prompt token, float32
+        assert q["kv_bytes_sent"] == 2 * layers * hidden * q["prompt"] * 4
+    assert r["kv_bytes_equal_formula"]
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--requests", "4", "--draft-layers", "1", "--paged"], "--paged does not apply"),
+    (["--requests", "4", "--draft-layers", "1", "--prefill-ranks", "1"], "one at a time"),
+    (["--requests", "4", "--prefill-ranks", "2"], "--prefill-ranks 1"),
+    (["--requests", "4", "--prefill-ranks", "1", "--tp", "2"], "--tp does not apply"),
+    (["--draft-layers", "1"], "give --requests N"),
+    (["--requests", "4", "--draft-len", "2"], "give --draft-layers"),
+    (["--requests", "4", "--draft-layers", "4"], "1 to 3 of the model's 4 blocks")])
+def test_cli_serve_modes_refuse_in_one_line(capsys, args, says):
+    from labkit import cli
+    assert cli.main(["run", "serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
