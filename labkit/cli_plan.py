@@ -52,7 +52,8 @@ def plan_arguments(parser):
 
 
 def plan_command(args):
-    """`python -m labkit plan`: the planner's ranking as a table or the JSON of docs/architecture.md."""
+    """`python -m labkit plan`: the planner's ranking as a table or the JSON of
+    docs/architecture.md."""
     import json
     from .theory import hardware, planner
     gpu = args.gpu

@@ -37,8 +37,9 @@ class PagedKVCache:
     has too few free blocks); write(layer, rid, start, k, v) stores rows start.. of (n, width)
     k and v; read(layer, rid, length) gathers its first `length` keys and values; free(rid)
     returns its blocks (those no other request shares); share(rid, parent, tokens) points a new
-    request at the parent's blocks of its first `tokens` tokens. `reserve_whole`: a request takes all blocks it may ever need at once
-    (the contiguous cache reserving the maximum length)."""
+    request at the parent's blocks of its first `tokens` tokens. `reserve_whole`: a request
+    takes all blocks it may ever need at once (the contiguous cache reserving the maximum
+    length)."""
 
     def __init__(self, layers, kv_width, num_blocks, block_size, dtype=torch.float32,
                  reserve_whole=False):

@@ -61,8 +61,9 @@ def mode(args):
     name = "speculative" if spec else "disaggregated"
     extra = sorted(set(getattr(args, "explicit", ())) - ACCEPTS[name])
     if extra:
+        takes = ", ".join(sorted("--" + a.replace("_", "-") for a in ACCEPTS[name] - COMMON))
         raise ValueError(f"--{extra[0].replace('_', '-')} does not apply to {name} serving "
-                         f"(it takes {', '.join(sorted('--' + a.replace('_', '-') for a in ACCEPTS[name] - COMMON))})")
+                         f"(it takes {takes} and the stream's options)")
     if disagg and args.prefill_ranks != 1:
         raise ValueError(f"--prefill-ranks {args.prefill_ranks}: disaggregated_generate pairs "
                          "one prefill rank with one decode rank; give --prefill-ranks 1")
