@@ -151,8 +151,8 @@ def test_cli_speculative_stream_gives_greedy_tokens_and_measures_acceptance():
 
 
 def test_cli_disaggregated_stream_sends_the_formulas_kv_bytes():
-    r = _run_serve("--requests", "3", "--layers", "2", "--prefill-ranks", "1")
-    assert r["mode"] == "disaggregated" and r["world_size"] == 2
+    r = _run_serve("--requests", "5", "--layers", "2", "--prefill-ranks", "2")
+    assert r["mode"] == "disaggregated" and r["world_size"] == 3      # 2 prefill, 1 decode
     assert r["tokens_differing"] == 0
     hidden, layers = 64, 2        # the stream's GPT: hidden 64 (runs/stream.py's default shape)
     for q in r["requests"]:      # keys and values, every layer, every prompt token, float32
@@ -163,7 +163,8 @@ def test_cli_disaggregated_stream_sends_the_formulas_kv_bytes():
 @pytest.mark.parametrize("args,says", [
     (["--requests", "4", "--draft-layers", "1", "--paged"], "--paged does not apply"),
     (["--requests", "4", "--draft-layers", "1", "--prefill-ranks", "1"], "one at a time"),
-    (["--requests", "4", "--prefill-ranks", "2"], "--prefill-ranks 1"),
+    (["--requests", "4", "--prefill-ranks", "0"], "--prefill-ranks must be a positive"),
+    (["--requests", "4", "--prefill-ranks", "2", "--world-size", "2"], "runs on 3 ranks"),
     (["--requests", "4", "--prefill-ranks", "1", "--tp", "2"], "--tp does not apply"),
     (["--draft-layers", "1"], "give --requests N"),
     (["--requests", "4", "--draft-len", "2"], "give --draft-layers"),

@@ -8,10 +8,10 @@ models are random, so a separately built small model agrees with the target almo
 Report: the acceptance rate measured (accepted / proposals examined), tokens per target
 forward measured beside Leviathan et al.'s (1 - a^(k+1)) / (1 - a) at that rate, and
 tokens_differing (must be 0: the output is the target's greedy output).
-`run serve --requests N --prefill-ranks 1`: rank 0 prefills each request and sends its keys,
-values and first token to rank 1, which decodes all running requests between receives
-(`disaggregated_generate`; the requests in arrival order, their arrival times not waited
-for). Report: each request's KV bytes sent, measured from the comm log, beside
+`run serve --requests N --prefill-ranks P`: ranks 0..P-1 prefill (request i on rank i % P)
+and send its keys, values and first token to rank P, which decodes all running requests
+between receives (`disaggregated_generate`; the requests in arrival order, their arrival
+times not waited for). Report: each request's KV bytes sent, measured from the comm log, beside
 2 x layers x kv_width x prompt x 4 bytes.
 """
 import time
@@ -40,7 +40,7 @@ def add_arguments(group):
     group.add_argument("--draft-len", type=int, default=None, metavar="K",
                        help="tokens the draft proposes per round (default 4)")
     group.add_argument("--prefill-ranks", type=int, default=None, metavar="N",
-                       help="disaggregated prefill: N=1 prefill rank beside one decode rank")
+                       help="disaggregated prefill: N prefill ranks beside one decode rank")
 
 
 def mode(args):
@@ -64,9 +64,9 @@ def mode(args):
         takes = ", ".join(sorted("--" + a.replace("_", "-") for a in ACCEPTS[name] - COMMON))
         raise ValueError(f"--{extra[0].replace('_', '-')} does not apply to {name} serving "
                          f"(it takes {takes} and the stream's options)")
-    if disagg and args.prefill_ranks != 1:
-        raise ValueError(f"--prefill-ranks {args.prefill_ranks}: disaggregated_generate pairs "
-                         "one prefill rank with one decode rank; give --prefill-ranks 1")
+    if disagg and args.prefill_ranks < 1:
+        raise ValueError(f"--prefill-ranks must be a positive integer, got "
+                         f"{args.prefill_ranks}")
     return name
 
 
@@ -87,10 +87,12 @@ def report(args, shape):
         longest = max(r["prompt"] + r["output"] for r in cfg.stream())
         cfg.model_kwargs = dict(cfg.model_kwargs, seq=longest + k)
         return speculative_report(cfg, args.draft_layers, k)
-    if args.world_size not in (None, 2):
-        raise ValueError(f"--prefill-ranks 1 runs on 2 ranks (prefill, decode), not "
-                         f"--world-size {args.world_size}")
-    return disaggregated_report(cfg)
+    world = args.prefill_ranks + 1
+    if args.world_size not in (None, world):
+        raise ValueError(f"--prefill-ranks {args.prefill_ranks} runs on {world} ranks (the "
+                         f"prefill ranks and one decode rank), not --world-size "
+                         f"{args.world_size}")
+    return disaggregated_report(cfg, args.prefill_ranks)
 
 
 def _model(cfg, rows):
@@ -152,18 +154,21 @@ def _disaggregate(ctx, cfg):
     return dict(tokens=tokens, kv_bytes_sent=sent, backend=ctx.backend)
 
 
-def disaggregated_report(cfg, timeout_s=300):
+def disaggregated_report(cfg, prefill_ranks=1, timeout_s=300):
     rows = cfg.stream()
     start = time.perf_counter()
-    prefill, decode = launch(_disaggregate, 2, cfg, timeout_s=timeout_s)
+    *prefill, decode = launch(_disaggregate, prefill_ranks + 1, cfg, timeout_s=timeout_s)
     wall = time.perf_counter() - start
+    # prefill rank j sent requests j, j + P, j + 2P, ... in that order
+    by_request = {j + i * prefill_ranks: b for j, r in enumerate(prefill)
+                  for i, b in enumerate(r["kv_bytes_sent"])}
+    sent = [by_request[r["id"]] for r in rows]
     gpt = cfg.gpt_config(rows)
     differing = _differing(dict(enumerate(decode["tokens"])), stream.reference_tokens(cfg, rows))
     per_token = theory.kv_bytes_per_token(gpt.layers, gpt.hidden, 4)   # float32 keys, values
     predicted = [per_token * r["prompt"] for r in rows]
-    sent = prefill["kv_bytes_sent"]
-    return dict(technique="serve", mode="disaggregated", world_size=2,
-                backend=prefill["backend"], config=cfg.as_dict(),
+    return dict(technique="serve", mode="disaggregated", world_size=prefill_ranks + 1,
+                prefill_ranks=prefill_ranks, backend=decode["backend"], config=cfg.as_dict(),
                 requests=[dict(id=r["id"], prompt=r["prompt"], output=r["output"],
                                kv_bytes_sent=b, predicted_kv_bytes=p)
                           for r, b, p in zip(rows, sent, predicted)],
@@ -176,7 +181,9 @@ def disaggregated_report(cfg, timeout_s=300):
 
 def format_report(r):
     """What the CLI prints without --json."""
-    head = (f"{len(r['requests'])} requests, {r['mode']} serving on {r['world_size']} rank(s), "
+    ranks = (f"{r['prefill_ranks']} prefill + 1 decode" if r["mode"] == "disaggregated"
+             else f"{r['world_size']} replica(s)")
+    head = (f"{len(r['requests'])} requests, {r['mode']} serving on {ranks}, "
             f"{r['backend']}; tokens differing from each request served alone: "
             f"{r['tokens_differing']}")
     if r["mode"] == "speculative":
