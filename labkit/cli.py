@@ -8,7 +8,12 @@
   python -m labkit run serve --tp 2 --json       generation with a KV cache on ranks
   python -m labkit run serve --requests 32 --rate 50 --paged --chunk 16
                                                  a request stream, continuously batched
+  python -m labkit run serve --requests 8 --draft-layers 2 --draft-len 4
+                                                 speculative decoding (--prefill-ranks N:
+                                                 prefill on ranks of its own)
   python -m labkit plan --serve --model llama-3-70b --gpus 8 --gpu H100 --batch 64
+  python -m labkit plan --serve --model llama-3-8b --gpus 8 --rate 40 --ttft-ms 200 --tpot-ms 50
+                                                 batching policies on a stream (modelled)
   python -m labkit plan --model llama-3-70b --gpus 64 --global-batch 512
                                                  which DP x TP x PP layouts fit, and how fast
   python -m labkit calibrate --out profile.json  measure this GPU (plan --gpu-profile FILE)
