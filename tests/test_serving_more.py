@@ -62,6 +62,9 @@ def test_prefix_sharing_saves_the_blocks_the_formula_says_and_tokens_equal(prefi
     want = [serving.generate(model, torch.cat([prefix, x])[None], 6)[0].tolist()
             for x in suffixes]
     assert shared == alone == want
+    # by hand: 4 requests stop holding 4 (or 2) full blocks each, the prefix is held once
+    assert theory.prefix_saved_blocks(4, 19, 4) == 4 * 4 - 5
+    assert theory.prefix_saved_blocks(4, 16, 8) == 4 * 2 - 2
     saved = a["peak_blocks"] - s["peak_blocks"]
     assert saved == theory.prefix_saved_blocks(4, prefix_len, block_size) > 0
     assert a["peak_bytes"] - s["peak_bytes"] == saved * block_size * 2 * 2 * 64 * 4
