@@ -8,7 +8,12 @@
   python -m labkit run serve --tp 2 --json       generation with a KV cache on ranks
   python -m labkit run serve --requests 32 --rate 50 --paged --chunk 16
                                                  a request stream, continuously batched
+  python -m labkit run serve --requests 8 --draft-layers 2 --draft-len 4
+                                                 speculative decoding (--prefill-ranks N:
+                                                 prefill on ranks of its own)
   python -m labkit plan --serve --model llama-3-70b --gpus 8 --gpu H100 --batch 64
+  python -m labkit plan --serve --model llama-3-8b --gpus 8 --rate 40 --ttft-ms 200 --tpot-ms 50
+                                                 batching policies on a stream (modelled)
   python -m labkit plan --model llama-3-70b --gpus 64 --global-batch 512
                                                  which DP x TP x PP layouts fit, and how fast
   python -m labkit calibrate --out profile.json  measure this GPU (plan --gpu-profile FILE)
@@ -242,9 +247,9 @@ def _serve_run_parser(techniques, chosen):
                                 "(TP, PP, replicas, experts), checked against one device")
     if chosen != ["serve"]:
         return
-    from .runs import serve, stream
+    from .runs import serve, serve_modes, stream
     serve.add_arguments(sub)
-    stream.add_arguments(sub)     # --requests N: a request stream (lesson 10)
+    serve_modes.add_arguments(stream.add_arguments(sub))  # --requests N: a stream (lesson 10)
     sub.add_argument("--world-size", type=int, default=None,
                      help="default: replicas x ep x tp x pp")
     sub.add_argument("--seed", type=int, default=0)
@@ -265,10 +270,14 @@ def serve_command(args):
     for name, value in shape.items():
         if value < 1:
             raise ValueError(f"--{name} must be a positive integer, got {value}")
+    from .runs import serve_modes
+    if serve_modes.mode(args):        # a draft model or a prefill rank: runs/serve_modes.py
+        report = serve_modes.report(args, shape)
+        return (to_json(report) if args.json else serve_modes.format_report(report)), ()
     if args.requests is not None:     # a request stream: runs/stream.py (lesson 10)
         from .runs import stream
         report = stream.report(stream.config_from_args(args, shape))
-        return to_json(report) if args.json else stream.format_report(report)
+        return (to_json(report) if args.json else stream.format_report(report)), ()
     cfg = serve.config_from_args(args, shape)
     serve.check_config(cfg, args.world_size)
     if shape:

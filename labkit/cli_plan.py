@@ -52,7 +52,8 @@ def plan_arguments(parser):
 
 
 def plan_command(args):
-    """`python -m labkit plan`: the planner's ranking as a table or the JSON of docs/architecture.md."""
+    """`python -m labkit plan`: the planner's ranking as a table or the JSON of
+    docs/architecture.md."""
     import json
     from .theory import hardware, planner
     gpu = args.gpu
@@ -132,7 +133,9 @@ def serve_plan_main(argv):
     parser.add_argument("--prompt-len", type=int, default=None, help="default 1024")
     parser.add_argument("--context", type=int, default=None, help="same as --prompt-len")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=1, help="requests served at once")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="requests served at once (default 1; with --rate: the most "
+                             "running per GPU, default 64)")
     parser.add_argument("--weights", choices=serving.WEIGHTS, default=None,
                         help="default: try each")
     parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
@@ -140,9 +143,20 @@ def serve_plan_main(argv):
     parser.add_argument("--fix", default="", help="hold fields: tp=8,pp=1,ep=1,replicas=1")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--json", action="store_true")
+    rate = parser.add_argument_group(
+        "a request stream (--rate): TTFT, TPOT and goodput of static and continuous batching "
+        "and chunked prefill, one bf16 replica per GPU, lengths +-50%% around --prompt-len and "
+        "--new-tokens (labkit.theory.stream_sim; modelled)")
+    rate.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
+    rate.add_argument("--requests", type=int, default=200, help="requests in the stream")
+    rate.add_argument("--chunk", type=int, default=512, help="prefill tokens per step (chunked)")
+    rate.add_argument("--ttft-ms", type=float, default=None, help="goodput's TTFT limit")
+    rate.add_argument("--tpot-ms", type=float, default=None, help="goodput's TPOT limit")
+    rate.add_argument("--seed", type=int, default=0, help="the stream's seed")
     args = parser.parse_args(argv)
     try:
-        for name in ("gpus", "new_tokens", "batch", "prompt_len", "context", "top"):
+        for name in ("gpus", "new_tokens", "batch", "prompt_len", "context", "top", "requests",
+                     "chunk"):
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
@@ -154,9 +168,11 @@ def serve_plan_main(argv):
             from .theory import profile
             gpu, header = profile.plan_gpu(args.gpu_profile,
                                            args.gpu if "--gpu" in argv else None)
+        if args.rate is not None or args.ttft_ms is not None or args.tpot_ms is not None:
+            return _stream_plan(args, argv, gpu, header)
         out = serving.plan_serving(
             args.model, args.gpus, gpu, prompt_len=args.prompt_len or args.context or 1024,
-            new_tokens=args.new_tokens, batch=args.batch, weights=args.weights,
+            new_tokens=args.new_tokens, batch=args.batch or 1, weights=args.weights,
             kv_dtype=args.kv_dtype, max_tpot_ms=args.max_tpot_ms, fix=args.fix,
             gpus_per_node=args.gpus_per_node, intra_link=args.intra_link,
             inter_link=args.inter_link, top=args.top)
@@ -174,4 +190,26 @@ def serve_plan_main(argv):
                                       if best["fits"] and not best["reason"] else None)
         print("\n".join(([header] if header else []) + [serving.format_serving_plans(out)]
                         + band))
+    return 0
+
+
+def _stream_plan(args, argv, gpu, header):
+    """`plan --serve --rate R`: each batching policy on a modelled stream (table or JSON)."""
+    import json
+    from .theory import stream_sim
+    if args.rate is None:
+        raise ValueError("--ttft-ms and --tpot-ms judge a request stream: give its --rate")
+    layout = [f for f in ("--fix", "--weights", "--max-tpot-ms", "--top") if f in argv]
+    if layout:
+        raise ValueError(f"--rate models one bf16 replica per GPU, so {layout[0]} (a layout "
+                         "planner option) does not apply; drop it or drop --rate")
+    out = stream_sim.plan_stream(
+        args.model, args.gpus, gpu, rate=args.rate, requests=args.requests,
+        prompt_len=args.prompt_len or args.context or 1024, new_tokens=args.new_tokens,
+        max_batch=args.batch or 64, chunk=args.chunk, ttft_ms=args.ttft_ms,
+        tpot_ms=args.tpot_ms, kv_dtype=args.kv_dtype, seed=args.seed)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print((header + "\n" if header else "") + stream_sim.format_stream_plan(out))
     return 0

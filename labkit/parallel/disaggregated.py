@@ -11,9 +11,11 @@ price is the KV transfer, per request:
 
 here measured from the comm log (tag "kv transfer") against that formula.
 
-`disaggregated_generate` runs on a group of two ranks (0: prefill, 1: decode), requests in
-order; the decode rank runs one decode step for every running request between receives, so
-the decodes go on while the next prompt is prefilled elsewhere.
+`disaggregated_generate` runs on a group of N + 1 ranks: ranks 0..N-1 prefill (request i on
+rank i % N), the last rank decodes, taking the requests in order; it runs one decode step for
+every running request between receives, so the decodes go on while the next prompts are
+prefilled elsewhere (with N > 1, several at once: DistServe sizes the prefill and decode
+instances apart, as prompts and answers need).
 """
 import torch
 
@@ -29,34 +31,36 @@ def _layers_width(model):
 
 @torch.no_grad()
 def disaggregated_generate(model, prompts, new_tokens, group=None, block_size=8):
-    """prompts: list of 1-D ids; new_tokens: list of ints. On the decode rank (group rank 1)
-    returns every request's greedy tokens; on the prefill rank (0) returns None."""
+    """prompts: list of 1-D ids; new_tokens: list of ints. On the decode rank (the group's
+    last) returns every request's greedy tokens; on a prefill rank returns None."""
     check_model(model)
     ctx = context()
     group = ctx.group(group)
-    if group.size != 2:
-        raise ValueError(f"disaggregated_generate runs on 2 ranks (prefill, decode), got "
-                         f"{group.size}")
+    if group.size < 2:
+        raise ValueError(f"disaggregated_generate needs at least 2 ranks (prefill ranks, then "
+                         f"one decode rank), got {group.size}")
     layers, width = _layers_width(model)
     slots = sum(p.numel() + n for p, n in zip(prompts, new_tokens))
     cache = PagedKVCache(layers, width, -(-slots // block_size) + len(prompts), block_size)
-    if group.rank == 0:
+    if group.rank < group.size - 1:
         _prefill(ctx, group, model, cache, prompts)
         return None
     return _decode(ctx, group, model, cache, prompts, new_tokens)
 
 
 def _prefill(ctx, group, model, cache, prompts):
-    pending = []
-    for rid, prompt in enumerate(prompts):
+    pending, decoder = [], group.size - 1
+    for rid in range(group.rank, len(prompts), decoder):     # this prefill rank's requests
+        prompt = prompts[rid]
         cache.reserve(rid, prompt.numel())
         first = ragged_forward(model, [(rid, prompt, 0)], cache)[0].argmax()
         kv = torch.stack([torch.stack(cache.read(layer, rid, prompt.numel()))
                           for layer in range(len(model.blocks))])   # (layers, 2, P, width)
         for handle in pending:          # the previous request's buffers may be reused now
             handle.wait()
-        pending = [ctx.comm.send(kv.contiguous(), 1, group, async_op=True, tag=TAG),
-                   ctx.comm.send(first.reshape(1), 1, group, async_op=True, tag="first token")]
+        pending = [ctx.comm.send(kv.contiguous(), decoder, group, async_op=True, tag=TAG),
+                   ctx.comm.send(first.reshape(1), decoder, group, async_op=True,
+                                 tag="first token")]
         cache.free(rid)
     for handle in pending:
         handle.wait()
@@ -67,8 +71,9 @@ def _decode(ctx, group, model, cache, prompts, new_tokens):
     tokens = {rid: [] for rid in range(len(prompts))}
     running, lengths = [], {}
     for rid, prompt in enumerate(prompts):
-        kv = ctx.comm.recv(torch.empty(layers, 2, prompt.numel(), width), 0, group, tag=TAG)
-        first = ctx.comm.recv(torch.empty(1, dtype=torch.int64), 0, group, tag="first token")
+        src = rid % (group.size - 1)       # the prefill rank that took it
+        kv = ctx.comm.recv(torch.empty(layers, 2, prompt.numel(), width), src, group, tag=TAG)
+        first = ctx.comm.recv(torch.empty(1, dtype=torch.int64), src, group, tag="first token")
         cache.reserve(rid, prompt.numel())
         for layer in range(layers):
             cache.write(layer, rid, 0, kv[layer, 0], kv[layer, 1])

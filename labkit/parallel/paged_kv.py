@@ -9,6 +9,14 @@ fragmentation), instead of the (L_max - len) slots a cache that reserves the max
 wastes. Attention reads through the table: here by gathering the request's blocks into one
 (len, width) k and v (clarity over speed; vLLM's kernel reads the blocks in place).
 
+Prefix sharing (vLLM's copy-on-write, the same paper, section 4.4): requests that begin with a
+common system prompt point their tables at the same physical blocks, each block counting the
+tables that hold it (`share`); a block returns to the pool when its count falls to 0. A
+request about to write into a block others still hold first takes a private copy of it
+(copy-on-write, in `reserve`), so nobody's keys change under anyone else. n requests sharing a
+P-token prefix save n x floor(P / B) - ceil(P / B) blocks against each holding its own
+(the prefix kept once; a partly filled last block is copied by each request that grows).
+
 The contiguous cache of lesson 09's servers is the special case block_size = L_max with the one
 block taken at admission: `PagedKVCache.contiguous(max_len, ...)`, so both are measured by the
 same code.
@@ -28,8 +36,10 @@ class PagedKVCache:
     reserve(rid, tokens) makes room for a request's first `tokens` tokens (False when the pool
     has too few free blocks); write(layer, rid, start, k, v) stores rows start.. of (n, width)
     k and v; read(layer, rid, length) gathers its first `length` keys and values; free(rid)
-    returns its blocks. `reserve_whole`: a request takes all blocks it may ever need at once
-    (the contiguous cache reserving the maximum length)."""
+    returns its blocks (those no other request shares); share(rid, parent, tokens) points a new
+    request at the parent's blocks of its first `tokens` tokens. `reserve_whole`: a request
+    takes all blocks it may ever need at once (the contiguous cache reserving the maximum
+    length)."""
 
     def __init__(self, layers, kv_width, num_blocks, block_size, dtype=torch.float32,
                  reserve_whole=False):
@@ -41,7 +51,8 @@ class PagedKVCache:
         self.pool = torch.zeros(layers, 2, num_blocks, block_size, kv_width, dtype=dtype)
         self.free_blocks = list(range(num_blocks - 1, -1, -1))   # pop() hands out 0, 1, ...
         self.tables, self.lengths = {}, {}
-        self.peak_blocks = 0
+        self.refs = [0] * num_blocks          # tables holding each block (prefix sharing)
+        self.peak_blocks, self.copies = 0, 0
 
     @classmethod
     def contiguous(cls, layers, kv_width, max_len, budget_tokens, dtype=torch.float32):
@@ -53,28 +64,68 @@ class PagedKVCache:
     def blocks_for(self, tokens):
         return 1 if self.reserve_whole else -(-tokens // self.block_size)
 
+    def _shared_ahead(self, rid, tokens):
+        """Indices in rid's table of shared blocks its tokens length..tokens-1 land in: each
+        must be copied before it is written (copy-on-write)."""
+        table, have = self.tables.get(rid, ()), self.lengths.get(rid, 0)
+        if tokens <= have:
+            return []
+        return [i for i in range(have // self.block_size, len(table)) if self.refs[table[i]] > 1]
+
     def can_reserve(self, rid, tokens):
         """Whether reserve(rid, tokens) would succeed (without doing it)."""
         if tokens > self.num_blocks * self.block_size or (
                 self.reserve_whole and tokens > self.block_size):
             return False
         need = self.blocks_for(tokens) - len(self.tables.get(rid, ()))
-        return need <= len(self.free_blocks)
+        return max(0, need) + len(self._shared_ahead(rid, tokens)) <= len(self.free_blocks)
+
+    def _take(self):
+        block = self.free_blocks.pop()
+        self.refs[block] = 1
+        return block
 
     def reserve(self, rid, tokens):
-        """Give `rid` blocks for its first `tokens` tokens; False (nothing taken) if too few."""
+        """Give `rid` blocks for its first `tokens` tokens; False (nothing taken) if too few.
+        A shared block the new tokens land in is copied first (copy-on-write)."""
         if not self.can_reserve(rid, tokens):
             return False
         table = self.tables.setdefault(rid, [])
+        for i in self._shared_ahead(rid, tokens):
+            old, table[i] = table[i], self._take()
+            self.pool[:, :, table[i]] = self.pool[:, :, old]
+            self.refs[old] -= 1
+            self.copies += 1
         while len(table) < self.blocks_for(tokens):
-            table.append(self.free_blocks.pop())
+            table.append(self._take())
         self.lengths[rid] = max(self.lengths.get(rid, 0), tokens)
         self.peak_blocks = max(self.peak_blocks, self.blocks_used)
         return True
 
+    def share(self, rid, parent, tokens):
+        """Point new request `rid` at `parent`'s blocks holding its first `tokens` tokens
+        (written already: a common prompt); the blocks count one more holder."""
+        if self.reserve_whole:
+            raise ValueError("prefix sharing needs a paged cache (blocks), not the contiguous "
+                             "one: each request's single block holds its whole sequence")
+        if rid in self.tables:
+            raise ValueError(f"request {rid} holds blocks already; share a prefix before "
+                             "reserving")
+        if not 1 <= tokens <= self.lengths.get(parent, 0):
+            raise ValueError(f"request {parent} holds {self.lengths.get(parent, 0)} tokens, "
+                             f"cannot share {tokens}")
+        self.tables[rid] = self.tables[parent][:self.blocks_for(tokens)]
+        for block in self.tables[rid]:
+            self.refs[block] += 1
+        self.lengths[rid] = tokens
+
     def free(self, rid):
-        """Return the request's blocks to the pool (it finished or was preempted)."""
-        self.free_blocks.extend(reversed(self.tables.pop(rid, [])))
+        """Drop the request's hold on its blocks (it finished or was preempted); those no
+        other request holds go back to the pool."""
+        for block in reversed(self.tables.pop(rid, [])):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free_blocks.append(block)
         self.lengths.pop(rid, None)
 
     # -------------------------------------------------------------------------- data
@@ -91,6 +142,9 @@ class PagedKVCache:
             raise ValueError(f"request {rid}: write up to token {stop} but only "
                              f"{self.lengths.get(rid, 0)} reserved (call reserve first)")
         blocks, offsets = self._slots(rid, start, stop)
+        if any(self.refs[b] > 1 for b in set(blocks.tolist())):
+            raise ValueError(f"request {rid}: write into a block another request shares "
+                             "(reserve first: it copies the block)")
         self.pool[layer, 0, blocks, offsets] = k
         self.pool[layer, 1, blocks, offsets] = v
 
@@ -115,14 +169,22 @@ class PagedKVCache:
         return self.pool.nbytes
 
     def stats(self):
-        """blocks in use, token slots in use and reserved, and the bytes reserved but unused
-        (measured from the block tables now)."""
-        used_slots = sum(self.lengths.values())
+        """Measured from the block tables now: blocks in use, token slots in use (each
+        request's, shared ones counted per request) and held, the bytes held but holding no
+        token, and the bytes sharing saves (blocks in the tables beyond those in use)."""
+        filled = {}                 # block -> its slots holding a token of some request
+        for rid, table in self.tables.items():
+            for i, block in enumerate(table):
+                slots = min(self.block_size, self.lengths[rid] - i * self.block_size)
+                filled[block] = max(filled.get(block, 0), slots)
         held = self.blocks_used * self.block_size
+        listed = sum(len(t) for t in self.tables.values())
         return dict(used=self.blocks_used, total=self.num_blocks, block_size=self.block_size,
-                    tokens=used_slots, reserved_tokens=held,
-                    wasted_bytes=(held - used_slots) * self.bytes_per_slot,
-                    pool_bytes=self.nbytes())
+                    tokens=sum(self.lengths.values()), reserved_tokens=held,
+                    wasted_bytes=(held - sum(filled.values())) * self.bytes_per_slot,
+                    shared_blocks=sum(r > 1 for r in self.refs), copies=self.copies,
+                    saved_bytes=(listed - self.blocks_used) * self.block_size
+                    * self.bytes_per_slot, pool_bytes=self.nbytes())
 
 
 # ------------------------------------------------------------------ the forward through it

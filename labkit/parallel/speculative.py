@@ -52,6 +52,10 @@ def speculative_generate(target, draft, prompt, new_tokens, k=4):
     if k < 1 or new_tokens < 1:
         raise ValueError(f"k and new_tokens must be >= 1, got k={k}, new_tokens={new_tokens}")
     total = prompt.numel() + new_tokens + k
+    for name, model in (("target", target), ("draft", draft)):
+        if total > model.pos.num_embeddings:
+            raise ValueError(f"prompt {prompt.numel()} + {new_tokens} new tokens + {k} drafted "
+                             f"exceeds the {name}'s {model.pos.num_embeddings} positions")
     big, small = _cache(target, total), _cache(draft, total)
     seq = prompt.tolist() + [int(ragged_forward(target, [(0, prompt, 0)], big)[0].argmax())]
     stats = dict(rounds=0, proposed=0, examined=0, accepted=0, target_forwards=1,

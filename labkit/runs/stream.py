@@ -268,6 +268,7 @@ def add_arguments(parser):
     g.add_argument("--time-gpu", default="H100", help="the GPU of --time-model")
     g.add_argument("--ttft-ms", type=float, default=None, help="goodput's TTFT limit")
     g.add_argument("--tpot-ms", type=float, default=None, help="goodput's TPOT limit")
+    return g
 
 
 def config_from_args(args, shape):

@@ -136,6 +136,14 @@ def contiguous_waste_tokens(lengths, max_len):
     return sum(max_len - n for n in lengths)
 
 
+def prefix_saved_blocks(requests, prefix_len, block_size):
+    """Blocks n requests sharing a P-token prefix hold fewer than if each held its own copy
+    (vLLM's copy-on-write sharing, arXiv 2309.06180): each stops holding floor(P / B) full
+    blocks, the prefix is kept once (ceil(P / B) blocks), and a partly filled last block is
+    copied by each request that writes into it, so it saves nothing."""
+    return requests * (prefix_len // block_size) - blocks_needed(prefix_len, block_size)
+
+
 def requests_that_fit(budget_tokens, length, *, max_len=None, block_size=None):
     """How many requests of `length` tokens fit in `budget_tokens` token slots: contiguous
     (each reserves max_len) or paged (each takes ceil(length / B) blocks)."""

@@ -38,8 +38,10 @@
 # In `labkit`: `labkit.parallel.batching.Engine` (the scheduler and one ragged forward per
 # step), `labkit.parallel.paged_kv.PagedKVCache`, the driver `labkit.runs.stream` (also
 # `python -m labkit run serve --requests N --rate R --policy continuous --paged --chunk C`), and
-# the formulas in `labkit.theory.serving_stream`. Every request's tokens are checked against the
-# same request served alone on one device with lesson 09's `generate`.
+# the formulas in `labkit.theory.serving_stream`; `python -m labkit plan --serve --rate R
+# --ttft-ms X --tpot-ms Y` models each policy for a real model on an H100. Every request's
+# tokens are checked against the same request served alone on one device with lesson 09's
+# `generate`.
 
 # %%
 import matplotlib.pyplot as plt
@@ -165,6 +167,38 @@ display(Markdown(
     f"{caches.iloc[0, 0]:.0f}, {caches.iloc[1, 0]:.0f} and {caches.iloc[2, 0]:.0f} at the peak "
     f"(requests are shorter while they grow, so more fit than at their final length; when the "
     f"blocks run out the newest request is preempted and recomputed later)."))
+
+# %% [markdown]
+# ### Sharing a system prompt
+#
+# Requests of one application often begin with the same system prompt. With blocks, they can
+# share its keys and values: the prompt is prefilled once, every request's block table points
+# at its blocks, and each block counts the tables holding it (it returns to the pool at 0). A
+# request about to write into a block others hold first copies it (**copy-on-write**, vLLM
+# section 4.4), so nobody's keys change under anyone else. n requests sharing a P-token
+# prefix in blocks of B hold n·⌊P/B⌋ − ⌈P/B⌉ blocks fewer. Measured below: 6 requests, a
+# 30-token system prompt, blocks of 8, each request's tokens against it served alone.
+
+# %%
+from labkit.models import build
+from labkit.parallel.prefix_sharing import shared_prefix_generate
+from labkit.parallel.serving import generate
+
+gpt = build("gpt", seed=0, seq=48, layers=2).eval()
+ids = torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(0))
+system, questions = ids[:30], [ids[30 + 5 * i:33 + 5 * i + i % 3] for i in range(6)]
+alone = [generate(gpt, torch.cat([system, q])[None], 8)[0].tolist() for q in questions]
+sharing = {}
+for share in (False, True):
+    tokens, st = shared_prefix_generate(gpt, system, questions, 8, block_size=8, share=share)
+    sharing["shared prefix" if share else "each its own copy"] = {
+        "peak blocks": st["peak_blocks"], "peak KV bytes": st["peak_bytes"],
+        "prefill tokens": st["prefill_tokens"], "blocks copied on write": st["copies"],
+        "tokens equal alone": tokens == alone}
+sharing = pd.DataFrame(sharing).T.rename_axis("6 requests, 30-token prompt (measured)")
+display(sharing)
+print(f"blocks saved: measured {sharing.iloc[0, 0] - sharing.iloc[1, 0]}, formula "
+      f"{theory.prefix_saved_blocks(6, 30, 8)} (6 x floor(30/8) - ceil(30/8))")
 
 # %% [markdown]
 # ## 5 · Chunked prefill
@@ -312,6 +346,7 @@ stream_explorer(serve_stream)
 # |---|---|---|
 # | continuous batching (Orca) | TTFT, E2E (no waiting for a batch) | a schedule per step |
 # | paged KV cache (vLLM) | queueing: more requests fit in the bytes | block tables |
+# | shared prefix blocks (vLLM, SGLang) | TTFT and memory: a common prompt once | ref counts |
 # | chunked prefill (Sarathi-Serve) | p99 time between tokens, TPOT (no stall) | some TTFT |
 # | speculative decoding | TPOT: several tokens per target forward | a draft model; its misses |
 # | prefill/decode on separate GPUs | TPOT (no prefill in a decode step) | KV sent per request |

@@ -1,0 +1,167 @@
+"""A request stream served on a modelled GPU without running a model: the batching engine's
+scheduler (labkit.parallel.batching.Engine: static or continuous batching, chunked prefill,
+blocks of a paged KV cache, preemption by recompute) replayed on token counts, each step
+timed by `serving_stream.modelled_step_s` (a roofline per step). The tokens do not matter to
+the schedule, only how many there are, so the times are those the engine's modelled clock
+gives (tests/test_serving_more.py checks them step for step against the engine).
+
+`plan_stream` answers `plan --serve --rate R`: TTFT, TPOT and goodput (requests per second
+meeting --ttft-ms and --tpot-ms, DistServe's measure, Zhong et al. OSDI'24, arXiv
+2401.09670) of each policy, for a catalog model whose weights fit one GPU, one replica per GPU,
+the stream dealt round robin. All modelled. Plain Python: no torch.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
+
+from . import hardware, serving as model_serving, serving_stream as stream_theory
+from .planner import RESERVED_BYTES, parse_model
+
+BLOCK_SIZE = 16         # tokens per KV block: vLLM's default block size (vLLM docs, --block-size)
+CHUNK = 512             # prefill tokens per step: the token budget Sarathi-Serve (arXiv
+                        # 2403.02310) runs under strict latency SLOs
+POLICIES = (("static", None), ("continuous", None), ("continuous", CHUNK))
+
+
+@dataclass
+class SimRequest:
+    id: int
+    prompt: int
+    output: int
+    arrival_s: float
+    generated: int = 0
+    cached: int = 0
+    preemptions: int = 0
+    token_times: list = field(default_factory=list)
+
+    @property
+    def length(self):
+        return self.prompt + self.generated
+
+
+class BlockCounts:
+    """The paged cache's bookkeeping without its tensors: blocks held per request."""
+
+    def __init__(self, num_blocks, block_size):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.held, self.free_count = {}, num_blocks
+
+    def reserve(self, rid, tokens):
+        need = -(-tokens // self.block_size) - self.held.get(rid, 0)
+        if tokens > self.num_blocks * self.block_size or need > self.free_count:
+            return False
+        if need > 0:
+            self.held[rid] = self.held.get(rid, 0) + need
+            self.free_count -= need
+        self.held.setdefault(rid, 0)
+        return True
+
+    def free(self, rid):
+        self.free_count += self.held.pop(rid, 0)
+
+
+def simulate(stream, step_time, policy="continuous", max_batch=8, chunk=None,
+             num_blocks=10**9, block_size=BLOCK_SIZE):
+    """stream: [{id, prompt, output, arrival_s}]; step_time([(new, cached)]) -> seconds.
+    Returns the SimRequests, finished, with token_times (seconds), in the order of the
+    Engine's steps (admit, pieces with decodes first, grow or preempt the newest, step)."""
+    cache = BlockCounts(num_blocks, block_size)
+    waiting = deque(SimRequest(r["id"], r["prompt"], r["output"], r["arrival_s"])
+                    for r in sorted(stream, key=lambda r: r["arrival_s"]))
+    running, finished, now = [], [], 0.0
+    while waiting or running:
+        if not (policy == "static" and running):
+            while (waiting and waiting[0].arrival_s <= now and len(running) < max_batch
+                   and cache.reserve(waiting[0].id, waiting[0].length)):
+                running.append(waiting.popleft())
+        if not running:
+            now += max(0.0, waiting[0].arrival_s - now)
+            continue
+        pieces, budget = [], chunk
+        for r in sorted(running, key=lambda r: r.length - r.cached > 1):
+            todo = r.length - r.cached
+            if todo > 1 and budget is not None:
+                if budget == 0:
+                    continue
+                todo = min(todo, budget)
+                budget -= todo
+            pieces.append((r, todo))
+        for r, todo in list(pieces):
+            while r in running and not cache.reserve(r.id, r.cached + todo):
+                victim = running.pop()
+                cache.free(victim.id)
+                victim.cached, victim.preemptions = 0, victim.preemptions + 1
+                waiting.appendleft(victim)
+        pieces = [(r, t) for r, t in pieces if r in running]
+        now += step_time([(t, r.cached) for r, t in pieces])
+        for r, todo in pieces:
+            r.cached += todo
+            if r.cached == r.length:
+                r.generated += 1
+                r.token_times.append(now)
+        for r in [r for r in running if r.generated >= r.output]:
+            running.remove(r)
+            cache.free(r.id)
+            finished.append(r)
+    return sorted(finished, key=lambda r: r.id)
+
+
+def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
+                new_tokens=128, max_batch=64, chunk=CHUNK, ttft_ms=None, tpot_ms=None,
+                kv_dtype="bf16", seed=0):
+    """Each policy (static, continuous, continuous + chunked prefill) on `gpus` replicas of
+    one GPU each, modelled: {model, cluster, workload, modelled, policies[{policy, chunk,
+    latency, throughput_tokens_per_s, goodput, preemptions, steps}]}. Prompt and output
+    lengths are uniform within +-50 % of prompt_len and new_tokens (seeded)."""
+    m, g = parse_model(model), hardware.gpu(gpu)
+    usable, weights = g.memory_bytes - RESERVED_BYTES, m.param_count() * 2
+    if weights >= usable:
+        raise ValueError(f"--rate models one replica per GPU: {m.display_name}'s bf16 weights "
+                         f"({weights / 1e9:.0f} GB) do not fit one {g.name} "
+                         f"({usable / 1e9:.0f} GB usable)")
+    for name, value in dict(gpus=gpus, max_batch=max_batch, chunk=chunk).items():
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
+                             f"got {value!r}")
+    slots = (usable - weights) / model_serving.kv_bytes_per_token(m, kv_dtype)
+    lengths = [(max(1, n // 2), max(1, n * 3 // 2)) for n in (prompt_len, new_tokens)]
+    stream = stream_theory.poisson_stream(requests, rate, *lengths, seed=seed)
+    step = partial(stream_theory.modelled_step_s, m, g, kv_dtype=kv_dtype)
+    rows = []
+    for policy, c in ((p, chunk if c else None) for p, c in POLICIES):
+        done = [r for replica in range(min(gpus, requests)) for r in simulate(
+            [r for r in stream if r["id"] % gpus == replica], step, policy, max_batch, c,
+            int(slots // BLOCK_SIZE))]
+        records = [dict(arrival_s=r.arrival_s, output=r.output, **stream_theory.request_metrics(
+            r.arrival_s, r.token_times, r.output)) for r in done]
+        gaps = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]
+        s = stream_theory.summarise(records, ttft_ms, tpot_ms, gaps)
+        rows.append(dict(policy=policy, chunk=c, latency=s["latency"],
+                         throughput_tokens_per_s=s["throughput_tokens_per_s"],
+                         goodput=s["goodput"], preemptions=sum(r.preemptions for r in done)))
+    return dict(model=dict(name=m.name, display_name=m.display_name, params=m.param_count()),
+                cluster=dict(gpu=g.name, gpus=gpus, replicas=gpus, kv_token_slots=int(slots)),
+                workload=dict(requests=requests, rate=rate, prompt_len=prompt_len,
+                              new_tokens=new_tokens, max_batch=max_batch, block_size=BLOCK_SIZE,
+                              kv_dtype=kv_dtype, ttft_ms=ttft_ms, tpot_ms=tpot_ms, seed=seed),
+                modelled=True, policies=rows)
+
+
+def format_stream_plan(out):
+    """What `plan --serve --rate` prints: one row per policy, every number modelled."""
+    c, w = out["cluster"], out["workload"]
+    slo = (f"TTFT <= {w['ttft_ms']} ms, TPOT <= {w['tpot_ms']} ms"
+           if w["ttft_ms"] is not None or w["tpot_ms"] is not None else "no SLO given")
+    lines = [f"{out['model']['display_name']} on {c['gpus']} x {c['gpu']} (one replica each): "
+             f"{w['requests']} requests at {w['rate']:g}/s, prompts ~{w['prompt_len']}, outputs "
+             f"~{w['new_tokens']} tokens, at most {w['max_batch']} running per GPU; modelled",
+             f"{'policy':<26}{'TTFT p50':>9}{'p99':>9}{'TPOT p50':>10}{'p99':>8}"
+             f"{'tok/s':>9}{'goodput':>9}  ({slo}; ms, req/s)"]
+    for p in out["policies"]:
+        lat = p["latency"]
+        name = p["policy"] + (f" + chunks of {p['chunk']}" if p["chunk"] else "")
+        lines.append(f"{name:<26}{lat['ttft_s']['p50'] * 1e3:9.1f}{lat['ttft_s']['p99'] * 1e3:9.1f}"
+                     f"{lat['tpot_s']['p50'] * 1e3:10.2f}{lat['tpot_s']['p99'] * 1e3:8.2f}"
+                     f"{p['throughput_tokens_per_s']:9.0f}"
+                     f"{p['goodput']['requests_per_s']:9.2f}")
+    return "\n".join(lines)
