@@ -168,8 +168,7 @@ class MLP(nn.Module):
                 x = F.gelu(x)
         if targets is None:
             return x
-        # in the promoted dtype, as torch >= 2.12 does itself (2.11 refuses bf16 against fp32)
-        dtype = torch.result_type(x, targets)
+        dtype = torch.result_type(x, targets)   # as torch >= 2.12 promotes (2.11 refuses)
         return F.mse_loss(x.to(dtype), targets.to(dtype))
 
 

@@ -6,7 +6,8 @@ by pp by tp, laid out by `labkit.parallel.hybrid.HybridGenerator`: each replica 
 share of the requests; inside it the model is split by `parallelize` (heads and MLP columns)
 over TP, cut by `split_into_stages` over PP and run by `PipelineGenerator` (the requests in pp
 micro-batches), or, for the MoE GPT, its experts spread by `ExpertParallel` over EP
-(attention replicated, requests split). The report adds to the run report: tokens_equal_reference (greedy tokens of every request vs one device), kv_cache_bytes
+(attention replicated, requests split). The report adds to the run report:
+tokens_equal_reference (greedy tokens of every request vs one device), kv_cache_bytes
 (measured, per rank) beside the formula, comm per generated token by group, wall tokens/s here
 and the modelled TTFT / TPOT of the same layout on the chosen cluster (labkit.theory.serving).
 Before any rank starts, `check_config` refuses in one line a layout the blocks cannot take and
