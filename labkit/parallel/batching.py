@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime.context import context
+from ..theory.stream_sim import step_pieces
 from .paged_kv import check_model, ragged_forward
 
 POLICIES = ("static", "continuous")
@@ -109,17 +110,7 @@ class Engine:
 
     def _pieces(self, running):
         """Decodes first (one token each), then prompt pieces within the chunk budget."""
-        budget = self.chunk
-        pieces = []
-        for r in sorted(running, key=lambda r: r.length - r.cached > 1):
-            todo = r.length - r.cached
-            if todo > 1 and budget is not None:
-                if budget == 0:
-                    continue
-                todo = min(todo, budget)
-                budget -= todo
-            pieces.append((r, todo))
-        return pieces
+        return step_pieces(running, self.chunk)
 
     def _grow(self, running, pieces):
         """Reserve blocks for each piece; preempt the newest request while the pool is short."""

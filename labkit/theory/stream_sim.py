@@ -60,6 +60,23 @@ class BlockCounts:
         self.free_count += self.held.pop(rid, 0)
 
 
+def step_pieces(running, chunk=None):
+    """The tokens each running request computes in the next step (the engine's rule, shared by
+    `parallel/batching.Engine` and `simulate`): every decode first (one token each), then the
+    prompts' pieces within the `chunk` budget (None: whole prompts). Each request has `.length`
+    (tokens so far) and `.cached` (tokens in the KV cache). Returns [(request, tokens)]."""
+    budget, pieces = chunk, []
+    for r in sorted(running, key=lambda r: r.length - r.cached > 1):
+        todo = r.length - r.cached
+        if todo > 1 and budget is not None:
+            if budget == 0:
+                continue
+            todo = min(todo, budget)
+            budget -= todo
+        pieces.append((r, todo))
+    return pieces
+
+
 def simulate(stream, step_time, policy="continuous", max_batch=8, chunk=None,
              num_blocks=10**9, block_size=BLOCK_SIZE):
     """stream: [{id, prompt, output, arrival_s}]; step_time([(new, cached)]) -> seconds.
@@ -77,15 +94,7 @@ def simulate(stream, step_time, policy="continuous", max_batch=8, chunk=None,
         if not running:
             now += max(0.0, waiting[0].arrival_s - now)
             continue
-        pieces, budget = [], chunk
-        for r in sorted(running, key=lambda r: r.length - r.cached > 1):
-            todo = r.length - r.cached
-            if todo > 1 and budget is not None:
-                if budget == 0:
-                    continue
-                todo = min(todo, budget)
-                budget -= todo
-            pieces.append((r, todo))
+        pieces = step_pieces(running, chunk)
         for r, todo in list(pieces):
             while r in running and not cache.reserve(r.id, r.cached + todo):
                 victim = running.pop()
