@@ -123,5 +123,7 @@ def test_profiled_rank_writes_a_chrome_trace_with_the_collectives(tmp_path):
     # broadcast (a broadcast cannot carry every member's time stamp, see comm.py)
     assert counts["gloo:broadcast"] == log["broadcast"]
     assert counts["gloo:all_reduce"] == log["all_reduce"] + log["broadcast"]
-    names = [name for name, _, _ in summary["top_ops"]]
-    assert len(names) == 5 and any(n.startswith("aten::") for n in names)
+    # the five costliest operators: which ones depends on the machine's load (a busy CPU makes
+    # the collectives' waits the costliest), but PyTorch's own ops are in the trace
+    assert len(summary["top_ops"]) == 5
+    assert any(e["name"].startswith("aten::") for e in events)

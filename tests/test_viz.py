@@ -180,7 +180,11 @@ def test_memory_explorer_figure_every_model(model, mode, precision):
 
 def test_memory_explorer_numbers():
     parts = widgets.memory_breakdown("Llama 3 70B", "inference", "int4", batch=1, seq=8192)
-    assert parts["weights"] / 1e9 == pytest.approx(35.3, abs=0.1)
+    # int4 matrices (0.5 B) + a bf16 scale per group of 128 + bf16 embeddings, head and norms
+    h, kv, ffn, layers, vocab = 8192, 8 * 128, 28672, 80, 128256
+    matrices = layers * (2 * h * h + 2 * h * kv + 3 * h * ffn)
+    other = 2 * vocab * h + (2 * layers + 1) * h
+    assert parts["weights"] == pytest.approx(0.5 * matrices + 2 * matrices / 128 + 2 * other)
     parts = widgets.memory_breakdown("Llama 3 8B", "training", "bf16 mixed precision", "SGD",
                                      1, 512)
     assert parts["optimizer"] == pytest.approx(4 * catalog.model("llama-3-8b").param_count())
