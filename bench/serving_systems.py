@@ -10,24 +10,26 @@ tiny GPT with 2 layers) in one process, in interleaved rounds (the order alterna
 labkit_impl names the engine's setting: continuous batching (max batch 8) on a paged cache
 (blocks of 8), and static batching on the same cache. labkit_over_torch above 1 here means
 labkit serves more tokens per second (a throughput, not a time). On CPU with a model this small
-the gain is modest (measured 1.3x on 2 shared cores): the engine's per-request attention and
+the gain is modest (measured 1.2x on 2 shared cores): the engine's per-request attention and
 block gathers are Python loops, while batching pays off where a step is bound by reading the
 weights (a GPU decode step: lesson 10's modelled clock).
 
 The stream (issue 30): ONE Poisson stream of 32 requests (200 per second, seeded; outputs 4-32
 tokens; every 6th prompt 1024 tokens long, the rest 8-32) whose arrivals overlap (the engine
 runs up to 16 at once), served in four settings in 7 interleaved rounds (wall clock, arrivals
-slept for). Each row's
-labkit column is the technique, its torch column the baseline it is judged against (one engine,
-so both are labkit's; the ratio is technique / baseline):
+slept for). Each row's labkit column is the technique, its torch column the baseline it is
+judged against (one engine, so both are labkit's; the ratio is technique / baseline):
   continuous vs static batching (both paged, blocks of 8): output tokens/s, p99 TTFT, p99 E2E;
   paged (blocks of 8) vs contiguous (each request reserves the model's 1056 positions), in the
     same pool of 4 x 1056 token slots: the peak requests running and the mean bytes reserved
     but holding no token over the steps (the cache's own stats);
   chunked prefill (128 prompt tokens per step) vs whole prompts (both continuous, paged): p99
     time between consecutive tokens of a request (TBT; a decode stalled behind a long prompt)
-    and p99 TPOT; also on the engine's modelled clock (llama-3-8b on one H100, roofline per
-    step; one deterministic run each, labelled modelled), since 2 shared CPU cores are noisy.
+    and p99 TPOT.
+Every time metric is also given on the engine's modelled clock (llama-3-8b on one H100,
+roofline per step; one deterministic run each, labelled modelled): on CPU a step's cost grows
+with the batch (per-request Python loops), so batching gains little there, while a GPU decode
+step is bound by reading the weights once for the whole batch.
 Every run's tokens must equal each request served alone (the bench stops otherwise).
 Run: python bench/serving_systems.py   (rows replace their own in data/bench.csv)
 """
@@ -88,15 +90,11 @@ def offline():
             raise SystemExit(f"{policy} batching changed some request's tokens")
     rows = []
     for policy in ("continuous", "static"):
-        ratios = [a / b for a, b in zip(rounds[policy], rounds["alone"])]
-        rows.append(dict(benchmark="serving_systems",
-                         labkit_impl=f"Engine {policy} (max batch 8, paged blocks of 8)",
-                         torch_impl="generate, one request at a time", world_size=1,
-                         metric="tokens_per_s", labkit=round(median(rounds[policy]), 1),
-                         torch=round(median(rounds["alone"]), 1),
-                         labkit_over_torch=round(median(ratios), 2),
-                         spread_min=round(min(ratios), 2), spread_max=round(max(ratios), 2),
-                         rounds=ROUNDS, notes=f"{N} requests at t=0, tokens equal"))
+        rows.append(compared_row(
+            dict(benchmark="serving_systems", torch_impl="generate, one request at a time",
+                 labkit_impl=f"Engine {policy} (max batch 8, paged blocks of 8)", world_size=1),
+            "tokens_per_s", rounds[policy], rounds["alone"], value_format="{:.1f}",
+            notes=f"measured wall clock; {N} requests at t=0, tokens equal"))
         print(f"{policy:>10}: {rows[-1]['labkit']} tokens/s vs one at a time "
               f"{rows[-1]['torch']} (x{rows[-1]['labkit_over_torch']}, measured)")
     return rows
@@ -109,6 +107,7 @@ STREAM_N, RATE, LONG, EVERY, SEQ, POOL_SEQS, MAX_BATCH, BLOCK, CHUNK = (
 STREAM_ROUNDS = 7
 SETTINGS = dict(continuous=("continuous", True, None), static=("static", True, None),
                 contiguous=("continuous", False, None), chunked=("continuous", True, CHUNK))
+FORMATS = dict(tokens_per_s="{:.1f}", peak_running="{:.0f}", wasted_bytes="{:.0f}")
 NAMES = dict(continuous=f"Engine continuous (max batch {MAX_BATCH}, paged blocks of {BLOCK})",
              static=f"Engine static (max batch {MAX_BATCH}, paged blocks of {BLOCK})",
              contiguous=f"Engine continuous, contiguous KV (each reserves {SEQ} slots)",
@@ -165,7 +164,7 @@ def stream_rows():
     pairs = [("continuous", "static", m, "measured wall clock") for m in
              ("tokens_per_s", "p99_ttft_s", "p99_e2e_s")]
     pairs += [("continuous", "contiguous", m, f"measured by the cache's stats, both pools "
-               f"{pools.pop()} bytes") for m in ("peak_running", "wasted_bytes")]
+               f"{next(iter(pools))} bytes") for m in ("peak_running", "wasted_bytes")]
     pairs += [("chunked", "continuous", m, "measured wall clock") for m in
               ("p99_tbt_s", "p99_tpot_s")]
     rows = []
@@ -173,18 +172,20 @@ def stream_rows():
         rows.append(compared_row(
             dict(benchmark="serving_systems", labkit_impl=NAMES[tech], torch_impl=NAMES[base],
                  world_size=1), metric, [r[metric] for r in rounds[tech]],
-            [r[metric] for r in rounds[base]], notes=f"{how}; {where}"))
+            [r[metric] for r in rounds[base]], notes=f"{how}; {where}",
+            value_format=FORMATS.get(metric, "{:.4f}")))
     h100 = partial(theory.modelled_step_s, catalog.model("llama-3-8b"), hardware.gpu("H100"))
     modelled = {k: serve_stream(model, stream, prompts, alone, k, step_time=h100)
-                for k in ("chunked", "continuous")}
-    for metric in ("p99_tbt_s", "p99_tpot_s"):
-        rows.append(compared_row(
-            dict(benchmark="serving_systems", labkit_impl=NAMES["chunked"],
-                 torch_impl=NAMES["continuous"], world_size=1),
-            f"{metric}_modelled_h100", [modelled["chunked"][metric]],
-            [modelled["continuous"][metric]],
+                for k in ("continuous", "static", "chunked")}
+    timed = [(t, b, m) for t, b, m, how in pairs if how == "measured wall clock"]
+    for tech, base, metric in timed:
+        row = compared_row(
+            dict(benchmark="serving_systems", labkit_impl=NAMES[tech], torch_impl=NAMES[base],
+                 world_size=1), f"{metric}_modelled_h100", [modelled[tech][metric]],
+            [modelled[base][metric]], value_format=FORMATS.get(metric, "{:.4f}"),
             notes=f"modelled: engine clock for llama-3-8b on one H100 (roofline per step, one "
-                  f"deterministic run each); {where}"))
+                  f"deterministic run each); {where}")
+        rows.append(dict(row, spread_min="", spread_max="", rounds=""))   # one-shot numbers
     preempted = {k: median([r["preemptions"] for r in v]) for k, v in rounds.items()}
     return rows, preempted
 
