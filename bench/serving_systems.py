@@ -151,6 +151,7 @@ def serve_stream(model, stream, prompts, alone, setting, step_time=None):
 
 
 def stream_rows():
+    load = os.getloadavg()[0]
     model, stream, prompts, alone = stream_setup()
     rounds = interleaved_rounds({k: (lambda k=k: serve_stream(model, stream, prompts, alone, k))
                                  for k in SETTINGS}, rounds=STREAM_ROUNDS)
@@ -159,8 +160,8 @@ def stream_rows():
         raise SystemExit(f"the caches differ in bytes ({sorted(pools)}): not the same memory")
     long_n = sum(r["prompt"] == LONG for r in stream)
     where = (f"one Poisson stream of {STREAM_N} requests at {RATE:g}/s ({long_n} prompts of "
-             f"{LONG} tokens, the rest 8-32; outputs 8-24), tiny GPT 2 layers; tokens equal "
-             f"to each request alone")
+             f"{LONG} tokens, the rest 8-32; outputs {OUT[0]}-{OUT[1]}), tiny GPT 2 layers; "
+             f"tokens equal to each request alone; load average {load:.1f} at the start")
     pairs = [("continuous", "static", m, "measured wall clock") for m in
              ("tokens_per_s", "p99_ttft_s", "p99_e2e_s")]
     pairs += [("continuous", "contiguous", m, f"measured by the cache's stats, both pools "
