@@ -10,9 +10,9 @@ tiny GPT with 2 layers) in one process, in interleaved rounds (the order alterna
 labkit_impl names the engine's setting: continuous batching (max batch 8) on a paged cache
 (blocks of 8), and static batching on the same cache. labkit_over_torch above 1 here means
 labkit serves more tokens per second (a throughput, not a time). On CPU with a model this small
-the gain is modest (measured 1.0-1.3x across runs on 2 shared cores): the engine's per-request attention and
-block gathers are Python loops, while batching pays off where a step is bound by reading the
-weights (a GPU decode step: lesson 10's modelled clock).
+the gain is modest (measured 1.0-1.3x across runs on 2 shared cores): the engine's per-request
+attention and block gathers are Python loops, while batching pays off where a step is bound by
+reading the weights (a GPU decode step: lesson 10's modelled clock).
 
 The stream (issue 30): ONE Poisson stream of 32 requests (200 per second, seeded; outputs 4-32
 tokens; every 6th prompt 1024 tokens long, the rest 8-32) whose arrivals overlap (the engine
