@@ -55,6 +55,7 @@ from labkit.parallel.hf_experts import stack_experts
 from labkit.parallel.moe import ExpertParallel, average_moe_gradients, full_parameters
 from labkit.parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from labkit.parallel.tp_presets import tp_plan_for
+from labkit.viz import plots
 
 pd.set_option("display.precision", 3)
 torch.set_num_threads(1)   # tiny models on 2 shared cores: one thread each beats two
@@ -210,6 +211,13 @@ for mine, theirs in (("DataParallel", "DDP"), ("FullyShard", "fully_shard"),
             "labkit comm log (B/rank, modelled)": r["sent"] if side == mine else None,
         }
 pd.DataFrame(rows).T
+
+# %%
+held = {"one device": {"model states": one_bytes}}
+held.update({side: {"model states": row["held per rank (B, measured)"]}
+             for side, row in rows.items()})
+plots.memory_stack(held, unit="KB", title="weights, gradients and AdamW moments held by rank 0 "
+                   "(measured), 2 ranks: labkit's block beside PyTorch's");
 
 # %% [markdown]
 # Read the table by rows. Each labkit block is within rounding of one device, and so is
