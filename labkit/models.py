@@ -168,8 +168,8 @@ class MLP(nn.Module):
                 x = F.gelu(x)
         if targets is None:
             return x
-        dtype = torch.result_type(x, targets)   # as torch >= 2.12 promotes (2.11 refuses)
-        return F.mse_loss(x.to(dtype), targets.to(dtype))
+        t = torch.result_type(x, targets)   # as torch >= 2.12 promotes (2.11 refuses)
+        return F.mse_loss(x.to(t), targets.to(t))
 
 
 def build(name="gpt", seed=0, **overrides):

@@ -305,14 +305,8 @@ def candidates(m, c, batch, seq, fix=None):
                                    recompute_layers=k, sequence_parallel=sp)
 
 
-def parse_fix(text):
-    """'dp=64,tp=8,recompute=full,sequence_parallel=true' -> {field: value} (plan_inputs)."""
-    return inputs.parse_fix(text)
-
-
-def parse_model(text):
-    """A catalog name, a ModelShape or a shape string, checked (plan_inputs.parse_model)."""
-    return inputs.parse_model(text)
+parse_fix = inputs.parse_fix          # 'dp=64,tp=8,recompute=full' -> {field: value}
+parse_model = inputs.parse_model      # a catalog name, a ModelShape or a shape string, checked
 
 
 def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_link=None,
