@@ -55,7 +55,9 @@ from labkit.parallel.hf_experts import stack_experts
 from labkit.parallel.moe import ExpertParallel, average_moe_gradients, full_parameters
 from labkit.parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from labkit.parallel.tp_presets import tp_plan_for
+from labkit.theory.hf_shape import hf_shape
 from labkit.viz import plots
+from labkit.viz.own_model_widgets import own_model_explorer
 
 pd.set_option("display.precision", 3)
 torch.set_num_threads(1)   # tiny models on 2 shared cores: one thread each beats two
@@ -420,6 +422,31 @@ print(labkit.launch(refused, 2)[0])
 # from the sequence length it is handed), `ContextParallel` on an attention that never calls
 # `scaled_dot_product_attention` (`attn_implementation="eager"`), a Mixtral block whose forward
 # the expert-parallel adaptation does not reproduce.
+#
+# ## 6 · Your model at full size, on a real cluster (modelled)
+#
+# The tiny models above run for real; the same configs at their published sizes are only
+# configs (nothing is downloaded), which is all the formulas need. `hf_shape` reads a config as
+# the planner's shape, so the lab's memory formulas, and `python -m labkit plan --model SHAPE`,
+# read your model. The explorer draws the bytes per GPU of each technique as the GPUs grow:
+
+# %%
+full_size = {
+    "Llama 3 8B": transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "Mixtral 8x7B": transformers.MixtralConfig(),
+    "GPT-2": transformers.GPT2Config(),
+}
+print(hf_shape(full_size["Llama 3 8B"]))
+own_model_explorer(full_size)
+
+# %% [markdown]
+# Try: FullyShard on Llama 3 8B stops shrinking near the activations of one sequence (the
+# states divide by the GPUs, the activations do not); tensor parallelism divides both, until
+# the GPUs no longer divide the 8 KV heads. At 4,096 tokens nothing here fits Mixtral 8x7B
+# under the H100's line: what stays too large, and at which sequence length and GPU count does
+# a technique first fit? (Lesson 08's recompute and context parallelism are the real answers.)
 #
 # ## Exercises
 #
