@@ -1,4 +1,4 @@
-"""Putting it together: DP x TP x PP (x EP) on one model, composed from the building blocks.
+"""Putting it together: DP x TP x PP x CP (x EP) on one model, composed from the building blocks.
 
 The world is a mesh (labkit.runtime.mesh: pp outermost, tp innermost, so a TP group sits inside
 a node). The model, as an nn.Sequential of layers, is cut into pp x v pipeline stages; rank
@@ -26,6 +26,22 @@ parallelism a replicated weight's gradient, which SP sums over TP by a hook on t
 (lost when FullyShard computes with its own full copies), is summed over TP on the shards after
 the pipeline: one all-reduce of those shards per step. Experts are not sharded (refused).
 
+Context parallelism (`cp` > 1; Ring Attention, Liu et al. 2023, arXiv 2310.01889): each rank
+holds s / cp tokens of each sequence (zigzag by default: chunks r and 2cp-1-r, balanced under
+the causal mask; or contiguous); the caller shards the inputs and the already-shifted targets
+alike and gives the embedding the shard's global positions (runs/hybrid.py). Every attention
+layer is wrapped in `ContextParallel` over mesh["cp"] after TP (it sees this rank's heads) and
+before PP and FullyShard (torchtitan's order), so the pipeline sends activations of s / cp
+tokens. The cp ranks hold the same weights as the dp ranks, and with equal shards each rank's
+loss is the mean over as many tokens, so the batch's mean loss is the mean over dp x cp and
+its gradient the average of the dp x cp ranks' gradients: the gradients are averaged over one
+`dp_cp` group (torchtitan folds cp into its FSDP dimension the same way), and ZeRO-1 and
+FullyShard shard over dp x cp (dp_shard x cp with HSDP): model states / (dp_shard cp). Bytes
+a rank sends per step on cp, per attention layer of its stage and micro-batch (b sequences,
+KV = 2 b (h / tp) (s / cp) d values): (cp - 1) KV forward, (cp - 1) KV + cp dKV (fp32)
+backward (theory/context_parallel.comm_bytes_per_rank); on dp_cp 2 (N-1)/N x the stage's
+gradient bytes, N = dp x cp. Not composed with experts (refused).
+
 Memory per GPU (model states): Ψ / (tp * pp) of the weights each (+ 1/ep of the experts);
 ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
 dp_shard. Activations: those of the micro-batches in flight on this stage, / tp with sequence
@@ -34,8 +50,9 @@ per layer and micro-batch of b*s*h values (inside a node); PP 2 point-to-point m
 stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the stage's gradients
 (2 (dp-1)/dp x its bytes; ZeRO-1 the same in reduce-scatter + all-gather form).
 
-    mesh = ctx.mesh(dp=2, tp=2, pp=2)
-    hybrid = HybridParallel(model, mesh, loss_fn, tp_plan=plan, n_microbatches=4)
+    mesh = ctx.mesh(dp=2, tp=2, pp=2, cp=2)     # cp: x, target sharded along the sequence
+    hybrid = HybridParallel(model, mesh, loss_fn, tp_plan=plan, n_microbatches=4,
+                            cp_layout="zigzag")
     loss = hybrid.step(x, y)                # forward, backward, DP average, optimizer step
 
 Serving composes the same blocks (`HybridGenerator`, labkit.parallel.serving's idea): the
@@ -92,9 +109,12 @@ class HybridParallel:
     the pipeline's; expert_parallel: wrap every MoE layer in ExpertParallel over mesh["ep"];
     zero_stage 0 (a plain optimizer), 1 (ShardedOptimizer over the DP group) or 3 (each stage
     in FullyShard over `dp_shard`; `dp_replicate` > 1: HSDP, the shards' gradients averaged
-    over `dp_replicate`). After construction: `dp_shard` / `dp_replicate` (the groups; None
-    where there is no such dimension), `stage_params` (this rank's stages' parameters after
-    TP, before FullyShard shards them).
+    over `dp_replicate`). mesh cp > 1: every attention layer in ContextParallel over mesh["cp"]
+    (`cp_layout`, `cp_method`: its layout and core); x and target are this rank's sequence
+    shards. After construction: `dp_shard` / `dp_replicate` (the groups; None where there is
+    no such dimension; dp_shard spans cp), `dp_cp` (the group averaging the gradients under
+    ZeRO-0/1), `stage_params` (this rank's stages' parameters after TP, before FullyShard
+    shards them).
     """
 
     def __init__(self, model, mesh, loss_fn, *, tp_plan=None, sequence_parallel=False,

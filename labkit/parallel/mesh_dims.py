@@ -49,7 +49,8 @@ def validate_dims(*, dp, tp, pp, ep=1, dp_replicate=1, zero_stage=0, sequence_pa
         raise ValueError(f"cp={cp} does not cut the sequence of {seq} tokens into {chunks} "
                          f"equal chunks (the {cp_layout} layout over {cp} ranks)")
     if world_size is not None and world_size != dp * tp * pp * cp:
-        raise ValueError(f"world_size={world_size} but dp x tp x pp x cp = {dp * tp * pp * cp}")
+        dims = "dp x tp x pp" + (" x cp" if cp > 1 else "")
+        raise ValueError(f"world_size={world_size} but {dims} = {dp * tp * pp * cp}")
 
 
 def check_layout(*, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,

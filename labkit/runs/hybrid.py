@@ -1,12 +1,18 @@
-"""DP x TP x PP (x EP) on labkit's GPT: the blocks composed on a mesh, checked against one device.
+"""DP x TP x PP x CP (x EP) on labkit's GPT: the blocks composed on a mesh, checked against one
+device.
 
-`python -m labkit run hybrid --dp 2 --tp 2 --pp 2 [--zero 1|3 [--dp-replicate R]] [--schedule 1f1b]
-[--sequence-parallel] [--experts 4 --ep 2] [--order tp,pp,dp,cp] --json` trains the tiny GPT
-(or its MoE variant) on dp x tp x pp CPU ranks with `labkit.parallel.hybrid.HybridParallel`
+`python -m labkit run hybrid --dp 2 --tp 2 --pp 2 [--cp 2 [--cp-layout zigzag|contiguous]]
+[--zero 1|3 [--dp-replicate R]] [--schedule 1f1b] [--sequence-parallel] [--experts 4 --ep 2]
+[--order tp,pp,dp,cp] --json` trains the tiny GPT
+(or its MoE variant) on dp x tp x pp x cp CPU ranks with `labkit.parallel.hybrid.HybridParallel`
 and reports DESIGN.md's contract: loss and parameters against the single-device run, memory
 per rank, the comm log split by the mesh's groups (dp / tp / pp / ep; under --zero 3
 dp_shard / dp_replicate), the modelled step. `--zero 3` is FSDP (HSDP with --dp-replicate):
 the report adds `predicted_comm_by_dim` (theory/hybrid.fsdp_wire_bytes for each rank's stage).
+With --cp each rank trains on its shard of every sequence (the embedding given the shard's
+global positions); the gradients are averaged over dp x cp (`dp_cp`; under --zero 3 FullyShard
+shards over dp_shard x cp) and the report adds `predicted_cp_wire_bytes`
+(theory/hybrid.cp_wire_bytes: the ring's bytes, summed over the ranks, over the run).
 The MoE variant routes without capacity limits (capacity factor = experts / top_k: nothing is
 dropped, so micro-batching cannot change the routing) and without router losses, so the one
 device reference trains the same function.
@@ -191,7 +197,8 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
                  experts, top_k, dp_replicate, cp, cp_layout)
     world = dp * tp * pp * cp
     if world_size not in (None, world):
-        raise ValueError(f"--world-size {world_size} but dp x tp x pp x cp = {world}: drop "
+        dims = "dp x tp x pp" + (" x cp" if cp > 1 else "")
+        raise ValueError(f"--world-size {world_size} but {dims} = {world}: drop "
                          "--world-size (the mesh sets it)")
     dims = tuple(d.strip() for d in order.split(",")) if isinstance(order, str) else order
     if sorted(dims) != sorted(DIMS):
@@ -206,7 +213,7 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
                              cluster=cluster, timeout_s=timeout_s)
     results = merge_results(results, dp)
     v = virtual if schedule == "interleaved" else 1
-    shape = models.GPTConfig(**run.model_kwargs)
+    shape = models.GPTConfig(**cfg.model_kwargs)   # the dense shape (run adds moe=)
     return build_report(
         "hybrid", run, results, reference=reference.train(run),
         exact=reference.float64_reference(run),
