@@ -77,9 +77,13 @@ def test_cp_x_tp_with_sequence_parallel_contiguous_equals_one_device():
     assert cp_bytes_match_ring(rep)
 
 
-def test_cp_x_pp_equals_one_device_and_sends_shards_between_stages():
-    rep = run(dp=1, tp=1, pp=2, cp=2)
+def test_cp_x_pp_with_zero1_equals_one_device_and_sends_shards_between_stages():
+    rep = run(dp=1, tp=1, pp=2, cp=2, zero=1)
     assert equals_one_device(rep)
+    # ZeRO-1 shards the optimizer state over dp x cp: its broadcasts run on dp_cp
+    assert {("dp_cp", "all_reduce"), ("dp_cp", "broadcast")} <= ops(rep)
+    assert "other" not in {d for d, _ in ops(rep)}
+    assert states_match_theory(rep, ("params", "optimizer"))
     # each boundary sends a micro-batch's activations of s / cp tokens, forward and back
     c = rep["config"]
     sends = sum(row["bytes"] for row in rep["comm_by_dim"] if row["dim"] == "pp" and

@@ -118,6 +118,9 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
                        held_params=hybrid.stage_params)
 
 
+ZERO1_TAGS = ("params of rank", "param bucket", "grad bucket", "grad norm", "optimizer state")
+
+
 def label_dp(rows, hybrid):
     """Under ZeRO-3 the DP traffic by torchtitan's names: FullyShard's gathers ("params ...")
     and reduce-scatters ("grads ...") on `dp_shard` (which spans cp too when cp > 1), HSDP's
@@ -125,8 +128,10 @@ def label_dp(rows, hybrid):
     the name, of other groups). With cp > 1 and ZeRO-0/1 the gradients' all-reduce over
     dp x cp is `dp_cp`."""
     if hybrid.dp_shard is None:
-        for row in rows:
-            if row["tag"].startswith("dp_cp"):
+        for row in rows:   # by tag: with dp = 1 the dp_cp group has the cp group's ranks
+            if row["tag"].startswith("dp_cp") or (hybrid.mesh.sizes["cp"] > 1 and
+                                                  row["group"] == hybrid.dp_cp.name and
+                                                  row["tag"].startswith(ZERO1_TAGS)):
                 row["dim"] = "dp_cp"
         return rows
     for row in rows:
