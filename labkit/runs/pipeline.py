@@ -67,7 +67,8 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
     batches = [reference.batch(model, cfg, step) for step in range(cfg.steps)]
     modules = split_into_stages(model_layers(model), p * virtual, balance=split or "params")
     mine = [PipelineStage(modules[s], s, p * virtual) for s in range(ctx.rank, p * virtual, p)]
-    pipe = PipelineSchedule(mine, schedule, reference.loss_fn(cfg), n, recompute=recompute)
+    pipe = PipelineSchedule(mine, n, reference.loss_fn(cfg), schedule=schedule,
+                            recompute=recompute)
     stage = nn.ModuleList(s.module for s in mine)
     optimizer = reference.build_optimizer(stage.parameters(), cfg)
     ctx.memory.watch(model=stage, optimizer=optimizer)
