@@ -20,7 +20,18 @@ import time
 from contextlib import contextmanager, nullcontext
 
 from ..runtime.memory import MemoryTracker
-from .report import rank_result
+
+
+def rank_result(ctx, loss, params=None, **extra):
+    """What one rank hands back: its losses, memory, comm summary, clock and (rank 0) params."""
+    out = dict(rank=ctx.rank, loss=list(loss), memory=ctx.memory.report(),
+               comm=ctx.comm.summary(), wall_s=ctx.elapsed(),
+               modelled_step_s=ctx.clock.step_times(), timeline=ctx.clock.timeline(),
+               backend=ctx.backend, cluster=ctx.clock.cluster.name)
+    if params is not None:
+        out["params"] = params
+    out.update(extra)
+    return out
 
 
 class Trainer:
@@ -32,13 +43,14 @@ class Trainer:
     -> (x, y)`, this rank's part of it (default: all of it). loss: `(module, x, y) -> loss`.
     fused: one clock region "forward+backward" instead of two. samples: sample memory after
     forward and after backward. dtype: cast the batch's floating tensors (the float64
-    reference). Pass the hooks (after_backward(), after_step(step), record_loss(loss)), or
-    subclass and override `train_step`, to add a technique's collectives."""
+    reference). progress: show the steps in the launch's progress bar. Pass the hooks
+    (after_backward(), after_step(step), record_loss(loss)), or subclass and override
+    `train_step`, to add a technique's collectives."""
 
     def __init__(self, ctx, cfg, model, parallelize=None, *, optimizer, batch, shard=None,
                  loss=None, after_backward=None, after_step=None, record_loss=None, fused=False,
                  samples=False, watch=True, track_activations=True, dtype=None,
-                 optimizer_region="optimizer step"):
+                 optimizer_region="optimizer step", progress=True):
         self.ctx, self.cfg, self.model = ctx, cfg, model
         self.module = parallelize(model) if parallelize is not None else model
         self.optimizer = (optimizer(self.module.parameters(), cfg) if callable(optimizer)
@@ -51,6 +63,7 @@ class Trainer:
         self._record_loss, self.step_index = record_loss, None
         self.fused, self.samples, self.dtype = fused, samples, dtype
         self.track, self.optimizer_region = track_activations, optimizer_region
+        self.progress = progress
         self.losses, self.step_wall = [], []
 
     # ------------------------------------------------------------------ the hooks of one step
@@ -126,7 +139,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ the instruments
     def region(self, name):
-        return self.ctx.clock.compute(name) if self.ctx is not None else nullcontext()
+        """A clock region (none without a ctx, or for a region named None)."""
+        if self.ctx is None or name is None:
+            return nullcontext()
+        return self.ctx.clock.compute(name)
 
     def activations(self):
         return self.memory.track_activations() if self.track else nullcontext()
@@ -134,7 +150,7 @@ class Trainer:
     @contextmanager
     def step(self, index):
         if self.ctx is not None:
-            with self.ctx.step(index, self.cfg.steps):
+            with self.ctx.step(index, self.cfg.steps if self.progress else None):
                 yield
         else:
             yield
