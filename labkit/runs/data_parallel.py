@@ -9,18 +9,15 @@ inference data parallelism (`infer`).
 The block (and `ring_all_reduce`, the ring from send and recv): labkit/parallel/data_parallel.py;
 the formulas: labkit/theory/data_parallel.py.
 """
-from contextlib import nullcontext
-
 import torch
 
-from .. import data
 from ..parallel.data_parallel import DataParallel
 from ..parallel.flat import average_gradients
 from ..theory import data_parallel as theory
 from .reference import RunConfig, batch, build_model, build_optimizer, full_params, predict_memory
 from .report import build_report, launch_checked, single_device
 from .report import mean_loss as global_loss   # the full-batch loss of shard losses
-from .trainer import Trainer
+from .trainer import Trainer, batch_shard
 
 __all__ = ["DEFAULT_BUCKET_MB", "MODES", "add_arguments", "check_config", "global_loss", "infer",
            "report", "train"]
@@ -54,42 +51,19 @@ def train(ctx, cfg=None, mode="bucketed", bucket_mb=DEFAULT_BUCKET_MB, overlap=T
     check_config(cfg, ctx.world_size, mode, accumulate)
     wrap = None if mode == "naive" else (
         lambda model: DataParallel(model, bucket_mb=bucket_mb, overlap=overlap))
-    trainer = _DataParallelTrainer(
-        ctx, cfg, build_model(cfg), wrap, optimizer=build_optimizer, batch=batch,
-        shard=lambda x, y: (data.shard(x, ctx.rank, ctx.world_size),   # my slice of the batch
-                            data.shard(y, ctx.rank, ctx.world_size)),
-        # scaled so the K micro-gradients add up to the shard's mean gradient
-        loss=lambda model, x, y: model(x, y) / accumulate)
-    trainer.mode, trainer.accumulate = mode, accumulate
+
+    def synchronise():   # after backward: the gradients averaged over the ranks
+        if mode == "naive":   # one blocking all-reduce per gradient
+            average_gradients(trainer.module.parameters(), per_tensor=True, tag="grad")
+        else:   # already done by the bucket hooks in backward; kept to show where it happens
+            trainer.module.finish_gradient_synchronization()
+    trainer = Trainer(ctx, cfg, build_model(cfg), wrap, optimizer=build_optimizer, batch=batch,
+                      shard=batch_shard(ctx), accumulate=accumulate, after_backward=synchronise,
+                      # inner micro-batches accumulate locally; the last one synchronises
+                      no_sync=None if mode == "naive" else lambda: trainer.module.no_sync())
     trainer.fit()
     return trainer.result(full_params(trainer.model) if ctx.rank == 0 else None,
                           local_loss=trainer.losses, step_wall_s=trainer.step_wall)
-
-
-class _DataParallelTrainer(Trainer):
-    """The trainer's step with DP's two lessons in view: `no_sync` on all but the last of K
-    micro-batches, and where the gradients are averaged."""
-
-    def train_step(self, step):
-        self.optimizer.zero_grad(set_to_none=True)
-        x, y = self.batch(step)
-        k_all, loss_sum = self.accumulate, 0.0
-        with self.activations():
-            for k, (mx, my) in enumerate(zip(x.chunk(k_all), y.chunk(k_all))):
-                # inner micro-batches accumulate locally; the last one synchronises
-                last = k == k_all - 1
-                quiet = self.module.no_sync() if self.mode == "bucketed" and not last \
-                    else nullcontext()
-                with quiet:   # bucket hooks fire in backward
-                    loss = self.forward_backward(
-                        mx, my, "" if k_all == 1 else f" (micro-batch {k})")
-                loss_sum += loss.item()
-        if self.mode == "naive":
-            average_gradients(self.module.parameters(), per_tensor=True, tag="grad")
-        else:   # already done at the end of backward; kept to show where it happens
-            self.module.finish_gradient_synchronization()
-        self.optimizer_step()
-        return loss_sum
 
 
 # ------------------------------------------------------------------------------- inference

@@ -27,7 +27,7 @@ from ..theory import moe as theory_moe
 from . import reference
 from .reference import RunConfig, batch, build_optimizer
 from .report import build_report, launch_checked
-from .trainer import Trainer
+from .trainer import Trainer, batch_shard
 
 
 def check_config(world_size, cfg, moe, ep):
@@ -73,8 +73,7 @@ def train(ctx, cfg=None, moe=MoEConfig(), ep=None):
     stats = []
     trainer = Trainer(
         ctx, cfg, model, optimizer=build_optimizer, batch=batch, fused=True,
-        shard=lambda x, y: (data.shard(x, ctx.rank, ctx.world_size),
-                            data.shard(y, ctx.rank, ctx.world_size)),
+        shard=batch_shard(ctx),
         # the dense weights over the world, each expert over its replicas
         after_backward=lambda: average_moe_gradients(model, replicas),
         after_step=lambda step: stats.append(routing_stats(model))).fit()

@@ -72,10 +72,13 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
         mine.extend(PipelineStage(modules[s], s, p * virtual) for s in stages)
         return nn.ModuleList(s.module for s in mine)
     model = reference.build_model(cfg)
-    trainer = _PipelineTrainer(ctx, cfg, model, pp_parallelize,
-                               optimizer=reference.build_optimizer, batch=reference.batch)
-    trainer.pipe = pipe = PipelineSchedule(mine, n, reference.loss_fn(cfg), schedule=schedule,
-                                           recompute=recompute)
+    # the schedule runs every micro-batch's forward and backward on this rank's stages and
+    # sends activations and gradients between ranks; only the last stage has a loss
+    trainer = Trainer(ctx, cfg, model, pp_parallelize, optimizer=reference.build_optimizer,
+                      batch=reference.batch, step_fn=lambda x, y: pipe.step(x, target=y),
+                      optimizer_region=None)   # no clock region, as this driver always stepped
+    pipe = PipelineSchedule(mine, n, reference.loss_fn(cfg), schedule=schedule,
+                            recompute=recompute)
     trainer.fit()
     own = {id(q) for q in trainer.module.parameters()}
     named = {k: q.detach().clone() for k, q in model.named_parameters() if id(q) in own}
@@ -85,20 +88,6 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
                               pipe.schedule, ctx.rank, [a for a, _ in sizes], recompute),
                           in_flight=schedules.microbatches_in_flight(pipe.ops),
                           schedule=pipe.schedule)
-
-
-class _PipelineTrainer(Trainer):
-    """The trainer's step with the schedule in place of forward and backward: `pipe.step` runs
-    every micro-batch's F and B on this rank's stages and sends activations and gradients
-    between ranks; only the last stage has a loss."""
-
-    def train_step(self, step):
-        self.optimizer.zero_grad(set_to_none=True)
-        x, y = self.batch(step)
-        with self.activations():
-            loss = self.pipe.step(x, target=y)
-        self.optimizer.step()   # no clock region, as this driver has always stepped
-        return loss
 
 
 def sweep(ctx, cfg, runs):

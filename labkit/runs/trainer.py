@@ -19,6 +19,7 @@ tracker with no clock.
 import time
 from contextlib import contextmanager, nullcontext
 
+from .. import data
 from ..runtime.memory import MemoryTracker
 
 
@@ -34,22 +35,30 @@ def rank_result(ctx, loss, params=None, **extra):
     return out
 
 
+def batch_shard(ctx):
+    """`shard` of data parallelism: this rank's 1/N of the batch, of x and of y."""
+    return lambda x, y: tuple(data.shard(t, ctx.rank, ctx.world_size) for t in (x, y))
+
+
 class Trainer:
     """Trains `model` (after `parallelize(model)`, if given) for `cfg.steps` steps.
 
-    cfg: the RunConfig (steps, batch, optimizer). optimizer: a factory `(params, cfg)` (the
-    run's `reference.build_optimizer`) or an optimizer already built. batch: `(model, cfg,
-    step, dtype) -> (x, y)`, the global batch of a step (`reference.batch`). shard: `(x, y)
-    -> (x, y)`, this rank's part of it (default: all of it). loss: `(module, x, y) -> loss`.
-    fused: one clock region "forward+backward" instead of two. samples: sample memory after
-    forward and after backward. dtype: cast the batch's floating tensors (the float64
-    reference). progress: show the steps in the launch's progress bar. Pass the hooks
-    (after_backward(), after_step(step), record_loss(loss)), or subclass and override
-    `train_step`, to add a technique's collectives."""
+    cfg: the RunConfig (steps, ...). optimizer: a factory `(params, cfg)` (the run's
+    `reference.build_optimizer`) or an optimizer already built. batch: `(model, cfg, step,
+    dtype) -> (x, y)`, the global batch of a step (`reference.batch`). shard: `(x, y) -> (x,
+    y)`, this rank's part of it. loss: `(module, x, y) -> loss` (default `module(x, y)`).
+    accumulate: micro-batches per step, all but the last under `no_sync()`. step_fn: `(x, y)
+    -> loss` run in place of forward and backward (a pipeline schedule). fused: one clock region
+    "forward+backward", not two. samples: sample memory after forward and after backward.
+    dtype: cast the batch's floating tensors (the float64 reference). progress: steps in the
+    launch's progress bar. The technique's own collectives: after_backward(), after_step(step),
+    record_loss(loss) (e.g. averaged over ranks), or a subclass's `train_step`.
+    """
 
     def __init__(self, ctx, cfg, model, parallelize=None, *, optimizer, batch, shard=None,
-                 loss=None, after_backward=None, after_step=None, record_loss=None, fused=False,
-                 samples=False, watch=True, track_activations=True, dtype=None,
+                 loss=None, after_backward=None, after_step=None, record_loss=None,
+                 accumulate=1, no_sync=None, step_fn=None, fused=False, samples=False,
+                 watch=True, track_activations=True, dtype=None,
                  optimizer_region="optimizer step", progress=True):
         self.ctx, self.cfg, self.model = ctx, cfg, model
         self.module = parallelize(model) if parallelize is not None else model
@@ -60,57 +69,63 @@ class Trainer:
             self.memory.watch(model=self.module, optimizer=self.optimizer)
         self._batch, self._shard, self._loss = batch, shard, loss
         self._after_backward, self._after_step = after_backward, after_step
-        self._record_loss, self.step_index = record_loss, None
-        self.fused, self.samples, self.dtype = fused, samples, dtype
+        self._record_loss, self.accumulate, self.no_sync = record_loss, accumulate, no_sync
+        self.step_fn, self.fused, self.samples, self.dtype = step_fn, fused, samples, dtype
         self.track, self.optimizer_region = track_activations, optimizer_region
-        self.progress = progress
+        self.progress, self.step_index = progress, None
         self.losses, self.step_wall = [], []
 
-    # ------------------------------------------------------------------ the hooks of one step
+    # ------------------------------------------------------------------------- one step
+    def train_step(self, step):
+        """zero_grad, this rank's batch, forward and backward, after_backward, the optimizer
+        step; returns the loss (a tensor or float; None where this rank has none)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        x, y = self.batch(step)
+        with self.activations():
+            if self.step_fn is not None:
+                loss = self.step_fn(x, y)
+            elif self.accumulate == 1:
+                loss = self.forward_backward(x, y)
+            else:
+                loss = self.accumulate_gradients(x, y)
+        if self._after_backward is not None:
+            self._after_backward()
+        if self.samples:
+            self.memory.sample("after backward")
+        with self.region(self.optimizer_region):
+            self.optimizer.step()
+        return loss
+
     def batch(self, step):
         """This rank's (x, y) of `step`: the global batch, then `shard`."""
         x, y = self._batch(self.model, self.cfg, step, self.dtype)
         return self._shard(x, y) if self._shard is not None else (x, y)
 
-    def loss(self, x, y):
-        """The loss the rank differentiates (default: the model's own, `module(x, y)`)."""
-        return self._loss(self.module, x, y) if self._loss is not None else self.module(x, y)
-
-    def after_backward(self):
-        """The technique's gradient collective (default: none)."""
-        if self._after_backward is not None:
-            self._after_backward()
-
     def forward_backward(self, x, y, suffix=""):
-        """Forward and backward on the clock; returns the loss."""
-        if self.fused:
-            with self.region("forward+backward" + suffix):
-                loss = self.loss(x, y)
+        """Forward and backward on the clock; returns the loss (divided by `accumulate`, so
+        that the micro-batches' gradients add up to the batch's mean gradient)."""
+        with self.region("forward+backward" + suffix if self.fused else "forward" + suffix):
+            loss = self._loss(self.module, x, y) if self._loss else self.module(x, y)
+            if self.accumulate > 1:
+                loss = loss / self.accumulate
+            if self.fused:
                 loss.backward()
-            return loss
-        with self.region("forward" + suffix):
-            loss = self.loss(x, y)
+                return loss
         if self.samples:
             self.memory.sample("after forward")
         with self.region("backward" + suffix):
             loss.backward()
         return loss
 
-    def train_step(self, step):
-        """One step; returns its loss (a tensor or float; None where this rank has none)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        x, y = self.batch(step)
-        with self.activations():
-            loss = self.forward_backward(x, y)
-        self.after_backward()
-        if self.samples:
-            self.memory.sample("after backward")
-        self.optimizer_step()
-        return loss
-
-    def optimizer_step(self):
-        with self.region(self.optimizer_region):
-            self.optimizer.step()
+    def accumulate_gradients(self, x, y):
+        """K micro-batches, gradients accumulating; all but the last under `no_sync()` (DDP:
+        one all-reduce per step). Returns the batch's loss, the sum of the K scaled ones."""
+        total, k_all = 0.0, self.accumulate
+        for k, (mx, my) in enumerate(zip(x.chunk(k_all), y.chunk(k_all))):
+            quiet = self.no_sync() if self.no_sync and k < k_all - 1 else nullcontext()
+            with quiet:
+                total += self.forward_backward(mx, my, f" (micro-batch {k})").item()
+        return total
 
     # -------------------------------------------------------------------------- the run
     def fit(self):
@@ -122,16 +137,11 @@ class Trainer:
                 loss = self.train_step(step)
                 self.step_wall.append(time.perf_counter() - started)
             if loss is not None:
-                self.losses.append(self.record_loss(loss))
+                self.losses.append(self._record_loss(loss) if self._record_loss
+                                   else loss if isinstance(loss, float) else loss.item())
             if self._after_step is not None:
                 self._after_step(step)
         return self
-
-    def record_loss(self, loss):
-        """The number kept for a step (`record_loss(loss)`: e.g. averaged over ranks)."""
-        if self._record_loss is not None:
-            return self._record_loss(loss)
-        return loss if isinstance(loss, float) else loss.item()
 
     def result(self, params=None, **extra):
         """`rank_result` of this rank: losses, memory, comm, clock, (rank 0) params."""
@@ -149,9 +159,9 @@ class Trainer:
 
     @contextmanager
     def step(self, index):
-        if self.ctx is not None:
-            with self.ctx.step(index, self.cfg.steps if self.progress else None):
-                yield
-        else:
+        if self.ctx is None:
             yield
             self.memory.sample(f"after step {index}")
+            return
+        with self.ctx.step(index, self.cfg.steps if self.progress else None):
+            yield

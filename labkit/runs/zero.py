@@ -11,7 +11,6 @@ The blocks: labkit/parallel/zero.py, labkit/parallel/fully_shard.py; formulas: t
 """
 import torch
 
-from .. import data
 from ..parallel.data_parallel import DataParallel
 from ..parallel.fully_shard import (OFFLOAD_LINK, FullyShard, layer_units,
                                     one_unit_per_layer)
@@ -22,7 +21,7 @@ from ..theory import zero as theory
 from .reference import (RunConfig, activation_bytes, batch, build_model, build_optimizer,
                         optimizer_spec, train_mixed_precision)
 from .report import build_report, launch_checked, single_device
-from .trainer import Trainer
+from .trainer import Trainer, batch_shard
 from .report import mean_loss as global_loss   # the full-batch loss of shard losses
 
 __all__ = ["BUCKET_MB", "COMPUTE_DTYPE", "OFFLOAD_LINK", "STAGES", "add_arguments",
@@ -92,7 +91,7 @@ def train(ctx, cfg=None, stage=1, mixed_precision=False, offload=False, prefetch
     dtype = COMPUTE_DTYPE if mixed_precision else None
 
     def shard(x, y):
-        x, y = (data.shard(t, ctx.rank, ctx.world_size).to(ctx.device) for t in (x, y))
+        x, y = (t.to(ctx.device) for t in batch_shard(ctx)(x, y))
         if dtype is not None and stage < 3:   # FullyShard casts its inputs itself
             x, y = (t.to(dtype) if t.is_floating_point() else t for t in (x, y))
         return x, y
