@@ -60,6 +60,8 @@ class Trainer:
                  accumulate=1, no_sync=None, step_fn=None, fused=False, samples=False,
                  watch=True, track_activations=True, dtype=None,
                  optimizer_region="optimizer step", progress=True):
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate must be a positive integer, got {accumulate!r}")
         self.ctx, self.cfg, self.model = ctx, cfg, model
         self.module = parallelize(model) if parallelize is not None else model
         self.optimizer = (optimizer(self.module.parameters(), cfg) if callable(optimizer)
