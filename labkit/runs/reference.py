@@ -103,7 +103,7 @@ def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32, model=None
     model = (model if model is not None else build_model(cfg)).to(dtype)
     stats = []
     trainer = Trainer(ctx, cfg, model, optimizer=build_optimizer, batch=batch, fused=True,
-                      track_activations=track_memory, dtype=dtype,
+                      track_activations=track_memory, dtype=dtype, progress=False,
                       after_step=None if step_stats is None
                       else lambda step: stats.append(step_stats(model))).fit()
     return dict(loss=trainer.losses, params=full_params(model), memory=trainer.memory.report(),
