@@ -167,7 +167,7 @@ class HybridParallel:
                                  if getattr(p, "_tp_sum", False)]
         self.stages = [PipelineStage(modules[s], s, total, group=mesh["pp"]) for s in mine]
         self.module = nn.ModuleList(stage.module for stage in self.stages)
-        self.pipe = PipelineSchedule(self.stages, schedule, loss_fn, n_microbatches)
+        self.pipe = PipelineSchedule(self.stages, n_microbatches, loss_fn, schedule=schedule)
         params = list(self.module.parameters())
         expert_ids = {id(p) for _, _, layer in moe_layers(self.module)
                       for p in layer.experts.parameters()}
