@@ -60,6 +60,9 @@ DEFAULTS = dict(dp=1, tp=1, pp=1, cp=1, ep=1, v=1, micro_batch_size=1, zero_stag
 def why_not(p):
     """'' if the mesh can run plan `p` in miniature, else one line naming the option and why."""
     world = p["dp"] * p["tp"] * p["pp"] * p["cp"]
+    if world > MAX_RANKS:
+        return (f"dp*tp*pp*cp = {world} ranks: the launcher runs at most {MAX_RANKS} CPU ranks "
+                "here (plan for --gpus 8 or fewer, or --fix a layout that small)")
     if p["cp"] > 1:
         return "cp > 1: the mesh (parallel/hybrid.py) composes no context parallelism yet"
     if p["recompute"] != "none":
@@ -69,9 +72,6 @@ def why_not(p):
         return "zero_stage=2: the mesh runs ZeRO 0, 1 and 3 (2 would shard accumulated grads)"
     if p["zero_stage"] == 3 and p["ep"] > 1:
         return "zero_stage=3 with ep > 1: the mesh does not shard experts with FullyShard"
-    if world > MAX_RANKS:
-        return (f"dp*tp*pp*cp = {world} ranks: the launcher runs at most {MAX_RANKS} CPU ranks "
-                "here")
     if p["v"] > 1 and p["pp"] == 1:
         return "v > 1 needs pp > 1"
     return ""
@@ -262,7 +262,8 @@ def _row(what, planner_b, adjusted, measured, band=None):
 def format_rows(out):
     """The comparison as text (bytes per rank; planner = its own formula on the tiny shape)."""
     m, p = out["shape"], out["plan"]
-    lines = [f"in miniature: {m.layers} layers, hidden {m.hidden}, {m.heads} heads, ffn "
+    lines = [f"in miniature (labkit's tiny GPT, the planner's GPT family; memory: the worst "
+             f"stage, bytes: per rank and step; all measured but 'planner'): {m.layers} layers, hidden {m.hidden}, {m.heads} heads, ffn "
              f"{m.ffn}, vocab {m.vocab}, seq {out['run']['seq']}, batch {out['run']['batch']}"
              f" ({out['run']['microbatches']} micro-batches of {out['run']['mbs']}), fp32; "
              f"dp={p['dp']} tp={p['tp']} pp={p['pp']} ep={p['ep']} v={p['v']} "
