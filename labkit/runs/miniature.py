@@ -13,10 +13,11 @@ Scaling rule (`miniature_shape`): the degrees are kept, the sizes shrink while k
 divisibility the layout needs: heads = 2 tp (whole heads per TP rank), hidden = 8 heads, ffn =
 4 hidden and vocab = 32 tp (split by TP), seq = 8 tp (split by SP), layers the fewest (>= 2)
 with (layers + 2) % (pp v) == 0 (the mesh's embeddings and head are stages of their own:
-every virtual stage then has whole units) and, where one exists, layers % pp == 0, micro-batches max(2, pp) (the
-interleaved schedule needs a multiple of pp), global batch dp x micro-batches x micro-batch
-size (<= 2). The tiny model trains in fp32, so the planner is asked with
-precision="fp32", no FlashAttention and no dropout, as the tiny GPT runs.
+every virtual stage then has whole units) and, where one exists, layers % pp == 0,
+micro-batches max(2, pp) (the interleaved schedule needs a multiple of pp), global batch
+dp x micro-batches x micro-batch size (<= 2), experts 2 ep (top-2). The tiny model trains in
+fp32, so the planner is asked with precision="fp32", no FlashAttention and no dropout, as the
+tiny GPT runs.
 
 Where the planner and the mesh legitimately differ, the difference is derived, named and added
 to the planner's number (`adjusted`), never fitted:
@@ -219,8 +220,10 @@ def miniature(plan_fields, steps=1, timeout_s=180):
                         zero=p["zero_stage"], microbatches=run["microbatches"], virtual=p["v"],
                         schedule="interleaved" if p["v"] > 1 else "1f1b",
                         sequence_parallel=p["sequence_parallel"],
-                        experts=m.experts if p["ep"] > 1 else 0, top_k=m.top_k, timeout_s=timeout_s)
-    return dict(rows=compare(side, rep, steps, p["sequence_parallel"]), shape=m, run=run, plan=p, report=rep)
+                        experts=m.experts if p["ep"] > 1 else 0, top_k=m.top_k,
+                        timeout_s=timeout_s)
+    return dict(rows=compare(side, rep, steps, p["sequence_parallel"]), shape=m, run=run,
+                plan=p, report=rep)
 
 
 def compare(side, rep, steps, sp=False):
@@ -263,8 +266,9 @@ def format_rows(out):
     """The comparison as text (bytes per rank; planner = its own formula on the tiny shape)."""
     m, p = out["shape"], out["plan"]
     lines = [f"in miniature (labkit's tiny GPT, the planner's GPT family; memory: the worst "
-             f"stage, bytes: per rank and step; all measured but 'planner'): {m.layers} layers, hidden {m.hidden}, {m.heads} heads, ffn "
-             f"{m.ffn}, vocab {m.vocab}, seq {out['run']['seq']}, batch {out['run']['batch']}"
+             f"stage, bytes: per rank and step; planner and +derived modelled): {m.layers} "
+             f"layers, hidden {m.hidden}, {m.heads} heads, ffn {m.ffn}, vocab {m.vocab}, "
+             f"seq {out['run']['seq']}, batch {out['run']['batch']}"
              f" ({out['run']['microbatches']} micro-batches of {out['run']['mbs']}), fp32; "
              f"dp={p['dp']} tp={p['tp']} pp={p['pp']} ep={p['ep']} v={p['v']} "
              f"ZeRO {p['zero_stage']} sp={'yes' if p['sequence_parallel'] else 'no'}",
