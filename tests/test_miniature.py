@@ -83,3 +83,14 @@ def test_plan_imports_no_torch_without_miniature():
             "'--gpus', '8', '--global-batch', '32', '--top', '1']); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_cli_runs_the_fixed_plan_in_miniature(capsys):
+    code = cli.main(["plan", "--model", "gpt2-small", "--gpus", "2", "--global-batch", "8",
+                     "--seq", "1024", "--top", "1", "--miniature",
+                     "--fix", "dp=2,zero_stage=1,recompute=none"])
+    out = capsys.readouterr().out
+    assert code == 0 and "legal plans" in out and "in miniature" in out
+    verdicts = [line.split()[-1] for line in out.splitlines()
+                if line.startswith(("params", "grads", "optimizer", "dp bytes"))]
+    assert verdicts == ["equal"] * 4, out
