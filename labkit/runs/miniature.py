@@ -70,7 +70,8 @@ def why_not(p):
         return (f"dp*tp*pp*cp = {world} ranks: the launcher runs at most {MAX_RANKS} CPU ranks "
                 "here (plan for --gpus 8 or fewer, or --fix a layout that small)")
     if p["cp"] > 1:
-        return "cp > 1: the mesh (parallel/hybrid.py) composes no context parallelism yet"
+        return ("cp > 1: the miniature does not yet set the planner's CP ring terms beside "
+                "the mesh's (run it: python -m labkit run hybrid --cp N)")
     if p["recompute"] != "none":
         return (f"recompute={p['recompute']}: HybridParallel passes no recompute to its "
                 "pipeline schedule, so the mesh cannot run it")
