@@ -13,8 +13,9 @@ CFG = RunConfig(steps=2, optimizer="sgd", lr=0.1)
 
 def run(accumulate=1, dtype=torch.float32, **hooks):
     model = build_model(CFG).to(dtype)
-    trainer = Trainer(None, CFG, model, optimizer=build_optimizer, batch=batch, dtype=dtype,
-                      accumulate=accumulate, **hooks).fit()
+    trainer = Trainer(None, CFG, model, optimizer=build_optimizer,
+                      batch=lambda step: batch(model, CFG, step, dtype), accumulate=accumulate,
+                      **hooks).fit()
     return dict(loss=trainer.losses, params=full_params(model))
 
 
@@ -28,7 +29,7 @@ def test_accumulation_equals_the_full_batch():
 
 def test_hooks_run_between_backward_and_the_step():
     """after_backward sees this step's gradients and the weights before the update;
-    after_step(step) runs once per step, after the update; record_loss keeps what it returns."""
+    after_step(step) runs once per step, after the update; reduce_loss's value is recorded."""
     seen = []
     model = build_model(CFG)
     first = next(model.parameters())
@@ -38,9 +39,10 @@ def test_hooks_run_between_backward_and_the_step():
 
     def after_step(step):
         seen.append(("step", step, first.detach().clone()))
-    trainer = Trainer(None, CFG, model, optimizer=build_optimizer, batch=batch,
+    trainer = Trainer(None, CFG, model, optimizer=build_optimizer,
+                      batch=lambda step: batch(model, CFG, step),
                       after_backward=after_backward, after_step=after_step,
-                      record_loss=lambda loss: -loss.item()).fit()
+                      reduce_loss=lambda loss: -loss.item()).fit()
     assert [s[0] for s in seen] == ["backward", "step"] * CFG.steps
     assert [s[1] for s in seen] == [True, 0, True, 1]
     assert not torch.equal(seen[0][2], seen[1][2])      # the step changed the weights

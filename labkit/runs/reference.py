@@ -45,6 +45,18 @@ def gpt_config(cfg, needs="this technique needs the tiny GPT"):
     return models.GPTConfig(**cfg.model_kwargs)
 
 
+def check_batch(cfg, ranks, microbatches=1):
+    """One-line ValueError unless the global batch splits into `ranks` x `microbatches` equal
+    parts (data parallelism's shards, before any rank starts)."""
+    if ranks < 1:
+        raise ValueError(f"the world size must be a positive integer, got {ranks}")
+    if cfg.global_batch % (ranks * microbatches):
+        parts = f"{ranks} ranks" + (f" x {microbatches} micro-batches" if microbatches > 1
+                                    else "")
+        raise ValueError(f"the global batch of {cfg.global_batch} does not split into {parts}; "
+                         f"use a multiple of {ranks * microbatches} (--batch)")
+
+
 def token_loss(logits, target):
     """The GPT's loss on its output: cross-entropy over every position."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
@@ -102,8 +114,9 @@ def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32, model=None
     cfg = cfg or RunConfig()
     model = (model if model is not None else build_model(cfg)).to(dtype)
     stats = []
-    trainer = Trainer(ctx, cfg, model, optimizer=build_optimizer, batch=batch, fused=True,
-                      track_activations=track_memory, dtype=dtype, progress=False,
+    trainer = Trainer(ctx, cfg, model, optimizer=build_optimizer, fused=True,
+                      batch=lambda step: batch(model, cfg, step, dtype),
+                      track_activations=track_memory,
                       after_step=None if step_stats is None
                       else lambda step: stats.append(step_stats(model))).fit()
     return dict(loss=trainer.losses, params=full_params(model), memory=trainer.memory.report(),
