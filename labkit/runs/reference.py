@@ -126,26 +126,26 @@ def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32, model=None
 def train_mixed_precision(cfg=None, compute_dtype=torch.bfloat16):
     """One device, full batch, the mixed-precision algorithm: a `compute_dtype` copy of the
     weights computes forward and backward; the optimizer steps fp32 masters that start from the
-    unrounded fp32 weights; the low-precision copy is refreshed from them before each forward."""
+    unrounded fp32 weights; the low-precision copy is refreshed from them after each step."""
     cfg = cfg or RunConfig()
     master = build_model(cfg)
-    work = build_model(cfg).to(compute_dtype)
-    optimizer = build_optimizer(master.parameters(), cfg)
+    work = build_model(cfg).to(compute_dtype)   # = the masters rounded, as a refresh makes it
     pairs = list(zip(master.parameters(), work.parameters()))
-    losses = []
-    for step in range(cfg.steps):
-        x, y = batch(master, cfg, step, compute_dtype)
-        with torch.no_grad():
-            for m, w in pairs:
-                w.copy_(m)
-                w.grad = None
-        loss = work(x, y)
-        loss.backward()
+
+    def to_masters():   # the low-precision gradients, in fp32, are what the masters step on
         for m, w in pairs:
             m.grad = None if w.grad is None else w.grad.float()
-        optimizer.step()
-        losses.append(loss.item())
-    return dict(loss=losses, params=full_params(master))
+
+    @torch.no_grad()
+    def refresh(step):
+        for m, w in pairs:
+            w.copy_(m)
+            w.grad = None
+    trainer = Trainer(None, cfg, work, optimizer=build_optimizer(master.parameters(), cfg),
+                      batch=lambda step: batch(master, cfg, step, compute_dtype), fused=True,
+                      after_backward=to_masters, after_step=refresh,
+                      track_activations=False).fit()
+    return dict(loss=trainer.losses, params=full_params(master))
 
 
 def full_params(model):

@@ -88,10 +88,13 @@ class Trainer:
                  track_activations=True, optimizer_region="optimizer step"):
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive integer, got {accumulate!r}")
+        if forward_backward is not None and accumulate > 1:
+            raise ValueError("accumulate splits the batch for the trainer's forward_backward; a "
+                             "forward_backward hook (a pipeline) makes its own micro-batches")
         self.ctx, self.cfg, self.model = ctx, cfg, model
         self.module = parallelize(model) if parallelize is not None else model
         self.memory = ctx.memory if ctx is not None else MemoryTracker()
-        if callable(optimizer):   # built here, so watched here
+        if not hasattr(optimizer, "step"):   # a factory: built here, so watched here
             optimizer = optimizer(self.module.parameters(), cfg)
             self.memory.watch(model=self.module, optimizer=optimizer)
         self.optimizer, self.batch, self._loss = optimizer, batch, loss
