@@ -63,7 +63,7 @@ def _train(model, optimizer, loss_fn, steps):
                       batch=lambda step: (step, None),
                       loss=lambda model, step, _: loss_fn(model, step), fused=True,
                       track_activations=False, optimizer_region=None,
-                      reduce_loss=lambda loss: loss.detach())
+                      reduce_loss=lambda loss: loss.detach(), progress=False)
     return trainer.fit().losses
 
 

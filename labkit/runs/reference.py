@@ -116,7 +116,7 @@ def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32, model=None
     stats = []
     trainer = Trainer(ctx, cfg, model, optimizer=build_optimizer, fused=True,
                       batch=lambda step: batch(model, cfg, step, dtype),
-                      track_activations=track_memory,
+                      track_activations=track_memory, progress=False,
                       after_step=None if step_stats is None
                       else lambda step: stats.append(step_stats(model))).fit()
     return dict(loss=trainer.losses, params=full_params(model), memory=trainer.memory.report(),

@@ -79,13 +79,14 @@ class Trainer:
     after_step: the hooks of the module docstring. reduce_loss: what is recorded of a step's
     loss (default `.item()`; CP: the mean over the ranks' shards). fused: one clock region
     "forward+backward", not two; samples: sample memory after forward and after backward;
-    optimizer_region: the clock region of the step (None: none).
+    optimizer_region: the clock region of the step (None: none); progress: steps in the
+    launch's progress bar (not the reference's, which the CLI runs beside the ranks' report).
     """
 
     def __init__(self, ctx, cfg, model, parallelize=None, *, optimizer, batch, loss=None,
                  forward_backward=None, after_backward=None, after_step=None,
                  reduce_loss=None, accumulate=1, fused=False, samples=False,
-                 track_activations=True, optimizer_region="optimizer step"):
+                 track_activations=True, optimizer_region="optimizer step", progress=True):
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive integer, got {accumulate!r}")
         if forward_backward is not None and accumulate > 1:
@@ -103,7 +104,7 @@ class Trainer:
         self._after_backward, self._after_step = after_backward, after_step
         self._reduce_loss, self.accumulate = reduce_loss, accumulate
         self.fused, self.samples, self.track = fused, samples, track_activations
-        self.optimizer_region, self.step_index = optimizer_region, None
+        self.optimizer_region, self.progress, self.step_index = optimizer_region, progress, None
         self.losses, self.step_wall = [], []
 
     # ------------------------------------------------------------------------- one step
@@ -187,5 +188,5 @@ class Trainer:
             yield
             self.memory.sample(f"after step {index}")
             return
-        with self.ctx.step(index, self.cfg.steps):
+        with self.ctx.step(index, self.cfg.steps if self.progress else None):
             yield
