@@ -122,10 +122,10 @@ def test_cli_plan_prints_a_ranking_and_json(capsys):
     assert set(out) >= {"model", "cluster", "considered", "plans"} and len(out["plans"]) == 3
     plan = out["plans"][0]
     assert set(plan["breakdown_s"]) == {"compute", "recompute", "tp_comm", "cp_comm",
-                                        "pp_bubble", "pp_comm", "dp_comm", "optimizer",
-                                        "overlap_slowdown"}
+                                        "ep_comm", "pp_bubble", "pp_comm", "dp_comm",
+                                        "optimizer", "overlap_slowdown"}
     assert plan["step_s"] == pytest.approx(sum(plan["breakdown_s"].values()))
-    for dim in ("tp", "cp", "pp", "dp"):
+    for dim in ("tp", "cp", "ep", "pp", "dp"):
         assert plan["communication_s"][f"{dim}_comm_exposed"] == plan["breakdown_s"][
             f"{dim}_comm"]
         assert f"{dim}_comm_hidden" in plan["communication_s"]

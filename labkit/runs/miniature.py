@@ -6,12 +6,14 @@ arithmetic. Here the same layout runs on CPU ranks through the lab's mesh
 (`runs.hybrid.report`, which drives `parallel.hybrid.HybridParallel`) on a tiny GPT of the
 planner's GPT family, and each measured quantity is set beside what **the planner's own
 functions** (planner.memory_terms, plan_terms.stage_parameters / model_states /
-tp_collective_bytes / pp_send_bytes / dp_traffic_bytes / fsdp_traffic_bytes, time's ring model)
-say for that tiny shape and layout.
+tp_collective_bytes / cp_ring_bytes / pp_send_bytes / dp_traffic_bytes / fsdp_traffic_bytes,
+time's ring model) say for that tiny shape and layout, on up to MAX_RANKS = 16 CPU ranks
+(dp2 x tp2 x pp2 x cp2).
 
 Scaling rule (`miniature_shape`): the degrees are kept, the sizes shrink while keeping every
 divisibility the layout needs: heads = 2 tp (whole heads per TP rank), hidden = 8 heads, ffn =
-4 hidden and vocab = 32 tp (split by TP), seq = 8 tp (split by SP), layers the fewest (>= 2)
+4 hidden and vocab = 32 tp (split by TP), seq = 8 tp cp (each CP rank holds 8 tp tokens, 2 whole
+zigzag chunks, split by SP), layers the fewest (>= 2)
 with (layers + 2) % (pp v) == 0 (the mesh's embeddings and head are stages of their own:
 every virtual stage then has whole units) and, where one exists, layers % pp == 0,
 micro-batches max(2, pp) (the interleaved schedule needs a multiple of pp), global batch
@@ -37,8 +39,11 @@ to the planner's number (`adjusted`), never fitted:
   parameter's gradient is summed over TP (`_tp_extras`). PP: the planner counts 2 sends per
   micro-batch and chunk on every rank; the pipeline's two ends send one way only, (pp v - 1) /
   (pp v) of that on average, and without SP each TP rank sends the whole activation (x tp).
-  DP: ZeRO-1 is ShardedOptimizer's all-reduce + owners' broadcasts (3 Psi on the wire where
-  the planner's reduce-scatter + all-gather move 2 Psi); experts average over ep_dp = dp / ep
+  CP: the planner's ring (cp_ring_bytes) passes K, V cp-1 hops forward and K, V and their
+  gradients cp-1 hops each backward; the mesh's ring carries the dK, dV partial sums home, cp
+  hops: + one hop per layer and micro-batch (theory/context_parallel.comm_bytes_per_rank).
+  DP (over dp x cp, `dp_cp`, when cp > 1): ZeRO-1 is ShardedOptimizer's all-reduce + owners'
+  broadcasts (3 Psi on the wire where the planner's reduce-scatter + all-gather move 2 Psi); experts average over ep_dp = dp / ep
   ranks, not dp; the experts' all-to-all has no planner term (shown, not judged).
 Comparisons of bytes are per rank and step, averaged over the ranks (comm_by_dim sums them);
 memory is the worst rank against the planner's worst stage. Activations are compared as a
@@ -56,7 +61,7 @@ from ..theory.pipeline import balanced_split
 from ..theory.plan_cluster import make_cluster
 from ..theory.time import wire_bytes_per_rank
 
-MAX_RANKS = 8            # the launcher's ranks on a laptop (preflight refuses more)
+MAX_RANKS = 16           # dp2 x tp2 x pp2 x cp2: the largest mesh the lab's tests run
 EQUAL = 1e-9             # relative: exact integer arithmetic on both sides
 ACTIVATION_BAND = (0.25, 4.0)   # ratio shown, reported "order of magnitude" only inside it
 DEFAULTS = dict(dp=1, tp=1, pp=1, cp=1, ep=1, v=1, micro_batch_size=1, zero_stage=0,
@@ -68,10 +73,9 @@ def why_not(p):
     world = p["dp"] * p["tp"] * p["pp"] * p["cp"]
     if world > MAX_RANKS:
         return (f"dp*tp*pp*cp = {world} ranks: the launcher runs at most {MAX_RANKS} CPU ranks "
-                "here (plan for --gpus 8 or fewer, or --fix a layout that small)")
-    if p["cp"] > 1:
-        return ("cp > 1: the miniature does not yet set the planner's CP ring terms beside "
-                "the mesh's (run it: python -m labkit run hybrid --cp N)")
+                f"here (plan for --gpus {MAX_RANKS} or fewer, or --fix a layout that small)")
+    if p["cp"] > 1 and p["ep"] > 1:
+        return "cp > 1 with ep > 1: the mesh does not compose context parallelism with experts"
     if p["recompute"] != "none":
         return (f"recompute={p['recompute']}: HybridParallel passes no recompute to its "
                 "pipeline schedule, so the mesh cannot run it")
@@ -91,7 +95,7 @@ def miniature_shape(p):
     hidden = 8 * heads
     fits = [n for n in range(2, 8 * pp * v) if (n + 2) % (pp * v) == 0]
     layers = next((n for n in fits if n % pp == 0), fits[0])
-    seq, experts = 8 * tp, 2 * ep if ep > 1 else 1
+    seq, experts = 8 * tp * p["cp"], 2 * ep if ep > 1 else 1
     # top-2 of 2 ep experts: every expert meets tokens in one step (one that gets none has no
     # gradient and, Adam being lazy, no state: its bytes would be missing, not wrong)
     m = ModelShape(name="miniature", display_name="miniature GPT", arch="gpt", layers=layers,
@@ -99,7 +103,8 @@ def miniature_shape(p):
                    experts=experts, top_k=2, tied_embeddings=False, max_seq=seq)
     micro = max(2, pp)
     mbs = min(2, p["micro_batch_size"])
-    return m, dict(seq=seq, microbatches=micro, mbs=mbs, batch=p["dp"] * micro * mbs)
+    return m, dict(seq=seq, microbatches=micro, mbs=mbs, batch=p["dp"] * micro * mbs,
+                   world=p["dp"] * tp * pp * p["cp"])
 
 
 def _rank_units(m, p):
@@ -137,8 +142,7 @@ def planner_side(p):
     worst stage, planner.memory_terms), the same adjusted for the mesh's layout, and bytes per
     rank and step by dimension (the plan_terms byte functions, ring model), adjusted."""
     m, run = miniature_shape(p)
-    world = p["dp"] * p["tp"] * p["pp"]
-    c = make_cluster("H100", world, precision="fp32", flash_attention=False, dropout=False)
+    c = make_cluster("H100", run["world"], precision="fp32", flash_attention=False, dropout=False)
     plan = dict(p, micro_batch_size=run["mbs"])
     mem, _, stage_params, _ = planner.memory_terms(m, c, run["batch"], run["seq"], plan)
     units = _rank_units(m, p)
@@ -146,7 +150,8 @@ def planner_side(p):
     worst = max(held)
     shard = p["dp"] * p["cp"]
     adjusted = terms.model_states(worst, "fp32", p["zero_stage"], shard)
-    tokens, micro, tp, vb = run["mbs"] * run["seq"], run["microbatches"], p["tp"], 4
+    tokens, micro, tp = run["mbs"] * run["seq"] // p["cp"], run["microbatches"], p["tp"]
+    vb = terms.message_bytes(c.precision)
     layers = planner.layers_per_stage(m, p["pp"])
     act = terms.tp_collective_bytes(m, tokens, vb)
     per_layer = terms.tp_collectives_per_layer(p["recompute"], 0.0)
@@ -158,11 +163,18 @@ def planner_side(p):
     pp_adjusted = pp_planner * (p["pp"] * p["v"] - 1) / (p["pp"] * p["v"]) * \
         (1 if p["sequence_parallel"] else tp)
     dp_planner = _dp_bytes(stage_params, p, micro, vb)
-    experts = [u[0] * terms.tf.layer_counts(m).mlp_total / (tp * p["ep"]) for u in units]
+    # a dense model's MLPs are no experts: averaged over dp x cp with the rest
+    experts = [u[0] * terms.tf.layer_counts(m).mlp_total / (tp * p["ep"]) if p["ep"] > 1 else 0
+               for u in units]
     dp_adjusted = sum(_dp_bytes(h, p, micro, vb, e) for h, e in zip(held, experts)) / len(held)
-    dp_dim = "dp_shard" if p["zero_stage"] == 3 else "dp"
+    dp_dim = "dp_shard" if p["zero_stage"] == 3 else "dp_cp" if p["cp"] > 1 else "dp"
     comm = {"tp": (tp_planner, tp_adjusted), "pp": (pp_planner, pp_adjusted),
             dp_dim: (dp_planner, dp_adjusted)}
+    if p["cp"] > 1:
+        ring = terms.cp_ring_bytes(m, tokens, tp, p["cp"], vb)
+        # the mesh's ring carries dK, dV home: cp hops of the partial sums, the planner's cp-1
+        comm["cp"] = (micro * layers * ring["total"],
+                      micro * mean_blocks * (ring["total"] + ring["hop"]))
     if p["ep"] > 1:
         comm["ep"] = (0.0, 0.0)      # the planner has no all-to-all term (planner.step_terms)
     return dict(model=m, run=run, memory=mem, adjusted=adjusted, comm=comm)
@@ -175,7 +187,8 @@ def _tp_extras(m, p, run, blocks):
     each column-parallel input (2 all-gathers per layer), the embedding's scatters to sequence
     shards, and the sum over TP of each replicated parameter's gradient (6h per layer, 2h of the final norm)."""
     tp, vb, h = p["tp"], 4, m.hidden
-    act = vb * run["mbs"] * run["seq"] * h
+    seq = run["seq"] // p["cp"]          # this rank's tokens of each sequence
+    act = vb * run["mbs"] * seq * h
     logits = wire_bytes_per_rank("all_gather", act / h * m.vocab / tp, tp)
     if not p["sequence_parallel"]:
         # embedding: an all-reduce forward; head: one of its input's gradient backward
@@ -183,7 +196,7 @@ def _tp_extras(m, p, run, blocks):
         return run["microbatches"] * ends / p["pp"]
     gather, scatter = (wire_bytes_per_rank("all_gather", act / tp, tp),
                        wire_bytes_per_rank("reduce_scatter", act, tp))
-    table = vb * run["seq"] * h
+    table = vb * seq * h
     # embedding: token and position partial sums reduce-scattered to sequence shards forward,
     # each gradient all-gathered backward
     first = wire_bytes_per_rank("reduce_scatter", table, tp) + wire_bytes_per_rank(
@@ -245,11 +258,12 @@ def miniature(plan_fields, steps=1, timeout_s=180):
     cfg = reference.RunConfig(steps=steps, global_batch=run["batch"], model_kwargs=dict(
         layers=m.layers, hidden=m.hidden, heads=m.heads, ffn=m.ffn, vocab=m.vocab,
         seq=run["seq"]))
-    rep = hybrid.report(cfg=cfg, dp=p["dp"], tp=p["tp"], pp=p["pp"], ep=p["ep"],
+    rep = hybrid.report(cfg=cfg, dp=p["dp"], tp=p["tp"], pp=p["pp"], cp=p["cp"], ep=p["ep"],
                         zero=p["zero_stage"], microbatches=run["microbatches"], virtual=p["v"],
                         schedule="interleaved" if p["v"] > 1 else "1f1b",
                         sequence_parallel=p["sequence_parallel"],
                         experts=m.experts if p["ep"] > 1 else 0, top_k=m.top_k,
+                        cluster="8xH100-NVLink" if run["world"] <= 8 else "2x8xH100-IB",
                         timeout_s=timeout_s)
     return dict(rows=compare(side, rep, steps, p["sequence_parallel"],
                                 p["zero_stage"] == 3), shape=m, run=run,
@@ -300,7 +314,7 @@ def format_rows(out):
              f"layers, hidden {m.hidden}, {m.heads} heads, ffn {m.ffn}, vocab {m.vocab}, "
              f"seq {out['run']['seq']}, batch {out['run']['batch']}"
              f" ({out['run']['microbatches']} micro-batches of {out['run']['mbs']}), fp32; "
-             f"dp={p['dp']} tp={p['tp']} pp={p['pp']} ep={p['ep']} v={p['v']} "
+             f"dp={p['dp']} tp={p['tp']} pp={p['pp']} cp={p['cp']} ep={p['ep']} v={p['v']} "
              f"ZeRO {p['zero_stage']} sp={'yes' if p['sequence_parallel'] else 'no'}",
              f"{'per rank':<16} {'planner B':>11} {'+derived B':>11} {'measured B':>11} "
              f"{'ratio':>6}  verdict"]
