@@ -43,8 +43,9 @@ to the planner's number (`adjusted`), never fitted:
   gradients cp-1 hops each backward; the mesh's ring carries the dK, dV partial sums home, cp
   hops: + one hop per layer and micro-batch (theory/context_parallel.comm_bytes_per_rank).
   DP (over dp x cp, `dp_cp`, when cp > 1): ZeRO-1 is ShardedOptimizer's all-reduce + owners'
-  broadcasts (3 Psi on the wire where the planner's reduce-scatter + all-gather move 2 Psi); experts average over ep_dp = dp / ep
-  ranks, not dp; the experts' all-to-all has no planner term (shown, not judged).
+  broadcasts (3 Psi on the wire where the planner's reduce-scatter + all-gather move 2 Psi);
+  experts average over ep_dp = dp / ep ranks, not dp; the experts' all-to-all has no planner
+  term (shown, not judged).
 Comparisons of bytes are per rank and step, averaged over the ranks (comm_by_dim sums them);
 memory is the worst rank against the planner's worst stage. Activations are compared as a
 ratio with no claim of equality: the planner's per-layer formula (Korthikanti et al. 2022,
@@ -185,7 +186,8 @@ def _tp_extras(m, p, run, blocks):
     all-gather + reduce-scatter pairs) per layer, averaged over the pipeline ranks: the
     vocabulary-parallel ends and the gathered logits; under SP also the backward's regather of
     each column-parallel input (2 all-gathers per layer), the embedding's scatters to sequence
-    shards, and the sum over TP of each replicated parameter's gradient (6h per layer, 2h of the final norm)."""
+    shards, and the sum over TP of each replicated parameter's gradient (6h per layer, 2h of
+    the final norm)."""
     tp, vb, h = p["tp"], 4, m.hidden
     seq = run["seq"] // p["cp"]          # this rank's tokens of each sequence
     act = vb * run["mbs"] * seq * h

@@ -20,10 +20,10 @@ ranks the plans that fit. Everything is modelled from first principles with name
 - Time: compute + recompute + element-wise HBM passes + TP collectives + CP's K/V ring + the
   pipeline bubble (pp-1)/v micro-batch times (Narayanan et al. 2021) + pipeline sends + DP/ZeRO
   traffic + the experts' all-to-alls (exposed) + the optimizer (memory bound); messages carry
-  values of the run's precision (plan_terms.message_bytes). Each communication is split into what the stack
-  (overlap.py: megatron, megatron-2021, fsdp2, deepspeed) hides under compute and what stays
-  exposed; hidden traffic slows compute by overlap.SM_CONTENTION. Collectives use the alpha-beta
-  ring model (time.py) on NVLink inside a node, the inter-node link across nodes.
+  values of the run's precision (plan_terms.message_bytes). Each communication is split into
+  what the stack (overlap.py: megatron, megatron-2021, fsdp2, deepspeed) hides under compute
+  and what stays exposed; hidden traffic slows compute by overlap.SM_CONTENTION. Collectives use
+  the alpha-beta ring model (time.py) on NVLink inside a node, the inter-node link across nodes.
 - Legal interleaving: v > 1 needs whole layers per virtual stage (layers % (pp v) == 0).
 
 Left out (so errors can be read): kernel launch and Python overheads, load imbalance between
