@@ -25,6 +25,10 @@ SHAPES = {
     "cp": dict(cp=2),
     "tp+sp x cp": dict(tp=2, cp=2, sequence_parallel=True),
     "zero1 x pp x cp": dict(pp=2, cp=2, zero_stage=1),
+    # DP x TP x PP x CP together: 16 ranks (a few seconds each on 2 cores)
+    "zero1 x tp+sp x pp x cp": dict(dp=2, tp=2, pp=2, cp=2, zero_stage=1,
+                                    sequence_parallel=True),
+    "fsdp x tp x pp x cp": dict(dp=2, tp=2, pp=2, cp=2, zero_stage=3),
 }
 
 
@@ -106,11 +110,13 @@ def test_plan_imports_no_torch_without_miniature():
 
 
 def test_cli_runs_the_fixed_plan_in_miniature(capsys):
-    code = cli.main(["plan", "--model", "gpt2-small", "--gpus", "2", "--global-batch", "8",
+    """`plan --miniature` on 16 GPUs: DP x TP x PP x CP, every exact row equal."""
+    code = cli.main(["plan", "--model", "gpt2-small", "--gpus", "16", "--global-batch", "16",
                      "--seq", "1024", "--top", "1", "--miniature",
-                     "--fix", "dp=2,zero_stage=1,recompute=none"])
+                     "--fix", "dp=2,tp=2,pp=2,cp=2,zero_stage=1,recompute=none"])
     out = capsys.readouterr().out
     assert code == 0 and "legal plans" in out and "in miniature" in out
-    verdicts = [line.split()[-1] for line in out.splitlines()
-                if line.startswith(("params", "grads", "optimizer", "dp bytes"))]
-    assert verdicts == ["equal"] * 4, out
+    rows = [line.split() for line in out.splitlines()
+            if line.startswith(("params", "grads", "optimizer", "tp ", "pp ", "dp_cp ", "cp "))]
+    assert [r[0] for r in rows] == ["params", "grads", "optimizer", "tp", "pp", "dp_cp", "cp"]
+    assert [r[-1] for r in rows] == ["equal"] * 7, out
