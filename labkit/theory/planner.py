@@ -203,13 +203,13 @@ def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):
     share = p["recompute_layers"] / layers if p["recompute"] == "full" else 0.0
     work = _micro_batch_work(m, c, seq, p, tokens, layers, share, layer_bytes_kept)
     st, vb = c.stack, terms.message_bytes(c.precision)   # messages at the run's precision
-    tp_total = terms.tp_comm_time(c, m, tokens, tp, layers,
-                                  terms.tp_collectives_per_layer(p["recompute"], share), vb)
+    calls = terms.tp_collectives_per_layer(p["recompute"], share)    # TP's, and EP's
+    tp_total = terms.tp_comm_time(c, m, tokens, tp, layers, calls, vb)
     tp_exp, tp_hid = overlap.tp_comm(st, tp_total, work["gemm"], tp) if \
         p["sequence_parallel"] else (tp_total, 0.0)
     cp_total, cp_exp = terms.cp_ring_times(c, m, seq, tokens, tp, cp, layers, work["attention"],
-                                           vb)
-    ep_s = terms.ep_comm_time(c, m, tokens, p["ep"], layers, p["ep"] * cp * tp, vb)
+                                           vb, share)
+    ep_s = terms.ep_comm_time(c, m, tokens, p["ep"], layers, p["ep"] * cp * tp, calls, vb)
     slow_mb = overlap.contention_slowdown(tp_hid + cp_total - cp_exp)
     mb_time = work["total"] + tp_exp + cp_exp + ep_s + slow_mb
     pp_total = terms.pp_send_time(c, m, tokens, tp, dp * cp * tp * 2, pp, micro, v, vb)
