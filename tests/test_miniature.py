@@ -102,6 +102,7 @@ def test_cp_ring_adjustment_is_the_rings_last_hop(cp):
     (dict(dp=2, zero_stage=2), "zero_stage=2"),
     (dict(dp=2, ep=2, zero_stage=3), "zero_stage=3 with ep"),
     (dict(dp=0), "dp must be a positive integer"),
+    (dict(dp=2, recompute="full", recompute_layers=3, layers_per_stage=12), "3 of 12 layers"),
 ])
 def test_refused_in_one_line(fields, words):
     with pytest.raises(ValueError) as err:

@@ -66,8 +66,13 @@ def miniature(plan_fields, steps=1, timeout_s=180):
     """Run plan `plan_fields` (planner field names; missing ones default to 1 / none) in
     miniature; returns {rows, shape, run, report}: rows of (what, planner, adjusted, measured,
     ratio, verdict) for params, grads, optimizer, activations and each mesh dimension's
-    bytes per rank and step."""
+    bytes per rank and step. recompute="full" recomputes every layer (a planner's plan with
+    `layers_per_stage` and fewer `recompute_layers` is refused: the mesh recomputes stages)."""
     p = dict(DEFAULTS, **{k: v for k, v in plan_fields.items() if k in DEFAULTS})
+    of = plan_fields.get("layers_per_stage")
+    if p["recompute"] == "full" and of and 0 < p["recompute_layers"] < of:
+        raise ValueError(f"cannot run in miniature: recompute of {p['recompute_layers']} of "
+                         f"{of} layers per stage: the mesh recomputes whole stages (all or none)")
     for key in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batch_size"):
         if not isinstance(p[key], int) or p[key] < 1:
             raise ValueError(f"{key} must be a positive integer, got {p[key]!r}")
