@@ -106,7 +106,7 @@ def plan_command(args):
 def run_miniature(best):
     """The best plan run in miniature (runs/miniature.py; torch is imported only here)."""
     from .runs import miniature
-    return miniature.miniature({k: best[k] for k in miniature.DEFAULTS})
+    return miniature.miniature({k: best[k] for k in (*miniature.DEFAULTS, "layers_per_stage")})
 
 
 def memory_table(model_name, batch, seq, gpus):

@@ -10,9 +10,10 @@ import pytest
 from labkit import cli
 from labkit.runs import miniature as mini
 
-EXACT = ("params", "grads", "optimizer", "pp bytes", "dp bytes", "dp_shard bytes")
+EXACT = ("params", "grads", "optimizer", "pp bytes", "dp bytes", "dp_shard bytes",
+         "dp_cp bytes", "cp bytes", "ep bytes")
 
-# each dimension at least once: dp, tp, pp, ep, interleaved v, ZeRO 1 and 3, SP
+# each dimension at least once: dp, tp, pp, cp, ep, interleaved v, ZeRO 1 and 3, SP
 SHAPES = {
     "fsdp x tp x pp": dict(dp=2, tp=2, pp=2, zero_stage=3),
     "zero1 x tp+sp x pp": dict(dp=2, tp=2, pp=2, zero_stage=1, sequence_parallel=True),
@@ -21,6 +22,17 @@ SHAPES = {
     "pp=4 (uneven stages)": dict(pp=4),
     "tp+sp x pp interleaved": dict(tp=2, pp=2, v=2, sequence_parallel=True),
     "dp x tp": dict(dp=2, tp=2),
+    "cp": dict(cp=2),
+    "tp+sp x cp": dict(tp=2, cp=2, sequence_parallel=True),
+    "zero1 x pp x cp": dict(pp=2, cp=2, zero_stage=1),
+    # DP x TP x PP x CP together: 16 ranks (a few seconds each on 2 cores)
+    "zero1 x tp+sp x pp x cp": dict(dp=2, tp=2, pp=2, cp=2, zero_stage=1,
+                                    sequence_parallel=True),
+    "fsdp x tp x pp x cp": dict(dp=2, tp=2, pp=2, cp=2, zero_stage=3),
+    # full recompute: every forward collective twice (TP, the CP ring, EP's all-to-alls)
+    "recompute x tp+sp x pp x cp": dict(tp=2, pp=2, cp=2, sequence_parallel=True,
+                                        recompute="full"),
+    "recompute x dp x ep": dict(dp=2, ep=2, recompute="full"),
 }
 
 
@@ -55,14 +67,42 @@ def test_derived_differences_vanish_where_the_layouts_agree():
     assert tp["adjusted"]["params"] - tp["memory"]["params"] > 4 * tp["model"].hidden
 
 
+def test_full_recompute_drops_the_activations_as_the_planner_says():
+    """dp=2 x pp=2: two micro-batches in flight on the first stage; full recompute keeps only
+    inputs. The planner (every layer's input) and the mesh (each stage's input, the whole
+    stage rebuilt: the derived number) both say the activations fall; measured, they do, to
+    within a tenth of the derived ratio."""
+    drop = mini.recompute_drop(dict(dp=2, pp=2))
+    assert drop["planner"] < 0.75 and drop["adjusted"] < 0.75, mini.format_drop(drop)
+    assert drop["measured"] == pytest.approx(drop["adjusted"], rel=0.1), mini.format_drop(drop)
+    for run in drop["runs"].values():
+        assert run["report"]["agreement"]["loss"]["ok"], run["report"]["agreement"]
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_cp_ring_adjustment_is_the_rings_last_hop(cp):
+    """The derived CP difference (one hop: dK, dV carried home) is what separates the planner's
+    cp_ring_bytes from the ring's own formula (theory/context_parallel, in fp32)."""
+    from labkit.theory import context_parallel as ring, plan_terms
+    side = mini.planner_side(dict(mini.DEFAULTS, cp=cp))
+    m, run = side["model"], side["run"]
+    per_call = ring.comm_bytes_per_rank(run["mbs"], m.heads, run["seq"], m.head_dim, cp,
+                                        dtype_bytes=4, grad_bytes=4)["total"]
+    planner_b, adjusted = side["comm"]["cp"]
+    assert adjusted == pytest.approx(per_call * m.layers * run["microbatches"], rel=1e-12)
+    tokens = run["mbs"] * run["seq"] // cp
+    assert planner_b == run["microbatches"] * m.layers * plan_terms.cp_ring_bytes(
+        m, tokens, 1, cp, 4)["total"] < adjusted
+
+
 @pytest.mark.parametrize("fields, words", [
-    (dict(dp=2, cp=2), "cp > 1"),
-    (dict(dp=2, recompute="full"), "recompute=full"),
+    (dict(dp=2, cp=2, ep=2), "cp > 1 with ep > 1"),
     (dict(dp=2, recompute="selective"), "recompute=selective"),
-    (dict(dp=4, tp=2, pp=2), "16 ranks"),
+    (dict(dp=4, tp=2, pp=2, cp=2), "32 ranks"),
     (dict(dp=2, zero_stage=2), "zero_stage=2"),
     (dict(dp=2, ep=2, zero_stage=3), "zero_stage=3 with ep"),
     (dict(dp=0), "dp must be a positive integer"),
+    (dict(dp=2, recompute="full", recompute_layers=3, layers_per_stage=12), "3 of 12 layers"),
 ])
 def test_refused_in_one_line(fields, words):
     with pytest.raises(ValueError) as err:
@@ -71,11 +111,11 @@ def test_refused_in_one_line(fields, words):
 
 
 def test_cli_refuses_past_the_launcher(capsys):
-    code = cli.main(["plan", "--model", "gpt2-small", "--gpus", "16", "--global-batch", "32",
+    code = cli.main(["plan", "--model", "gpt2-small", "--gpus", "32", "--global-batch", "32",
                      "--seq", "1024", "--top", "1", "--miniature"])
     out, err = capsys.readouterr()
     assert code == 2 and "legal plans" in out
-    assert err.strip().count("\n") == 0 and "at most 8 CPU ranks" in err
+    assert err.strip().count("\n") == 0 and "at most 16 CPU ranks" in err
 
 
 def test_plan_imports_no_torch_without_miniature():
@@ -86,11 +126,13 @@ def test_plan_imports_no_torch_without_miniature():
 
 
 def test_cli_runs_the_fixed_plan_in_miniature(capsys):
-    code = cli.main(["plan", "--model", "gpt2-small", "--gpus", "2", "--global-batch", "8",
+    """`plan --miniature` on 16 GPUs: DP x TP x PP x CP, every exact row equal."""
+    code = cli.main(["plan", "--model", "gpt2-small", "--gpus", "16", "--global-batch", "16",
                      "--seq", "1024", "--top", "1", "--miniature",
-                     "--fix", "dp=2,zero_stage=1,recompute=none"])
+                     "--fix", "dp=2,tp=2,pp=2,cp=2,zero_stage=1,recompute=none"])
     out = capsys.readouterr().out
     assert code == 0 and "legal plans" in out and "in miniature" in out
-    verdicts = [line.split()[-1] for line in out.splitlines()
-                if line.startswith(("params", "grads", "optimizer", "dp bytes"))]
-    assert verdicts == ["equal"] * 4, out
+    rows = [line.split() for line in out.splitlines()
+            if line.startswith(("params", "grads", "optimizer", "tp ", "pp ", "dp_cp ", "cp "))]
+    assert [r[0] for r in rows] == ["params", "grads", "optimizer", "tp", "pp", "dp_cp", "cp"]
+    assert [r[-1] for r in rows] == ["equal"] * 7, out

@@ -122,10 +122,10 @@ def test_cli_plan_prints_a_ranking_and_json(capsys):
     assert set(out) >= {"model", "cluster", "considered", "plans"} and len(out["plans"]) == 3
     plan = out["plans"][0]
     assert set(plan["breakdown_s"]) == {"compute", "recompute", "tp_comm", "cp_comm",
-                                        "pp_bubble", "pp_comm", "dp_comm", "optimizer",
-                                        "overlap_slowdown"}
+                                        "ep_comm", "pp_bubble", "pp_comm", "dp_comm",
+                                        "optimizer", "overlap_slowdown"}
     assert plan["step_s"] == pytest.approx(sum(plan["breakdown_s"].values()))
-    for dim in ("tp", "cp", "pp", "dp"):
+    for dim in ("tp", "cp", "ep", "pp", "dp"):
         assert plan["communication_s"][f"{dim}_comm_exposed"] == plan["breakdown_s"][
             f"{dim}_comm"]
         assert f"{dim}_comm_hidden" in plan["communication_s"]
@@ -397,3 +397,42 @@ def test_global_batch_tokens_that_are_not_whole_sequences_are_said(capsys):
     exact = planner.plan("llama-3-8b", 64, "H100", global_batch_tokens=4096 * 512, seq=4096,
                          top=1)
     assert exact["workload"]["note"] == ""
+
+
+def _best(model, gpus, seq, fix, **kwargs):
+    return planner.plan(model, gpus, "H100", global_batch=64, seq=seq, fix=fix, top=1,
+                        **kwargs)["plans"][0]
+
+
+def test_messages_carry_the_precisions_bytes():
+    """An fp32 run sends 4-byte activations and gathers 4-byte weights: each message's
+    bandwidth part doubles (latency does not), so TP, CP and PP times grow by 1.5-2x; the DP
+    gradients were fp32 already, only ZeRO-1's weight all-gather grows. (At 2 bytes whatever
+    the precision every ratio was 1.)"""
+    fix = dict(tp=2, pp=2, cp=4, v=1, micro_batch_size=1, zero_stage=1, recompute="full",
+               sequence_parallel=False)
+    runs = {prec: _best("llama-3-8b", 64, 65536, fix, precision=prec)["communication_s"]
+            for prec in ("bf16", "fp32")}
+    total = {prec: {d: c[f"{d}_comm_exposed"] + c[f"{d}_comm_hidden"] for d in
+                    ("tp", "cp", "pp", "dp")} for prec, c in runs.items()}
+    for dim in ("tp", "cp", "pp"):
+        assert 1.5 < total["fp32"][dim] / total["bf16"][dim] <= 2.0, (dim, total)
+    assert 1.0 < total["fp32"]["dp"] / total["bf16"]["dp"] < 1.5, total
+
+
+def test_expert_all_to_all_is_priced_and_pays_for_leaving_the_node():
+    """EP's dispatch + combine all-to-alls (GShard) are a step term: none without EP, the
+    bytes of the MoE lesson's formula (theory/moe) for each MoE layer, and an EP group
+    spanning two nodes (tp 2 x ep 8 = 16 GPUs) pays the inter-node link."""
+    from labkit.theory import moe, plan_terms
+    from labkit.theory.time import wire_bytes_per_rank
+    fix = dict(tp=2, pp=4, v=1, micro_batch_size=1, zero_stage=1, recompute="full",
+               sequence_parallel=True)
+    step = {ep: _best("mixtral-8x7b", 64, 4096, dict(fix, ep=ep)) for ep in (1, 4, 8)}
+    assert step[1]["breakdown_s"]["ep_comm"] == 0
+    assert step[8]["breakdown_s"]["ep_comm"] > 5 * step[4]["breakdown_s"]["ep_comm"] > 0
+    m = catalog.model("mixtral-8x7b")
+    per_layer = plan_terms.tp_collectives_per_layer("none", 0) * wire_bytes_per_rank(
+        "all_to_all", plan_terms.ep_all_to_all_bytes(m, 4096, 2), 4)
+    lesson = moe.all_to_all_bytes_per_rank(4096, m.top_k, m.hidden, 4, bytes_per_value=2)
+    assert per_layer == pytest.approx(lesson, rel=1e-12)

@@ -119,6 +119,7 @@ ADVICE = {"tp_comm": "TP communication: keep TP inside a node (tp <= 8) or lower
           "recompute": "recomputation: recompute less if memory allows",
           "pp_comm": "pipeline sends: fewer stages",
           "cp_comm": "the context-parallel ring: fewer CP ranks or keep them inside a node",
+          "ep_comm": "the experts' all-to-all: a smaller ep, or keep the EP group inside a node",
           "optimizer": "the optimizer step", "compute": "compute itself",
           "overlap_slowdown": "compute slowed by the communication it hides: less TP or DP "
                               "traffic (smaller tp, fewer ZeRO-3 gathers)"}

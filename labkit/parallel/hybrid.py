@@ -113,8 +113,10 @@ class HybridParallel:
     `dp_replicate` > 1: HSDP, the shards' gradients averaged over `dp_replicate`). mesh
     cp > 1: every attention layer in ContextParallel over mesh["cp"]
     (`cp_layout`, `cp_method`: its layout and core); x and target are this rank's sequence
-    shards. After construction: `dp_shard` / `dp_replicate` (the groups; None where there is
-    no such dimension; dp_shard spans cp), `dp_cp` (the group averaging the gradients under
+    shards. recompute: full activation recompute, the pipeline's (each stage keeps only its
+    input per micro-batch in flight and runs its forward again in backward). After
+    construction: `dp_shard` / `dp_replicate` (the groups; None where there is no such
+    dimension; dp_shard spans cp), `dp_cp` (the group averaging the gradients under
     ZeRO-0/1), `stage_params` (this rank's stages' parameters after TP, before FullyShard
     shards them).
     """
@@ -122,7 +124,7 @@ class HybridParallel:
     def __init__(self, model, mesh, loss_fn, *, tp_plan=None, sequence_parallel=False,
                  schedule="1f1b", n_microbatches=4, virtual=1, balance="layers",
                  expert_parallel=False, zero_stage=0, dp_replicate=1, cp_layout="zigzag",
-                 cp_method="ring"):
+                 cp_method="ring", recompute=False):
         cp = mesh.sizes["cp"]
         validate_dims(dp=mesh.sizes["dp"], tp=mesh.sizes["tp"], pp=mesh.sizes["pp"], cp=cp,
                       ep=mesh.ep, dp_replicate=dp_replicate, zero_stage=zero_stage,
@@ -169,7 +171,8 @@ class HybridParallel:
                                  if getattr(p, "_tp_sum", False)]
         self.stages = [PipelineStage(modules[s], s, total, group=mesh["pp"]) for s in mine]
         self.module = nn.ModuleList(stage.module for stage in self.stages)
-        self.pipe = PipelineSchedule(self.stages, n_microbatches, loss_fn, schedule=schedule)
+        self.pipe = PipelineSchedule(self.stages, n_microbatches, loss_fn, schedule=schedule,
+                                     recompute=recompute)
         params = list(self.module.parameters())
         expert_ids = {id(p) for _, _, layer in moe_layers(self.module)
                       for p in layer.experts.parameters()}

@@ -82,7 +82,8 @@ class ShardEmbeddings(nn.Module):
 
 
 def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
-          sequence_parallel=False, order=DIMS, dp_replicate=1, cp=1, cp_layout="zigzag"):
+          sequence_parallel=False, order=DIMS, dp_replicate=1, cp=1, cp_layout="zigzag",
+          recompute=False):
     """Train on this rank's place in the mesh; returns `rank_result` with its stages' params.
     cp > 1: the rank's batch rows (by dp) and its shard of each sequence (by cp, inputs and
     the already-shifted targets alike), the embedding given the shard's global positions."""
@@ -99,7 +100,7 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
         sequence_parallel=sequence_parallel, schedule=schedule, n_microbatches=microbatches,
         virtual=virtual if schedule == "interleaved" else 1,
         expert_parallel=cfg.model == "moe", zero_stage=zero, dp_replicate=dp_replicate,
-        cp_layout=cp_layout)
+        cp_layout=cp_layout, recompute=recompute)
     optimizers = build_optimizers(hybrid, cfg, zero)
     first, last = any(s.is_first for s in hybrid.stages), hybrid.is_last
 
@@ -210,7 +211,7 @@ def add_arguments(parser):
 def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2, ep=1, zero=0,
            schedule="1f1b", microbatches=2, virtual=2, sequence_parallel=False, experts=0,
            top_k=2, order=",".join(DIMS), dp_replicate=1, timeout_s=180, cp=1,
-           cp_layout="zigzag", **_):
+           cp_layout="zigzag", recompute=False, **_):
     """Run the hybrid and return the run report of DESIGN.md (+ mesh table, comm by group;
     cp > 1: `predicted_cp_wire_bytes`, the ring's bytes over the run summed over ranks)."""
     cfg = cfg or reference.RunConfig(model_kwargs=dict(layers=2))
@@ -228,7 +229,7 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
     options = dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, schedule=schedule,
                    microbatches=microbatches, virtual=virtual,
                    sequence_parallel=sequence_parallel, dp_replicate=dp_replicate, cp=cp,
-                   cp_layout=cp_layout)
+                   cp_layout=cp_layout, recompute=recompute)
     results = launch_checked("hybrid", train, world, run, dict(options, order=dims),
                              cli_options=dict(options, experts=experts, top_k=top_k),
                              cluster=cluster, timeout_s=timeout_s)

@@ -68,7 +68,8 @@ def attention_time_factor(flash, causal):
 
 def tp_collectives_per_layer(recompute, recompute_share):
     """All-reduces (or reduce-scatter + all-gather pairs under SP) per layer and micro-batch:
-    2 forward + 2 backward, and the 2 forward ones again for each fully recomputed layer."""
+    2 forward + 2 backward, and the 2 forward ones again for each fully recomputed layer; as
+    many all-to-alls of an MoE layer under EP (dispatch and combine)."""
     return 4 + (2 * recompute_share if recompute == "full" else 0)
 
 
@@ -84,17 +85,56 @@ def tp_comm_time(c, m, tokens, tp, layers, collectives_per_layer, value_bytes=2)
     return layers * collectives_per_layer * collective_time("all_reduce", act, tp, c.link(tp))
 
 
-def cp_ring_times(c, m, seq, tokens, tp, cp, layers, attention_s_per_layer):
-    """(total, exposed) seconds of context parallelism's K/V ring for one micro-batch (Liu et al.
-    2023, arXiv 2310.01889): cp-1 hops forward, K, V and their gradients again backward (3x),
-    each hop hidden under one block of attention unless the link is slower."""
+def message_bytes(precision):
+    """Bytes per value of the activations the GPUs exchange (TP, CP, PP, EP messages) and of
+    the weights ZeRO gathers: 4 in an fp32 run, else 2 (bf16; fp8 runs keep bf16 outside
+    the GEMMs, Transformer Engine's default)."""
+    return 4 if precision == "fp32" else 2
+
+
+def cp_ring_bytes(m, tokens, tp, cp, value_bytes=2, recompute_share=0.0):
+    """Bytes one rank sends on context parallelism's K/V ring per layer and micro-batch (Liu et
+    al. 2023, arXiv 2310.01889): its K and V shard, `hop` = 2 value_bytes x tokens x h_kv d /
+    tp (tokens: this rank's s / cp of each sequence), passed cp-1 hops forward; backward K, V
+    again and their gradients cp-1 hops each: 3 (cp-1) hops, + cp-1 for the forward again of
+    the fully recomputed share of layers. {'hop', 'hops', 'total'}."""
+    hop = 2 * value_bytes * tokens * m.kv_heads * m.head_dim / tp
+    hops = (3 + recompute_share) * (cp - 1) if cp > 1 else 0
+    return dict(hop=hop, hops=hops, total=hops * hop)
+
+
+def cp_ring_times(c, m, seq, tokens, tp, cp, layers, attention_s_per_layer, value_bytes=2,
+                  recompute_share=0.0):
+    """(total, exposed) seconds of context parallelism's K/V ring for one micro-batch: each of
+    cp_ring_bytes' hops a send, hidden under one block of attention unless the link is
+    slower."""
     if cp <= 1:
         return 0.0, 0.0
-    kv_bytes = 2 * 2 * tokens * m.kv_heads * m.head_dim / tp
-    hop = collective_time("send", kv_bytes, 2, c.link(cp * tp))
+    ring = cp_ring_bytes(m, tokens, tp, cp, value_bytes, recompute_share)
+    hop = collective_time("send", ring["hop"], 2, c.link(cp * tp))
     block = attention_s_per_layer / cp / 3
-    total = layers * 3 * (cp - 1) * hop
-    return total, layers * 3 * (cp - 1) * max(0.0, hop - block)
+    total = layers * ring["hops"] * hop
+    return total, layers * ring["hops"] * max(0.0, hop - block)
+
+
+def ep_all_to_all_bytes(m, tokens, value_bytes=2):
+    """Payload of one expert-parallel all-to-all (GShard, Lepikhin et al. 2020, arXiv
+    2006.16668; Switch, Fedus et al. 2021): each of a rank's tokens goes to its top_k experts,
+    tokens x top_k x hidden x value_bytes, of which (ep-1)/ep leave the rank (balanced
+    routing); dispatch and combine forward and backward per MoE layer and micro-batch, and
+    forward again when recomputed (tp_collectives_per_layer's count)."""
+    return value_bytes * tokens * min(m.top_k, m.experts) * m.hidden
+
+
+def ep_comm_time(c, m, tokens, ep, layers, span, calls_per_layer, value_bytes=2):
+    """Seconds of one micro-batch's expert all-to-alls on one stage (calls_per_layer of
+    ep_all_to_all_bytes per MoE layer, ring model among ep ranks within `span` consecutive
+    GPUs), on the critical path: the experts wait for the rows they run."""
+    if ep <= 1 or m.experts <= 1:
+        return 0.0
+    one = collective_time("all_to_all", ep_all_to_all_bytes(m, tokens, value_bytes), ep,
+                          c.link(span))
+    return layers * calls_per_layer * one
 
 
 def pp_send_bytes(m, tokens, tp, value_bytes=2):

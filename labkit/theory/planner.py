@@ -19,10 +19,11 @@ ranks the plans that fit. Everything is modelled from first principles with name
   gathered layers under ZeRO-3; the allocator reserve (plan_terms.ALLOCATOR_RESERVE).
 - Time: compute + recompute + element-wise HBM passes + TP collectives + CP's K/V ring + the
   pipeline bubble (pp-1)/v micro-batch times (Narayanan et al. 2021) + pipeline sends + DP/ZeRO
-  traffic + the optimizer (memory bound). Each communication is split into what the stack
-  (overlap.py: megatron, megatron-2021, fsdp2, deepspeed) hides under compute and what stays
-  exposed; hidden traffic slows compute by overlap.SM_CONTENTION. Collectives use the alpha-beta
-  ring model (time.py) on NVLink inside a node, the inter-node link across nodes.
+  traffic + the experts' all-to-alls (exposed) + the optimizer (memory bound); messages carry
+  values of the run's precision (plan_terms.message_bytes). Each communication is split into
+  what the stack (overlap.py: megatron, megatron-2021, fsdp2, deepspeed) hides under compute
+  and what stays exposed; hidden traffic slows compute by overlap.SM_CONTENTION. Collectives use
+  the alpha-beta ring model (time.py) on NVLink inside a node, the inter-node link across nodes.
 - Legal interleaving: v > 1 needs whole layers per virtual stage (layers % (pp v) == 0).
 
 Left out (so errors can be read): kernel launch and Python overheads, load imbalance between
@@ -161,8 +162,7 @@ def finish(m, c, batch, seq, mem, p, stage_params, layer_bytes_kept):
     peak = mfu_peak_flops(c)
     return dict(
         p, layers_per_stage=layers_per_stage(m, p["pp"]), stack=c.stack.name,
-        precision=c.precision, microbatches=batch // (p["dp"] *
-                                                                             p["micro_batch_size"]),
+        precision=c.precision, microbatches=batch // (p["dp"] * p["micro_batch_size"]),
         fits=fits, reason="" if fits else (f"needs {mem['total'] / 1e9:.1f} GB per GPU > "
                                            f"{c.capacity_bytes / 1e9:.1f} GB on {c.gpu.name}"),
         memory_bytes=mem, step_s=step, breakdown_s=breakdown,
@@ -202,27 +202,31 @@ def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):
     tokens = p["micro_batch_size"] * seq / cp
     share = p["recompute_layers"] / layers if p["recompute"] == "full" else 0.0
     work = _micro_batch_work(m, c, seq, p, tokens, layers, share, layer_bytes_kept)
-    st = c.stack
-    tp_total = terms.tp_comm_time(c, m, tokens, tp, layers,
-                                  terms.tp_collectives_per_layer(p["recompute"], share))
+    st, vb = c.stack, terms.message_bytes(c.precision)   # messages at the run's precision
+    calls = terms.tp_collectives_per_layer(p["recompute"], share)    # TP's, and EP's
+    tp_total = terms.tp_comm_time(c, m, tokens, tp, layers, calls, vb)
     tp_exp, tp_hid = overlap.tp_comm(st, tp_total, work["gemm"], tp) if \
         p["sequence_parallel"] else (tp_total, 0.0)
-    cp_total, cp_exp = terms.cp_ring_times(c, m, seq, tokens, tp, cp, layers, work["attention"])
+    cp_total, cp_exp = terms.cp_ring_times(c, m, seq, tokens, tp, cp, layers, work["attention"],
+                                           vb, share)
+    ep_s = terms.ep_comm_time(c, m, tokens, p["ep"], layers, p["ep"] * cp * tp, calls, vb)
     slow_mb = overlap.contention_slowdown(tp_hid + cp_total - cp_exp)
-    mb_time = work["total"] + tp_exp + cp_exp + slow_mb
-    pp_total = terms.pp_send_time(c, m, tokens, tp, dp * cp * tp * 2, pp, micro, v)
+    mb_time = work["total"] + tp_exp + cp_exp + ep_s + slow_mb
+    pp_total = terms.pp_send_time(c, m, tokens, tp, dp * cp * tp * 2, pp, micro, v, vb)
     pp_exp, pp_hid = overlap.pp_sends(st, pp_total, v)
-    dp_exp, dp_hid = _dp_comm(c, p, stage_params, work, micro, layers)
+    dp_exp, dp_hid = _dp_comm(c, p, stage_params, work, micro, layers, vb)
     opt_params = stage_params / (dp * cp if p["zero_stage"] >= 1 else 1)
     out = dict(compute=micro * (work["compute"] + work["elementwise"] + work["fp8_cast"]),
                recompute=micro * work["recompute"],
-               tp_comm=micro * tp_exp, cp_comm=micro * cp_exp, pp_bubble=(pp - 1) / v * mb_time,
+               tp_comm=micro * tp_exp, cp_comm=micro * cp_exp, ep_comm=micro * ep_s,
+               pp_bubble=(pp - 1) / v * mb_time,
                pp_comm=pp_exp, dp_comm=dp_exp, optimizer=terms.optimizer_time(c, opt_params),
                overlap_slowdown=micro * slow_mb + overlap.contention_slowdown(pp_hid + dp_hid))
     communication = dict(tp_comm_exposed=micro * tp_exp, tp_comm_hidden=micro * tp_hid,
                          cp_comm_exposed=micro * cp_exp,
                          cp_comm_hidden=micro * (cp_total - cp_exp), pp_comm_exposed=pp_exp,
-                         pp_comm_hidden=pp_hid, dp_comm_exposed=dp_exp, dp_comm_hidden=dp_hid)
+                         pp_comm_hidden=pp_hid, dp_comm_exposed=dp_exp, dp_comm_hidden=dp_hid,
+                         ep_comm_exposed=micro * ep_s, ep_comm_hidden=0.0)
     return out, communication
 
 
@@ -253,17 +257,18 @@ def _micro_batch_work(m, c, seq, p, tokens, layers, share, kept):
                 total=compute + recompute_s + elementwise + cast)
 
 
-def _dp_comm(c, p, stage_params, work, micro, layers):
+def _dp_comm(c, p, stage_params, work, micro, layers, weight_bytes):
     """(exposed, hidden) seconds of data-parallel traffic per step (overlap.py by stack)."""
     shard, zero, st = p["dp"] * p["cp"], p["zero_stage"], c.stack
     span = p["dp"] * p["cp"] * p["tp"]
     forward = work["compute"] / 3
     backward = work["compute"] - forward + work["recompute"]
     if zero == 3:
-        gather, reduce = terms.fsdp_traffic(c, stage_params, shard, span)
+        gather, reduce = terms.fsdp_traffic(c, stage_params, shard, span, weight_bytes)
         exposed, hidden = overlap.fsdp_layer_traffic(gather, reduce, forward, backward, layers)
         return micro * exposed, micro * hidden
-    reduce_s, gather_s, bucket = terms.dp_traffic(c, stage_params, zero, shard, span)
+    reduce_s, gather_s, bucket = terms.dp_traffic(c, stage_params, zero, shard, span,
+                                                  weight_bytes)
     r_exp, r_hid = overlap.dp_grad_reduce(st, reduce_s, backward, bucket * reduce_s, zero)
     g_exp, g_hid = overlap.dp_param_gather(st, gather_s, forward, bucket * gather_s)
     return r_exp + g_exp, r_hid + g_hid

@@ -39,6 +39,7 @@ import math
 
 from . import catalog, hardware, plan_inputs as inputs
 from .memory import dtype_bytes
+from .plan_terms import ep_all_to_all_bytes
 from .planner import ACHIEVABLE, RESERVED_BYTES, achievable_fraction, parse_model
 from .time import collective_time
 from .weights import SCALE_BYTES, SCALE_GROUP, WEIGHTS, layer_param_split, weight_bytes  # noqa
@@ -182,8 +183,9 @@ def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, pr
         compute, memory = flops / flops_rate, read / g.memory_bw
         act = tokens * m.hidden * 2
         tp_comm = 2 * layers * small_all_reduce_time(act, tp, tp_link) if tp > 1 else 0
-        ep_comm = (2 * layers * collective_time("all_to_all", act * m.top_k, ep, ep_link)
-                   if ep > 1 else 0.0)
+        # dispatch and combine (no backward): the planner's payload, the same bytes
+        ep_comm = (2 * layers * collective_time("all_to_all", ep_all_to_all_bytes(m, tokens),
+                                                ep, ep_link) if ep > 1 else 0.0)
         return dict(compute=compute, memory=memory, tp_comm=tp_comm, ep_comm=ep_comm,
                     total=max(compute, memory) + tp_comm + ep_comm,
                     hop=collective_time("send", act, 2, pp_link) if pp > 1 else 0.0)

@@ -15,11 +15,13 @@ from .plots import memory_stack, restack, retime, stack_shape, time_shape, time_
 
 BREAKDOWN_LABELS = {"compute": "compute", "recompute": "recompute (incl. FlashAttention's)",
                     "tp_comm": "TP comm", "cp_comm": "CP ring (exposed)",
+                    "ep_comm": "EP all-to-all",
                     "pp_bubble": "pipeline bubble", "pp_comm": "PP sends",
                     "dp_comm": "DP/ZeRO comm (exposed)", "optimizer": "optimizer step",
                     "overlap_slowdown": "compute slowed by overlapped comm"}
 BREAKDOWN_COLORS = {"compute": "#2ca02c", "recompute (incl. FlashAttention's)": "#98df8a",
                     "TP comm": "#9467bd", "CP ring (exposed)": "#e377c2",
+                    "EP all-to-all": "#17becf",
                     "pipeline bubble": "#dcdcdc", "PP sends": "#c5b0d5",
                     "DP/ZeRO comm (exposed)": "#d62728", "optimizer step": "#8c564b",
                     "compute slowed by overlapped comm": "#bcbd22"}

@@ -1,0 +1,219 @@
+"""The planner's side of a plan run in miniature (runs/miniature.py): the tiny shape a plan
+scales down to, and what the planner's own functions say for it, plus the derived differences.
+
+Scaling rule (`miniature_shape`): the degrees are kept, the sizes shrink while keeping every
+divisibility the layout needs: heads = 2 tp (whole heads per TP rank), hidden = 8 heads, ffn =
+4 hidden and vocab = 32 tp (split by TP), seq = 8 tp cp (each CP rank holds 8 tp tokens, 2 whole
+zigzag chunks, split by SP), layers the fewest (>= 2)
+with (layers + 2) % (pp v) == 0 (the mesh's embeddings and head are stages of their own:
+every virtual stage then has whole units) and, where one exists, layers % pp == 0,
+micro-batches max(2, pp) (the interleaved schedule needs a multiple of pp), global batch
+dp x micro-batches x micro-batch size (<= 2), experts 2 ep (top-2). The tiny model trains in
+fp32, so the planner is asked with precision="fp32", no FlashAttention and no dropout, as the
+tiny GPT runs.
+
+Where the planner and the mesh legitimately differ, the difference is derived, named and added
+to the planner's number (`adjusted`), never fitted:
+- row-parallel biases (attention output, MLP down) are replicated on every TP rank, the
+  planner divides all of a layer's weights by tp: + 2 h (1 - 1/tp) per layer held;
+- the learned position table is split by TP only under SP (else replicated): + s h (1 - 1/tp)
+  on the rank holding the embedding; the final LayerNorm has a bias the planner (RMSNorm-like
+  `head_params`) leaves out, and the norm is whole on every TP rank: + 2h - h/tp on the rank
+  holding the head;
+- the mesh splits layers + 2 units (embedding, blocks, head) evenly, the planner puts
+  ceil(layers / pp) blocks plus the larger end on its worst stage: the rank's own blocks and
+  ends, counted by the planner's per-layer and per-end numbers;
+- bytes: the planner's TP term counts the 4 collectives per layer and micro-batch; the mesh's
+  vocabulary-parallel embedding (an all-reduce forward), head (an all-reduce of the input's
+  gradient) and its logits' all-gather are extra; under SP the backward regathers each
+  column-parallel input, the embedding scatters to sequence shards and each replicated
+  parameter's gradient is summed over TP (`_tp_extras`). PP: the planner counts 2 sends per
+  micro-batch and chunk on every rank; the pipeline's two ends send one way only, (pp v - 1) /
+  (pp v) of that on average, and without SP each TP rank sends the whole activation (x tp).
+  CP: the planner's ring (cp_ring_bytes) passes K, V cp-1 hops forward and K, V and their
+  gradients cp-1 hops each backward; the mesh's ring carries the dK, dV partial sums home, cp
+  hops: + one hop per layer and micro-batch (theory/context_parallel.comm_bytes_per_rank).
+  DP (over dp x cp, `dp_cp`, when cp > 1): ZeRO-1 is ShardedOptimizer's all-reduce + owners'
+  broadcasts (3 Psi on the wire where the planner's reduce-scatter + all-gather move 2 Psi);
+  experts average over ep_dp = dp / ep ranks, not dp. EP: the planner's 4 all-to-alls per MoE
+  layer and micro-batch (ep_all_to_all_bytes: tokens x top_k x h each, (ep-1)/ep on the wire;
+  nothing dropped, as the tiny MoE routes without capacity); before each forward's dispatch the
+  mesh all-gathers every rank's top_k x experts + 1 routing counts (int64): + that all-gather.
+Activations under full recompute: the pipeline checkpoints whole stage chunks
+  (`_stage_recompute`); the planner checkpoints every layer and rebuilds one at a time.
+"""
+from __future__ import annotations
+
+from ..theory import plan_terms as terms, planner, recompute as rc
+from ..theory.catalog import ModelShape
+from ..theory.pipeline import balanced_split
+from ..theory.plan_cluster import make_cluster
+from ..theory.time import wire_bytes_per_rank
+
+
+def miniature_shape(p):
+    """(ModelShape, run settings) of the tiny GPT for plan `p` (the rule in the docstring)."""
+    tp, pp, v, ep = p["tp"], p["pp"], p["v"], p["ep"]
+    heads = 2 * tp
+    hidden = 8 * heads
+    fits = [n for n in range(2, 8 * pp * v) if (n + 2) % (pp * v) == 0]
+    layers = next((n for n in fits if n % pp == 0), fits[0])
+    seq, experts = 8 * tp * p["cp"], 2 * ep if ep > 1 else 1
+    # top-2 of 2 ep experts: every expert meets tokens in one step (one that gets none has no
+    # gradient and, Adam being lazy, no state: its bytes would be missing, not wrong)
+    m = ModelShape(name="miniature", display_name="miniature GPT", arch="gpt", layers=layers,
+                   hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=32 * tp,
+                   experts=experts, top_k=2, tied_embeddings=False, max_seq=seq)
+    micro = max(2, pp)
+    mbs = min(2, p["micro_batch_size"])
+    return m, dict(seq=seq, microbatches=micro, mbs=mbs, batch=p["dp"] * micro * mbs,
+                   world=p["dp"] * tp * pp * p["cp"])
+
+
+def _rank_units(m, p):
+    """Per pipeline rank: (blocks held, holds the embedding, holds the head), as the mesh
+    splits embedding + blocks + head evenly over pp x v stages (split_into_stages, "layers")."""
+    stages = p["pp"] * p["v"]
+    sizes = balanced_split([1] * (m.layers + 2), stages)
+    starts = [sum(sizes[:s]) for s in range(stages)]
+    out = []
+    for r in range(p["pp"]):
+        units = [u for s in range(r, stages, p["pp"]) for u in range(starts[s],
+                                                                      starts[s] + sizes[s])]
+        first, last = 0 in units, m.layers + 1 in units
+        out.append((len(units) - first - last, first, last))
+    return out
+
+
+def _rank_params(m, p, blocks, first, last):
+    """A rank's parameters after TP in the planner's units plus the derived differences."""
+    tp, h = p["tp"], m.hidden
+    _, layer = terms.stage_parameters(m, tp, p["ep"], 1, 1)
+    params = blocks * (layer + 2 * h * (1 - 1 / tp))
+    if first:
+        emb = terms.tf.embedding_params(m) / tp
+        params += emb + (0 if p["sequence_parallel"] else m.max_seq * h * (1 - 1 / tp))
+    if last:
+        # the final LayerNorm (weight and bias, 2h) is whole on every TP rank; the planner's
+        # head_params counts one h of norm, divided by tp with the head
+        params += terms.tf.head_params(m) / tp + 2 * h - h / tp
+    return params
+
+
+def planner_side(p):
+    """The planner's numbers for plan `p` on its miniature shape: memory by category (its
+    worst stage, planner.memory_terms), the same adjusted for the mesh's layout, and bytes per
+    rank and step by dimension (the plan_terms byte functions, ring model), adjusted."""
+    m, run = miniature_shape(p)
+    c = make_cluster("H100", run["world"], precision="fp32", flash_attention=False, dropout=False)
+    # full recompute: of every layer (the mesh recomputes whole stages)
+    every = planner.layers_per_stage(m, p["pp"]) if p["recompute"] == "full" else 0
+    plan = dict(p, micro_batch_size=run["mbs"], recompute_layers=every)
+    mem, _, stage_params, _ = planner.memory_terms(m, c, run["batch"], run["seq"], plan)
+    units = _rank_units(m, p)
+    held = [_rank_params(m, p, *u) for u in units]
+    worst = max(held)
+    shard = p["dp"] * p["cp"]
+    adjusted = terms.model_states(worst, "fp32", p["zero_stage"], shard)
+    tokens, micro, tp = run["mbs"] * run["seq"] // p["cp"], run["microbatches"], p["tp"]
+    vb = terms.message_bytes(c.precision)
+    layers = planner.layers_per_stage(m, p["pp"])
+    act = terms.tp_collective_bytes(m, tokens, vb)
+    share = 1.0 if p["recompute"] == "full" else 0.0    # every layer recomputed
+    per_layer = terms.tp_collectives_per_layer(p["recompute"], share)
+    tp_planner = micro * layers * per_layer * wire_bytes_per_rank("all_reduce", act, tp)
+    mean_blocks = m.layers / p["pp"]
+    tp_adjusted = tp_planner * mean_blocks / layers + _tp_extras(m, p, run, mean_blocks)
+    send = terms.pp_send_bytes(m, tokens, tp, vb)
+    pp_planner = 2 * micro * p["v"] * send if p["pp"] > 1 else 0.0
+    pp_adjusted = pp_planner * (p["pp"] * p["v"] - 1) / (p["pp"] * p["v"]) * \
+        (1 if p["sequence_parallel"] else tp)
+    dp_planner = _dp_bytes(stage_params, p, micro, vb)
+    # a dense model's MLPs are no experts: averaged over dp x cp with the rest
+    experts = [u[0] * terms.tf.layer_counts(m).mlp_total / (tp * p["ep"]) if p["ep"] > 1 else 0
+               for u in units]
+    dp_adjusted = sum(_dp_bytes(h, p, micro, vb, e) for h, e in zip(held, experts)) / len(held)
+    dp_dim = "dp_shard" if p["zero_stage"] == 3 else "dp_cp" if p["cp"] > 1 else "dp"
+    comm = {"tp": (tp_planner, tp_adjusted), "pp": (pp_planner, pp_adjusted),
+            dp_dim: (dp_planner, dp_adjusted)}
+    if p["cp"] > 1:
+        ring = terms.cp_ring_bytes(m, tokens, tp, p["cp"], vb, share)
+        # the mesh's ring carries dK, dV home: cp hops of the partial sums, the planner's cp-1
+        comm["cp"] = (micro * layers * ring["total"],
+                      micro * mean_blocks * (ring["total"] + ring["hop"]))
+    if p["ep"] > 1:
+        a2a = per_layer * wire_bytes_per_rank(
+            "all_to_all", terms.ep_all_to_all_bytes(m, tokens, vb), p["ep"])
+        # every forward first all-gathers each rank's (top_k x experts + 1) int64 counts
+        counts = (1 + share) * wire_bytes_per_rank("all_gather", 8 * (m.top_k * m.experts + 1),
+                                                   p["ep"])
+        comm["ep"] = (micro * layers * a2a, micro * mean_blocks * (a2a + counts))
+    return dict(model=m, run=run, memory=mem, adjusted=dict(
+        adjusted, activations=_stage_recompute(m, c, run, plan) if every else
+        mem["activations"]), comm=comm)
+
+
+def _stage_recompute(m, c, run, p):
+    """Activations when the mesh recomputes: the pipeline checkpoints whole stage chunks (L / v
+    layers), keeping one chunk input (a_full) per chunk in flight and rebuilding a whole chunk
+    (L / v x a_none) in backward, where the planner keeps every layer's input and rebuilds one
+    layer; the planner's own a_none, a_full, logits and chunks in flight."""
+    a = planner._activation_terms(m, c, run["seq"], p)
+    layers = planner.layers_per_stage(m, p["pp"])
+    chunk = layers / p["v"]
+    held = rc.layers_in_flight(layers, run["microbatches"], p["pp"], p["v"]) / chunk
+    first = held * a["recomputed_layer"] + chunk * a["kept_layer"]
+    last = a["recomputed_layer"] + chunk * a["kept_layer"] + a["logits"]
+    return max(first, last) if p["pp"] > 1 else first + a["logits"]
+
+
+def _tp_extras(m, p, run, blocks):
+    """TP wire bytes per rank and step the mesh moves beyond the planner's 4 collectives (or
+    all-gather + reduce-scatter pairs) per layer, averaged over the pipeline ranks: the
+    vocabulary-parallel ends and the gathered logits; under SP also the backward's regather of
+    each column-parallel input (2 all-gathers per layer), the embedding's scatters to sequence
+    shards, and the sum over TP of each replicated parameter's gradient (6h per layer, 2h of
+    the final norm). Under full recompute each forward collective runs twice."""
+    tp, vb, h = p["tp"], 4, m.hidden
+    f = 2 if p["recompute"] == "full" else 1      # forward passes per micro-batch
+    seq = run["seq"] // p["cp"]          # this rank's tokens of each sequence
+    act = vb * run["mbs"] * seq * h
+    logits = wire_bytes_per_rank("all_gather", act / h * m.vocab / tp, tp)
+    if not p["sequence_parallel"]:
+        # embedding: an all-reduce forward; head: one of its input's gradient backward
+        ends = (f + 1) * wire_bytes_per_rank("all_reduce", act, tp) + f * logits
+        return run["microbatches"] * ends / p["pp"]
+    gather, scatter = (wire_bytes_per_rank("all_gather", act / tp, tp),
+                       wire_bytes_per_rank("reduce_scatter", act, tp))
+    table = vb * seq * h
+    # embedding: token and position partial sums reduce-scattered to sequence shards forward,
+    # each gradient all-gathered backward
+    first = f * (wire_bytes_per_rank("reduce_scatter", table, tp) + scatter) + \
+        wire_bytes_per_rank("all_gather", table / tp, tp) + gather
+    last = (f + 1) * gather + f * logits + scatter
+    grads = wire_bytes_per_rank("all_reduce", vb, tp) * (6 * h * blocks + 2 * h / p["pp"])
+    return run["microbatches"] * ((first + last) / p["pp"] + 2 * gather * blocks + grads)
+
+
+def _dp_bytes(stage_params, p, micro, weight_bytes, expert_params=None):
+    """Wire bytes per rank and step of the DP traffic (plan_terms' payloads, ring model).
+    With `expert_params` (the mesh's side): experts average over ep_dp = dp / ep ranks, not
+    dp (the planner's shard), and ZeRO-1 is ShardedOptimizer's: an all-reduce of the
+    gradients (twice a reduce-scatter's wire bytes) and each owner's broadcast of its weights
+    (an all-gather's), torch's ZeroRedundancyOptimizer's 3 Psi for the planner's 2 Psi."""
+    shard = p["dp"] * p["cp"]
+    if p["zero_stage"] == 3:
+        pay = terms.fsdp_traffic_bytes(stage_params, shard, weight_bytes)
+        return micro * (2 * wire_bytes_per_rank("all_gather", pay["all_gather"], shard)
+                        + wire_bytes_per_rank("reduce_scatter", pay["reduce_scatter"], shard))
+    if expert_params is None:
+        pay = terms.dp_traffic_bytes(stage_params, p["zero_stage"], shard, weight_bytes)
+        return sum(wire_bytes_per_rank(op, b, shard) for op, b in pay.items())
+    dense = _dp_bytes(stage_params - expert_params, p, micro, weight_bytes)
+    ep_dp = dict(p, dp=p["dp"] // p["ep"], cp=1)
+    out = dense + (_dp_bytes(expert_params, ep_dp, micro, weight_bytes) if expert_params
+                   else 0.0)
+    if p["zero_stage"] == 1:
+        grads = terms.dp_traffic_bytes(stage_params, 1, shard, weight_bytes)["reduce_scatter"]
+        out += wire_bytes_per_rank("reduce_scatter", grads, shard)
+    return out
