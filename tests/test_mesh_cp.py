@@ -10,7 +10,7 @@ from labkit import cli, models
 from labkit.parallel.mesh_dims import validate_dims
 from labkit.runs import hybrid, reference
 from labkit.theory import context_parallel as theory_cp
-from test_mesh_fsdp import dp_bytes_match_theory, equals_one_device, ops, states_match_theory
+from mesh_helpers import dp_bytes_match_theory, equals_one_device, ops, states_match_theory
 
 CFG = reference.RunConfig()
 SHAPE = models.GPTConfig(**CFG.model_kwargs)

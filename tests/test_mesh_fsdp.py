@@ -8,39 +8,11 @@ import pytest
 from labkit import cli
 from labkit.parallel.hybrid import validate_dims
 from labkit.runs import hybrid, reference
-
-
-def equals_one_device(rep):
-    """labkit.numerics' verdict: loss and updated parameters against the float64 run."""
-    for name in ("params", "loss"):
-        assert rep["agreement"][name]["ok"], (name, rep["agreement"][name]["verdict"])
-    return True
+from mesh_helpers import dp_bytes_match_theory, equals_one_device, ops, states_match_theory
 
 
 def run(optimizer="adam", **layout):
     return hybrid.report(cfg=reference.RunConfig(optimizer=optimizer), zero=3, **layout)
-
-
-def ops(rep):
-    return {(row["dim"], row["op"]) for row in rep["comm_by_dim"]}
-
-
-def states_match_theory(rep, categories=("params", "grads", "optimizer"), rel=0.05):
-    """The worst rank's bytes against the planner's for the layout with ZeRO-3's division by
-    dp_shard (5%: the planner gives replicated biases and norms to every stage alike)."""
-    for category in categories:
-        worst = max(m[category] for m in rep["memory"].values())
-        assert rep["predicted_memory"][category] == pytest.approx(worst, rel=rel), category
-    return True
-
-
-def dp_bytes_match_theory(rep):
-    """Each rank's DP bytes on the wire (ring model, from its comm log) by dimension against
-    fsdp_wire_bytes for its own stage (the padding to a multiple of dp_shard: < 1%)."""
-    for row in rep["dp_comm_by_rank"]:
-        for dim, predicted in row["predicted"].items():
-            assert row["measured"][dim] == pytest.approx(predicted, rel=0.01, abs=1), (row, dim)
-    return True
 
 
 def test_fsdp_x_tp_with_sequence_parallel_from_the_cli_equals_one_device(capsys):

@@ -276,7 +276,7 @@ def test_cli_json_report(capsys):
     (["--experts", "3"], "3 experts do not split evenly over 2 expert-parallel ranks"),
     (["--experts", "2", "--top-k", "3"], "top_k must be between 1 and the number of experts"),
     (["--ep", "3"], "the EP degree (3) must divide the world size (2)"),
-    (["--world-size", "4", "--batch", "6"], "the batch (6 sequences) must divide by the world")])
+    (["--world-size", "4", "--batch", "6"], "the global batch of 6 does not split into 4 ranks")])
 def test_cli_says_one_line_before_ranks_start(capsys, argv, said):
     assert cli.main(["run", "moe", *argv]) == 2
     err = capsys.readouterr().err

@@ -126,7 +126,7 @@ def test_mixed_precision_adam_differs_from_one_device_only_where_adam_amplifies_
 def test_bad_input_is_one_line_before_any_rank_starts(capsys):
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         zero.report(2, SGD, stage=4)
-    with pytest.raises(ValueError, match="does not split over 3 ranks"):
+    with pytest.raises(ValueError, match="does not split into 3 ranks"):
         zero.report(3, SGD, stage=1)
     for argv, words in ((["--stage", "0"], "stage must be"), (["--world-size", "3"], "split"),
                         (["--offload"], "--stage 3")):

@@ -6,10 +6,12 @@ a node). The model, as an nn.Sequential of layers, is cut into pp x v pipeline s
 TP group by `parallelize` (heads and MLP columns, + sequence parallelism); the stages talk over
 the PP group with `PipelineSchedule`; the dp replicas of a stage average their gradients over
 the DP group after the pipeline flush (Megatron-LM's order, Narayanan et al. 2021,
-arXiv 2104.04473: TP inside a node, PP across nodes, DP outermost) and step with a plain
-optimizer or with ZeRO-1 (`ShardedOptimizer`) over the same group. An MoE model's experts are
+arXiv 2104.04473: TP inside a node, PP across nodes, DP outermost). An MoE model's experts are
 spread by `ExpertParallel` over EP groups carved out of DP; an expert's gradient is averaged
-over its replicas (`ep_dp`), every other one over DP.
+over its replicas (`ep_dp`), every other one over DP. HybridParallel composes the blocks and
+nothing more: the optimizer (a plain one, or ZeRO-1's `ShardedOptimizer` over each gradient
+group) and the loop are the trainer's (labkit/runs/trainer.py, as torchtitan's
+`parallelize_llama` leaves them to its Trainer).
 
 `zero_stage=3` (ZeRO-3 / FSDP, torchtitan's order: TP -> PP stages -> FullyShard) wraps each of
 this rank's TP-split stages in `FullyShard` (one unit per layer) over the DP group; HSDP
@@ -53,19 +55,19 @@ stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the sta
     mesh = ctx.mesh(dp=2, tp=2, pp=2, cp=2)     # cp: x, target sharded along the sequence
     hybrid = HybridParallel(model, mesh, loss_fn, tp_plan=plan, n_microbatches=4,
                             cp_layout="zigzag")
-    loss = hybrid.step(x, y)                # forward, backward, DP average, optimizer step
+    optimizers = [Adam(params) for params, group in hybrid.gradient_groups]
+    loss = hybrid.forward_backward(x, y)    # the pipeline: every micro-batch's fwd and bwd
+    hybrid.sync_gradients()                 # the DP (x CP) average, EP's replica sums
+    for opt in optimizers: opt.step()
 
 Serving composes the same blocks (`HybridGenerator`, labkit.parallel.serving's idea): the
 requests split over the replicas (dp), the model split by TP, its MoE layers spread over EP
 (attention replicated) or its layers cut into pp stages run by `PipelineGenerator`.
 """
-import itertools
-
 import torch
 import torch.nn as nn
 
 from ..runtime.context import context
-from ..runtime.memory import optimizer_state_tensors
 from .moe import ExpertParallel
 from .pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from .serving import PipelineGenerator, generate, new_cache, split_requests
@@ -76,7 +78,6 @@ from .mesh_dims import SCHEDULES, check_layout, dp_cp_group, dp_groups, validate
 from .tp_shards import all_gather_dim, split_parts
 from .tensor_parallel import gather_params, parallelize
 from .tensor_parallel_plan import plan_for
-from .zero import ShardedOptimizer
 
 
 def moe_layers(module):
@@ -102,14 +103,15 @@ def attention_layers(module):
 
 
 class HybridParallel:
-    """Train `model` (an nn.Sequential, or a model with `as_sequential()`) on a `mesh`.
+    """`model` (an nn.Sequential, or a model with `as_sequential()`) composed on a `mesh`.
 
     loss_fn(output, target) on the last stage; tp_plan: `parallelize`'s plan with names of
     the sequential (e.g. {"*.attn.qkv": "colwise", ...}); schedule / n_microbatches / virtual:
     the pipeline's; expert_parallel: wrap every MoE layer in ExpertParallel over mesh["ep"];
-    zero_stage 0 (a plain optimizer), 1 (ShardedOptimizer over the DP group) or 3 (each stage
-    in FullyShard over `dp_shard`; `dp_replicate` > 1: HSDP, the shards' gradients averaged
-    over `dp_replicate`). mesh cp > 1: every attention layer in ContextParallel over mesh["cp"]
+    zero_stage 0 or 1 (the modules as they are: ZeRO-1 is the optimizer's, a ShardedOptimizer
+    over each of `gradient_groups`) or 3 (each stage in FullyShard over `dp_shard`;
+    `dp_replicate` > 1: HSDP, the shards' gradients averaged over `dp_replicate`). mesh
+    cp > 1: every attention layer in ContextParallel over mesh["cp"]
     (`cp_layout`, `cp_method`: its layout and core); x and target are this rank's sequence
     shards. recompute: full activation recompute, the pipeline's (each stage keeps only its
     input per micro-batch in flight and runs its forward again in backward). After
@@ -122,8 +124,7 @@ class HybridParallel:
     def __init__(self, model, mesh, loss_fn, *, tp_plan=None, sequence_parallel=False,
                  schedule="1f1b", n_microbatches=4, virtual=1, balance="layers",
                  expert_parallel=False, zero_stage=0, dp_replicate=1, cp_layout="zigzag",
-                 cp_method="ring", recompute=False, optimizer_class=torch.optim.Adam,
-                 **optimizer_defaults):
+                 cp_method="ring", recompute=False):
         cp = mesh.sizes["cp"]
         validate_dims(dp=mesh.sizes["dp"], tp=mesh.sizes["tp"], pp=mesh.sizes["pp"], cp=cp,
                       ep=mesh.ep, dp_replicate=dp_replicate, zero_stage=zero_stage,
@@ -177,32 +178,26 @@ class HybridParallel:
                       for p in layer.experts.parameters()}
         self.dense = [p for p in params if p.requires_grad and id(p) not in expert_ids]
         self.experts = [p for p in params if p.requires_grad and id(p) in expert_ids]
-        self.optimizers = []
-        for group_params, group in ((self.dense, self.dp_cp), (self.experts, mesh["ep_dp"])):
-            if not group_params:
-                continue
-            if zero_stage == 1:
-                opt = ShardedOptimizer(group_params, optimizer_class, group=group, stage=1,
-                                       **optimizer_defaults)
-            else:   # ZeRO-3: a plain optimizer over the shards is already 1/dp_shard
-                opt = optimizer_class(group_params, **optimizer_defaults)
-            self.optimizers.append(opt)
-        self.ctx.memory.watch(
-            params=lambda: list(self.module.parameters()),
-            grads=lambda: [p.grad for p in self.module.parameters()],
-            optimizer_state=lambda: list(itertools.chain.from_iterable(
-                optimizer_state_tensors(o) for o in self.optimizers)))
-
     @property
     def is_last(self):
         return any(stage.is_last for stage in self.stages)
 
-    def step(self, x=None, target=None):
-        """One training step; returns the mean loss on the last stage's ranks, else None."""
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        with self.ctx.memory.track_activations():
-            loss = self.pipe.step(x, target=target)
+    @property
+    def gradient_groups(self):
+        """[(parameters, the group their gradients are averaged over)]: the dense ones over
+        dp x cp (`dp_cp`; ZeRO-3: FullyShard's shards), the experts over `ep_dp`. What the
+        optimizers are built from, one per group (ZeRO-1 shards each over its group)."""
+        return [(params, group) for params, group in ((self.dense, self.dp_cp),
+                                                      (self.experts, self.mesh["ep_dp"]))
+                if params]
+
+    def forward_backward(self, x=None, target=None):
+        """The pipeline's forward and backward of every micro-batch (x on the first stage,
+        target on the last); returns the mean loss on the last stage's ranks, else None."""
+        return self.pipe.step(x, target=target)
+
+    def sync_gradients(self):
+        """After backward: each gradient averaged over the ranks holding its parameter."""
         if self.zero_stage == 3:   # FullyShard averaged over dp_shard; HSDP: across replicas
             self._sum_over_tp(self._sp_sum)
             if self.dp_replicate is not None:
@@ -211,9 +206,6 @@ class HybridParallel:
             average_gradients(self.dense, self.dp_cp,
                               tag="dp_cp grads" if self.mesh.sizes["cp"] > 1 else "dp grads")
         average_gradients(self.experts, self.mesh["ep_dp"], tag="ep_dp grads")
-        for opt in self.optimizers:
-            opt.step()
-        return loss
 
     @torch.no_grad()
     def _sum_over_tp(self, shards):

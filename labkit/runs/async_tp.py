@@ -60,10 +60,10 @@ def _train(model, optimizer, loss_fn, steps):
     data, one clock region "forward+backward", the SGD step outside any region; returns the
     detached losses."""
     trainer = Trainer(context(), SimpleNamespace(steps=steps), model, optimizer=optimizer,
-                      batch=lambda model, cfg, step, dtype: (step, None),
+                      batch=lambda step: (step, None),
                       loss=lambda model, step, _: loss_fn(model, step), fused=True,
-                      watch=False, track_activations=False, optimizer_region=None,
-                      record_loss=lambda loss: loss.detach(), progress=False)
+                      track_activations=False, optimizer_region=None,
+                      reduce_loss=lambda loss: loss.detach(), progress=False)
     return trainer.fit().losses
 
 

@@ -68,10 +68,12 @@ def train(ctx, cfg, layout="zigzag", method="ring", causal=True, check_shape=Non
     def whole_sequence_loss(loss):   # the mean of the shards' losses, off the record
         with ctx.off_the_record():
             return ctx.comm.all_reduce(loss.detach().clone(), op="avg").item()
+    model = build_model(cfg)
     trainer = Trainer(
-        ctx, cfg, build_model(cfg), cp_parallelize(None, layout, method), optimizer=build_optimizer,
-        batch=global_batch, fused=True, record_loss=whole_sequence_loss,
-        shard=lambda x, y: (shard_sequence(x, None, layout), shard_sequence(y, None, layout)),
+        ctx, cfg, model, cp_parallelize(None, layout, method), optimizer=build_optimizer,
+        batch=lambda step: tuple(shard_sequence(t, None, layout)
+                                 for t in global_batch(model, cfg, step)),
+        fused=True, reduce_loss=whole_sequence_loss,
         loss=lambda model, x, y: token_loss(model(x, positions=positions), y),
         # replicated weights, each rank's loss the mean over its tokens: average
         after_backward=lambda: average_gradients(trainer.module.parameters(),

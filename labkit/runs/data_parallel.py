@@ -14,10 +14,11 @@ import torch
 from ..parallel.data_parallel import DataParallel
 from ..parallel.flat import average_gradients
 from ..theory import data_parallel as theory
-from .reference import RunConfig, batch, build_model, build_optimizer, full_params, predict_memory
+from .reference import (RunConfig, batch, build_model, build_optimizer, check_batch, full_params,
+                        predict_memory)
 from .report import build_report, launch_checked, single_device
 from .report import mean_loss as global_loss   # the full-batch loss of shard losses
-from .trainer import Trainer, batch_shard
+from .trainer import Trainer, rows
 
 __all__ = ["DEFAULT_BUCKET_MB", "MODES", "add_arguments", "check_config", "global_loss", "infer",
            "report", "train"]
@@ -32,10 +33,7 @@ def check_config(cfg, world_size, mode="bucketed", accumulate=1):
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be a positive integer, got {accumulate!r}")
-    if cfg.global_batch % (world_size * accumulate):
-        raise ValueError(f"the global batch of {cfg.global_batch} does not split into "
-                         f"{world_size} ranks x {accumulate} micro-batch(es); use a multiple "
-                         f"of {world_size * accumulate} (--batch)")
+    check_batch(cfg, world_size, accumulate)
 
 
 # ------------------------------------------------------------------------------------- training
@@ -57,10 +55,11 @@ def train(ctx, cfg=None, mode="bucketed", bucket_mb=DEFAULT_BUCKET_MB, overlap=T
             average_gradients(trainer.module.parameters(), per_tensor=True, tag="grad")
         else:   # already done by the bucket hooks in backward; kept to show where it happens
             trainer.module.finish_gradient_synchronization()
-    trainer = Trainer(ctx, cfg, build_model(cfg), wrap, optimizer=build_optimizer, batch=batch,
-                      shard=batch_shard(ctx), accumulate=accumulate, after_backward=synchronise,
-                      # inner micro-batches accumulate locally; the last one synchronises
-                      no_sync=None if mode == "naive" else lambda: trainer.module.no_sync())
+    # accumulating, DataParallel's inner micro-batches run under no_sync: the last one syncs
+    model = build_model(cfg)
+    trainer = Trainer(ctx, cfg, model, wrap, optimizer=build_optimizer,
+                      batch=rows(ctx, batch, cfg, model), accumulate=accumulate,
+                      after_backward=synchronise)
     trainer.fit()
     return trainer.result(full_params(trainer.model) if ctx.rank == 0 else None,
                           local_loss=trainer.losses, step_wall_s=trainer.step_wall)

@@ -29,9 +29,11 @@ from ..runtime.mesh import DIMS, comm_by_dim
 from ..theory import hybrid as theory_hybrid
 from ..theory import pipeline as schedules
 from . import reference
-from .report import build_report, launch_checked, mean_loss, rank_result
 from ..parallel.tensor_parallel_plan import gpt_plan
-
+from ..parallel.zero import ShardedOptimizer
+from ..runtime.memory import optimizer_state_tensors
+from .report import build_report, launch_checked, mean_loss
+from .trainer import Optimizers, Trainer
 
 
 def moe_config(experts, top_k):
@@ -87,36 +89,50 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
     the already-shifted targets alike), the embedding given the shard's global positions."""
     mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, order=tuple(order))
     model = reference.build_model(cfg)
-    batches = [reference.batch(model, cfg, step) for step in range(cfg.steps)]
     layers = model.as_sequential()
     if cp > 1:
         layers[0] = ShardEmbeddings(layers[0], sequence_positions(
             model.cfg.seq, mesh.coords["cp"], cp, cp_layout))
     by_identity = {id(p): name for name, p in model.named_parameters()}
     model_name = {name: by_identity[id(p)] for name, p in layers.named_parameters()}
-    opt_class, options = reference.optimizer_spec(cfg)
     hybrid = HybridParallel(
         layers, mesh, reference.token_loss, tp_plan=gpt_plan(sequence_parallel, sequential=True),
         sequence_parallel=sequence_parallel, schedule=schedule, n_microbatches=microbatches,
         virtual=virtual if schedule == "interleaved" else 1,
         expert_parallel=cfg.model == "moe", zero_stage=zero, dp_replicate=dp_replicate,
-        cp_layout=cp_layout, recompute=recompute, optimizer_class=opt_class, **options)
+        cp_layout=cp_layout, recompute=recompute)
+    optimizers = build_optimizers(hybrid, cfg, zero)
     first, last = any(s.is_first for s in hybrid.stages), hybrid.is_last
-    losses = []
-    for step, (x, y) in enumerate(batches):
-        x, y = data.shard(x, mesh.coords["dp"], dp), data.shard(y, mesh.coords["dp"], dp)
+
+    def batch(step):   # this rank's rows (by dp) and (cp > 1) its shard of each sequence
+        x, y = (data.shard(t, mesh.coords["dp"], dp) for t in reference.batch(model, cfg, step))
         if cp > 1:   # a mean over equal shards: the mean of the cp ranks' losses is the batch's
             x, y = (shard_sequence(t, mesh["cp"], cp_layout, dim=1) for t in (x, y))
-        with ctx.step(step, cfg.steps):
-            loss = hybrid.step(x if first else None, y if last else None)
-        if loss is not None:
-            losses.append(loss.item())
+        return x if first else None, y if last else None
+    trainer = Trainer(ctx, cfg, hybrid.module, optimizer=optimizers, batch=batch,
+                      forward_backward=hybrid.forward_backward,
+                      after_backward=hybrid.sync_gradients,
+                      optimizer_region=None).fit()
     with ctx.off_the_record():
         params = {model_name[k]: v for k, v in hybrid.full_params().items()}
     comm = label_dp(mesh.label_comm(ctx.comm.summary(by=("op", "group", "tag"))), hybrid)
-    return rank_result(ctx, losses, stage_params=params, coords=mesh.coords,
-                       mesh_table=mesh.table(), is_last=last, comm_by_group=comm,
-                       held_params=hybrid.stage_params)
+    return trainer.result(stage_params=params, coords=mesh.coords, mesh_table=mesh.table(),
+                          is_last=last, comm_by_group=comm, held_params=hybrid.stage_params)
+
+
+def build_optimizers(hybrid, cfg, zero):
+    """The run's optimizer over each of the mesh's gradient groups, as one `Optimizers`: ZeRO-1
+    wraps it in `ShardedOptimizer` over the group (ZeRO-3: a plain one over FullyShard's
+    shards is already 1/dp_shard). The memory watch: this rank's stages and their states."""
+    optimizer_class, options = reference.optimizer_spec(cfg)
+    optimizers = Optimizers(
+        ShardedOptimizer(params, optimizer_class, group=group, stage=1, **options) if zero == 1
+        else optimizer_class(params, **options) for params, group in hybrid.gradient_groups)
+    module = hybrid.module
+    hybrid.ctx.memory.watch(params=lambda: list(module.parameters()),
+                            grads=lambda: [p.grad for p in module.parameters()],
+                            optimizer_state=lambda: list(optimizer_state_tensors(optimizers)))
+    return optimizers
 
 
 ZERO1_TAGS = ("params of rank", "param bucket", "grad bucket", "grad norm", "optimizer state")

@@ -27,7 +27,7 @@ from ..theory import moe as theory_moe
 from . import reference
 from .reference import RunConfig, batch, build_optimizer
 from .report import build_report, launch_checked
-from .trainer import Trainer, batch_shard
+from .trainer import Trainer, rows
 
 
 def check_config(world_size, cfg, moe, ep):
@@ -39,9 +39,7 @@ def check_config(world_size, cfg, moe, ep):
     if ep < 1 or world_size % ep:
         raise ValueError(f"the EP degree ({ep}) must divide the world size ({world_size})")
     check_expert_parallel(moe.experts, moe.top_k, moe.capacity_factor, ep)
-    if cfg.global_batch % world_size:
-        raise ValueError(f"the batch ({cfg.global_batch} sequences) must divide by the world "
-                         f"size ({world_size})")
+    reference.check_batch(cfg, world_size)
 
 
 # ---------------------------------------------------------------------------------- building
@@ -72,8 +70,8 @@ def train(ctx, cfg=None, moe=MoEConfig(), ep=None):
     model, replicas = expert_parallel_model(ctx, cfg, moe, ep)
     stats = []
     trainer = Trainer(
-        ctx, cfg, model, optimizer=build_optimizer, batch=batch, fused=True,
-        shard=batch_shard(ctx),
+        ctx, cfg, model, optimizer=build_optimizer, batch=rows(ctx, batch, cfg, model),
+        fused=True,
         # the dense weights over the world, each expert over its replicas
         after_backward=lambda: average_moe_gradients(model, replicas),
         after_step=lambda step: stats.append(routing_stats(model))).fit()

@@ -75,7 +75,8 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
     # the schedule runs every micro-batch's forward and backward on this rank's stages and
     # sends activations and gradients between ranks; only the last stage has a loss
     trainer = Trainer(ctx, cfg, model, pp_parallelize, optimizer=reference.build_optimizer,
-                      batch=reference.batch, step_fn=lambda x, y: pipe.step(x, target=y),
+                      batch=lambda step: reference.batch(model, cfg, step),
+                      forward_backward=lambda x, y: pipe.step(x, target=y),
                       optimizer_region=None)   # no clock region, as this driver always stepped
     pipe = PipelineSchedule(mine, n, reference.loss_fn(cfg), schedule=schedule,
                             recompute=recompute)

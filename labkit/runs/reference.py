@@ -45,6 +45,18 @@ def gpt_config(cfg, needs="this technique needs the tiny GPT"):
     return models.GPTConfig(**cfg.model_kwargs)
 
 
+def check_batch(cfg, ranks, microbatches=1):
+    """One-line ValueError unless the global batch splits into `ranks` x `microbatches` equal
+    parts (data parallelism's shards, before any rank starts)."""
+    if ranks < 1:
+        raise ValueError(f"the world size must be a positive integer, got {ranks}")
+    if cfg.global_batch % (ranks * microbatches):
+        parts = f"{ranks} ranks" + (f" x {microbatches} micro-batches" if microbatches > 1
+                                    else "")
+        raise ValueError(f"the global batch of {cfg.global_batch} does not split into {parts}; "
+                         f"use a multiple of {ranks * microbatches} (--batch)")
+
+
 def token_loss(logits, target):
     """The GPT's loss on its output: cross-entropy over every position."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
@@ -102,8 +114,9 @@ def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32, model=None
     cfg = cfg or RunConfig()
     model = (model if model is not None else build_model(cfg)).to(dtype)
     stats = []
-    trainer = Trainer(ctx, cfg, model, optimizer=build_optimizer, batch=batch, fused=True,
-                      track_activations=track_memory, dtype=dtype, progress=False,
+    trainer = Trainer(ctx, cfg, model, optimizer=build_optimizer, fused=True,
+                      batch=lambda step: batch(model, cfg, step, dtype),
+                      track_activations=track_memory, progress=False,
                       after_step=None if step_stats is None
                       else lambda step: stats.append(step_stats(model))).fit()
     return dict(loss=trainer.losses, params=full_params(model), memory=trainer.memory.report(),
@@ -113,26 +126,26 @@ def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32, model=None
 def train_mixed_precision(cfg=None, compute_dtype=torch.bfloat16):
     """One device, full batch, the mixed-precision algorithm: a `compute_dtype` copy of the
     weights computes forward and backward; the optimizer steps fp32 masters that start from the
-    unrounded fp32 weights; the low-precision copy is refreshed from them before each forward."""
+    unrounded fp32 weights; the low-precision copy is refreshed from them after each step."""
     cfg = cfg or RunConfig()
     master = build_model(cfg)
-    work = build_model(cfg).to(compute_dtype)
-    optimizer = build_optimizer(master.parameters(), cfg)
+    work = build_model(cfg).to(compute_dtype)   # = the masters rounded, as a refresh makes it
     pairs = list(zip(master.parameters(), work.parameters()))
-    losses = []
-    for step in range(cfg.steps):
-        x, y = batch(master, cfg, step, compute_dtype)
-        with torch.no_grad():
-            for m, w in pairs:
-                w.copy_(m)
-                w.grad = None
-        loss = work(x, y)
-        loss.backward()
+
+    def to_masters():   # the low-precision gradients, in fp32, are what the masters step on
         for m, w in pairs:
             m.grad = None if w.grad is None else w.grad.float()
-        optimizer.step()
-        losses.append(loss.item())
-    return dict(loss=losses, params=full_params(master))
+
+    @torch.no_grad()
+    def refresh(step):
+        for m, w in pairs:
+            w.copy_(m)
+            w.grad = None
+    trainer = Trainer(None, cfg, work, optimizer=build_optimizer(master.parameters(), cfg),
+                      batch=lambda step: batch(master, cfg, step, compute_dtype), fused=True,
+                      after_backward=to_masters, after_step=refresh,
+                      track_activations=False).fit()
+    return dict(loss=trainer.losses, params=full_params(master))
 
 
 def full_params(model):

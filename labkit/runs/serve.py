@@ -29,6 +29,7 @@ from .serve_fit import check_fits
 from ..parallel.tensor_parallel_plan import gpt_plan
 
 GPT_TP_PLAN = gpt_plan(vocab=False)   # embedding and head whole: each rank picks the token
+SHAPE = dict(layers=4, heads=4, hidden=64, ffn=256)   # the served GPT unless told otherwise
 BYTES = 4   # the tiny models run in float32
 TIMEOUT_S = 300   # the ranks' limit: a generation of this tiny GPT takes seconds
 
@@ -53,9 +54,7 @@ class ServeConfig:
         return self.replicas * self.ep * self.tp * self.pp
 
     def gpt_config(self):
-        shape = dict(dict(layers=4, heads=4, hidden=64, ffn=256), **self.model_kwargs)
-        shape["seq"] = max(shape.get("seq", 0), self.prompt_len + self.new_tokens)
-        return models.GPTConfig(**shape)
+        return gpt_shape(self.model_kwargs, self.prompt_len + self.new_tokens)
 
     def moe_config(self):
         # serving drops no token: capacity for every assignment (factor E / k)
@@ -64,6 +63,28 @@ class ServeConfig:
 
     def as_dict(self):
         return asdict(self)
+
+
+def gpt_shape(model_kwargs, tokens):
+    """The served GPT's config: SHAPE with the run's own sizes, room for `tokens` positions."""
+    shape = dict(SHAPE, **model_kwargs)
+    shape["seq"] = max(shape.get("seq", 0), tokens)
+    return models.GPTConfig(**shape)
+
+
+def timed_launch(fn, world_size, *args, **options):
+    """`launch(fn, world_size, *args, **options)`'s results and the wall seconds it took
+    (starting the ranks included: what a serving report calls `wall_s`)."""
+    start = time.perf_counter()
+    results = launch(fn, world_size, *args, **options)
+    return results, time.perf_counter() - start
+
+
+def tokens_differing(got, ref):
+    """Tokens of {request: tokens} that differ from the reference's, a missing or extra token
+    counting as one: 0 when every request is served as it is alone."""
+    return sum(sum(a != b for a, b in zip(got[i], ref[i])) + abs(len(got[i]) - len(ref[i]))
+               for i in ref)
 
 
 def check_config(cfg, world_size=None, timeout_s=TIMEOUT_S):
@@ -142,9 +163,8 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", timeout_s=TIMEOUT
     """Run the serving layout, compare with one device, and return the report (a dict)."""
     cfg = cfg or ServeConfig()
     check_config(cfg, world_size, timeout_s)
-    start = time.perf_counter()
-    results = launch(serve, cfg.world_size, cfg, cluster=cluster, timeout_s=timeout_s)
-    wall = time.perf_counter() - start
+    results, wall = timed_launch(serve, cfg.world_size, cfg, cluster=cluster,
+                                 timeout_s=timeout_s)
     ref = reference(cfg)
     tokens = results[0]["tokens"]
     equal = all(torch.equal(r["tokens"], ref["tokens"]) for r in results)

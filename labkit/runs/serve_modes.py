@@ -14,15 +14,12 @@ between receives (`disaggregated_generate`; the requests in arrival order, their
 times not waited for). Report: each request's KV bytes sent, measured from the comm log, beside
 2 x layers x kv_width x prompt x 4 bytes.
 """
-import time
-
-from .. import models
 from ..parallel.disaggregated import TAG, disaggregated_generate
 from ..parallel.speculative import (early_exit_draft, expected_tokens_per_round,
                                     speculative_generate)
-from ..runtime.launch import launch
 from ..theory import serving_stream as theory
 from . import stream
+from .serve import timed_launch, tokens_differing
 
 # the stream options each mode takes; any other given explicitly is refused in one line
 COMMON = {"requests", "rate", "trace", "stream_prompt_len", "stream_output_len", "seed",
@@ -95,13 +92,9 @@ def report(args, shape):
     return disaggregated_report(cfg, args.prefill_ranks)
 
 
-def _model(cfg, rows):
-    return models.build("gpt", seed=cfg.seed, **cfg.gpt_config(rows).as_dict()).eval()
-
-
 def _speculate(ctx, cfg, draft_layers, k):
     rows = cfg.stream()
-    target, ids = _model(cfg, rows), stream.prompts(cfg, rows)
+    target, ids = stream.build_model(cfg, rows), stream.prompts(cfg, rows)
     draft = early_exit_draft(target, draft_layers)
     out = []
     for r in rows:
@@ -111,18 +104,12 @@ def _speculate(ctx, cfg, draft_layers, k):
     return dict(requests=out, backend=ctx.backend)
 
 
-def _differing(got, ref):
-    return sum(sum(a != b for a, b in zip(got[i], ref[i])) + abs(len(got[i]) - len(ref[i]))
-               for i in ref)
-
-
 def speculative_report(cfg, draft_layers, k, timeout_s=300):
     rows = cfg.stream()
-    start = time.perf_counter()
-    results = launch(_speculate, cfg.replicas, cfg, draft_layers, k, timeout_s=timeout_s)
-    wall = time.perf_counter() - start
+    results, wall = timed_launch(_speculate, cfg.replicas, cfg, draft_layers, k,
+                                 timeout_s=timeout_s)
     served = {q["id"]: q for r in results for q in r["requests"]}
-    differing = _differing({i: q["tokens"] for i, q in served.items()},
+    differing = tokens_differing({i: q["tokens"] for i, q in served.items()},
                            stream.reference_tokens(cfg, rows))
     total = {key: sum(q[key] for q in served.values())
              for key in ("rounds", "proposed", "examined", "accepted", "target_forwards")}
@@ -147,7 +134,7 @@ def speculative_report(cfg, draft_layers, k, timeout_s=300):
 
 def _disaggregate(ctx, cfg):
     rows = cfg.stream()
-    model, ids = _model(cfg, rows), stream.prompts(cfg, rows)
+    model, ids = stream.build_model(cfg, rows), stream.prompts(cfg, rows)
     tokens = disaggregated_generate(model, [ids[r["id"]] for r in rows],
                                     [r["output"] for r in rows], block_size=cfg.block_size)
     sent = [rec.bytes for rec in ctx.comm.records if rec.tag == TAG and rec.op == "send"]
@@ -156,15 +143,15 @@ def _disaggregate(ctx, cfg):
 
 def disaggregated_report(cfg, prefill_ranks=1, timeout_s=300):
     rows = cfg.stream()
-    start = time.perf_counter()
-    *prefill, decode = launch(_disaggregate, prefill_ranks + 1, cfg, timeout_s=timeout_s)
-    wall = time.perf_counter() - start
+    (*prefill, decode), wall = timed_launch(_disaggregate, prefill_ranks + 1, cfg,
+                                            timeout_s=timeout_s)
     # prefill rank j sent requests j, j + P, j + 2P, ... in that order
     by_request = {j + i * prefill_ranks: b for j, r in enumerate(prefill)
                   for i, b in enumerate(r["kv_bytes_sent"])}
     sent = [by_request[r["id"]] for r in rows]
     gpt = cfg.gpt_config(rows)
-    differing = _differing(dict(enumerate(decode["tokens"])), stream.reference_tokens(cfg, rows))
+    differing = tokens_differing(dict(enumerate(decode["tokens"])),
+                                 stream.reference_tokens(cfg, rows))
     per_token = theory.kv_bytes_per_token(gpt.layers, gpt.hidden, 4)   # float32 keys, values
     predicted = [per_token * r["prompt"] for r in rows]
     return dict(technique="serve", mode="disaggregated", world_size=prefill_ranks + 1,

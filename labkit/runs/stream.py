@@ -25,8 +25,8 @@ from ..parallel.paged_kv import PagedKVCache, ragged_forward
 from ..parallel.serving import generate
 from ..parallel.tensor_parallel import parallelize
 from ..parallel.tensor_parallel_plan import gpt_plan
-from ..runtime.launch import launch
 from ..theory import catalog, hardware, serving_stream as theory
+from .serve import gpt_shape, timed_launch, tokens_differing
 
 
 @dataclass
@@ -64,10 +64,7 @@ class StreamConfig:
 
     def gpt_config(self, stream=None):
         stream = self.stream() if stream is None else stream
-        shape = dict(dict(layers=4, heads=4, hidden=64, ffn=256), **self.model_kwargs)
-        longest = max(r["prompt"] + r["output"] for r in stream)
-        shape["seq"] = max(shape.get("seq", 0), longest)
-        return models.GPTConfig(**shape)
+        return gpt_shape(self.model_kwargs, max(r["prompt"] + r["output"] for r in stream))
 
     def as_dict(self):
         return asdict(self)
@@ -107,6 +104,11 @@ def latency_source(cfg):
     return "measured: wall seconds on CPU ranks"
 
 
+def build_model(cfg, stream):
+    """The served GPT (the same seed on every rank and in the reference), in eval mode."""
+    return models.build("gpt", seed=cfg.seed, **cfg.gpt_config(stream).as_dict()).eval()
+
+
 def prompts(cfg, stream):
     """Each request's prompt ids, from the seed and its id (the same on every rank)."""
     vocab = cfg.gpt_config(stream).vocab
@@ -128,7 +130,7 @@ def serve(ctx, cfg):
     stream = cfg.stream()
     gpt = cfg.gpt_config(stream)
     mesh = ctx.mesh(dp=cfg.replicas, tp=cfg.tp)
-    model = models.build("gpt", seed=cfg.seed, **gpt.as_dict()).eval()
+    model = build_model(cfg, stream)
     if cfg.tp > 1:
         parallelize(model, gpt_plan(vocab=False), mesh["tp"])
     dp_rank = mesh.coords["dp"]
@@ -156,8 +158,7 @@ def serve_locally(cfg):
     for lessons and explorers; latencies modelled when cfg.time_model is set."""
     check_config(cfg)
     stream = cfg.stream()
-    gpt = cfg.gpt_config(stream)
-    model = models.build("gpt", seed=cfg.seed, **gpt.as_dict()).eval()
+    gpt, model = cfg.gpt_config(stream), build_model(cfg, stream)
     ids = prompts(cfg, stream)
     cache = make_cache(cfg, gpt, gpt.hidden)
     engine = Engine(model, cache, cfg.policy, cfg.max_batch, cfg.chunk, step_time=step_time(cfg))
@@ -171,8 +172,7 @@ def serve_locally(cfg):
 
 def reference_tokens(cfg, stream):
     """Each request's greedy tokens generated alone on one device (lesson 09's generate)."""
-    model = models.build("gpt", seed=cfg.seed, **cfg.gpt_config(stream).as_dict()).eval()
-    ids = prompts(cfg, stream)
+    model, ids = build_model(cfg, stream), prompts(cfg, stream)
     return {r["id"]: generate(model, ids[r["id"]][None], r["output"])[0].tolist()
             for r in stream}
 
@@ -193,14 +193,11 @@ def report(cfg=None, timeout_s=300):
     cfg = cfg or StreamConfig()
     check_config(cfg)
     stream = cfg.stream()
-    start = time.perf_counter()
-    results = launch(serve, cfg.world_size, cfg, timeout_s=timeout_s)
-    wall = time.perf_counter() - start
+    results, wall = timed_launch(serve, cfg.world_size, cfg, timeout_s=timeout_s)
     leaders = [r for r in results if r["tp_rank"] == 0]     # one per replica
     served = {q["id"]: q for r in leaders for q in r["requests"]}
     ref = reference_tokens(cfg, stream)
-    differing = sum(sum(a != b for a, b in zip(served[i]["tokens"], ref[i]))
-                    + abs(len(served[i]["tokens"]) - len(ref[i])) for i in ref)
+    differing = tokens_differing({i: q["tokens"] for i, q in served.items()}, ref)
     records = [dict(id=r["id"], prompt=r["prompt"], output=r["output"], arrival_s=r["arrival_s"],
                     preemptions=served[r["id"]]["preemptions"],
                     **theory.request_metrics(r["arrival_s"], served[r["id"]]["token_times"],

@@ -71,10 +71,10 @@ def train(ctx, cfg, sequence_parallel=False, regather=True, details=False, async
             with ctx.off_the_record(), torch.no_grad():
                 extra.update(grads=gather_grads(trainer.module),
                              logits=gather_from_tp(trainer.module(x), trainer.module.head.group))
-    trainer = Trainer(ctx, cfg, build_model(cfg),
-                      tp_parallelize(None, sequence_parallel, regather, async_tp),
-                      optimizer=build_optimizer, batch=global_batch, loss=gpt_loss, fused=True,
-                      after_backward=last_step_details)
+    model = build_model(cfg)
+    trainer = Trainer(ctx, cfg, model, tp_parallelize(None, sequence_parallel, regather, async_tp),
+                      optimizer=build_optimizer, batch=lambda step: global_batch(model, cfg, step),
+                      loss=gpt_loss, fused=True, after_backward=last_step_details)
     trainer.fit()
     comm_by_tag = ctx.comm.summary(by=("op", "tag"))
     with ctx.off_the_record():

@@ -2,16 +2,21 @@
 
 torchtitan has one trainer (`torchtitan/train.py`); what makes a run "FSDP" or "TP" is the
 `parallelize_fn` applied to the model before training, a plan as data. labkit's drivers do the
-same: `Trainer(ctx, cfg, model, parallelize=..., shard=...)` owns the bookkeeping every run
-shares (ctx.step marks, the memory watch, `track_activations`, the clock regions "forward",
-"backward" (or "forward+backward") and "optimizer step", the losses, the step wall times) and
-hands back `rank_result`. What a technique adds stays in its driver, where a learner reads it:
-the gradient collective after backward (`after_backward`: the naive DP all-reduce, CP's
-average, EP's replica sums), how a rank's share of the batch is cut (`shard`), the loss on
-split outputs (`loss`), or the whole step (`train_step`: DDP's no_sync on accumulation, a
-pipeline's schedule). One step:
+same: `Trainer(ctx, cfg, model, parallelize, optimizer=..., batch=...)` owns the bookkeeping
+every run shares (ctx.step marks, the memory watch, `track_activations`, the clock regions
+"forward", "backward" (or "forward+backward") and "optimizer step", the losses, the step wall
+times) and hands back `rank_result`. What a technique adds stays in its driver, where a learner
+reads it, as one of four hooks:
 
-    zero_grad -> x, y = shard(batch(step)) -> forward -> backward -> after_backward -> step
+    zero_grad -> x, y = batch(step) -> forward_backward(x, y) -> after_backward()
+              -> optimizer.step() -> after_step(step)
+
+`batch(step)`: this rank's part of the step's batch (DP's 1/N of the rows, CP's shard of each
+sequence); `forward_backward(x, y) -> loss` replaces forward and backward (a pipeline's
+schedule, torchtitan's `pp_schedule.step`); `after_backward()`: the gradient collective (the
+naive DP all-reduce, CP's average, EP's replica sums); `after_step(step)`: what to record after
+the update (routing statistics, memory samples). Gradient accumulation (`accumulate=K`) runs
+all but the last micro-batch under the module's `no_sync()` where it has one (DDP).
 
 Without a `ctx` (the single-device reference outside a launch) it trains on its own memory
 tracker with no clock.
@@ -35,46 +40,71 @@ def rank_result(ctx, loss, params=None, **extra):
     return out
 
 
-def batch_shard(ctx):
-    """`shard` of data parallelism: this rank's 1/N of the batch, of x and of y."""
-    return lambda x, y: tuple(data.shard(t, ctx.rank, ctx.world_size) for t in (x, y))
+def rows(ctx, batch, cfg, model):
+    """`batch` of data parallelism: this rank's 1/N of the rows of the step's global batch
+    (`batch(model, cfg, step)`, e.g. reference.batch), of x and of y."""
+    return lambda step: tuple(data.shard(t, ctx.rank, ctx.world_size)
+                              for t in batch(model, cfg, step))
+
+
+class Optimizers:
+    """Several optimizers stepped as one (torchtitan's `OptimizersContainer`): the mesh's
+    dense parameters average over dp x cp and its experts over `ep_dp`, so each group has its
+    own (ZeRO-1 shards each over its own group). `state`: all their states, for the memory
+    watch."""
+
+    def __init__(self, optimizers):
+        self.optimizers = list(optimizers)
+
+    def zero_grad(self, set_to_none=True):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    @property
+    def state(self):
+        return {k: v for optimizer in self.optimizers for k, v in optimizer.state.items()}
 
 
 class Trainer:
     """Trains `model` (after `parallelize(model)`, if given) for `cfg.steps` steps.
 
     cfg: the RunConfig (steps, ...). optimizer: a factory `(params, cfg)` (the run's
-    `reference.build_optimizer`) or an optimizer already built. batch: `(model, cfg, step,
-    dtype) -> (x, y)`, the global batch of a step (`reference.batch`). shard: `(x, y) -> (x,
-    y)`, this rank's part of it. loss: `(module, x, y) -> loss` (default `module(x, y)`).
-    accumulate: micro-batches per step, all but the last under `no_sync()`. step_fn: `(x, y)
-    -> loss` run in place of forward and backward (a pipeline schedule). fused: one clock region
-    "forward+backward", not two. samples: sample memory after forward and after backward.
-    dtype: cast the batch's floating tensors (the float64 reference). progress: steps in the
-    launch's progress bar. The technique's own collectives: after_backward(), after_step(step),
-    record_loss(loss) (e.g. averaged over ranks), or a subclass's `train_step`.
+    `reference.build_optimizer`; the trainer then watches the module's memory) or one a driver
+    built and watches itself (ZeRO's ShardedOptimizer, the mesh's `Optimizers`). batch, loss
+    (`(module, x, y) -> loss`, default `module(x, y)`), forward_backward, after_backward,
+    after_step: the hooks of the module docstring. reduce_loss: what is recorded of a step's
+    loss (default `.item()`; CP: the mean over the ranks' shards). fused: one clock region
+    "forward+backward", not two; samples: sample memory after forward and after backward;
+    optimizer_region: the clock region of the step (None: none); progress: steps in the
+    launch's progress bar (not the reference's, which the CLI runs beside the ranks' report).
     """
 
-    def __init__(self, ctx, cfg, model, parallelize=None, *, optimizer, batch, shard=None,
-                 loss=None, after_backward=None, after_step=None, record_loss=None,
-                 accumulate=1, no_sync=None, step_fn=None, fused=False, samples=False,
-                 watch=True, track_activations=True, dtype=None,
-                 optimizer_region="optimizer step", progress=True):
+    def __init__(self, ctx, cfg, model, parallelize=None, *, optimizer, batch, loss=None,
+                 forward_backward=None, after_backward=None, after_step=None,
+                 reduce_loss=None, accumulate=1, fused=False, samples=False,
+                 track_activations=True, optimizer_region="optimizer step", progress=True):
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive integer, got {accumulate!r}")
+        if forward_backward is not None and accumulate > 1:
+            raise ValueError("accumulate splits the batch for the trainer's forward_backward; a "
+                             "forward_backward hook (a pipeline) makes its own micro-batches")
         self.ctx, self.cfg, self.model = ctx, cfg, model
         self.module = parallelize(model) if parallelize is not None else model
-        self.optimizer = (optimizer(self.module.parameters(), cfg) if callable(optimizer)
-                          else optimizer)
         self.memory = ctx.memory if ctx is not None else MemoryTracker()
-        if watch:
-            self.memory.watch(model=self.module, optimizer=self.optimizer)
-        self._batch, self._shard, self._loss = batch, shard, loss
+        if not hasattr(optimizer, "step"):   # a factory: built here, so watched here
+            optimizer = optimizer(self.module.parameters(), cfg)
+            self.memory.watch(model=self.module, optimizer=optimizer)
+        self.optimizer, self.batch, self._loss = optimizer, batch, loss
+        if forward_backward is not None:
+            self.forward_backward = forward_backward
         self._after_backward, self._after_step = after_backward, after_step
-        self._record_loss, self.accumulate, self.no_sync = record_loss, accumulate, no_sync
-        self.step_fn, self.fused, self.samples, self.dtype = step_fn, fused, samples, dtype
-        self.track, self.optimizer_region = track_activations, optimizer_region
-        self.progress, self.step_index = progress, None
+        self._reduce_loss, self.accumulate = reduce_loss, accumulate
+        self.fused, self.samples, self.track = fused, samples, track_activations
+        self.optimizer_region, self.progress, self.step_index = optimizer_region, progress, None
         self.losses, self.step_wall = [], []
 
     # ------------------------------------------------------------------------- one step
@@ -84,12 +114,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         x, y = self.batch(step)
         with self.activations():
-            if self.step_fn is not None:
-                loss = self.step_fn(x, y)
-            elif self.accumulate == 1:
-                loss = self.forward_backward(x, y)
-            else:
-                loss = self.accumulate_gradients(x, y)
+            loss = (self.forward_backward(x, y) if self.accumulate == 1
+                    else self.accumulate_gradients(x, y))
         if self._after_backward is not None:
             self._after_backward()
         if self.samples:
@@ -97,11 +123,6 @@ class Trainer:
         with self.region(self.optimizer_region):
             self.optimizer.step()
         return loss
-
-    def batch(self, step):
-        """This rank's (x, y) of `step`: the global batch, then `shard`."""
-        x, y = self._batch(self.model, self.cfg, step, self.dtype)
-        return self._shard(x, y) if self._shard is not None else (x, y)
 
     def forward_backward(self, x, y, suffix=""):
         """Forward and backward on the clock; returns the loss (divided by `accumulate`, so
@@ -120,11 +141,13 @@ class Trainer:
         return loss
 
     def accumulate_gradients(self, x, y):
-        """K micro-batches, gradients accumulating; all but the last under `no_sync()` (DDP:
-        one all-reduce per step). Returns the batch's loss, the sum of the K scaled ones."""
+        """K micro-batches, gradients accumulating; all but the last under the module's
+        `no_sync()` (DDP: one all-reduce per step). Returns the batch's loss, the sum of the K
+        scaled ones."""
         total, k_all = 0.0, self.accumulate
+        no_sync = getattr(self.module, "no_sync", None)
         for k, (mx, my) in enumerate(zip(x.chunk(k_all), y.chunk(k_all))):
-            quiet = self.no_sync() if self.no_sync and k < k_all - 1 else nullcontext()
+            quiet = no_sync() if no_sync is not None and k < k_all - 1 else nullcontext()
             with quiet:
                 total += self.forward_backward(mx, my, f" (micro-batch {k})").item()
         return total
@@ -139,7 +162,7 @@ class Trainer:
                 loss = self.train_step(step)
                 self.step_wall.append(time.perf_counter() - started)
             if loss is not None:
-                self.losses.append(self._record_loss(loss) if self._record_loss
+                self.losses.append(self._reduce_loss(loss) if self._reduce_loss
                                    else loss if isinstance(loss, float) else loss.item())
             if self._after_step is not None:
                 self._after_step(step)

@@ -19,9 +19,9 @@ from ..parallel.zero import ShardedOptimizer
 from ..runtime.memory import optimizer_state_tensors
 from ..theory import zero as theory
 from .reference import (RunConfig, activation_bytes, batch, build_model, build_optimizer,
-                        optimizer_spec, train_mixed_precision)
+                        check_batch, optimizer_spec, train_mixed_precision)
 from .report import build_report, launch_checked, single_device
-from .trainer import Trainer, batch_shard
+from .trainer import Trainer, rows
 from .report import mean_loss as global_loss   # the full-batch loss of shard losses
 
 __all__ = ["BUCKET_MB", "COMPUTE_DTYPE", "OFFLOAD_LINK", "STAGES", "add_arguments",
@@ -38,9 +38,7 @@ def check_config(cfg, world_size, stage, offload=False):
     """Refuse, in one line, what cannot run (called before any rank starts)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
-    if world_size < 1 or cfg.global_batch % world_size:
-        raise ValueError(f"the global batch of {cfg.global_batch} does not split over "
-                         f"{world_size} ranks; use a multiple of {world_size} (--batch)")
+    check_batch(cfg, world_size)
     if offload and stage != 3:
         raise ValueError("--offload keeps FullyShard's shards in host memory: use --stage 3")
 
@@ -90,8 +88,8 @@ def train(ctx, cfg=None, stage=1, mixed_precision=False, offload=False, prefetch
     model = module.module if hasattr(module, "module") else module
     dtype = COMPUTE_DTYPE if mixed_precision else None
 
-    def shard(x, y):
-        x, y = (t.to(ctx.device) for t in batch_shard(ctx)(x, y))
+    def local_batch(step):   # this rank's rows, on its device (and in bf16)
+        x, y = (t.to(ctx.device) for t in rows(ctx, batch, cfg, model)(step))
         if dtype is not None and stage < 3:   # FullyShard casts its inputs itself
             x, y = (t.to(dtype) if t.is_floating_point() else t for t in (x, y))
         return x, y
@@ -106,8 +104,8 @@ def train(ctx, cfg=None, stage=1, mixed_precision=False, offload=False, prefetch
     # the sharded step (ShardedOptimizer / FullyShard) is the optimizer the trainer calls;
     # the memory watch was set up by _setup (stage 3: the optimizer state, or none offloaded)
     trainer = Trainer(
-        ctx, cfg, model, lambda _: module, optimizer=optimizer, batch=batch, shard=shard,
-        samples=True, watch=False, after_step=after_step,
+        ctx, cfg, model, lambda _: module, optimizer=optimizer, batch=local_batch, samples=True,
+        after_step=after_step,
         after_backward=getattr(module, "finish_gradient_synchronization", None),
         optimizer_region="optimizer step (host)" if offload else "optimizer step").fit()
     if stage == 3:
