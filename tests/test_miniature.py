@@ -97,6 +97,7 @@ def test_cp_ring_adjustment_is_the_rings_last_hop(cp):
 
 @pytest.mark.parametrize("fields, words", [
     (dict(dp=2, cp=2, ep=2), "cp > 1 with ep > 1"),
+    (dict(dp=2, tp=2, ep=2), "tp > 1 with ep > 1"),
     (dict(dp=2, recompute="selective"), "recompute=selective"),
     (dict(dp=4, tp=2, pp=2, cp=2), "32 ranks"),
     (dict(dp=2, zero_stage=2), "zero_stage=2"),

@@ -40,6 +40,9 @@ def why_not(p):
                 f"here (plan for --gpus {MAX_RANKS} or fewer, or --fix a layout that small)")
     if p["cp"] > 1 and p["ep"] > 1:
         return "cp > 1 with ep > 1: the mesh does not compose context parallelism with experts"
+    if p["tp"] > 1 and p["ep"] > 1:
+        return ("tp > 1 with ep > 1: the mesh keeps each expert whole on every TP rank, the "
+                "planner splits experts by tp (expert tensor parallelism)")
     if p["recompute"] == "selective":
         return ("recompute=selective: the mesh recomputes whole pipeline stages (full), not "
                 "the attention scores alone")
