@@ -10,7 +10,7 @@ them up). Formulas and sources are in each docstring; the constants they share:
 """
 from __future__ import annotations
 
-from . import memory, transformer as tf
+from . import kernels, memory, transformer as tf
 from .time import collective_time
 
 ALLOCATOR_RESERVE = 2 * 2**30   # bytes; an assumption, see the module docstring
@@ -49,9 +49,9 @@ def zero3_buffers(layer_params, zero_stage, weight_bytes=2):
 
 
 def gemm_flops_rate(c, precision):
-    """FLOP/s the linear layers reach: the achievable fraction x the dense peak of their
-    precision (plan_cluster.achievable_fraction: fitted on A100, carried by each GPU's measured
-    matmul ceiling). Under fp8 (Transformer Engine) only the linear layers run in fp8; attention
+    """FLOP/s the best large GEMM reaches in the linear layers' precision: the dense peak x the
+    measured MAMF ceiling (plan_cluster.achievable_fraction); kernels.py lowers it per shape.
+    Under fp8 (Transformer Engine) only the linear layers run in fp8; attention
     and the head stay in bf16."""
     if precision == "fp8":
         return c.gpu.flops("fp8") * c.achievable_fp8
@@ -128,14 +128,17 @@ def fsdp_traffic(c, stage_params, shard, span, weight_bytes=2):
 
 
 def optimizer_time(c, params_held):
-    """Adam is memory bound: ADAM_BYTES_TOUCHED bytes per parameter a GPU updates / HBM bw."""
-    return ADAM_BYTES_TOUCHED * params_held / c.gpu.memory_bw
+    """Adam is memory bound: ADAM_BYTES_TOUCHED bytes per parameter a GPU updates / achievable
+    HBM bandwidth (kernels.hbm_bandwidth)."""
+    return ADAM_BYTES_TOUCHED * params_held / kernels.hbm_bandwidth(c.gpu)
 
 
 def elementwise_time(c, layer_bytes_kept, layers, recompute_share):
     """Memory-bound element-wise work (norms, activations, softmax, dropout, residuals): HBM
-    passes over the bytes a layer keeps, again (1/3 more) for recomputed forwards."""
-    return c.hbm_passes * layers * layer_bytes_kept / c.gpu.memory_bw * (1 + recompute_share / 3)
+    passes over the bytes a layer keeps, again (1/3 more) for recomputed forwards, at the
+    achievable HBM bandwidth (kernels.hbm_bandwidth)."""
+    return c.hbm_passes * layers * layer_bytes_kept / kernels.hbm_bandwidth(c.gpu) \
+        * (1 + recompute_share / 3)
 
 
 def fp8_cast_time(c, m, tokens, tp, layers, layer_params, microbatches):
@@ -147,6 +150,6 @@ def fp8_cast_time(c, m, tokens, tp, layers, layer_params, microbatches):
     f = m.ffn * (min(m.top_k, m.experts) if m.experts > 1 else 1)
     per_mb = 2 * tokens * (3 * m.hidden + f) / tp * layers * FP8_CAST_BYTES
     weights = layer_params * layers * FP8_CAST_BYTES
-    return (per_mb * microbatches + weights) / c.gpu.memory_bw
+    return (per_mb * microbatches + weights) / kernels.hbm_bandwidth(c.gpu)
 
 

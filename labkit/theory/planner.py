@@ -34,7 +34,8 @@ from __future__ import annotations
 import functools
 import itertools
 
-from . import overlap, plan_inputs as inputs, plan_terms as terms, recompute as rc
+from . import kernels, overlap, plan_inputs as inputs, plan_terms as terms
+from . import recompute as rc
 from . import transformer as tf
 from .plan_cluster import (ACHIEVABLE, HBM_PASSES, ClusterSpec, achievable_fraction,  # noqa: F401
                            make_cluster)
@@ -227,27 +228,32 @@ def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):
 
 
 def _micro_batch_work(m, c, seq, p, tokens, layers, share, kept):
-    """Seconds of one micro-batch's compute on one stage: linear layers (at the precision's
-    rate), attention core and head (bf16), recompute, element-wise passes, fp8 casts."""
+    """Seconds of one micro-batch's compute on one stage, kernel by kernel (kernels.py): linear
+    layers (at the precision's rate), attention core and head (bf16), each forward x 3 for
+    forward + backward; the launches of every kernel; recompute; element-wise passes; fp8
+    casts."""
     tp, flash = p["tp"], c.flash_attention
-    bf16 = c.gpu.bf16_flops * c.achievable
-    counts = layer_counts(m)
-    linear = tokens * layers * 2 * (counts.attention + counts.mlp_active + counts.router) / tp
-    core = tokens * layers * tf.attention_core_flops_per_token(m, seq) / tp \
-        * terms.attention_time_factor(flash, c.causal)
-    gemm = 3 * linear / terms.gemm_flops_rate(c, c.precision)
-    attention = 3 * core / bf16
-    head = tokens * tf.head_flops_per_token(m) / tp / bf16
+    mbs = p["micro_batch_size"]
+    fwd = kernels.training_forward(
+        m, tokens, seq, c.gpu, tp, p["ep"], mbs, c.causal, flash,
+        4 if c.precision == "fp32" else 2, terms.gemm_flops_rate(c, c.precision),
+        c.gpu.bf16_flops * c.achievable, c.kernel_launch_s)
+    gemm = 3 * layers * fwd["gemm"]
+    attention = 3 * layers * fwd["attention"]
+    head = 3 * fwd["head"]
+    launches = 3 * (layers * fwd["launch"] + fwd["head_launch"])
     # run again in backward: the scores of every layer (FlashAttention's backward, selective
-    # recompute), the whole forward of the fully recomputed share
+    # recompute), the whole forward of the fully recomputed share (its launches too)
     core_again = attention / 3 if (flash or p["recompute"] == "selective") else 0.0
-    recompute_s = share * (gemm + attention) / 3 + (1 - share) * core_again
+    recompute_s = share * (gemm + attention + layers * 3 * fwd["launch"]) / 3 \
+        + (1 - share) * core_again
     elementwise = terms.elementwise_time(c, kept, layers, share)
     cast = 0.0
     if c.precision == "fp8":
+        counts = layer_counts(m)
         counts_layer = (counts.attention + counts.mlp_active) / tp
         cast = terms.fp8_cast_time(c, m, tokens, tp, layers, counts_layer, 1)
-    compute = gemm + attention + head
+    compute = gemm + attention + head + launches
     return dict(gemm=gemm, attention=attention, compute=compute, recompute=recompute_s,
                 elementwise=elementwise, fp8_cast=cast,
                 total=compute + recompute_s + elementwise + cast)

@@ -1,0 +1,224 @@
+"""A layer's time as the sum of its kernels: each the max of its FLOPs at the GEMM efficiency of
+its shape and its bytes at an achievable HBM bandwidth, plus a launch cost.
+
+For one kernel (Williams et al. 2009's roofline, kernel by kernel):
+    t = max(flops / (peak x ceiling x shape_efficiency), bytes / (hbm_bw x hbm_fraction)) + launch
+- ceiling: the maximum achievable matmul FLOP/s over the dense peak (MAMF, stas00/ml-engineering's
+  table, data/hardware.csv); a GPU without one gets DEFAULT_MAMF_FRACTION (data/kernels.csv).
+- shape_efficiency (NVIDIA, "Matrix Multiplication Background User's Guide", dimension
+  quantization): C = M x N is cut into tiles tm x tn (the guide's sizes, data/kernels.csv), one
+  tile per SM at a time, so the GPU runs waves = ceil(tiles / SMs) of them and K in steps of
+  TILE_K; the useful share of what runs is
+      e(tile) = M N K / (waves x SMs x tm x tn x ceil(K / TILE_K) x TILE_K)
+  and the library picks the tile with the largest e: 1 for large shapes, less for small or
+  ragged ones (M = 1 at batch-1 decode: 1/64). Batched GEMMs (attention) count every
+  matrix's tiles. A fused FlashAttention kernel reaches at most FLASH_FRACTION of the peak
+  (FlashAttention-2's best forward, data/kernels.csv) instead of the MAMF ceiling.
+- bytes: what a kernel reads and writes in HBM (a GEMM: A, B and C once), at HBM_FRACTION of the
+  datasheet bandwidth (a named microbenchmark, data/kernels.csv).
+- launch: LAUNCH_S per kernel (data/kernels.csv), so a batch-1 decode of ~200 small kernels
+  takes longer than its bytes alone.
+Every constant has one public source in data/kernels.csv; none is fitted to a training or
+serving run (those are the checks: theory/error_band.py). A measured profile (theory/profile.py)
+replaces the peak and the bandwidth with its own (ceiling and hbm_fraction then 1).
+No torch here: `plan` stays quick.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import math
+from dataclasses import dataclass
+
+from . import hardware
+
+
+@functools.lru_cache(maxsize=None)
+def constants() -> dict:
+    """data/kernels.csv as {name: value text} (each row carries its source)."""
+    with (hardware.TABLES / "kernels.csv").open(newline="") as f:
+        return {r["name"]: r["value"] for r in csv.DictReader(f)}
+
+
+def _number(name):
+    return float(constants()[name])
+
+
+TILES = tuple(tuple(int(x) for x in t.split("x")) for t in constants()["tile_shapes"].split())
+TILE_K = int(_number("tile_k"))
+HBM_FRACTION = _number("hbm_fraction")
+LAUNCH_S = _number("launch_s")
+DEFAULT_MAMF_FRACTION = _number("default_mamf_fraction")
+FLASH_FRACTION = _number("flash_attention_fraction")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    flops: float
+    bytes: float
+    efficiency: float = 1.0   # shape efficiency of its FLOPs (1 for element-wise kernels)
+    launches: int = 1
+
+
+def sms(gpu) -> int:
+    """Streaming multiprocessors of a GPU (data/kernels.csv; a measured GPU keeps its base's
+    count, a custom one the stated default)."""
+    name = hardware.gpu(gpu).name.split(" (measured")[0]
+    return int(float(constants().get(f"sms {name}", constants()["sms default"])))
+
+
+def ceiling(gpu, precision="bf16") -> float:
+    """Fraction of the dense peak the best large GEMM reaches: MAMF / peak (fp8: its own MAMF
+    if measured, else the bf16 fraction), DEFAULT_MAMF_FRACTION without a measurement."""
+    g = hardware.gpu(gpu)
+    if precision == "fp8" and g.mamf_fp8_flops and g.fp8_flops:
+        return min(1.0, g.mamf_fp8_flops / g.fp8_flops)
+    if g.mamf_bf16_flops:
+        return min(1.0, g.mamf_bf16_flops / g.bf16_flops)
+    return DEFAULT_MAMF_FRACTION
+
+
+def hbm_bandwidth(gpu) -> float:
+    """Achievable HBM bytes/s: the datasheet's x HBM_FRACTION, or a measured profile's own."""
+    g = hardware.gpu(gpu)
+    return g.memory_bw * (g.hbm_fraction if g.hbm_fraction is not None else HBM_FRACTION)
+
+
+def tile_efficiency(m, n, k, sm_count, tile, batch=1) -> float:
+    """Useful share of the work one tile size runs for `batch` GEMMs of M x N x K (above)."""
+    tm, tn = tile
+    tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+    waves = math.ceil(tiles / sm_count)
+    k_run = math.ceil(k / TILE_K) * TILE_K
+    return batch * m * n * k / (waves * sm_count * tm * tn * k_run)
+
+
+@functools.lru_cache(maxsize=65536)
+def shape_efficiency(m, n, k, sm_count, batch=1) -> float:
+    """The best tile's efficiency (cuBLAS picks the fastest tile): in (0, 1]."""
+    if min(m, n, k, batch) <= 0:
+        raise ValueError(f"GEMM dimensions must be positive, got m={m} n={n} k={k} "
+                         f"batch={batch}")
+    return max(tile_efficiency(m, n, k, sm_count, t, batch) for t in TILES)
+
+
+def gemm(name, m, n, k, gpu, batch=1, value_bytes=2, groups=1) -> Kernel:
+    """`batch` GEMMs (M x K) @ (K x N) run as one kernel; `groups` such kernels (grouped
+    experts) counted as one launch. Bytes: A, B and C once each."""
+    m, n, k = max(1, round(m)), max(1, round(n)), max(1, round(k))
+    flops = 2 * m * n * k * batch * groups
+    moved = value_bytes * (m * k + k * n + m * n) * batch * groups
+    return Kernel(name, flops, moved, shape_efficiency(m, n, k, sms(gpu), batch))
+
+
+def elementwise(name, nbytes) -> Kernel:
+    return Kernel(name, 0.0, nbytes)
+
+
+def kernel_time(kern: Kernel, flops_rate, bandwidth, launch=LAUNCH_S) -> float:
+    """max(flops / (rate x shape efficiency), bytes / bandwidth) + launches x launch."""
+    compute = kern.flops / (flops_rate * kern.efficiency) if kern.flops else 0.0
+    return max(compute, kern.bytes / bandwidth) + kern.launches * launch
+
+
+def layer_kernels(m, tokens, seq_kv, gpu, *, tp=1, ep=1, sequences=1, causal=True,
+                  flash=True, value_bytes=2):
+    """One transformer layer's forward kernels on one GPU for `tokens` query tokens of
+    `sequences` sequences, each attending to `seq_kv` keys (training: seq_kv = seq; decode:
+    the context). Matmuls split by tp (heads, ffn), experts by ep. Element-wise kernels read
+    and write the (tokens x hidden) activations once each."""
+    h, d, f = m.hidden, m.head_dim, m.ffn
+    heads = m.heads / tp
+    kv = max(1.0, m.kv_heads / tp)
+    act = value_bytes * tokens * h
+    gpt = m.arch in ("gpt", "gpt2")
+    out = [elementwise("norm", 2 * act),
+           gemm("qkv", tokens, (heads + 2 * kv) * d, h, gpu, value_bytes=value_bytes)]
+    if not gpt:
+        out.append(elementwise("rope", 2 * value_bytes * tokens * (heads + kv) * d))
+    q_len = max(1, round(tokens / sequences))
+    # causal: FlashAttention skips the masked blocks (plan_terms.attention_time_factor)
+    share = 0.5 if causal and flash and q_len > 1 else 1.0
+    groups = max(1, round(sequences * heads))
+    scores = gemm("attention scores", q_len, seq_kv, d, gpu, batch=groups,
+                  value_bytes=value_bytes)
+    values = gemm("attention values", q_len, d, seq_kv, gpu, batch=groups,
+                  value_bytes=value_bytes)
+    flops = (scores.flops + values.flops) * share
+    qkvo = value_bytes * sequences * (2 * q_len * heads + 2 * seq_kv * kv) * d
+    if flash:   # one fused kernel: Q, K, V read, O written; no scores in HBM
+        eff = min(scores.efficiency, values.efficiency) * FLASH_FRACTION / ceiling(gpu)
+        out.append(Kernel("flash attention", flops, qkvo, min(1.0, eff)))
+    else:       # scores written, softmax reads and writes them, values read them
+        s_bytes = value_bytes * groups * q_len * seq_kv * share
+        out += [Kernel("attention scores", scores.flops * share, qkvo / 2 + s_bytes,
+                       scores.efficiency),
+                elementwise("softmax", 2 * s_bytes),
+                Kernel("attention values", values.flops * share, qkvo / 2 + s_bytes,
+                       values.efficiency)]
+    out += [gemm("attention output", tokens, h, heads * d, gpu, value_bytes=value_bytes),
+            elementwise("residual", 3 * act), elementwise("norm", 2 * act)]
+    if m.experts > 1:
+        per_expert = tokens * min(m.top_k, m.experts) * ep / m.experts
+        local = m.experts // ep
+        out += [gemm("router", tokens, m.experts, h, gpu, value_bytes=value_bytes),
+                elementwise("permute", 2 * act * m.top_k),
+                gemm("experts up/gate", per_expert, 2 * f / tp, h, gpu, groups=local,
+                     value_bytes=value_bytes),
+                elementwise("activation", 3 * value_bytes * per_expert * local * f / tp),
+                gemm("experts down", per_expert, h, f / tp, gpu, groups=local,
+                     value_bytes=value_bytes),
+                elementwise("unpermute", 2 * act * m.top_k)]
+    else:
+        up = f / tp if gpt else 2 * f / tp
+        out += [gemm("mlp up/gate" if not gpt else "mlp up", tokens, up, h, gpu,
+                     value_bytes=value_bytes),
+                elementwise("activation", value_bytes * tokens * (up + f / tp)),
+                gemm("mlp down", tokens, h, f / tp, gpu, value_bytes=value_bytes)]
+    out.append(elementwise("residual", 3 * act))
+    return out
+
+
+def head_kernels(m, tokens, gpu, *, tp=1, value_bytes=2):
+    """The final norm and the logits GEMM (vocab split by tp)."""
+    return [elementwise("final norm", 2 * value_bytes * tokens * m.hidden),
+            gemm("logits", tokens, m.vocab / tp, m.hidden, gpu, value_bytes=value_bytes)]
+
+
+def is_gemm(kern: Kernel) -> bool:
+    return kern.flops > 0
+
+
+def forward_time(kernels, flops_rate, bandwidth, launch=LAUNCH_S, only=None) -> float:
+    """Sum of kernel_time over `kernels` (optionally those `only(kernel)` selects)."""
+    return sum(kernel_time(k, flops_rate, bandwidth, launch) for k in kernels
+               if only is None or only(k))
+
+
+def roofline_time(kernels, flops_rate, bandwidth) -> float:
+    """The whole layer as one roofline (no shapes, no launches): max(sum flops / rate, sum
+    bytes / bandwidth). The kernel sum is never below it at the same rate and bandwidth."""
+    return max(sum(k.flops for k in kernels) / flops_rate,
+               sum(k.bytes for k in kernels) / bandwidth)
+
+
+@functools.lru_cache(maxsize=4096)
+def training_forward(m, tokens, seq, gpu, tp, ep, sequences, causal, flash, value_bytes,
+                     linear_rate, bf16_rate, launch=LAUNCH_S) -> dict:
+    """Seconds of one layer's forward on one GPU for the training planner, by part: the
+    linear-layer GEMMs at `linear_rate` (the precision's peak x ceiling), attention and the
+    logits at `bf16_rate`, and the launches of every kernel (element-wise ones included; their
+    bytes are plan_terms.elementwise_time's). Launch costs are not in the GEMM parts."""
+    layer = layer_kernels(m, tokens, seq, gpu, tp=tp, ep=ep, sequences=sequences,
+                          causal=causal, flash=flash, value_bytes=value_bytes)
+    bw = hbm_bandwidth(gpu)
+    attention = [k for k in layer if k.name.startswith("attention s") or k.name.startswith(
+        "attention v") or k.name == "flash attention"]
+    linear = [k for k in layer if is_gemm(k) and k not in attention]
+    head = head_kernels(m, tokens, gpu, tp=tp, value_bytes=value_bytes)
+    return dict(gemm=forward_time(linear, linear_rate, bw, 0.0),
+                attention=forward_time(attention, bf16_rate, bw, 0.0),
+                head=forward_time(head, bf16_rate, bw, 0.0, only=is_gemm),
+                launch=sum(k.launches for k in layer) * launch,
+                head_launch=len(head) * launch)
