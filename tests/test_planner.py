@@ -1,14 +1,15 @@
-"""The planner (labkit/theory/planner.py): calibrated on Narayanan et al. 2021 Table 1, rejects
-what cannot fit with a reason, keeps TP inside a node, and agrees with the catalog's counts."""
+"""The planner (labkit/theory/planner.py): near Narayanan et al. 2021 Table 1 with nothing
+fitted to it, rejects what cannot fit with a reason, keeps TP inside a node, and agrees with the
+catalog's counts."""
 import pytest
 
 from labkit.theory import catalog, planner, published, transformer as tf
 
-# Calibration tolerance: the two fitted constants leave a mean absolute error of 1.6% and every
-# row within 4% on Table 1 (the table reports whole TFLOP/s; run-to-run noise on Selene was a
-# few percent). 6% per row and 3% on the mean leave room for rounding without hiding a change
-# in the model's physics (dropping the bubble, the TP comm or recompute moves rows by > 10%).
-ROW_TOLERANCE, MEAN_TOLERANCE = 0.06, 0.03
+# Table 1 tolerance: GEMMs now run at the kernel model's efficiency (theory/kernels.py: the
+# measured MAMF ceiling, nothing fitted), which over-predicts Table 1 by 5-20% (mean 13.5%,
+# bench/planner.py); 25% per row and 20% on the mean guard against a broken model (dropping
+# the bubble, the TP comm or recompute moves rows by > 10% more) without hiding that gap.
+ROW_TOLERANCE, MEAN_TOLERANCE = 0.25, 0.20
 
 
 @pytest.fixture(scope="module")
@@ -269,11 +270,11 @@ def test_fp8_speeds_up_only_the_linear_layers():
     from labkit.theory import plan_terms, hardware
     c8 = planner.make_cluster("H100", 8, precision="fp8")
     c16 = planner.make_cluster("H100", 8)
-    # the measured matmul ceilings carry the A100 fit: 1402.6 fp8 vs 794.5 bf16 TFLOP/s
+    # the measured matmul ceilings: 1402.6 fp8 vs 794.5 bf16 TFLOP/s
     assert plan_terms.gemm_flops_rate(c8, "fp8") / plan_terms.gemm_flops_rate(c16, "bf16") \
         == pytest.approx(1402.6 / 794.5, rel=1e-6)
-    # ... and the A100 fit itself: 0.67 x 794.5 / 989 / (271.2 / 312) of the H100's peak
-    assert c16.achievable == pytest.approx(0.67 * (794.5 / 989) / (271.2 / 312), rel=1e-6)
+    # ... and the bf16 ceiling is the H100's own measured MAMF over its peak, nothing fitted
+    assert c16.achievable == pytest.approx(794.5 / 989, rel=1e-6)
     kw = dict(global_batch=8, seq=4096, top=1, fix="dp=8,tp=1,pp=1,micro_batch_size=1")
     bf16 = planner.plan("llama-3-8b", 8, "H100", **kw)["plans"][0]
     fp8 = planner.plan("llama-3-8b", 8, "H100", precision="fp8", **kw)["plans"][0]
@@ -329,7 +330,8 @@ def test_fp8_cast_traffic_matches_the_hand_count():
     c = planner.make_cluster("H100", 8, precision="fp8")
     m = catalog.model("llama-3-8b")
     seconds = plan_terms.fp8_cast_time(c, m, 8192, 1, 1, 0, 1)
-    assert seconds * c.gpu.memory_bw == pytest.approx(2 * 8192 * (3 * 4096 + 14336) * 4)
+    # at the achievable HBM bandwidth: 84% of the datasheet's 3.35 TB/s (data/kernels.csv)
+    assert seconds * 3.35e12 * 0.84 == pytest.approx(2 * 8192 * (3 * 4096 + 14336) * 4)
 
 
 def test_memory_refuses_huge_counts_in_one_line(capsys):
@@ -341,12 +343,12 @@ def test_memory_refuses_huge_counts_in_one_line(capsys):
 
 def test_held_out_runs_stay_predicted():
     # A guard, not a fit: nothing was tuned on these rows (data/published_runs.csv, use=check).
-    # labkit's mean absolute error on them is ~10% (bench/planner.py; llm-analysis at half of
-    # peak: ~26%; without overlap, megatron-2021 everywhere: ~13%; without the MAMF scaling of
-    # the A100 fit: ~16%); 15% leaves room for the model's known gaps.
+    # labkit's mean absolute error on them is ~21% with the kernel model (bench/planner.py; it
+    # was ~10% with the 0.67 fitted on Table 1; llm-analysis at half of peak: ~26%); 25%
+    # leaves room for the model's known gaps.
     rows = published.check(published.runs("check"))
     assert len(rows) >= 25
-    assert sum(abs(r["error"]) for r in rows) / len(rows) < 0.15
+    assert sum(abs(r["error"]) for r in rows) / len(rows) < 0.25
 
 
 def test_selective_recompute_keeps_korthikantis_bytes_not_full_recomputes():

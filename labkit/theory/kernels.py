@@ -160,8 +160,11 @@ def layer_kernels(m, tokens, seq_kv, gpu, *, tp=1, ep=1, sequences=1, causal=Tru
     out += [gemm("attention output", tokens, h, heads * d, gpu, value_bytes=value_bytes),
             elementwise("residual", 3 * act), elementwise("norm", 2 * act)]
     if m.experts > 1:
-        per_expert = tokens * min(m.top_k, m.experts) * ep / m.experts
-        local = m.experts // ep
+        # the group's tokens x top_k picks, spread evenly: tokens x top_k per GPU over its
+        # local experts, as many of them busy as there are picks (batch-1 decode: one)
+        pairs = tokens * min(m.top_k, m.experts)
+        local = max(1, min(m.experts // ep, math.ceil(pairs)))
+        per_expert = pairs / local
         out += [gemm("router", tokens, m.experts, h, gpu, value_bytes=value_bytes),
                 elementwise("permute", 2 * act * m.top_k),
                 gemm("experts up/gate", per_expert, 2 * f / tp, h, gpu, groups=local,
@@ -222,3 +225,16 @@ def training_forward(m, tokens, seq, gpu, tp, ep, sequences, causal, flash, valu
                 head=forward_time(head, bf16_rate, bw, 0.0, only=is_gemm),
                 launch=sum(k.launches for k in layer) * launch,
                 head_launch=len(head) * launch)
+
+
+@functools.lru_cache(maxsize=4096)
+def serving_compute(m, tokens, seq_kv, gpu, tp, ep, sequences, flops_rate) -> dict:
+    """The serving planner's compute per pass of `tokens` query tokens of `sequences`
+    sequences over `seq_kv` keys on one GPU: one layer's kernels and the head's, each kernel's
+    FLOPs at flops_rate x its shape efficiency (seconds), and the kernels launched."""
+    layer = layer_kernels(m, tokens, seq_kv, gpu, tp=tp, ep=ep, sequences=sequences)
+    head = head_kernels(m, tokens, gpu, tp=tp)
+    return dict(layer_s=sum(k.flops / (flops_rate * k.efficiency) for k in layer),
+                head_s=sum(k.flops / (flops_rate * k.efficiency) for k in head),
+                layer_kernels=sum(k.launches for k in layer),
+                head_kernels=sum(k.launches for k in head))
