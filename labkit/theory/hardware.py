@@ -3,8 +3,9 @@
 A GPU does `flops(dtype)` FLOP/s at peak; a cluster achieves `mfu` of that (an assumption).
 A link moves `bandwidth * efficiency` bytes/s per direction after `latency` seconds.
 A GPU's `memory_bytes` is what the driver reports (H100: 81559 MiB = 85.5e9 bytes), so that
-"fits" compares like with like; `mamf_*` the measured maximum achievable matmul FLOP/s (a public microbenchmark, see the CSV),
-the ceiling of theory/kernels.py's GEMM efficiency; `achievable` an optional override of it.
+"fits" compares like with like; `mamf_*` the measured maximum achievable matmul FLOP/s (a
+public microbenchmark, see the CSV), the ceiling of theory/kernels.py's GEMM efficiency;
+`achievable` an optional override of that ceiling.
 """
 from __future__ import annotations
 

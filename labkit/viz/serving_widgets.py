@@ -66,7 +66,8 @@ def _tpot_parts(t):
     step = max(d["compute"], d["memory"])
     parts = {"memory-bound step": step if d["memory"] >= d["compute"] else 0.0,
              "compute-bound step": step if d["compute"] > d["memory"] else 0.0,
-             "kernel launches": d["launch"], "TP all-reduces": d["tp_comm"], "EP all-to-alls": d["ep_comm"]}
+             "kernel launches": d["launch"], "TP all-reduces": d["tp_comm"],
+             "EP all-to-alls": d["ep_comm"]}
     parts["pipeline hand-offs"] = d["pp_hops"]   # every stage's time is in the step already
     return parts
 
