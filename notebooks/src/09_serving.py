@@ -218,7 +218,7 @@ print(f"batch {first['batch']} -> {last['batch']} ({last['batch'] // first['batc
 # The same on a GPU, modelled: Llama 3 70B's decode intensity against the ridges of three GPUs.
 # Without a cache the line crosses the ridge at the knee batch; with a 4,096-token context each
 # request also reads its own cache, which no other request shares, so the intensity levels off
-# (at the value printed below the figure): above the ridge of some GPUs, below that of others.
+# (at the value printed below the figure); whether that is above a GPU's ridge is printed too.
 
 # %%
 roofline_figure("Llama 3 70B")
