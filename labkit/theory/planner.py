@@ -4,12 +4,13 @@ For a model, a cluster and a global batch it enumerates every legal plan (dp, tp
 interleave v, micro-batch size, ZeRO stage 0-3, recompute none/selective/full of k layers per
 stage, sequence parallel), predicts memory per GPU (worst pipeline stage) and the step time, and
 ranks the plans that fit. Everything is modelled from first principles with named terms
-(plan_terms.py, recompute.py, overlap.py) and two fitted constants:
+(plan_terms.py, recompute.py, overlap.py, kernels.py) and one fitted constant (HBM_PASSES):
 
-- Compute: FLOPs (transformer.py) at `achievable` x peak (one constant per GPU kind, calibrated
-  on Narayanan et al. 2021 Table 1, data/published_runs.csv; see `calibrate`); linear layers at
-  the fp8 peak under precision="fp8"; attention at half its FLOPs under FlashAttention with a
-  causal mask (the kernel skips masked blocks). MFU counts the FLOPs the model needs (6 N +
+- Compute: kernel by kernel (kernels.py): each forward kernel of a layer the max of its FLOPs at
+  peak x the GPU's measured MAMF ceiling x its shape's tile and wave quantization and its bytes
+  at an achievable HBM bandwidth, plus a launch; forward + backward = 3 x forward, recompute
+  adds the forward again; linear layers at the fp8 peak under precision="fp8"; attention at half
+  its FLOPs under FlashAttention with a causal mask (the kernel skips masked blocks). MFU counts the FLOPs the model needs (6 N +
   6 L h s per token when causal: the masked scores are not needed), HFU those the kernels run
   (with recompute), both over the dense peak of the linear layers' precision: each <= 1.
 - Memory, Megatron-LM's convention: 18 bytes per parameter (bf16 weights 2, fp32 main gradients
@@ -25,9 +26,10 @@ ranks the plans that fit. Everything is modelled from first principles with name
   ring model (time.py) on NVLink inside a node, the inter-node link across nodes.
 - Legal interleaving: v > 1 needs whole layers per virtual stage (layers % (pp v) == 0).
 
-Left out (so errors can be read): kernel launch and Python overheads, load imbalance between
-MoE experts, the embedding's all-reduce across the first and last stage, network contention
-between concurrent groups, stragglers and failures, kernel choice beyond one efficiency constant.
+Left out (so errors can be read): Python overheads, load imbalance between MoE experts, the
+embedding's all-reduce across the first and last stage, network contention between concurrent
+groups, stragglers and failures, GEMM shapes that fall short of the best matmul for reasons other
+than tile and wave quantization.
 """
 from __future__ import annotations
 
