@@ -10,9 +10,10 @@ ranks the plans that fit. Everything is modelled from first principles with name
   peak x the GPU's measured MAMF ceiling x its shape's tile and wave quantization and its bytes
   at an achievable HBM bandwidth, plus a launch; forward + backward = 3 x forward, recompute
   adds the forward again; linear layers at the fp8 peak under precision="fp8"; attention at half
-  its FLOPs under FlashAttention with a causal mask (the kernel skips masked blocks). MFU counts the FLOPs the model needs (6 N +
-  6 L h s per token when causal: the masked scores are not needed), HFU those the kernels run
-  (with recompute), both over the dense peak of the linear layers' precision: each <= 1.
+  its FLOPs under FlashAttention with a causal mask (the kernel skips masked blocks). MFU
+  counts the FLOPs the model needs (6 N + 6 L h s per token when causal: the masked scores are
+  not needed), HFU those the kernels run (with recompute), both over the dense peak of the
+  linear layers' precision: each <= 1.
 - Memory, Megatron-LM's convention: 18 bytes per parameter (bf16 weights 2, fp32 main gradients
   4, fp32 master weights + Adam moments 12; ZeRO's paper counts 16 with bf16 gradients), sharded
   by ZeRO through memory.model_state_bytes; activations per layer from transformer.py times the
