@@ -43,7 +43,7 @@ def bench_rank(ctx, cfg):
     out = {}
     for name, torch_class in TORCH_SCHEDULES.items():
         ours, theirs = copy.deepcopy(module), copy.deepcopy(module)
-        pipe = PipelineSchedule(PipelineStage(ours, rank, p), name, loss_fn, MICRO)
+        pipe = PipelineSchedule(PipelineStage(ours, rank, p), MICRO, loss_fn, schedule=name)
         torch_pipe = torch_class(TorchStage(theirs, rank, p, device=torch.device("cpu")),
                                  MICRO, loss_fn=loss_fn)
 

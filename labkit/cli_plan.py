@@ -48,6 +48,9 @@ def plan_arguments(parser):
                         help="hold fields: dp=64,tp=8,pp=16,v=2,zero_stage=1,recompute=full,"
                              "recompute_layers=4,sequence_parallel=true")
     parser.add_argument("--top", type=int, default=10, help="plans to show")
+    parser.add_argument("--miniature", action="store_true",
+                        help="then run the best plan (or --fix's) in miniature on CPU ranks "
+                             "and set its measured memory and bytes beside the planner's")
     parser.add_argument("--json", action="store_true")
 
 
@@ -82,12 +85,28 @@ def plan_command(args):
     from .theory import error_band
     # the published check rows ran on their own GPUs, so a profile changes only the H200 rows
     out["error_band"] = error_band.training_band(profiled=bool(header))
-    if args.json:
-        return json.dumps(out, indent=2)
     best = out["plans"][0]
+    if args.json:
+        if getattr(args, "miniature", False):
+            out["miniature"] = run_miniature(best)["rows"]
+        return json.dumps(out, indent=2)
     band = error_band.format_band(out["error_band"],
                                   best["tokens_per_s_per_gpu"] if best["fits"] else None)
-    return "\n".join(([header] if header else []) + [planner.format_plans(out)] + band)
+    text = "\n".join(([header] if header else []) + [planner.format_plans(out)] + band)
+    if not getattr(args, "miniature", False):
+        return text
+    print(text, flush=True)      # the plan first: the miniature run takes seconds
+    from .runs import miniature
+    family = "" if out["model"]["name"].startswith("gpt") else (
+        f"note: {out['model']['display_name']}'s layout runs on a tiny GPT (the mesh trains "
+        "no other family): the layout's terms are checked, not this model's layer\n")
+    return family + miniature.format_rows(run_miniature(best))
+
+
+def run_miniature(best):
+    """The best plan run in miniature (runs/miniature.py; torch is imported only here)."""
+    from .runs import miniature
+    return miniature.miniature({k: best[k] for k in miniature.DEFAULTS})
 
 
 def memory_table(model_name, batch, seq, gpus):

@@ -167,7 +167,7 @@ def check_pipeline(device):
 
     def run(model):
         stage = PipelineStage(split_into_stages(model, 1)[0], 0, 1)
-        pipe = PipelineSchedule([stage], "1f1b", loss_fn, 2)
+        pipe = PipelineSchedule([stage], 2, loss_fn, schedule="1f1b")
         return train_losses(model, lambda m, x, y: pipe.step(x, target=y), device)
     return judged("PipelineStage + 1F1B (2 micro-batches)", run, gpt, device)
 

@@ -49,6 +49,17 @@ def killed_on_rank_1(ctx):
     return ctx.rank
 
 
+def killed_on_rank_1_while_rank_0_waits(ctx):
+    # the ranks start together (the process group's set-up waits for both); rank 0 enters
+    # all_reduce at once while rank 1 waits a second before it dies, so "rank 0 was in:
+    # all_reduce" is what happened, not a race with rank 0's start
+    if ctx.rank == 1:
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    ctx.comm.all_reduce(torch.ones(4))
+    return ctx.rank
+
+
 def test_all_reduce_against_broadcast_is_named_with_gloos_own_words():
     with pytest.raises(LaunchError) as err:
         labkit.launch(all_reduce_or_broadcast, 2, timeout_s=60)
@@ -74,7 +85,7 @@ def test_signal_9_with_memory_near_the_limit_says_out_of_memory(monkeypatch):
             self.lowest, self.limit = 0.1e9, 1e9
     monkeypatch.setattr(deaths, "MemoryWatch", NearlyFull)
     with pytest.raises(LaunchError) as err:
-        labkit.launch(killed_on_rank_1, 2, timeout_s=60)
+        labkit.launch(killed_on_rank_1_while_rank_0_waits, 2, timeout_s=60)
     message = str(err.value)
     assert message.startswith("rank 1 died without a result (signal 9, SIGKILL)")
     assert "it was not in a collective" in message and "rank 0 was in: all_reduce" in message

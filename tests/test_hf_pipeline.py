@@ -66,7 +66,7 @@ def train_and_generate(ctx):
         model = build(kind)
         names = {id(p): n for n, p in model.named_parameters()}
         stage = PipelineStage(split_into_stages(model, 2)[ctx.rank], ctx.rank, 2)
-        pipe = PipelineSchedule(stage, "1f1b", loss_fn, n_microbatches=2)
+        pipe = PipelineSchedule(stage, n_microbatches=2, loss_fn=loss_fn)
         optim = torch.optim.SGD(stage.parameters(), lr=LR)
         for step in range(STEPS):
             x, y = batch(step)

@@ -87,7 +87,8 @@ def train_pipeline(ctx, kind, opt, schedule, n_micro, group=None, virtual=1, sha
             shape = (BATCH // n_micro, 16)
         mine.append(PipelineStage(modules[s], s, n, group=group, input_shape=shape))
     optim = optimizer(opt, [q for st in mine for q in st.parameters() if q.requires_grad])
-    pipe = PipelineSchedule(mine, schedule, loss_fn(kind), n_micro, recompute=recompute)
+    pipe = PipelineSchedule(mine, n_micro, loss_fn(kind), schedule=schedule,
+                            recompute=recompute)
     losses = []
     for step in range(STEPS):
         x, y = batch(kind, step)

@@ -55,7 +55,7 @@ def _train_one_step(ctx, schedule, microbatches):
     model = exercise_model(ctx.world_size)
     stage = PipelineStage(split_into_stages(model, ctx.world_size)[ctx.rank], ctx.rank,
                           ctx.world_size)
-    pipe = PipelineSchedule(stage, schedule, F.mse_loss, microbatches)
+    pipe = PipelineSchedule(stage, microbatches, F.mse_loss, schedule=schedule)
     optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
     x, y = exercise_batch()
     pipe.step(x, target=y)

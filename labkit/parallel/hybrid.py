@@ -1,4 +1,4 @@
-"""Putting it together: DP x TP x PP (x EP) on one model, composed from the building blocks.
+"""Putting it together: DP x TP x PP x CP (x EP) on one model, composed from the building blocks.
 
 The world is a mesh (labkit.runtime.mesh: pp outermost, tp innermost, so a TP group sits inside
 a node). The model, as an nn.Sequential of layers, is cut into pp x v pipeline stages; rank
@@ -26,6 +26,22 @@ parallelism a replicated weight's gradient, which SP sums over TP by a hook on t
 (lost when FullyShard computes with its own full copies), is summed over TP on the shards after
 the pipeline: one all-reduce of those shards per step. Experts are not sharded (refused).
 
+Context parallelism (`cp` > 1; Ring Attention, Liu et al. 2023, arXiv 2310.01889): each rank
+holds s / cp tokens of each sequence (zigzag by default: chunks r and 2cp-1-r, balanced under
+the causal mask; or contiguous); the caller shards the inputs and the already-shifted targets
+alike and gives the embedding the shard's global positions (runs/hybrid.py). Every attention
+layer is wrapped in `ContextParallel` over mesh["cp"] after TP (it sees this rank's heads) and
+before PP and FullyShard (torchtitan's order), so the pipeline sends activations of s / cp
+tokens. The cp ranks hold the same weights as the dp ranks, and with equal shards each rank's
+loss is the mean over as many tokens, so the batch's mean loss is the mean over dp x cp and
+its gradient the average of the dp x cp ranks' gradients: the gradients are averaged over one
+`dp_cp` group (torchtitan folds cp into its FSDP dimension the same way), and ZeRO-1 and
+FullyShard shard over dp x cp (dp_shard x cp with HSDP): model states / (dp_shard cp). Bytes
+a rank sends per step on cp, per attention layer of its stage and micro-batch (b sequences,
+KV = 2 b (h / tp) (s / cp) d values): (cp - 1) KV forward, (cp - 1) KV + cp dKV (fp32)
+backward (theory/context_parallel.comm_bytes_per_rank); on dp_cp 2 (N-1)/N x the stage's
+gradient bytes, N = dp x cp. Not composed with experts (refused).
+
 Memory per GPU (model states): Ψ / (tp * pp) of the weights each (+ 1/ep of the experts);
 ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
 dp_shard. Activations: those of the micro-batches in flight on this stage, / tp with sequence
@@ -34,8 +50,9 @@ per layer and micro-batch of b*s*h values (inside a node); PP 2 point-to-point m
 stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the stage's gradients
 (2 (dp-1)/dp x its bytes; ZeRO-1 the same in reduce-scatter + all-gather form).
 
-    mesh = ctx.mesh(dp=2, tp=2, pp=2)
-    hybrid = HybridParallel(model, mesh, loss_fn, tp_plan=plan, n_microbatches=4)
+    mesh = ctx.mesh(dp=2, tp=2, pp=2, cp=2)     # cp: x, target sharded along the sequence
+    hybrid = HybridParallel(model, mesh, loss_fn, tp_plan=plan, n_microbatches=4,
+                            cp_layout="zigzag")
     loss = hybrid.step(x, y)                # forward, backward, DP average, optimizer step
 
 Serving composes the same blocks (`HybridGenerator`, labkit.parallel.serving's idea): the
@@ -53,7 +70,9 @@ from .moe import ExpertParallel
 from .pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from .serving import PipelineGenerator, generate, new_cache, split_requests
 from .flat import average_gradients, unwrapped_name
+from .context_parallel import ContextParallel
 from .fully_shard import FullyShard, one_unit_per_layer
+from .mesh_dims import SCHEDULES, check_layout, dp_cp_group, dp_groups, validate_dims
 from .tp_shards import all_gather_dim, split_parts
 from .tensor_parallel import gather_params, parallelize
 from .tensor_parallel_plan import plan_for
@@ -70,90 +89,16 @@ def moe_layers(module):
     return found
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-def validate_dims(*, dp, tp, pp, ep=1, dp_replicate=1, zero_stage=0, sequence_parallel=False,
-                  experts=0, world_size=None):
-    """The one check of a mesh's degrees (like torchtitan's ParallelDims._validate): a one-line
-    ValueError naming the argument, before any group is made."""
-    sizes = dict(dp=dp, tp=tp, pp=pp, ep=ep, dp_replicate=dp_replicate)
-    for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if zero_stage not in (0, 1, 3):
-        raise ValueError(f"zero_stage must be 0, 1 or 3, got {zero_stage!r} (ZeRO-2 would "
-                         "shard gradients the pipeline accumulates; 3 is FullyShard)")
-    if dp % dp_replicate:
-        raise ValueError(f"dp_replicate={dp_replicate} does not divide dp={dp} "
-                         "(HSDP: dp = dp_replicate x dp_shard)")
-    if dp_replicate > 1 and zero_stage != 3:
-        raise ValueError(f"dp_replicate={dp_replicate} needs zero_stage=3 (HSDP shards within "
-                         f"dp_shard; with zero_stage={zero_stage} every dp rank is a replica)")
-    if zero_stage == 3 and (ep > 1 or experts):
-        raise ValueError(f"zero_stage=3 with experts (ep={ep}) is not composed here: "
-                         "FullyShard would shard the expert weights over all of dp, whose EP "
-                         "ranks hold different experts")
-    if world_size is not None and world_size != dp * tp * pp:
-        raise ValueError(f"world_size={world_size} but dp x tp x pp = {dp * tp * pp}")
-
-
-def dp_groups(mesh, dp_replicate):
-    """(dp_shard, dp_replicate) groups of this rank: dp index i is replica i // S, shard
-    member i % S (S = dp / dp_replicate: consecutive dp ranks shard together, torchtitan's
-    order). Every rank calls it (it makes groups)."""
-    dp = mesh.sizes["dp"]
-    if dp_replicate == 1:
-        return mesh["dp"], None
-    size = dp // dp_replicate
-    table = mesh.table()
-
-    def partition(key):
-        groups = {}
-        for row in table:
-            rest = tuple(row[d] for d in ("pp", "cp", "tp"))
-            groups.setdefault((rest, key(row["dp"])), []).append(row["rank"])
-        return list(groups.values())
-    shard = mesh.ctx.split_groups(partition(lambda i: i // size))
-    replicate = mesh.ctx.split_groups(partition(lambda i: i % size))
-    return shard, replicate
-
-
-def check_layout(*, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
-                 sequence_parallel=False, experts=0, layers, heads, ffn, vocab, seq,
-                 global_batch, dp_replicate=1):
-    """One-line ValueError (CLI flag names) for a mesh layout a GPT of this shape or this batch
-    cannot take, before any rank starts: TP must divide what it splits, each pipeline stage
-    needs a layer (the embeddings and the head are stages of their own), the batch must split
-    into dp replicas x micro-batches, EP must divide the experts and DP."""
-    validate_dims(dp=dp, tp=tp, pp=pp, ep=ep, dp_replicate=dp_replicate, zero_stage=zero,
-                  sequence_parallel=sequence_parallel, experts=experts)
-    for name, value in dict(microbatches=microbatches, virtual=virtual).items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}")
-    for name, size in dict(heads=heads, ffn=ffn, vocab=vocab,
-                           **({"seq": seq} if sequence_parallel else {})).items():
-        if size % tp:
-            raise ValueError(f"TP degree {tp} does not divide {name}={size}")
-    stages = pp * (virtual if schedule == "interleaved" else 1)
-    if layers + 2 < stages:
-        raise ValueError(f"{stages} pipeline stages need at least {stages - 2} GPT layers "
-                         f"(the embeddings and the head are stages of their own): pass "
-                         f"--layers {stages - 2}")
-    if global_batch % (dp * microbatches):
-        raise ValueError(f"global batch {global_batch} does not split into dp={dp} "
-                         f"replicas x {microbatches} micro-batches")
-    if schedule == "interleaved" and microbatches % pp:
-        raise ValueError(f"the interleaved schedule needs micro-batches ({microbatches}) "
-                         f"divisible by pp={pp}")
-    if experts:
-        if experts % ep or dp % ep:
-            raise ValueError(f"--ep {ep} must divide --experts {experts} and --dp {dp} (expert "
-                             "parallelism spreads the experts over data-parallel ranks)")
-    elif ep > 1:
-        raise ValueError("--ep needs a mixture of experts: add --experts N")
+def attention_layers(module):
+    """(parent, attribute, layer) of every attention layer (a module whose class is named
+    *Attention*, outermost): those ContextParallel wraps."""
+    found = []
+    for child in module.modules():
+        for attr, layer in child.named_children():
+            if "attention" in type(layer).__name__.lower() and not any(
+                    layer is inner for _, _, outer in found for inner in outer.modules()):
+                found.append((child, attr, layer))
+    return found
 
 
 class HybridParallel:
@@ -164,22 +109,31 @@ class HybridParallel:
     the pipeline's; expert_parallel: wrap every MoE layer in ExpertParallel over mesh["ep"];
     zero_stage 0 (a plain optimizer), 1 (ShardedOptimizer over the DP group) or 3 (each stage
     in FullyShard over `dp_shard`; `dp_replicate` > 1: HSDP, the shards' gradients averaged
-    over `dp_replicate`). After construction: `dp_shard` / `dp_replicate` (the groups; None
-    where there is no such dimension), `stage_params` (this rank's stages' parameters after
-    TP, before FullyShard shards them).
+    over `dp_replicate`). mesh cp > 1: every attention layer in ContextParallel over mesh["cp"]
+    (`cp_layout`, `cp_method`: its layout and core); x and target are this rank's sequence
+    shards. After construction: `dp_shard` / `dp_replicate` (the groups; None where there is
+    no such dimension; dp_shard spans cp), `dp_cp` (the group averaging the gradients under
+    ZeRO-0/1), `stage_params` (this rank's stages' parameters after TP, before FullyShard
+    shards them).
     """
 
     def __init__(self, model, mesh, loss_fn, *, tp_plan=None, sequence_parallel=False,
                  schedule="1f1b", n_microbatches=4, virtual=1, balance="layers",
-                 expert_parallel=False, zero_stage=0, dp_replicate=1,
-                 optimizer_class=torch.optim.Adam, **optimizer_defaults):
-        validate_dims(dp=mesh.sizes["dp"], tp=mesh.sizes["tp"], pp=mesh.sizes["pp"],
+                 expert_parallel=False, zero_stage=0, dp_replicate=1, cp_layout="zigzag",
+                 cp_method="ring", optimizer_class=torch.optim.Adam, **optimizer_defaults):
+        cp = mesh.sizes["cp"]
+        validate_dims(dp=mesh.sizes["dp"], tp=mesh.sizes["tp"], pp=mesh.sizes["pp"], cp=cp,
                       ep=mesh.ep, dp_replicate=dp_replicate, zero_stage=zero_stage,
                       sequence_parallel=sequence_parallel and mesh.sizes["tp"] > 1,
-                      experts=int(bool(expert_parallel)))
+                      experts=int(bool(expert_parallel)), cp_layout=cp_layout)
         self.ctx, self.mesh, self.zero_stage = context(), mesh, zero_stage
         self.dp_shard, self.dp_replicate = (dp_groups(mesh, dp_replicate) if zero_stage == 3
                                             else (None, None))
+        # the ranks whose gradients are averaged (ZeRO-0/1): dp x cp (mesh["dp"] if cp = 1)
+        self.dp_cp = dp_cp_group(mesh)
+        if cp > 1 and not attention_layers(model):
+            raise ValueError(f"cp={cp} but the {type(model).__name__} has no module named "
+                             "*Attention* to make context-parallel")
         pp = mesh.sizes["pp"]
         total = pp * virtual
         modules = split_into_stages(model, total, balance)
@@ -191,6 +145,10 @@ class HybridParallel:
             if mesh.sizes["tp"] > 1 and tp_plan:
                 parallelize(modules[s], plan_for(modules[s], tp_plan), group=mesh["tp"],
                             sequence_parallel=sequence_parallel)
+            if cp > 1:   # after TP (the attention sees this rank's heads), before FSDP
+                for parent, attr, layer in attention_layers(modules[s]):
+                    setattr(parent, attr, ContextParallel(layer, mesh["cp"], cp_layout,
+                                                          cp_method))
             if expert_parallel:
                 for parent, attr, layer in moe_layers(modules[s]):
                     setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"]))
@@ -209,14 +167,14 @@ class HybridParallel:
                                  if getattr(p, "_tp_sum", False)]
         self.stages = [PipelineStage(modules[s], s, total, group=mesh["pp"]) for s in mine]
         self.module = nn.ModuleList(stage.module for stage in self.stages)
-        self.pipe = PipelineSchedule(self.stages, schedule, loss_fn, n_microbatches)
+        self.pipe = PipelineSchedule(self.stages, n_microbatches, loss_fn, schedule=schedule)
         params = list(self.module.parameters())
         expert_ids = {id(p) for _, _, layer in moe_layers(self.module)
                       for p in layer.experts.parameters()}
         self.dense = [p for p in params if p.requires_grad and id(p) not in expert_ids]
         self.experts = [p for p in params if p.requires_grad and id(p) in expert_ids]
         self.optimizers = []
-        for group_params, group in ((self.dense, mesh["dp"]), (self.experts, mesh["ep_dp"])):
+        for group_params, group in ((self.dense, self.dp_cp), (self.experts, mesh["ep_dp"])):
             if not group_params:
                 continue
             if zero_stage == 1:
@@ -245,8 +203,9 @@ class HybridParallel:
             self._sum_over_tp(self._sp_sum)
             if self.dp_replicate is not None:
                 average_gradients(self.dense, self.dp_replicate, tag="dp_replicate grads")
-        else:   # DP: a stage's replicas average their gradients (one flat all-reduce)
-            average_gradients(self.dense, self.mesh["dp"], tag="dp grads")
+        else:   # DP (x CP): a stage's replicas average their gradients (one all-reduce)
+            average_gradients(self.dense, self.dp_cp,
+                              tag="dp_cp grads" if self.mesh.sizes["cp"] > 1 else "dp grads")
         average_gradients(self.experts, self.mesh["ep_dp"], tag="ep_dp grads")
         for opt in self.optimizers:
             opt.step()

@@ -18,7 +18,7 @@ Idle share (bubble) with equal stages and free links: (P-1)/(V*M + P-1).
 
     stages = split_into_stages(model, 4)    # nn.Sequential, labkit's GPT, a transformers LM
     stage = PipelineStage(stages[rank], rank, 4, group=pp_group)
-    pipe = PipelineSchedule(stage, "1f1b", loss_fn, n_microbatches=8)
+    pipe = PipelineSchedule(stage, n_microbatches=8, loss_fn=loss_fn, schedule="1f1b")
     loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
     optimizer.step()
 """
@@ -118,17 +118,19 @@ class PipelineStage:
 class PipelineSchedule:
     """Runs a schedule over this rank's stages: the one executor behind every schedule.
 
+    The arguments in torch's order (`Schedule1F1B(stage, n_microbatches, loss_fn)`), the
+    schedule a keyword: a learner's call carries over to torch.distributed.pipelining.
     stages: this rank's PipelineStage, or its list (interleaved: stages r, r+P, ...).
-    schedule: "naive", "gpipe", "1f1b", "interleaved", or the data itself (for every group
+    n_microbatches: micro-batches per step. schedule: "naive", "gpipe", "1f1b", "interleaved", or the data itself (for every group
     rank, its ops ("F"|"B", micro-batch, chunk), see labkit.theory.pipeline); checked before
     anything runs (each op once, F before B, no deadlock). loss_fn(output, target) -> scalar
     on the last stage. recompute: keep only each stage's input and run its forward again in
     backward (activation checkpointing; the forward must be deterministic).
     """
 
-    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], schedule: str | Sequence,
+    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-                 n_microbatches: int, recompute: bool = False) -> None:
+                 schedule: str | Sequence = "1f1b", recompute: bool = False) -> None:
         self.stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not self.stages:
             raise ValueError("PipelineSchedule needs this rank's stage(s)")

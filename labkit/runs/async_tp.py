@@ -8,6 +8,8 @@ single-device reference (float32, float64 for labkit.numerics, or bf16). `compar
 TP paths and the references on TinyGPT and on a wide MLP block (big enough that one chunk's
 matmul, modelled on an H100, outlasts one chunk's NVLink message); lesson 03 prints it.
 """
+from types import SimpleNamespace
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -17,6 +19,7 @@ from ..parallel.tensor_parallel import gather_params, parallelize
 from ..runtime.context import context
 from ..runtime.trace import hidden_share, overlap_by_op
 from ..parallel.tensor_parallel_plan import gpt_plan
+from .trainer import Trainer
 
 RING = ("send", "recv")
 
@@ -52,15 +55,16 @@ def mlp_loss(model, step, tokens=512):
     return F.mse_loss(model(mine_x), mine_y, reduction="sum") / y.numel()
 
 
-def _step(model, optimizer, loss_fn, step):
-    ctx = context()
-    optimizer.zero_grad(set_to_none=True)
-    with ctx.clock.compute("forward+backward"):
-        loss = loss_fn(model, step)
-        loss.backward()
-    optimizer.step()
-    ctx.clock.mark_step()
-    return loss
+def _train(model, optimizer, loss_fn, steps):
+    """The Trainer on this rank's context, `steps` steps: `loss_fn(model, step)` makes its own
+    data, one clock region "forward+backward", the SGD step outside any region; returns the
+    detached losses."""
+    trainer = Trainer(context(), SimpleNamespace(steps=steps), model, optimizer=optimizer,
+                      batch=lambda model, cfg, step, dtype: (step, None),
+                      loss=lambda model, step, _: loss_fn(model, step), fused=True,
+                      watch=False, track_activations=False, optimizer_region=None,
+                      record_loss=lambda loss: loss.detach(), progress=False)
+    return trainer.fit().losses
 
 
 def train_single(build, loss_fn, *, steps=2, dtype=torch.float32, lr=0.1):
@@ -71,7 +75,7 @@ def train_single(build, loss_fn, *, steps=2, dtype=torch.float32, lr=0.1):
     clock = context().clock
     clock.enabled, was = False, clock.enabled
     try:
-        losses = [_step(model, optimizer, loss_fn, s).item() for s in range(steps)]
+        losses = [loss.item() for loss in _train(model, optimizer, loss_fn, steps)]
     finally:
         clock.enabled = was
     return dict(losses=losses, params={k: p.detach().clone() for k, p in
@@ -89,7 +93,7 @@ def train_one(build, plan, loss_fn, *, async_tp, steps=2, dtype=torch.float32, l
                         async_tp=async_tp)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     first_event = len(ctx.clock.events)
-    losses = [_step(model, optimizer, loss_fn, s).detach() for s in range(steps)]
+    losses = _train(model, optimizer, loss_fn, steps)
     if sharded_loss:   # each rank's loss is its share of the whole: sum them
         with ctx.off_the_record():
             losses = [ctx.comm.all_reduce(loss, group=group) for loss in losses]

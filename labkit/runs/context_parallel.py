@@ -22,7 +22,8 @@ from ..parallel.flat import average_gradients, unwrapped_name
 from ..theory import context_parallel as theory_cp
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
 from .reference import gpt_config as reference_gpt_config, token_loss
-from .report import build_report, launch_checked, rank_result, single_device
+from .report import build_report, launch_checked, single_device
+from .trainer import Trainer
 
 METHODS = tuple(CORES)        # ring, all_gather, ulysses
 
@@ -48,44 +49,39 @@ def check_cp(cfg, cp, layout="zigzag", method="ring", heads=None):
             check_ulysses_heads(h, h, cp)
 
 
-def build_cp_model(cfg, group=None, layout="zigzag", method="ring"):
-    """The reference's GPT (same seed) with every block's attention wrapped in ContextParallel."""
-    model = build_model(cfg)
-    for block in model.blocks:
-        block.attn = ContextParallel(block.attn, group, layout, method)
-    return model
+def cp_parallelize(group=None, layout="zigzag", method="ring"):
+    """The technique as a function of the model (torchtitan's `parallelize_fn`): every block's
+    attention wrapped in ContextParallel."""
+    def apply(model):
+        for block in model.blocks:
+            block.attn = ContextParallel(block.attn, group, layout, method)
+        return model
+    return apply
 
 
 def train(ctx, cfg, layout="zigzag", method="ring", causal=True, check_shape=None):
     """Train the CP tiny GPT on ctx.world (the CP group), then run the attention check."""
     c = gpt_config(cfg)
     check_cp(cfg, ctx.world_size, layout, method)
-    model = build_cp_model(cfg, None, layout, method)
-    optimizer = build_optimizer(model.parameters(), cfg)
-    ctx.memory.watch(model=model, optimizer=optimizer)
     positions = sequence_positions(c.seq, ctx.rank, ctx.world_size, layout)
-    losses = []
-    for step in range(cfg.steps):
-        with ctx.step(step, cfg.steps):
-            x, y = global_batch(model, cfg, step)
-            x, y = shard_sequence(x, None, layout), shard_sequence(y, None, layout)
-            optimizer.zero_grad(set_to_none=True)
-            with ctx.memory.track_activations(), ctx.clock.compute("forward+backward"):
-                logits = model(x, positions=positions)
-                loss = token_loss(logits, y)
-                loss.backward()
-            # replicated weights, each rank's loss the mean over its tokens: average
-            average_gradients(model.parameters(), tag="cp gradient all-reduce")
-            with ctx.clock.compute("optimizer step"):
-                optimizer.step()
-        with ctx.off_the_record():   # the whole sequence's loss: the mean of the shards'
-            losses.append(ctx.comm.all_reduce(loss.detach().clone(), op="avg").item())
+
+    def whole_sequence_loss(loss):   # the mean of the shards' losses, off the record
+        with ctx.off_the_record():
+            return ctx.comm.all_reduce(loss.detach().clone(), op="avg").item()
+    trainer = Trainer(
+        ctx, cfg, build_model(cfg), cp_parallelize(None, layout, method), optimizer=build_optimizer,
+        batch=global_batch, fused=True, record_loss=whole_sequence_loss,
+        shard=lambda x, y: (shard_sequence(x, None, layout), shard_sequence(y, None, layout)),
+        loss=lambda model, x, y: token_loss(model(x, positions=positions), y),
+        # replicated weights, each rank's loss the mean over its tokens: average
+        after_backward=lambda: average_gradients(trainer.module.parameters(),
+                                                 tag="cp gradient all-reduce"))
+    trainer.fit()
     comm = ctx.comm.summary()
-    params = {unwrapped_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    params = {unwrapped_name(n): p.detach().clone() for n, p in trainer.module.named_parameters()}
     shape = check_shape or (2, c.heads, c.seq, c.hidden // c.heads)
     check = attention_check(ctx, shape, causal, layout, method)
-    return rank_result(ctx, losses, params=params if ctx.rank == 0 else None, comm=comm,
-                       attention_check=check)
+    return trainer.result(params if ctx.rank == 0 else None, comm=comm, attention_check=check)
 
 
 def add_arguments(parser):

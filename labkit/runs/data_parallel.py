@@ -9,18 +9,15 @@ inference data parallelism (`infer`).
 The block (and `ring_all_reduce`, the ring from send and recv): labkit/parallel/data_parallel.py;
 the formulas: labkit/theory/data_parallel.py.
 """
-import time
-from contextlib import nullcontext
-
 import torch
 
-from .. import data
 from ..parallel.data_parallel import DataParallel
 from ..parallel.flat import average_gradients
 from ..theory import data_parallel as theory
 from .reference import RunConfig, batch, build_model, build_optimizer, full_params, predict_memory
-from .report import build_report, launch_checked, rank_result, single_device
+from .report import build_report, launch_checked, single_device
 from .report import mean_loss as global_loss   # the full-batch loss of shard losses
+from .trainer import Trainer, batch_shard
 
 __all__ = ["DEFAULT_BUCKET_MB", "MODES", "add_arguments", "check_config", "global_loss", "infer",
            "report", "train"]
@@ -52,44 +49,21 @@ def train(ctx, cfg=None, mode="bucketed", bucket_mb=DEFAULT_BUCKET_MB, overlap=T
     """
     cfg = cfg or RunConfig()
     check_config(cfg, ctx.world_size, mode, accumulate)
-    model = build_model(cfg)
-    if mode == "bucketed":
-        model = DataParallel(model, bucket_mb=bucket_mb, overlap=overlap)
-    replica = model.module if mode == "bucketed" else model
-    optimizer = build_optimizer(model.parameters(), cfg)
-    ctx.memory.watch(model=model, optimizer=optimizer)
-    losses, step_wall = [], []
-    for step in range(cfg.steps):
-        with ctx.step(step, cfg.steps):
-            started = time.perf_counter()
-            x, y = batch(replica, cfg, step)  # the global batch; keep my slice of it
-            x = data.shard(x, ctx.rank, ctx.world_size)
-            y = data.shard(y, ctx.rank, ctx.world_size)
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum = 0.0
-            with ctx.memory.track_activations():
-                for k, (mx, my) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
-                    last = k == accumulate - 1
-                    # inner micro-batches accumulate locally; the last one synchronises
-                    quiet = model.no_sync() if mode == "bucketed" and not last else nullcontext()
-                    which = "" if accumulate == 1 else f" (micro-batch {k})"
-                    with quiet:
-                        with ctx.clock.compute("forward" + which):
-                            # scaled so the K micro-gradients add up to the shard's mean gradient
-                            loss = model(mx, my) / accumulate
-                        with ctx.clock.compute("backward" + which):  # bucket hooks fire here
-                            loss.backward()
-                    loss_sum += loss.item()
-            if mode == "naive":
-                average_gradients(model.parameters(), per_tensor=True, tag="grad")
-            else:   # already done at the end of backward; kept to show where it happens
-                model.finish_gradient_synchronization()
-            with ctx.clock.compute("optimizer step"):
-                optimizer.step()
-            losses.append(loss_sum)
-            step_wall.append(time.perf_counter() - started)
-    return rank_result(ctx, losses, params=full_params(replica) if ctx.rank == 0 else None,
-                       local_loss=losses, step_wall_s=step_wall)
+    wrap = None if mode == "naive" else (
+        lambda model: DataParallel(model, bucket_mb=bucket_mb, overlap=overlap))
+
+    def synchronise():   # after backward: the gradients averaged over the ranks
+        if mode == "naive":   # one blocking all-reduce per gradient
+            average_gradients(trainer.module.parameters(), per_tensor=True, tag="grad")
+        else:   # already done by the bucket hooks in backward; kept to show where it happens
+            trainer.module.finish_gradient_synchronization()
+    trainer = Trainer(ctx, cfg, build_model(cfg), wrap, optimizer=build_optimizer, batch=batch,
+                      shard=batch_shard(ctx), accumulate=accumulate, after_backward=synchronise,
+                      # inner micro-batches accumulate locally; the last one synchronises
+                      no_sync=None if mode == "naive" else lambda: trainer.module.no_sync())
+    trainer.fit()
+    return trainer.result(full_params(trainer.model) if ctx.rank == 0 else None,
+                          local_loss=trainer.losses, step_wall_s=trainer.step_wall)
 
 
 # ------------------------------------------------------------------------------- inference

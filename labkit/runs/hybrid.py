@@ -1,20 +1,30 @@
-"""DP x TP x PP (x EP) on labkit's GPT: the blocks composed on a mesh, checked against one device.
+"""DP x TP x PP x CP (x EP) on labkit's GPT: the blocks composed on a mesh, checked against one
+device.
 
-`python -m labkit run hybrid --dp 2 --tp 2 --pp 2 [--zero 1|3 [--dp-replicate R]] [--schedule 1f1b]
-[--sequence-parallel] [--experts 4 --ep 2] [--order tp,pp,dp,cp] --json` trains the tiny GPT
-(or its MoE variant) on dp x tp x pp CPU ranks with `labkit.parallel.hybrid.HybridParallel`
+`python -m labkit run hybrid --dp 2 --tp 2 --pp 2 [--cp 2 [--cp-layout zigzag|contiguous]]
+[--zero 1|3 [--dp-replicate R]] [--schedule 1f1b] [--sequence-parallel] [--experts 4 --ep 2]
+[--order tp,pp,dp,cp] --json` trains the tiny GPT
+(or its MoE variant) on dp x tp x pp x cp CPU ranks with `labkit.parallel.hybrid.HybridParallel`
 and reports DESIGN.md's contract: loss and parameters against the single-device run, memory
 per rank, the comm log split by the mesh's groups (dp / tp / pp / ep; under --zero 3
 dp_shard / dp_replicate), the modelled step. `--zero 3` is FSDP (HSDP with --dp-replicate):
 the report adds `predicted_comm_by_dim` (theory/hybrid.fsdp_wire_bytes for each rank's stage).
+With --cp each rank trains on its shard of every sequence (the embedding given the shard's
+global positions); the gradients are averaged over dp x cp (`dp_cp`; under --zero 3 FullyShard
+shards over dp_shard x cp) and the report adds `predicted_cp_wire_bytes`
+(theory/hybrid.cp_wire_bytes: the ring's bytes, summed over the ranks, over the run).
 The MoE variant routes without capacity limits (capacity factor = experts / top_k: nothing is
 dropped, so micro-batching cannot change the routing) and without router losses, so the one
 device reference trains the same function.
 """
 from dataclasses import replace
 
+import torch.nn as nn
+
 from .. import data, models
-from ..parallel.hybrid import SCHEDULES, HybridParallel, check_layout
+from ..parallel.context_parallel import LAYOUTS, sequence_positions, shard_sequence
+from ..parallel.hybrid import HybridParallel
+from ..parallel.mesh_dims import SCHEDULES, check_layout
 from ..runtime.mesh import DIMS, comm_by_dim
 from ..theory import hybrid as theory_hybrid
 from ..theory import pipeline as schedules
@@ -39,7 +49,8 @@ def run_config(cfg, experts=0, top_k=1):
 
 
 def check_config(cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
-                 sequence_parallel=False, experts=0, top_k=1, dp_replicate=1):
+                 sequence_parallel=False, experts=0, top_k=1, dp_replicate=1, cp=1,
+                 cp_layout="zigzag"):
     """One-line ValueError for a layout this model or batch cannot take (before any rank)."""
     if cfg.model != "gpt":
         raise ValueError("the hybrid trains the tiny GPT (--model gpt; --experts N for MoE)")
@@ -50,16 +61,36 @@ def check_config(cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4,
                  microbatches=microbatches, virtual=virtual,
                  sequence_parallel=sequence_parallel, experts=experts, layers=c.layers,
                  heads=c.heads, ffn=c.ffn, vocab=c.vocab, seq=c.seq,
-                 global_batch=cfg.global_batch, dp_replicate=dp_replicate)
+                 global_batch=cfg.global_batch, dp_replicate=dp_replicate, cp=cp,
+                 cp_layout=cp_layout)
+
+
+class ShardEmbeddings(nn.Module):
+    """The GPT's token + position embedding of a context-parallel rank: its tokens are a
+    shard of each sequence, so their positions are the shard's global ones, not 0..s/cp-1
+    (the same `tok` and `pos` modules: the parameters keep their names)."""
+
+    def __init__(self, embeddings, positions):
+        super().__init__()
+        self.tok, self.pos = embeddings.tok, embeddings.pos
+        self.register_buffer("positions", positions, persistent=False)
+
+    def forward(self, idx):
+        return self.tok(idx) + self.pos(self.positions)
 
 
 def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
-          sequence_parallel=False, order=DIMS, dp_replicate=1):
-    """Train on this rank's place in the mesh; returns `rank_result` with its stages' params."""
-    mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, ep=ep, order=tuple(order))
+          sequence_parallel=False, order=DIMS, dp_replicate=1, cp=1, cp_layout="zigzag"):
+    """Train on this rank's place in the mesh; returns `rank_result` with its stages' params.
+    cp > 1: the rank's batch rows (by dp) and its shard of each sequence (by cp, inputs and
+    the already-shifted targets alike), the embedding given the shard's global positions."""
+    mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, order=tuple(order))
     model = reference.build_model(cfg)
     batches = [reference.batch(model, cfg, step) for step in range(cfg.steps)]
     layers = model.as_sequential()
+    if cp > 1:
+        layers[0] = ShardEmbeddings(layers[0], sequence_positions(
+            model.cfg.seq, mesh.coords["cp"], cp, cp_layout))
     by_identity = {id(p): name for name, p in model.named_parameters()}
     model_name = {name: by_identity[id(p)] for name, p in layers.named_parameters()}
     opt_class, options = reference.optimizer_spec(cfg)
@@ -68,11 +99,13 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
         sequence_parallel=sequence_parallel, schedule=schedule, n_microbatches=microbatches,
         virtual=virtual if schedule == "interleaved" else 1,
         expert_parallel=cfg.model == "moe", zero_stage=zero, dp_replicate=dp_replicate,
-        optimizer_class=opt_class, **options)
+        cp_layout=cp_layout, optimizer_class=opt_class, **options)
     first, last = any(s.is_first for s in hybrid.stages), hybrid.is_last
     losses = []
     for step, (x, y) in enumerate(batches):
         x, y = data.shard(x, mesh.coords["dp"], dp), data.shard(y, mesh.coords["dp"], dp)
+        if cp > 1:   # a mean over equal shards: the mean of the cp ranks' losses is the batch's
+            x, y = (shard_sequence(t, mesh["cp"], cp_layout, dim=1) for t in (x, y))
         with ctx.step(step, cfg.steps):
             loss = hybrid.step(x if first else None, y if last else None)
         if loss is not None:
@@ -85,11 +118,21 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
                        held_params=hybrid.stage_params)
 
 
+ZERO1_TAGS = ("params of rank", "param bucket", "grad bucket", "grad norm", "optimizer state")
+
+
 def label_dp(rows, hybrid):
     """Under ZeRO-3 the DP traffic by torchtitan's names: FullyShard's gathers ("params ...")
-    and reduce-scatters ("grads ...") on `dp_shard`, HSDP's all-reduce across `dp_replicate`
-    (by tag and group: a one-rank dp_shard has the ranks, so the name, of other groups)."""
+    and reduce-scatters ("grads ...") on `dp_shard` (which spans cp too when cp > 1), HSDP's
+    all-reduce across `dp_replicate` (by tag and group: a one-rank dp_shard has the ranks, so
+    the name, of other groups). With cp > 1 and ZeRO-0/1 the gradients' all-reduce over
+    dp x cp is `dp_cp`."""
     if hybrid.dp_shard is None:
+        for row in rows:   # by tag: with dp = 1 the dp_cp group has the cp group's ranks
+            if row["tag"].startswith("dp_cp") or (hybrid.mesh.sizes["cp"] > 1 and
+                                                  row["group"] == hybrid.dp_cp.name and
+                                                  row["tag"].startswith(ZERO1_TAGS)):
+                row["dim"] = "dp_cp"
         return rows
     for row in rows:
         if row["group"] == hybrid.dp_shard.name and row["tag"].startswith(("params ",
@@ -108,12 +151,13 @@ def merge_results(results, dp):
     return [dict(results[0], loss=mean_loss(last, key="loss"), params=params)] + results[1:]
 
 
-def dp_comm_by_rank(results, steps, dp, dp_replicate, microbatches):
+def dp_comm_by_rank(results, steps, dp, dp_replicate, microbatches, cp=1):
     """Per rank, ZeRO-3's DP bytes on the wire (ring model) by dimension over the run: those
-    its comm log counted (`measured`) and theory/hybrid.fsdp_wire_bytes (`predicted`)."""
+    its comm log counted (`measured`) and theory/hybrid.fsdp_wire_bytes (`predicted`; the
+    shard group is dp_shard x cp)."""
     out = []
     for r in results:
-        per_step = theory_hybrid.fsdp_wire_bytes(r["held_params"], dp // dp_replicate,
+        per_step = theory_hybrid.fsdp_wire_bytes(r["held_params"], dp // dp_replicate * cp,
                                                  dp_replicate, microbatches)
         measured = {dim: sum(row["wire_bytes_per_rank"] for row in r["comm_by_group"]
                              if row["dim"] == dim) for dim in per_step}
@@ -139,20 +183,27 @@ def add_arguments(parser):
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--experts", type=int, default=0, help="MoE experts (0: dense GPT)")
     parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel degree: each rank holds 1/cp of each sequence")
+    parser.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag",
+                        help="which positions a cp rank holds (zigzag balances causal work)")
     parser.add_argument("--order", default=",".join(DIMS),
                         help="mesh dimensions outermost to innermost (default pp,dp,cp,tp)")
 
 
 def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2, ep=1, zero=0,
            schedule="1f1b", microbatches=2, virtual=2, sequence_parallel=False, experts=0,
-           top_k=2, order=",".join(DIMS), dp_replicate=1, timeout_s=180, **_):
-    """Run the hybrid and return the run report of DESIGN.md (+ mesh table, comm by group)."""
+           top_k=2, order=",".join(DIMS), dp_replicate=1, timeout_s=180, cp=1,
+           cp_layout="zigzag", **_):
+    """Run the hybrid and return the run report of DESIGN.md (+ mesh table, comm by group;
+    cp > 1: `predicted_cp_wire_bytes`, the ring's bytes over the run summed over ranks)."""
     cfg = cfg or reference.RunConfig(model_kwargs=dict(layers=2))
     check_config(cfg, dp, tp, pp, ep, zero, schedule, microbatches, virtual, sequence_parallel,
-                 experts, top_k, dp_replicate)
-    world = dp * tp * pp
+                 experts, top_k, dp_replicate, cp, cp_layout)
+    world = dp * tp * pp * cp
     if world_size not in (None, world):
-        raise ValueError(f"--world-size {world_size} but dp x tp x pp = {world}: drop "
+        dims = "dp x tp x pp" + (" x cp" if cp > 1 else "")
+        raise ValueError(f"--world-size {world_size} but {dims} = {world}: drop "
                          "--world-size (the mesh sets it)")
     dims = tuple(d.strip() for d in order.split(",")) if isinstance(order, str) else order
     if sorted(dims) != sorted(DIMS):
@@ -160,26 +211,33 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
     run = run_config(cfg, experts, top_k)
     options = dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, schedule=schedule,
                    microbatches=microbatches, virtual=virtual,
-                   sequence_parallel=sequence_parallel, dp_replicate=dp_replicate)
+                   sequence_parallel=sequence_parallel, dp_replicate=dp_replicate, cp=cp,
+                   cp_layout=cp_layout)
     results = launch_checked("hybrid", train, world, run, dict(options, order=dims),
                              cli_options=dict(options, experts=experts, top_k=top_k),
                              cluster=cluster, timeout_s=timeout_s)
     results = merge_results(results, dp)
     v = virtual if schedule == "interleaved" else 1
+    shape = models.GPTConfig(**cfg.model_kwargs)   # the dense shape (run adds moe=)
     return build_report(
         "hybrid", run, results, reference=reference.train(run),
         exact=reference.float64_reference(run),
         config=dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, dp_replicate=dp_replicate,
                     schedule=schedule,
                     microbatches=microbatches, virtual=v, sequence_parallel=sequence_parallel,
-                    experts=experts, top_k=top_k if experts else None, order=list(dims)),
+                    experts=experts, top_k=top_k if experts else None, order=list(dims),
+                    cp=cp, cp_layout=cp_layout),
         predicted_memory=None if experts else theory_hybrid.tiny_gpt_memory(
             **models.GPTConfig(**run.model_kwargs).as_dict(), global_batch=run.global_batch,
             dp=dp, tp=tp, pp=pp, microbatches=microbatches, virtual=v,
             sequence_parallel=sequence_parallel, zero=zero, optimizer=run.optimizer,
-            dp_replicate=dp_replicate),
-        dp_comm_by_rank=dp_comm_by_rank(results, run.steps, dp, dp_replicate, microbatches)
+            dp_replicate=dp_replicate, cp=cp),
+        dp_comm_by_rank=dp_comm_by_rank(results, run.steps, dp, dp_replicate, microbatches, cp)
         if zero == 3 else None,
+        predicted_cp_wire_bytes=theory_hybrid.cp_wire_bytes(
+            layers=shape.layers, micro_batch=run.global_batch // (dp * microbatches),
+            heads=shape.heads, seq=shape.seq, head_dim=shape.hidden // shape.heads, dp=dp,
+            tp=tp, cp=cp, microbatches=microbatches) * run.steps if cp > 1 else None,
         comm_by_dim=comm_by_dim(r["comm_by_group"] for r in results),
         mesh_table=results[0]["mesh_table"],
         bubble_fraction_formula=schedules.bubble_formula(pp, microbatches, v))

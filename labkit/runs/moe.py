@@ -26,7 +26,8 @@ from ..parallel.moe import (ExpertParallel, average_moe_gradients, check_expert_
 from ..theory import moe as theory_moe
 from . import reference
 from .reference import RunConfig, batch, build_optimizer
-from .report import build_report, launch_checked, rank_result
+from .report import build_report, launch_checked
+from .trainer import Trainer, batch_shard
 
 
 def check_config(world_size, cfg, moe, ep):
@@ -69,24 +70,16 @@ def train(ctx, cfg=None, moe=MoEConfig(), ep=None):
     """Expert-parallel training on this rank; rank_result with per-step routing stats."""
     cfg = cfg or RunConfig()
     model, replicas = expert_parallel_model(ctx, cfg, moe, ep)
-    optimizer = build_optimizer(model.parameters(), cfg)
-    ctx.memory.watch(model=model, optimizer=optimizer)
-    losses, stats = [], []
-    for step in range(cfg.steps):
-        with ctx.step(step, cfg.steps):
-            x, y = (data.shard(t, ctx.rank, ctx.world_size) for t in batch(model, cfg, step))
-            optimizer.zero_grad(set_to_none=True)
-            with ctx.memory.track_activations(), ctx.clock.compute("forward+backward"):
-                loss = model(x, y)
-                loss.backward()
-            average_moe_gradients(model, replicas)
-            with ctx.clock.compute("optimizer step"):
-                optimizer.step()
-        losses.append(loss.item())
-        stats.append(routing_stats(model))
+    stats = []
+    trainer = Trainer(
+        ctx, cfg, model, optimizer=build_optimizer, batch=batch, fused=True,
+        shard=batch_shard(ctx),
+        # the dense weights over the world, each expert over its replicas
+        after_backward=lambda: average_moe_gradients(model, replicas),
+        after_step=lambda step: stats.append(routing_stats(model))).fit()
     params = full_parameters(model)
-    return rank_result(ctx, losses, params=params if ctx.rank == 0 else None, routing=stats,
-                       ep=ep or ctx.world_size)
+    return trainer.result(params if ctx.rank == 0 else None, routing=stats,
+                          ep=ep or ctx.world_size)
 
 
 def infer(ctx, cfg=None, moe=MoEConfig(), ep=None, batches=()):

@@ -14,7 +14,8 @@ from ..theory import pipeline as schedules
 from ..theory import pipeline_memory as theory
 from ..theory.memory import fp32_rank_bytes
 from . import reference
-from .report import build_report, launch_checked, rank_result, single_device, sweep_runs
+from .report import build_report, launch_checked, single_device, sweep_runs
+from .trainer import Trainer
 
 SCHEDULES = schedules.SCHEDULES
 
@@ -63,31 +64,30 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
     """
     p = ctx.world_size
     n = 1 if schedule == "naive" else microbatches
+    mine = []
+
+    def pp_parallelize(model):   # cut into P x V stages; keep this rank's r, r + P, ...
+        modules = split_into_stages(model_layers(model), p * virtual, balance=split or "params")
+        stages = range(ctx.rank, p * virtual, p)
+        mine.extend(PipelineStage(modules[s], s, p * virtual) for s in stages)
+        return nn.ModuleList(s.module for s in mine)
     model = reference.build_model(cfg)
-    batches = [reference.batch(model, cfg, step) for step in range(cfg.steps)]
-    modules = split_into_stages(model_layers(model), p * virtual, balance=split or "params")
-    mine = [PipelineStage(modules[s], s, p * virtual) for s in range(ctx.rank, p * virtual, p)]
-    pipe = PipelineSchedule(mine, schedule, reference.loss_fn(cfg), n, recompute=recompute)
-    stage = nn.ModuleList(s.module for s in mine)
-    optimizer = reference.build_optimizer(stage.parameters(), cfg)
-    ctx.memory.watch(model=stage, optimizer=optimizer)
-    losses = []
-    for step, (x, y) in enumerate(batches):
-        with ctx.step(step, cfg.steps):
-            optimizer.zero_grad(set_to_none=True)
-            with ctx.memory.track_activations():
-                loss = pipe.step(x, target=y)
-            optimizer.step()
-        if loss is not None:
-            losses.append(loss.item())
-    own = {id(q) for q in stage.parameters()}
+    # the schedule runs every micro-batch's forward and backward on this rank's stages and
+    # sends activations and gradients between ranks; only the last stage has a loss
+    trainer = Trainer(ctx, cfg, model, pp_parallelize, optimizer=reference.build_optimizer,
+                      batch=reference.batch, step_fn=lambda x, y: pipe.step(x, target=y),
+                      optimizer_region=None)   # no clock region, as this driver always stepped
+    pipe = PipelineSchedule(mine, n, reference.loss_fn(cfg), schedule=schedule,
+                            recompute=recompute)
+    trainer.fit()
+    own = {id(q) for q in trainer.module.parameters()}
     named = {k: q.detach().clone() for k, q in model.named_parameters() if id(q) in own}
     sizes = stage_sizes(cfg, [s.module for s in mine], cfg.global_batch // n)
-    return rank_result(ctx, losses, stage_params=named,
-                       predicted_activations=theory.peak_activation_bytes(
-                           pipe.schedule, ctx.rank, [a for a, _ in sizes], recompute),
-                       in_flight=schedules.microbatches_in_flight(pipe.ops),
-                       schedule=pipe.schedule)
+    return trainer.result(stage_params=named,
+                          predicted_activations=theory.peak_activation_bytes(
+                              pipe.schedule, ctx.rank, [a for a, _ in sizes], recompute),
+                          in_flight=schedules.microbatches_in_flight(pipe.ops),
+                          schedule=pipe.schedule)
 
 
 def sweep(ctx, cfg, runs):

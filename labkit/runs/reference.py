@@ -6,16 +6,15 @@ within a few times this run's own distance to the same run in float64 (`float64_
 labkit.numerics).
 Memory on one device, for mixed-precision-free fp32 Adam: 4Ψ weights + 4Ψ grads + 8Ψ moments.
 """
-from contextlib import nullcontext
 from dataclasses import dataclass, field, asdict
 
 import torch
 import torch.nn.functional as F
 
 from .. import data, models
-from ..runtime.memory import MemoryTracker
 from ..theory.memory import fp32_rank_bytes, tiny_gpt_activation_bytes
 from ..theory.rank_memory import mlp_activation_bytes
+from .trainer import Trainer
 
 
 @dataclass
@@ -102,25 +101,12 @@ def train(cfg=None, ctx=None, track_memory=True, dtype=torch.float32, model=None
     """
     cfg = cfg or RunConfig()
     model = (model if model is not None else build_model(cfg)).to(dtype)
-    optimizer = build_optimizer(model.parameters(), cfg)
-    memory = ctx.memory if ctx is not None else MemoryTracker()
-    memory.watch(model=model, optimizer=optimizer)
-    losses, stats = [], []
-    for step in range(cfg.steps):
-        x, y = batch(model, cfg, step, dtype)
-        optimizer.zero_grad(set_to_none=True)
-        with _maybe(memory.track_activations(), track_memory), _compute(ctx, "forward+backward"):
-            loss = model(x, y)
-            loss.backward()
-        with _compute(ctx, "optimizer step"):
-            optimizer.step()
-        memory.sample(f"after step {step}")
-        if ctx is not None:
-            ctx.clock.mark_step()
-        losses.append(loss.item())
-        if step_stats is not None:
-            stats.append(step_stats(model))
-    return dict(loss=losses, params=full_params(model), memory=memory.report(),
+    stats = []
+    trainer = Trainer(ctx, cfg, model, optimizer=build_optimizer, batch=batch, fused=True,
+                      track_activations=track_memory, dtype=dtype, progress=False,
+                      after_step=None if step_stats is None
+                      else lambda step: stats.append(step_stats(model))).fit()
+    return dict(loss=trainer.losses, params=full_params(model), memory=trainer.memory.report(),
                 param_count=sum(p.numel() for p in model.parameters()), step_stats=stats)
 
 
@@ -165,14 +151,6 @@ def max_param_diff(params, reference):
     if missing:
         raise KeyError(f"parameter names differ: {sorted(missing)[:5]}")
     return max((params[k] - reference[k]).abs().max().item() for k in reference)
-
-
-def _maybe(manager, enabled):
-    return manager if enabled else nullcontext()
-
-
-def _compute(ctx, name):
-    return ctx.clock.compute(name) if ctx is not None else nullcontext()
 
 
 def predict_memory(cfg, model=None, batch_size=None, **extra):

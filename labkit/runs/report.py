@@ -15,17 +15,7 @@ import numbers
 
 import torch
 
-
-def rank_result(ctx, loss, params=None, **extra):
-    """What one rank hands back: its losses, memory, comm summary, clock and (rank 0) params."""
-    out = dict(rank=ctx.rank, loss=list(loss), memory=ctx.memory.report(),
-               comm=ctx.comm.summary(), wall_s=ctx.elapsed(),
-               modelled_step_s=ctx.clock.step_times(), timeline=ctx.clock.timeline(),
-               backend=ctx.backend, cluster=ctx.clock.cluster.name)
-    if params is not None:
-        out["params"] = params
-    out.update(extra)
-    return out
+from .trainer import rank_result  # noqa: F401  (what each rank hands back; drivers import it here)
 
 
 def launch_checked(technique, train, world_size, cfg, options, check=None, cli_options=None,

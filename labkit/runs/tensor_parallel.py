@@ -17,7 +17,8 @@ from ..parallel.tensor_parallel_plan import gpt_plan, resolve_plan
 from ..theory import tensor_parallel as theory_tp
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
 from .reference import gpt_config as reference_gpt_config
-from .report import build_report, launch_checked, rank_result, single_device
+from .report import build_report, launch_checked, single_device
+from .trainer import Trainer
 
 
 def gpt_config(cfg):
@@ -38,11 +39,18 @@ def check_tp_degree(cfg, tp, sequence_parallel=False, async_tp=False):
         resolve_plan(models.TinyGPT(gpt_config(cfg)), gpt_plan(sequence_parallel), tp)
 
 
+def tp_parallelize(group=None, sequence_parallel=False, regather=True, async_tp=False):
+    """The technique as a function of the model (torchtitan's `parallelize_fn`): split by
+    `gpt_plan` over `group`; the head keeps its logits split by vocabulary (for `gpt_loss`
+    and generation)."""
+    return lambda model: parallelize(model, gpt_plan(sequence_parallel), group,
+                                     sequence_parallel, regather=regather, gather_output=False,
+                                     async_tp=async_tp)
+
+
 def build_tp_model(cfg, group=None, sequence_parallel=False, regather=True, async_tp=False):
-    """The reference's GPT (same seed), split by `gpt_plan` over `group`; the head keeps its
-    logits split by vocabulary (for `gpt_loss` and generation)."""
-    return parallelize(build_model(cfg), gpt_plan(sequence_parallel), group, sequence_parallel,
-                       regather=regather, gather_output=False, async_tp=async_tp)
+    """The reference's GPT (same seed), split by `tp_parallelize`."""
+    return tp_parallelize(group, sequence_parallel, regather, async_tp)(build_model(cfg))
 
 
 def gpt_loss(model, x, y):
@@ -55,30 +63,25 @@ def gpt_loss(model, x, y):
 def train(ctx, cfg, sequence_parallel=False, regather=True, details=False, async_tp=False):
     """Train the TP tiny GPT on the TP group ctx.world; every rank sees the whole batch."""
     check_tp_degree(cfg, ctx.world_size, sequence_parallel)
-    model = build_tp_model(cfg, None, sequence_parallel, regather, async_tp)
-    optimizer = build_optimizer(model.parameters(), cfg)
-    ctx.memory.watch(model=model, optimizer=optimizer)
-    losses, extra = [], {}
-    for step in range(cfg.steps):
-        with ctx.step(step, cfg.steps):
-            x, y = global_batch(model, cfg, step)
-            optimizer.zero_grad(set_to_none=True)
-            with ctx.memory.track_activations(), ctx.clock.compute("forward+backward"):
-                loss = gpt_loss(model, x, y)
-                loss.backward()
-            if details and step == cfg.steps - 1:
-                with ctx.off_the_record(), torch.no_grad():
-                    extra = dict(grads=gather_grads(model),
-                                 logits=gather_from_tp(model(x), model.head.group))
-            with ctx.clock.compute("optimizer step"):
-                optimizer.step()
-        losses.append(loss.item())
+    extra = {}
+
+    def last_step_details():   # gradients and logits of the last step, gathered off the record
+        if details and trainer.step_index == cfg.steps - 1:
+            x, _ = global_batch(trainer.model, cfg, trainer.step_index)
+            with ctx.off_the_record(), torch.no_grad():
+                extra.update(grads=gather_grads(trainer.module),
+                             logits=gather_from_tp(trainer.module(x), trainer.module.head.group))
+    trainer = Trainer(ctx, cfg, build_model(cfg),
+                      tp_parallelize(None, sequence_parallel, regather, async_tp),
+                      optimizer=build_optimizer, batch=global_batch, loss=gpt_loss, fused=True,
+                      after_backward=last_step_details)
+    trainer.fit()
     comm_by_tag = ctx.comm.summary(by=("op", "tag"))
     with ctx.off_the_record():
-        params = gather_params(model)
+        params = gather_params(trainer.module)
     if ctx.rank != 0:
         params, extra = None, {}
-    return rank_result(ctx, losses, params=params, comm_by_tag=comm_by_tag, **extra)
+    return trainer.result(params, comm_by_tag=comm_by_tag, **extra)
 
 
 def add_arguments(parser):

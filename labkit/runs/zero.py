@@ -11,7 +11,6 @@ The blocks: labkit/parallel/zero.py, labkit/parallel/fully_shard.py; formulas: t
 """
 import torch
 
-from .. import data
 from ..parallel.data_parallel import DataParallel
 from ..parallel.fully_shard import (OFFLOAD_LINK, FullyShard, layer_units,
                                     one_unit_per_layer)
@@ -21,7 +20,8 @@ from ..runtime.memory import optimizer_state_tensors
 from ..theory import zero as theory
 from .reference import (RunConfig, activation_bytes, batch, build_model, build_optimizer,
                         optimizer_spec, train_mixed_precision)
-from .report import build_report, launch_checked, rank_result, single_device
+from .report import build_report, launch_checked, single_device
+from .trainer import Trainer, batch_shard
 from .report import mean_loss as global_loss   # the full-batch loss of shard losses
 
 __all__ = ["BUCKET_MB", "COMPUTE_DTYPE", "OFFLOAD_LINK", "STAGES", "add_arguments",
@@ -89,30 +89,27 @@ def train(ctx, cfg=None, stage=1, mixed_precision=False, offload=False, prefetch
     module, optimizer, flats = _setup(ctx, cfg, stage, mixed_precision, offload, prefetch)
     model = module.module if hasattr(module, "module") else module
     dtype = COMPUTE_DTYPE if mixed_precision else None
-    losses, step_samples = [], []
-    for step in range(cfg.steps):
-        first_sample = len(ctx.memory.samples)
-        with ctx.step(step, cfg.steps):
-            optimizer.zero_grad(set_to_none=True)
-            x, y = (data.shard(t, ctx.rank, ctx.world_size).to(ctx.device)
-                    for t in batch(model, cfg, step))
-            if dtype is not None and stage < 3:   # FullyShard casts its inputs itself
-                x, y = (t.to(dtype) if t.is_floating_point() else t for t in (x, y))
-            with ctx.memory.track_activations():
-                with ctx.clock.compute("forward"):
-                    loss = module(x, y)
-                ctx.memory.sample("after forward")
-                with ctx.clock.compute("backward"):
-                    loss.backward()
-            if hasattr(module, "finish_gradient_synchronization"):
-                module.finish_gradient_synchronization()
-            ctx.memory.sample("after backward")
-            with ctx.clock.compute("optimizer step (host)" if offload else "optimizer step"):
-                optimizer.step()
-        losses.append(loss.item())
-        step_samples = ctx.memory.samples[first_sample:]
+
+    def shard(x, y):
+        x, y = (t.to(ctx.device) for t in batch_shard(ctx)(x, y))
+        if dtype is not None and stage < 3:   # FullyShard casts its inputs itself
+            x, y = (t.to(dtype) if t.is_floating_point() else t for t in (x, y))
+        return x, y
+
+    samples, step_samples = [len(ctx.memory.samples)], []
+
+    def after_step(step):   # the memory samples of the last step, for the report
+        step_samples[:] = ctx.memory.samples[samples[0]:]
         if step_callback is not None:
             step_callback(step)
+        samples[0] = len(ctx.memory.samples)
+    # the sharded step (ShardedOptimizer / FullyShard) is the optimizer the trainer calls;
+    # the memory watch was set up by _setup (stage 3: the optimizer state, or none offloaded)
+    trainer = Trainer(
+        ctx, cfg, model, lambda _: module, optimizer=optimizer, batch=batch, shard=shard,
+        samples=True, watch=False, after_step=after_step,
+        after_backward=getattr(module, "finish_gradient_synchronization", None),
+        optimizer_region="optimizer step (host)" if offload else "optimizer step").fit()
     if stage == 3:
         params = module.full_state_dict()
     elif mixed_precision:
@@ -123,13 +120,11 @@ def train(ctx, cfg=None, stage=1, mixed_precision=False, offload=False, prefetch
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
     host = (module.host_bytes() + sum(t.nbytes for t in optimizer_state_tensors(optimizer))
             if offload else 0)
-    return rank_result(ctx, losses, local_loss=losses,
-                       params={k: v.cpu() for k, v in params.items()} if ctx.rank == 0
-                       else None,
-                       step_memory=list(step_samples), flat_numels=flats,
-                       padded_numel=module.padded_numel if stage == 3 else sum(flats),
-                       param_count=sum(p.numel() for p in build_model(cfg).parameters()),
-                       offloaded_bytes=host)
+    return trainer.result({k: v.cpu() for k, v in params.items()} if ctx.rank == 0 else None,
+                          local_loss=trainer.losses, step_memory=list(step_samples),
+                          flat_numels=flats, offloaded_bytes=host,
+                          padded_numel=module.padded_numel if stage == 3 else sum(flats),
+                          param_count=sum(p.numel() for p in build_model(cfg).parameters()))
 
 
 # ------------------------------------------------------------------------------ CLI and report

@@ -15,15 +15,24 @@ once per micro-batch):
 
     dp_shard:      3 m (S - 1) / S x B
     dp_replicate:  2 (R - 1) / R x B / S       (the shards' gradients, one all-reduce)
+
+Context parallelism on the mesh (cp ranks per sequence, ring attention; Liu et al. 2023,
+arXiv 2310.01889): every rank keeps s / cp tokens of each sequence, so activations fall by cp
+(the planner's `cp` term); the weights are those of the dp ranks, so ZeRO shards over
+dp x cp (S = dp_shard x cp above). Bytes a rank sends per step on `cp`, for each attention
+layer of its stage and each micro-batch of b sequences (K, V of its shard: 2 b (h/tp)
+(s/cp) d values of 4 bytes; theory/context_parallel.comm_bytes_per_rank):
+
+    cp:  (cp - 1) KV forward + (cp - 1) KV + cp dKV backward   (ring, fp32 partial sums)
 """
 from __future__ import annotations
 
-from . import planner
+from . import context_parallel, planner
 
 
 def tiny_gpt_memory(*, layers, hidden, heads, ffn, vocab, seq, global_batch, dp, tp, pp,
                     microbatches=2, virtual=1, sequence_parallel=False, zero=0,
-                    optimizer="adam", dp_replicate=1) -> dict | None:
+                    optimizer="adam", dp_replicate=1, cp=1) -> dict | None:
     """Bytes per GPU (worst stage) by category and their sum `peak`; None where the planner has
     no such plan (e.g. more stages than blocks: it gives the embedding and the head no stage
     of their own)."""
@@ -31,12 +40,12 @@ def tiny_gpt_memory(*, layers, hidden, heads, ffn, vocab, seq, global_batch, dp,
              f"vocab={vocab},seq={seq},arch=gpt,tied=false")
     # ZeRO-3: the planner's replicated plan, model states / dp_shard below (the planner
     # itself refuses ZeRO-3 with a pipeline, as Megatron-LM and DeepSpeed do)
-    fix = dict(dp=dp, tp=tp, pp=pp, v=virtual, zero_stage=0 if zero == 3 else zero,
+    fix = dict(dp=dp, tp=tp, pp=pp, cp=cp, v=virtual, zero_stage=0 if zero == 3 else zero,
                recompute="none",
                micro_batch_size=global_batch // (dp * microbatches),
                sequence_parallel=sequence_parallel)
     try:
-        plan = planner.plan(shape, dp * tp * pp, "H100", global_batch=global_batch, seq=seq,
+        plan = planner.plan(shape, dp * tp * pp * cp, "H100", global_batch=global_batch, seq=seq,
                             precision="fp32", dropout=False, flash_attention=False, fix=fix,
                             top=1)["plans"][0]
     except ValueError:
@@ -45,7 +54,7 @@ def tiny_gpt_memory(*, layers, hidden, heads, ffn, vocab, seq, global_batch, dp,
     out = {k: v for k, v in plan["memory_bytes"].items() if k not in ("total", "reserved")}
     if zero == 3:
         for key in ("params", "grads", "optimizer"):
-            out[key] /= dp // dp_replicate
+            out[key] /= dp // dp_replicate * cp
     if optimizer == "sgd":
         out["optimizer"] = 0
     out["peak"] = sum(out.values())
@@ -60,3 +69,14 @@ def fsdp_wire_bytes(params, dp_shard, dp_replicate=1, microbatches=1, dtype_byte
     s, r = dp_shard, dp_replicate
     return {"dp_shard": 3 * microbatches * (s - 1) / s * full,
             "dp_replicate": 2 * (r - 1) / r * full / s}
+
+
+def cp_wire_bytes(*, layers, micro_batch, heads, seq, head_dim, dp, tp, cp, microbatches,
+                  dtype_bytes=4) -> float:
+    """Ring-model bytes sent on the `cp` dimension per step, summed over every rank (module
+    docstring): each of the `layers` attention layers runs on dp x tp x cp ranks (its pipeline
+    stage's), once per micro-batch, each rank with h / tp heads (modelled)."""
+    per_call = context_parallel.comm_bytes_per_rank(
+        micro_batch, heads // tp, seq, head_dim, cp, dtype_bytes=dtype_bytes,
+        grad_bytes=4)["total"]
+    return layers * microbatches * dp * tp * cp * per_call

@@ -72,10 +72,15 @@ def tp_collectives_per_layer(recompute, recompute_share):
     return 4 + (2 * recompute_share if recompute == "full" else 0)
 
 
+def tp_collective_bytes(m, tokens, value_bytes=2):
+    """Payload of one TP collective: the layer's activations, value_bytes x tokens x hidden."""
+    return value_bytes * tokens * m.hidden
+
+
 def tp_comm_time(c, m, tokens, tp, layers, collectives_per_layer, value_bytes=2):
     """One micro-batch's TP traffic on one stage: each collective moves the layer's activations
-    (value_bytes x tokens x hidden) among tp ranks (alpha-beta ring, time.py)."""
-    act = value_bytes * tokens * m.hidden
+    (tp_collective_bytes) among tp ranks (alpha-beta ring, time.py)."""
+    act = tp_collective_bytes(m, tokens, value_bytes)
     return layers * collectives_per_layer * collective_time("all_reduce", act, tp, c.link(tp))
 
 
@@ -92,13 +97,37 @@ def cp_ring_times(c, m, seq, tokens, tp, cp, layers, attention_s_per_layer):
     return total, layers * 3 * (cp - 1) * max(0.0, hop - block)
 
 
+def pp_send_bytes(m, tokens, tp, value_bytes=2):
+    """Payload of one pipeline send: the tp-scattered activations, value_bytes x tokens x
+    hidden / tp."""
+    return value_bytes * tokens * m.hidden / tp
+
+
 def pp_send_time(c, m, tokens, tp, span, pp, microbatches, v, value_bytes=2):
     """Activation sends between stages: forward and backward, per micro-batch and chunk, of the
     tp-scattered activations (value_bytes x tokens x hidden / tp)."""
     if pp <= 1:
         return 0.0
-    one = collective_time("send", value_bytes * tokens * m.hidden / tp, 2, c.link(span))
+    one = collective_time("send", pp_send_bytes(m, tokens, tp, value_bytes), 2, c.link(span))
     return 2 * microbatches * v * one
+
+
+def dp_traffic_bytes(stage_params, zero_stage, shard, weight_bytes=2):
+    """{op: payload bytes} of one step's DP collectives on a stage (dp_traffic's): ZeRO-0 one
+    all-reduce of the fp32 gradients; ZeRO-1/2 their reduce-scatter and an all-gather of each
+    rank's shard of the updated weights."""
+    grads = GRAD_BYTES * stage_params
+    if zero_stage == 0:
+        return {"all_reduce": grads}
+    return {"reduce_scatter": grads, "all_gather": weight_bytes * stage_params / shard}
+
+
+def fsdp_traffic_bytes(stage_params, shard, weight_bytes=2):
+    """{op: payload bytes} of one micro-batch's ZeRO-3 collectives on a stage (fsdp_traffic's):
+    each rank's weight shard gathered twice (forward, backward), the fp32 gradients
+    reduce-scattered once; all_gather's payload is per gather (two of them)."""
+    return {"all_gather": weight_bytes * stage_params / shard,
+            "reduce_scatter": GRAD_BYTES * stage_params}
 
 
 def dp_traffic(c, stage_params, zero_stage, shard, span, weight_bytes=2):
@@ -107,13 +136,11 @@ def dp_traffic(c, stage_params, zero_stage, shard, span, weight_bytes=2):
     updated bf16 weights; ZeRO-3's per-layer traffic is fsdp_traffic's."""
     grads = GRAD_BYTES * stage_params
     link = c.link(span)
-    if zero_stage == 0:
-        reduce_s = collective_time("all_reduce", grads, shard, link)
-        gather_s = 0.0
-    else:
-        reduce_s = collective_time("reduce_scatter", grads, shard, link)
-        gather_s = collective_time("all_gather", weight_bytes * stage_params / shard, shard,
-                                   link)
+    payload = dp_traffic_bytes(stage_params, zero_stage, shard, weight_bytes)
+    reduce_op = "all_reduce" if zero_stage == 0 else "reduce_scatter"
+    reduce_s = collective_time(reduce_op, payload[reduce_op], shard, link)
+    gather_s = collective_time("all_gather", payload["all_gather"], shard, link) \
+        if zero_stage else 0.0
     bucket_share = min(1.0, BUCKET_BYTES / max(grads, 1))
     return reduce_s, gather_s, bucket_share
 
@@ -122,8 +149,9 @@ def fsdp_traffic(c, stage_params, shard, span, weight_bytes=2):
     """(gather, reduce) seconds per micro-batch of ZeRO-3 / FSDP on one stage: every weight
     gathered before forward and again before backward, every gradient reduce-scattered (fp32)."""
     link = c.link(span)
-    gather = 2 * collective_time("all_gather", weight_bytes * stage_params / shard, shard, link)
-    reduce = collective_time("reduce_scatter", GRAD_BYTES * stage_params, shard, link)
+    payload = fsdp_traffic_bytes(stage_params, shard, weight_bytes)
+    gather = 2 * collective_time("all_gather", payload["all_gather"], shard, link)
+    reduce = collective_time("reduce_scatter", payload["reduce_scatter"], shard, link)
     return gather, reduce
 
 

@@ -39,8 +39,8 @@ def run_bytes(technique, world_size, options, shape, *, gpt, optimizer, global_b
     shards, zero, batch, cp = 1, 0, global_batch, 1
     pipeline_stages, tp = 1, 1
     if technique == "hybrid":
-        dp, tp, pp = o.get("dp", 2), o.get("tp", 2), o.get("pp", 2)
-        world, shards, zero, pipeline_stages = dp * tp * pp, tp * pp, o.get("zero", 0), pp
+        dp, tp, pp, cp = o.get("dp", 2), o.get("tp", 2), o.get("pp", 2), o.get("cp", 1)
+        world, shards, zero, pipeline_stages = dp * tp * pp * cp, tp * pp, o.get("zero", 0), pp
         batch = global_batch / (dp * o.get("microbatches", 2))
     elif technique == "tp":
         shards, tp = world, world

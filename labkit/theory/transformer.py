@@ -49,8 +49,12 @@ def is_gpt(m: ModelShape) -> bool:
 def layer_counts(m: ModelShape) -> LayerCounts:
     h, f = m.hidden, m.ffn
     if is_gpt(m):
-        return LayerCounts(attention=4 * h * h + 4 * h, mlp_total=2 * h * f + f + h,
-                           mlp_active=2 * h * f + f + h, router=0, norms=4 * h)
+        # a GPT with experts (labkit's MoE GPT): `experts` GELU MLPs, top_k run, a bias-free
+        # router (h x experts); the catalog's GPTs have one MLP
+        mlp, experts = 2 * h * f + f + h, max(1, m.experts)
+        return LayerCounts(attention=4 * h * h + 4 * h, mlp_total=mlp * experts,
+                           mlp_active=mlp * min(m.top_k, experts),
+                           router=h * experts if experts > 1 else 0, norms=4 * h)
     kv = m.kv_heads * m.head_dim
     experts = max(1, m.experts)
     router = h * experts if experts > 1 else 0

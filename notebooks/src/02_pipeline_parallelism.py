@@ -77,7 +77,8 @@ sched.print_schedule(sched.interleaved_schedule(2, 4, 2))
 # `labkit`'s pipeline has PyTorch's shape (`torch.distributed.pipelining`): cut an
 # `nn.Sequential` into stages with `split_into_stages` (balanced by parameter count), wrap this
 # rank's stage in `PipelineStage(module, stage_index, num_stages, group=None)`, and let
-# `PipelineSchedule(stage, schedule, loss_fn, n_microbatches)` run a step. `x` is read on the first
+# `PipelineSchedule(stage, n_microbatches, loss_fn, schedule=...)` (torch's argument order, as
+# in `Schedule1F1B(stage, n_microbatches, loss_fn)`) run a step. `x` is read on the first
 # stage, `target` on the last; every rank keeps only its stage's parameters and optimizer state.
 # Below, a learner's own loop on 2 ranks, checked against the same model trained on one device.
 
@@ -94,7 +95,7 @@ def my_training(ctx):
     model = my_model()
     stages = split_into_stages(model, ctx.world_size)            # one per rank
     stage = PipelineStage(stages[ctx.rank], ctx.rank, ctx.world_size)
-    pipe = PipelineSchedule(stage, "1f1b", F.mse_loss, n_microbatches=4)
+    pipe = PipelineSchedule(stage, n_microbatches=4, loss_fn=F.mse_loss, schedule="1f1b")
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
     for step in range(3):
         optimizer.zero_grad()
@@ -407,7 +408,7 @@ def one_step(ctx, schedule):
     stage = PipelineStage(modules[ctx.rank], ctx.rank, ctx.world_size,
                           input_shape=None if first else (1, 8, 16))   # one sequence
     pipe = (ZeroBubbleSchedule(stage, lm_loss, 8) if schedule == "zb-h1"
-            else PipelineSchedule(stage, schedule, lm_loss, 8))
+            else PipelineSchedule(stage, 8, lm_loss, schedule=schedule))
     ctx.comm.barrier()                    # both schedules start together on the clock
     start = len(ctx.clock.timeline())
     pipe.step(x if first else None, target=y if stage.is_last else None)

@@ -185,7 +185,7 @@ def pipeline_run(ctx, input_shapes, balance):
     stages = split_into_stages(model, ctx.world_size, balance=balance)
     stage = PipelineStage(stages[ctx.rank], ctx.rank, ctx.world_size,
                           input_shape=input_shapes[ctx.rank])
-    pipe = PipelineSchedule(stage, "1f1b", F.mse_loss, n_microbatches=4)
+    pipe = PipelineSchedule(stage, n_microbatches=4, loss_fn=F.mse_loss)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
     loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)

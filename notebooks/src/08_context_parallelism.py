@@ -349,7 +349,22 @@ for n in (1, 2, 4, 8):
 # and 128K tokens over 8 GPUs do not fit; with it, only each layer's input. Real long-context
 # runs combine CP with the rest: Llama 3.1 405B at 128K used TP 8, CP 16, PP 16, DP 8 (Dubey et
 # al. 2024), and lesson 06's mesh has the `cp` dimension for it (`ctx.mesh(dp=, tp=, pp=, cp=)`,
-# `mesh["cp"]` is the group to hand to `ContextParallel`).
+# `mesh["cp"]` is the group to hand to `ContextParallel`). `run hybrid --cp` composes them on 8
+# CPU ranks: TP 2 x CP 2 x PP 2 (`HybridParallel` wraps each attention in `ContextParallel`
+# after TP, before the pipeline; the gradients are averaged over dp x cp):
+
+# %%
+from labkit.runs import hybrid as run_hybrid   # noqa: E402  (used from here on only)
+
+mesh_run = run_hybrid.report(cfg=RunConfig(steps=1), dp=1, tp=2, pp=2, cp=2)
+cp_sent = sum(r["wire_bytes"] for r in mesh_run["comm_by_dim"] if r["dim"] == "cp")
+print(f"tp 2 x cp 2 x pp 2 on {mesh_run['world_size']} ranks: parameters "
+      f"{mesh_run['agreement']['params']['verdict']}; loss "
+      f"{mesh_run['agreement']['loss']['verdict']}")
+print(f"bytes on cp: {cp_sent:.0f} sent, the ring formula {mesh_run['predicted_cp_wire_bytes']:.0f}"
+      " (theory/hybrid.cp_wire_bytes)")
+
+# %% [markdown]
 #
 # ## Explore: sequence length, CP degree, layout
 #

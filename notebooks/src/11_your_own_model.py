@@ -278,7 +278,7 @@ def other_blocks(ctx):
     model = build("llama")
     names = {id(p): n for n, p in model.named_parameters()}
     stage = PipelineStage(split_into_stages(model, 2)[ctx.rank], ctx.rank, 2)
-    pipe = PipelineSchedule(stage, "1f1b", loss_on_logits, n_microbatches=2)
+    pipe = PipelineSchedule(stage, n_microbatches=2, loss_fn=loss_on_logits)
     opt = torch.optim.SGD(stage.parameters(), lr=0.5)
     for step in range(2):
         ids = tokens(step)
