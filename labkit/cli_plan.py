@@ -37,7 +37,7 @@ def plan_arguments(parser):
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp32"),
                         help="fp8: linear layers in fp8 (Transformer Engine), the rest bf16")
     parser.add_argument("--stack", default="megatron",
-                        choices=("megatron", "megatron-2021", "fsdp2", "deepspeed"),
+                        choices=("megatron", "megatron-2021", "fsdp2", "deepspeed", "llama3"),
                         help="which communication the software hides under compute")
     parser.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True,
                         help="FlashAttention (no s^2 softmax kept; --no-flash: unfused)")

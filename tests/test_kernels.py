@@ -116,3 +116,42 @@ def test_a_measured_profile_sets_ceiling_and_bandwidth_to_its_own():
     g = profile.profiled_gpu(profile.check_profile(measured))
     assert kernels.ceiling(g) == 1.0 and kernels.hbm_bandwidth(g) == 4000e9
     assert kernels.sms(g) == 132          # the profiled H200 keeps its SM count
+
+
+def test_elementwise_bytes_forward_and_backward_by_hand():
+    """Llama 3 8B, 8192 tokens, tp=1: a = 2 B x 8192 x 4096. Forward reads inputs and writes the
+    output; backward of y = f(x_1..x_n) reads dy and the x_i and writes the dx_i; linear maps
+    (rotary, residual adds) move the gradient as the forward moved the value."""
+    m = catalog.model("llama-3-8b")
+    a = 2 * 8192 * 4096
+    layer = kernels.layer_kernels(m, 8192, 8192, "H100")
+    by = {}
+    for k in layer:
+        if not kernels.is_gemm(k):
+            by.setdefault(k.name, []).append((k.bytes / a, k.backward_bytes / a))
+    assert by["norm"] == [(2, 3), (2, 3)]
+    assert by["residual"] == [(3, 3), (3, 3)]
+    assert by["rope"] == [(pytest.approx(2.5), pytest.approx(2.5))]   # q and k: 40 x 128 wide
+    assert by["activation"] == [(pytest.approx(3 * 3.5), pytest.approx(5 * 3.5))]   # SwiGLU
+    # sequence parallelism splits the norms and residuals by tp; dropout adds 1-byte masks
+    sp = kernels.layer_kernels(m, 8192, 8192, "H100", tp=4, sp=True, dropout=True)
+    norm = next(k for k in sp if k.name == "norm")
+    residual = next(k for k in sp if k.name == "residual")
+    assert norm.bytes == pytest.approx(2 * a / 4)
+    assert residual.bytes == pytest.approx(3 * a / 4 + a / 8)      # + the 1-byte mask
+    assert residual.backward_bytes == pytest.approx(5 * a / 4 + a / 8)
+
+
+def test_elementwise_time_is_its_bytes_over_the_bandwidth():
+    from labkit.theory import plan_terms, planner
+    m = catalog.model("llama-3-8b")
+    c = planner.make_cluster("H100", 8)
+    work = kernels.training_forward(m, 8192, 8192, c.gpu, 1, 1, 1, True, True, 2, 1e15, 1e15)
+    bw = kernels.hbm_bandwidth(c.gpu)
+    a = 2 * 8192 * 4096
+    one = plan_terms.elementwise_time(c, work, 1, 0.0)
+    assert one == pytest.approx((55 * a + work["head_bytes"]) / bw)
+    # a fully recomputed layer runs its forward element-wise kernels again: 2a + 2.5a + ...
+    again = plan_terms.elementwise_time(c, work, 1, 1.0) - one
+    assert again == pytest.approx(work["forward_bytes"] / bw)
+    assert work["forward_bytes"] == pytest.approx((2 + 2.5 + 3 + 2 + 10.5 + 3) * a)

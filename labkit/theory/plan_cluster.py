@@ -2,25 +2,15 @@
 the planner's constants.
 
 GEMMs run at the kernel model's efficiency (theory/kernels.py: the GPU's measured MAMF ceiling x
-each kernel's tile and wave quantization, data/kernels.csv); ACHIEVABLE is no longer used by
-default (it remains the value published.calibrate found on Narayanan et al. 2021 Table 1, for
-comparison). HBM_PASSES is still fitted there (the element-wise term of plan_terms).
+each kernel's tile and wave quantization, data/kernels.csv) and element-wise kernels at their own
+bytes (plan_terms.elementwise_time): nothing here is fitted to a published run. `achievable`
+overrides the bf16 GEMM ceiling with a fraction of the user's own (a measured GPU, a what-if).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from . import hardware, kernels, overlap, plan_inputs as inputs, plan_terms as terms
-
-# Fitted constants (calibrate() on Narayanan et al. 2021 Table 1, A100 80GB, Megatron-LM
-# of 2021: stack "megatron-2021"; mean absolute error 1.6%). ACHIEVABLE: the GEMMs of a
-# transformer reach 67% of the A100's 312 TFLOP/s (its best matmul reaches 86.9%, the MAMF
-# table in data/hardware.csv; transformer shapes are less regular).
-# HBM_PASSES: element-wise kernels read and write each activation byte a layer keeps ~6.5 times
-# over forward and backward (unfused norms, GELU, softmax, dropout and residuals each read their
-# input and write their output). Other GPUs and fp8: achievable_fraction.
-ACHIEVABLE = 0.67
-HBM_PASSES = 6.5
 
 
 @dataclass(frozen=True)
@@ -30,8 +20,7 @@ class ClusterSpec:
     gpus_per_node: int = 8
     intra: hardware.Link = None
     inter: hardware.Link = None
-    achievable: float = ACHIEVABLE   # bf16 GEMM ceiling: MAMF / peak (achievable_fraction)
-    hbm_passes: float = HBM_PASSES   # HBM reads+writes per activation byte kept, fwd+bwd
+    achievable: float = None         # bf16 GEMM ceiling: MAMF / peak (achievable_fraction)
     flash_attention: bool = True     # the software stack: FlashAttention (no s^2 softmax kept)
     precision: str = "bf16"          # "bf16" mixed precision, "fp8" GEMMs (TE), "fp32" all fp32
     dropout: bool = None             # None: GPT models have dropout, Llama models do not
@@ -55,7 +44,7 @@ class ClusterSpec:
 
 
 def make_cluster(gpu="H100", gpus=8, gpus_per_node=None, intra_link=None, inter_link=None,
-                 achievable=None, hbm_passes=None, flash_attention=True, precision="bf16",
+                 achievable=None, flash_attention=True, precision="bf16",
                  dropout=None, stack=None, causal=True):
     g = gpu if isinstance(gpu, hardware.GPU) else _gpu(gpu)
     gpus = inputs.count("gpus", gpus)
@@ -67,8 +56,7 @@ def make_cluster(gpu="H100", gpus=8, gpus_per_node=None, intra_link=None, inter_
     intra = _link(intra_link or g.link, "--intra-link")
     inter = _link(inter_link or "InfiniBand NDR", "--inter-link")
     return ClusterSpec(g, gpus, gpus_per_node, intra, inter,
-                       achievable_fraction(g, "bf16", achievable),
-                       HBM_PASSES if hbm_passes is None else hbm_passes, flash_attention,
+                       achievable_fraction(g, "bf16", achievable), flash_attention,
                        precision, dropout, overlap.stack(stack or overlap.DEFAULT_STACK), causal,
                        achievable_fraction(g, "fp8", achievable) if g.fp8_flops else None)
 
@@ -88,13 +76,13 @@ def _link(name, option):
         raise ValueError(f"{option}: {error.args[0]}") from None
 
 
-def achievable_fraction(gpu, precision="bf16", fitted=None):
+def achievable_fraction(gpu, precision="bf16", override=None):
     """Fraction of the dense peak of `precision` the best large GEMM reaches on `gpu`: the
     ceiling of theory/kernels.py's per-kernel efficiency, measured (MAMF / peak, the public
     microbenchmark in data/hardware.csv; kernels.DEFAULT_MAMF_FRACTION without one), not fitted.
-    Each GEMM then runs at this x its shape efficiency. `fitted` (calibrate's grid, or the
-    GPU's own `achievable` override) replaces the bf16 ceiling; fp8 keeps its ratio to bf16."""
-    base = fitted or getattr(gpu, "achievable", None)
+    Each GEMM then runs at this x its shape efficiency. `override` (the user's own fraction, or
+    a custom GPU's `achievable`) replaces the bf16 ceiling; fp8 keeps its ratio to bf16."""
+    base = override or getattr(gpu, "achievable", None)
     if base is None:
         return kernels.ceiling(gpu, precision)
     return base * kernels.ceiling(gpu, precision) / kernels.ceiling(gpu, "bf16")

@@ -87,7 +87,8 @@ def tp_comm_time(c, m, tokens, tp, layers, collectives_per_layer, value_bytes=2)
 def cp_ring_times(c, m, seq, tokens, tp, cp, layers, attention_s_per_layer):
     """(total, exposed) seconds of context parallelism's K/V ring for one micro-batch (Liu et al.
     2023, arXiv 2310.01889): cp-1 hops forward, K, V and their gradients again backward (3x),
-    each hop hidden under one block of attention unless the link is slower."""
+    each hop hidden under one block of attention (one layer's forward + backward attention,
+    `attention_s_per_layer`, / cp / 3) unless the link is slower."""
     if cp <= 1:
         return 0.0, 0.0
     kv_bytes = 2 * 2 * tokens * m.kv_heads * m.head_dim / tp
@@ -161,12 +162,27 @@ def optimizer_time(c, params_held):
     return ADAM_BYTES_TOUCHED * params_held / kernels.hbm_bandwidth(c.gpu)
 
 
-def elementwise_time(c, layer_bytes_kept, layers, recompute_share):
-    """Memory-bound element-wise work (norms, activations, softmax, dropout, residuals): HBM
-    passes over the bytes a layer keeps, again (1/3 more) for recomputed forwards, at the
-    achievable HBM bandwidth (kernels.hbm_bandwidth)."""
-    return c.hbm_passes * layers * layer_bytes_kept / kernels.hbm_bandwidth(c.gpu) \
-        * (1 + recompute_share / 3)
+def elementwise_time(c, work, layers, recompute_share, selective=False):
+    """Memory-bound element-wise kernels (norms, rotary, activations, residual adds, dropout,
+    an unfused softmax) at the achievable HBM bandwidth (kernels.hbm_bandwidth), from their own
+    bytes (kernels.layer_kernels, `work` = kernels.training_forward's answer), not a fitted
+    pass count. Per layer and micro-batch:
+        bytes = forward + backward + recompute_share x forward (+ the softmax's forward again
+                under selective recompute)
+    Forward: each kernel reads its inputs and writes its output once. Backward, derived per
+    kernel (kernels.elementwise): y = f(x_1..x_n) needs dy and the saved x_i and writes each
+    dx_i, so it moves (2n + 1) / (n + 1) of the forward's bytes (a norm 3a for 2a, SwiGLU
+    5 for 3, softmax 3 for 2); a linear map (rotary, a residual add, a permutation) moves the
+    gradient as the forward moved the value; dropout reads the gradient and its 1-byte mask.
+    Hand check (Llama 3 8B, 8192 tokens, tp=1, a = 2 x 8192 x 4096 B = 64 MiB): norms 2 x (2a
+    + 3a), residuals 2 x (3a + 3a), rotary 2 x 2 x 1.25a (q and k: 40 of 32 heads' width),
+    SwiGLU (3 + 5) x 3.5a (ffn 14336 = 3.5 h): 55a = 3.69 GB per layer and micro-batch. The
+    fitted constant this replaces (6.5 passes over the bytes a layer keeps, Narayanan et al.
+    2021 Table 1) is gone: nothing here is fitted to a published run."""
+    per_layer = work["forward_bytes"] * (1 + recompute_share) + work["backward_bytes"]
+    if selective:
+        per_layer += (1 - recompute_share) * work["softmax_bytes"]
+    return (layers * per_layer + work["head_bytes"]) / kernels.hbm_bandwidth(c.gpu)
 
 
 def fp8_cast_time(c, m, tokens, tp, layers, layer_params, microbatches):

@@ -23,7 +23,7 @@ ranks the plans that fit. Everything is modelled from first principles with name
   pipeline bubble (pp-1)/v micro-batch times (Narayanan et al. 2021) + pipeline sends + DP/ZeRO
   traffic + the optimizer (memory bound). Each communication is split into what the stack
   (overlap.py: megatron, megatron-2021, fsdp2, deepspeed) hides under compute and what stays
-  exposed; hidden traffic slows compute by overlap.SM_CONTENTION. Collectives use the alpha-beta
+  exposed; hidden traffic slows compute (the SMs it holds, overlap.COMM_SMS). Collectives use the alpha-beta
   ring model (time.py) on NVLink inside a node, the inter-node link across nodes.
 - Legal interleaving: v > 1 needs whole layers per virtual stage (layers % (pp v) == 0).
 
@@ -40,8 +40,7 @@ import itertools
 from . import kernels, overlap, plan_inputs as inputs, plan_terms as terms
 from . import recompute as rc
 from . import transformer as tf
-from .plan_cluster import (ACHIEVABLE, HBM_PASSES, ClusterSpec, achievable_fraction,  # noqa: F401
-                           make_cluster)
+from .plan_cluster import ClusterSpec, achievable_fraction, make_cluster  # noqa: F401
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 RECOMPUTE = inputs.RECOMPUTE
@@ -211,8 +210,13 @@ def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):
                                   terms.tp_collectives_per_layer(p["recompute"], share))
     tp_exp, tp_hid = overlap.tp_comm(st, tp_total, work["gemm"], tp) if \
         p["sequence_parallel"] else (tp_total, 0.0)
-    cp_total, cp_exp = terms.cp_ring_times(c, m, seq, tokens, tp, cp, layers, work["attention"])
-    slow_mb = overlap.contention_slowdown(tp_hid + cp_total - cp_exp)
+    # each ring hop hides under one layer's block of attention, not the stage's
+    cp_total, cp_exp = terms.cp_ring_times(c, m, seq, tokens, tp, cp, layers,
+                                           work["attention"] / layers)
+    if not st.cp_overlap:     # K and V all-gathered before attention, on the critical path
+        cp_exp = cp_total
+    sms = kernels.sms(c.gpu)
+    slow_mb = overlap.contention_slowdown(tp_hid + cp_total - cp_exp, sms)
     mb_time = work["total"] + tp_exp + cp_exp + slow_mb
     pp_total = terms.pp_send_time(c, m, tokens, tp, dp * cp * tp * 2, pp, micro, v)
     pp_exp, pp_hid = overlap.pp_sends(st, pp_total, v)
@@ -222,7 +226,8 @@ def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):
                recompute=micro * work["recompute"],
                tp_comm=micro * tp_exp, cp_comm=micro * cp_exp, pp_bubble=(pp - 1) / v * mb_time,
                pp_comm=pp_exp, dp_comm=dp_exp, optimizer=terms.optimizer_time(c, opt_params),
-               overlap_slowdown=micro * slow_mb + overlap.contention_slowdown(pp_hid + dp_hid))
+               overlap_slowdown=micro * slow_mb + overlap.contention_slowdown(pp_hid + dp_hid,
+                                                                                  sms))
     communication = dict(tp_comm_exposed=micro * tp_exp, tp_comm_hidden=micro * tp_hid,
                          cp_comm_exposed=micro * cp_exp,
                          cp_comm_hidden=micro * (cp_total - cp_exp), pp_comm_exposed=pp_exp,
@@ -240,17 +245,21 @@ def _micro_batch_work(m, c, seq, p, tokens, layers, share, kept):
     fwd = kernels.training_forward(
         m, tokens, seq, c.gpu, tp, p["ep"], mbs, c.causal, flash,
         4 if c.precision == "fp32" else 2, terms.gemm_flops_rate(c, c.precision),
-        c.gpu.bf16_flops * c.achievable, c.kernel_launch_s)
-    gemm = 3 * layers * fwd["gemm"]
-    attention = 3 * layers * fwd["attention"]
-    head = 3 * fwd["head"]
-    launches = 3 * (layers * fwd["launch"] + fwd["head_launch"])
-    # run again in backward: the scores of every layer (FlashAttention's backward, selective
-    # recompute), the whole forward of the fully recomputed share (its launches too)
-    core_again = attention / 3 if (flash or p["recompute"] == "selective") else 0.0
-    recompute_s = share * (gemm + attention + layers * 3 * fwd["launch"]) / 3 \
+        c.gpu.bf16_flops * c.achievable, c.kernel_launch_s, p["sequence_parallel"],
+        tf.is_gpt(m) if c.dropout is None else c.dropout, p["cp"])
+    gemm = layers * (fwd["gemm"] + fwd["gemm_backward"])
+    attention = layers * (fwd["attention"] + fwd["attention_backward"])
+    head = fwd["head"] + fwd["head_backward"]
+    launches = layers * (fwd["launch"] + fwd["backward_launch"]) + 3 * fwd["head_launch"]
+    # run again in backward: the whole forward of the fully recomputed share (its launches
+    # too); the scores under selective recompute (FlashAttention's backward kernel already
+    # recomputes them: kernels.backward)
+    core_again = layers * fwd["attention"] if (not flash and p["recompute"] == "selective") \
+        else 0.0
+    recompute_s = share * layers * (fwd["gemm"] + fwd["attention"] + fwd["launch"]) \
         + (1 - share) * core_again
-    elementwise = terms.elementwise_time(c, kept, layers, share)
+    elementwise = terms.elementwise_time(c, fwd, layers, share,
+                                         p["recompute"] == "selective" and not flash)
     cast = 0.0
     if c.precision == "fp8":
         counts = layer_counts(m)
@@ -320,7 +329,7 @@ parse_model = inputs.parse_model      # a catalog name, a ModelShape or a shape 
 
 def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_link=None,
          global_batch=None, global_batch_tokens=None, seq=4096, fix=None, top=None,
-         achievable=None, hbm_passes=None, flash_attention=True, precision="bf16",
+         achievable=None, flash_attention=True, precision="bf16",
          dropout=None, stack=None, causal=True):
     """Rank every legal plan; returns DESIGN.md's {"model", "cluster", "considered", "plans"}.
 
@@ -329,7 +338,7 @@ def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_lin
     4 + 8 bytes of Adam states per parameter); stack: overlap.STACKS (default "megatron");
     gpu: a catalog name or a hardware.GPU (hardware.custom_gpu)."""
     m = parse_model(model)
-    c = make_cluster(gpu, gpus, gpus_per_node, intra_link, inter_link, achievable, hbm_passes,
+    c = make_cluster(gpu, gpus, gpus_per_node, intra_link, inter_link, achievable,
                      flash_attention, precision, dropout, stack, causal)
     seq = inputs.count("seq", seq)
     note = ""

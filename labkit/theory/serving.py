@@ -42,7 +42,7 @@ import math
 
 from . import catalog, hardware, kernels, plan_inputs as inputs
 from .memory import dtype_bytes
-from .planner import ACHIEVABLE, RESERVED_BYTES, achievable_fraction, parse_model
+from .planner import RESERVED_BYTES, achievable_fraction, parse_model
 from .time import collective_time
 from .weights import SCALE_BYTES, SCALE_GROUP, WEIGHTS, layer_param_split, weight_bytes  # noqa
 
