@@ -4,27 +4,32 @@ For a model, a cluster and a global batch it enumerates every legal plan (dp, tp
 interleave v, micro-batch size, ZeRO stage 0-3, recompute none/selective/full of k layers per
 stage, sequence parallel), predicts memory per GPU (worst pipeline stage) and the step time, and
 ranks the plans that fit. Everything is modelled from first principles with named terms
-(plan_terms.py, recompute.py, overlap.py, kernels.py) and one fitted constant (HBM_PASSES):
+(plan_terms.py, recompute.py, overlap.py, kernels.py); nothing is fitted to a published run:
 
 - Compute: kernel by kernel (kernels.py): each forward kernel of a layer the max of its FLOPs at
   peak x the GPU's measured MAMF ceiling x its shape's tile and wave quantization and its bytes
-  at an achievable HBM bandwidth, plus a launch; forward + backward = 3 x forward, recompute
-  adds the forward again; linear layers at the fp8 peak under precision="fp8"; attention at half
-  its FLOPs under FlashAttention with a causal mask (the kernel skips masked blocks). MFU
-  counts the FLOPs the model needs (6 N + 6 L h s per token when causal: the masked scores are
-  not needed), HFU those the kernels run (with recompute), both over the dense peak of the
-  linear layers' precision: each <= 1.
+  at an achievable HBM bandwidth, plus a launch; backward as its own kernels (dgrad and wgrad
+  GEMMs at their own shapes, FlashAttention's backward at 2.5 x its forward's FLOPs);
+  recompute runs the forward again; linear layers at the fp8 peak under precision="fp8";
+  attention at half its FLOPs under FlashAttention with a causal mask (the kernel skips masked
+  blocks). Element-wise kernels (norms, rotary, activations, residual adds, dropout, an unfused
+  softmax) at their own bytes forward and backward (plan_terms.elementwise_time). MFU counts
+  the FLOPs the model needs (6 N + 6 L h s per token when causal: the masked scores are not
+  needed), HFU those the kernels run (with recompute), both over the dense peak of the linear
+  layers' precision: each <= 1.
 - Memory, Megatron-LM's convention: 18 bytes per parameter (bf16 weights 2, fp32 main gradients
   4, fp32 master weights + Adam moments 12; ZeRO's paper counts 16 with bf16 gradients), sharded
   by ZeRO through memory.model_state_bytes; activations per layer from transformer.py times the
   micro-batches a stage holds (recompute.py, with k of the layers fully recomputed); two
   gathered layers under ZeRO-3; the allocator reserve (plan_terms.ALLOCATOR_RESERVE).
-- Time: compute + recompute + element-wise HBM passes + TP collectives + CP's K/V ring + the
+- Time: compute + recompute + element-wise kernels + TP collectives + CP's K/V ring (each hop
+  under one layer's attention block; exposed where the stack all-gathers, "llama3") + the
   pipeline bubble (pp-1)/v micro-batch times (Narayanan et al. 2021) + pipeline sends + DP/ZeRO
   traffic + the optimizer (memory bound). Each communication is split into what the stack
-  (overlap.py: megatron, megatron-2021, fsdp2, deepspeed) hides under compute and what stays
-  exposed; hidden traffic slows compute (the SMs it holds, overlap.COMM_SMS). Collectives use the alpha-beta
-  ring model (time.py) on NVLink inside a node, the inter-node link across nodes.
+  (overlap.py: megatron, megatron-2021, fsdp2, deepspeed, llama3) hides under compute and what
+  stays exposed; hidden traffic slows compute by the SMs it holds (overlap.COMM_SMS).
+  Collectives use the alpha-beta ring model (time.py) on NVLink inside a node, the inter-node
+  link across nodes.
 - Legal interleaving: v > 1 needs whole layers per virtual stage (layers % (pp v) == 0).
 
 Left out (so errors can be read): Python overheads, load imbalance between MoE experts, the

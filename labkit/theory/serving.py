@@ -14,7 +14,10 @@ roofline, and time to first token (TTFT) and time per output token (TPOT) per la
   (tile and wave quantization), launches kernels.LAUNCH_S per kernel (11 per Llama layer,
   10 per GPT layer): what makes batch-1 decode slower than its bytes alone. Decode reads
   every weight and the whole cache for b tokens: intensity ~ 2b / bytes_per_weight FLOP/byte,
-  so it is memory-bound until the knee batch b* = (peak x ceiling / achievable bandwidth) x bytes_per_weight / 2.
+  so it is memory-bound until the knee batch
+      b* = (peak x ceiling / achievable bandwidth) x bytes_per_weight / 2.
+  Serving counts each kernel's forward only (no backward, no dropout); the training planner
+  shares the same kernels (kernels.layer_kernels) with their backward.
 - Layouts of one replica (tp x pp x ep GPUs); replicas split the requests, a replica serving
   ceil(b / replicas) of them (at least one: a request is never split across replicas):
   TP: 2 all-reduces per layer of b x h values per decode step (Megatron-LM), each the faster

@@ -29,7 +29,8 @@
 # 1. trains the tiny GPT on a **2 × 2 × 2 mesh** (8 CPU ranks: DP × TP × PP, each dimension one
 #    of the building blocks of `labkit.parallel`) and checks it against one device;
 # 2. asks a **planner** (`labkit.theory.planner`) which layouts of a real model fit a real cluster
-#    and how fast each would go (modelled), calibrated on a published table of runs.
+#    and how fast each would go (modelled from measured and published constants, none fitted to
+#    a run), checked against published runs.
 
 # %%
 import pandas as pd
@@ -276,14 +277,15 @@ plan_table(out70, 4)
 # GPU's maximum achievable matmul FLOP/s (a public microbenchmark, `data/hardware.csv`, column
 # `mamf_*`) lowered by the tile and wave quantization of its shape, FlashAttention at the best
 # fraction of peak its paper reports, bytes at an achievable share of the HBM bandwidth, and a
-# launch cost per kernel (`data/kernels.csv`, each constant with its source). None of these is
-# fitted to a run. One constant still is, on **one** published table (Narayanan et al. 2021,
-# Table 1: GPT models from 1.7B to 1T parameters on 32 to 3,072 A100s, with their layouts): how
-# many times the element-wise kernels read and write each activation byte. Table 1's rows were
-# looked at while the model was designed, so they are shown apart (`calibration`). The rest are
+# launch cost per kernel (`data/kernels.csv`, each constant with its source). Element-wise
+# kernels (norms, rotary, activations, residual adds, dropout) move their own bytes, forward
+# and backward; backward GEMMs run at their own (dgrad, wgrad) shapes. **Nothing is fitted to a
+# run.** One published table (Narayanan et al. 2021, Table 1: GPT models from 1.7B to 1T
+# parameters on 32 to 3,072 A100s, with their layouts) once was, and its rows were looked at
+# while the model was designed, so they are shown apart (`calibration`). The rest are
 # datasheets (FLOP/s, HBM, links) and named assumptions, printed below: link efficiency,
 # latencies, the allocator's reserve and the SMs overlapped communication takes from compute.
-# Then it predicts runs it was **not** fitted on
+# Then it predicts runs it never looked at while it was designed
 # (Korthikanti et al. 2022; Llama 3.1 405B, Dubey et al. 2024; NVIDIA's NeMo and Megatron-Bridge
 # performance tables on H100, B200 and GB200, mostly fp8), beside `llm-analysis`, a tool that
 # assumes half of peak (`flops_efficiency=0.5`) and no overlap (its column comes from
@@ -313,7 +315,7 @@ from labkit.theory import kernels
 h100 = hardware.gpu("H100")
 print(f"measured, not fitted: H100 GEMM ceiling {kernels.ceiling(h100):.2f} of peak (MAMF), "
       f"HBM {kernels.HBM_FRACTION:.0%} of the datasheet, {kernels.LAUNCH_S * 1e6:g} us per "
-      f"kernel launch; fitted on Table 1: {planner.HBM_PASSES:g} HBM passes per activation byte")
+      f"kernel launch, FlashAttention {kernels.FLASH_FRACTION:.0%} of peak")
 print(f"assumed: link efficiency {link.efficiency:.0%} of line rate, NVLink latency "
       f"{link.latency * 1e6:.0f} us, allocator reserve {plan_terms.ALLOCATOR_RESERVE / 2**30:.0f} "
       f"GiB, overlapped comm takes {overlap.SM_CONTENTION:.0%} of the SMs")
@@ -353,8 +355,9 @@ fig = error_band_figure(band, error_band.published_rows(runs_check.runs("calibra
 # %% [markdown]
 # What the model leaves out, so the errors can be read. **Kernels**: every GEMM of a large
 # enough shape runs at the best matmul a microbenchmark found, so the model is optimistic
-# wherever real kernels fall short of it (most rows above over-predict); element-wise work is
-# one fitted number of HBM passes, not one kernel each. **Conventions**: some runs keep bf16
+# wherever real kernels fall short of it (nearly every row above over-predicts, by about a
+# fifth: the gap a fitted constant used to hide), and FlashAttention's backward at its forward's
+# efficiency. **Conventions**: some runs keep bf16
 # gradients (16 bytes per parameter, not 18), so a layout that fits them needs recompute here
 # (GPT3-20B), and the Llama 3 paper does not say whether its 128K MFU halves the causal
 # attention FLOPs.
