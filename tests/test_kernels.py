@@ -155,3 +155,35 @@ def test_elementwise_time_is_its_bytes_over_the_bandwidth():
     again = plan_terms.elementwise_time(c, work, 1, 1.0) - one
     assert again == pytest.approx(work["forward_bytes"] / bw)
     assert work["forward_bytes"] == pytest.approx((2 + 2.5 + 3 + 2 + 10.5 + 3) * a)
+
+
+def test_backward_gemms_run_at_their_own_shapes():
+    """Y = X W with X tokens x K, W K x N: dgrad is M x N @ N x K, wgrad K x M @ M x N, each
+    with the forward's FLOPs and its own tile and wave quantization (NVIDIA's Linear layers
+    guide); FlashAttention's backward is 2.5 x its forward's FLOPs (its recompute inside)."""
+    sms = kernels.sms("H100")
+    fwd = kernels.gemm("mlp down", 1000, 4096, 14336, "H100")
+    dgrad, wgrad = kernels.backward(fwd, "H100")
+    assert dgrad.flops == wgrad.flops == fwd.flops == 2 * 1000 * 4096 * 14336
+    assert dgrad.efficiency == kernels.shape_efficiency(1000, 14336, 4096, sms)
+    assert wgrad.efficiency == kernels.shape_efficiency(14336, 4096, 1000, sms)
+    # a thin inner dimension (K = 100 runs 128) quantizes differently in each of the three
+    # GEMMs, so backward is not simply twice the forward's time
+    thin = kernels.gemm("thin", 8192, 4096, 100, "H100")
+    assert {b.efficiency for b in kernels.backward(thin, "H100")} == {
+        kernels.shape_efficiency(8192, 100, 4096, sms)} != {thin.efficiency}
+    m = catalog.model("llama-3-8b")
+    flash = next(k for k in kernels.layer_kernels(m, 8192, 8192, "H100")
+                 if k.name == "flash attention")
+    (back,) = kernels.backward(flash, "H100")
+    assert back.flops == pytest.approx(2.5 * flash.flops) and back.efficiency == flash.efficiency
+
+
+def test_a_cp_ring_runs_attention_as_cp_blocks():
+    m = catalog.model("llama-3-8b")
+    whole = next(k for k in kernels.layer_kernels(m, 4096, 8192, "H100")
+                 if k.name == "flash attention")
+    ring = next(k for k in kernels.layer_kernels(m, 4096, 8192, "H100", ring=2)
+                if k.name == "flash attention")
+    assert ring.flops == pytest.approx(whole.flops)       # the same work, in 2 launches
+    assert ring.launches == 2 and whole.launches == 1

@@ -402,3 +402,16 @@ def test_global_batch_tokens_that_are_not_whole_sequences_are_said(capsys):
     exact = planner.plan("llama-3-8b", 64, "H100", global_batch_tokens=4096 * 512, seq=4096,
                          top=1)
     assert exact["workload"]["note"] == ""
+
+
+def test_llama3_stack_exposes_the_cp_all_gather():
+    """Dubey et al. 2024 section 3.3.2: Llama 3's CP all-gathers K and V, exposed; Megatron's
+    ring hides each hop under one layer's attention block."""
+    fix = "dp=1,tp=8,pp=1,cp=2,micro_batch_size=1,zero_stage=1,recompute=none"
+    ring, gather = (planner.plan("llama-3-70b", 16, "H100", global_batch=1, seq=65536, fix=fix,
+                                 top=1, stack=s)["plans"][0] for s in ("megatron", "llama3"))
+    hidden = ring["communication_s"]["cp_comm_hidden"]
+    assert ring["breakdown_s"]["cp_comm"] < hidden
+    assert gather["breakdown_s"]["cp_comm"] == pytest.approx(
+        ring["breakdown_s"]["cp_comm"] + hidden)
+    assert gather["step_s"] > ring["step_s"]
