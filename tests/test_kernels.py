@@ -187,3 +187,14 @@ def test_a_cp_ring_runs_attention_as_cp_blocks():
                 if k.name == "flash attention")
     assert ring.flops == pytest.approx(whole.flops)       # the same work, in 2 launches
     assert ring.launches == 2 and whole.launches == 1
+
+
+def test_training_pays_the_fp32_cross_entropy_over_the_logits():
+    """Megatron-Core's vocab-parallel cross entropy on logits.float(): 38 bytes per logit
+    forward (cast, max, subtract, exp, sum, divide), 14 backward; the logits split by tp."""
+    m = catalog.model("llama-3-8b")
+    loss = next(k for k in kernels.head_kernels(m, 8192, "H100", tp=4, loss=True)
+                if k.name == "cross entropy")
+    logits = 8192 * m.vocab / 4
+    assert (loss.bytes, loss.backward_bytes) == (38 * logits, 14 * logits)
+    assert not any(k.name == "cross entropy" for k in kernels.head_kernels(m, 1, "H100"))

@@ -239,12 +239,26 @@ def _residual(stream, mask):
                        backward=3 * stream + (2 * stream + mask if mask else 0.0))
 
 
-def head_kernels(m, tokens, gpu, *, tp=1, value_bytes=2, sp=False):
+# Bytes per logit of Megatron-Core's vocab-parallel cross entropy (megatron/core/
+# tensor_parallel/cross_entropy.py, called on logits.float()), kernel by kernel. Forward: the
+# cast to fp32 (read 2, write 4), the max (read 4), subtract it in place (4 + 4), exp in place
+# (4 + 4), the sum (read 4), divide in place into the softmax kept for backward (4 + 4): 38.
+# Backward: the softmax times the loss's gradient in place (4 + 4), the cast's backward to bf16
+# (read 4, write 2): 14. (The target gathers touch one logit per token: left out.)
+LOSS_FORWARD_BYTES, LOSS_BACKWARD_BYTES = 38, 14
+
+
+def head_kernels(m, tokens, gpu, *, tp=1, value_bytes=2, sp=False, loss=False):
     """The final norm (split by tp under sequence parallelism) and the logits GEMM (vocab
-    split by tp)."""
+    split by tp); in training (`loss`) the cross entropy over the rank's logits."""
     stream = value_bytes * tokens * m.hidden / (tp if sp else 1)
-    return [elementwise("final norm", 2 * stream),
-            gemm("logits", tokens, m.vocab / tp, m.hidden, gpu, value_bytes=value_bytes)]
+    out = [elementwise("final norm", 2 * stream),
+           gemm("logits", tokens, m.vocab / tp, m.hidden, gpu, value_bytes=value_bytes)]
+    if loss:
+        logits = tokens * m.vocab / tp
+        out.append(elementwise("cross entropy", LOSS_FORWARD_BYTES * logits,
+                               backward=LOSS_BACKWARD_BYTES * logits))
+    return out
 
 
 def is_gemm(kern: Kernel) -> bool:
@@ -282,7 +296,7 @@ def training_forward(m, tokens, seq, gpu, tp, ep, sequences, causal, flash, valu
     attention = [k for k in layer if k.name.startswith("attention s") or k.name.startswith(
         "attention v") or k.name == "flash attention"]
     linear = [k for k in layer if is_gemm(k) and k not in attention]
-    head = head_kernels(m, tokens, gpu, tp=tp, value_bytes=value_bytes, sp=sp)
+    head = head_kernels(m, tokens, gpu, tp=tp, value_bytes=value_bytes, sp=sp, loss=True)
     pointwise = [k for k in layer if not is_gemm(k)]
 
     def back(kernels_):

@@ -174,6 +174,8 @@ def elementwise_time(c, work, layers, recompute_share, selective=False):
     dx_i, so it moves (2n + 1) / (n + 1) of the forward's bytes (a norm 3a for 2a, SwiGLU
     5 for 3, softmax 3 for 2); a linear map (rotary, a residual add, a permutation) moves the
     gradient as the forward moved the value; dropout reads the gradient and its 1-byte mask.
+    Once per micro-batch, the head's: the final norm and the cross entropy over the rank's
+    logits, 38 + 14 bytes per logit (kernels.LOSS_FORWARD_BYTES: Megatron-Core's fp32 loss).
     Hand check (Llama 3 8B, 8192 tokens, tp=1, a = 2 x 8192 x 4096 B = 64 MiB): norms 2 x (2a
     + 3a), residuals 2 x (3a + 3a), rotary 2 x 2 x 1.25a (q and k: 40 of 32 heads' width),
     SwiGLU (3 + 5) x 3.5a (ffn 14336 = 3.5 h): 55a = 3.69 GB per layer and micro-batch. The

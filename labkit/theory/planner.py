@@ -13,7 +13,8 @@ ranks the plans that fit. Everything is modelled from first principles with name
   recompute runs the forward again; linear layers at the fp8 peak under precision="fp8";
   attention at half its FLOPs under FlashAttention with a causal mask (the kernel skips masked
   blocks). Element-wise kernels (norms, rotary, activations, residual adds, dropout, an unfused
-  softmax) at their own bytes forward and backward (plan_terms.elementwise_time). MFU counts
+  softmax, the fp32 cross entropy over the logits) at their own bytes forward and backward
+  (plan_terms.elementwise_time). MFU counts
   the FLOPs the model needs (6 N + 6 L h s per token when causal: the masked scores are not
   needed), HFU those the kernels run (with recompute), both over the dense peak of the linear
   layers' precision: each <= 1.

@@ -278,9 +278,9 @@ plan_table(out70, 4)
 # `mamf_*`) lowered by the tile and wave quantization of its shape, FlashAttention at the best
 # fraction of peak its paper reports, bytes at an achievable share of the HBM bandwidth, and a
 # launch cost per kernel (`data/kernels.csv`, each constant with its source). Element-wise
-# kernels (norms, rotary, activations, residual adds, dropout) move their own bytes, forward
-# and backward; backward GEMMs run at their own (dgrad, wgrad) shapes. **Nothing is fitted to a
-# run.** One published table (Narayanan et al. 2021, Table 1: GPT models from 1.7B to 1T
+# kernels (norms, rotary, activations, residual adds, dropout, the fp32 loss over the logits)
+# move their own bytes, forward and backward; backward GEMMs run at their own (dgrad, wgrad)
+# shapes. **Nothing is fitted to a run.** One published table (Narayanan et al. 2021, Table 1: GPT models from 1.7B to 1T
 # parameters on 32 to 3,072 A100s, with their layouts) once was, and its rows were looked at
 # while the model was designed, so they are shown apart (`calibration`). The rest are
 # datasheets (FLOP/s, HBM, links) and named assumptions, printed below: link efficiency,
