@@ -346,7 +346,7 @@ def test_memory_refuses_huge_counts_in_one_line(capsys):
 
 def test_held_out_runs_stay_predicted():
     # A guard, not a fit: nothing was tuned on these rows (data/published_runs.csv, use=check).
-    # labkit's mean absolute error on them is ~25% with nothing fitted (bench/planner.py; it
+    # labkit's mean absolute error on them is ~24% with nothing fitted (bench/planner.py; it
     # was ~10% with the 0.67 and 6.5 HBM passes fitted on Table 1; llm-analysis at half of
     # peak: ~26%); 32% leaves room for the model's known gaps and fails a broken model.
     rows = published.check(published.runs("check"))
@@ -415,3 +415,17 @@ def test_llama3_stack_exposes_the_cp_all_gather():
     assert gather["breakdown_s"]["cp_comm"] == pytest.approx(
         ring["breakdown_s"]["cp_comm"] + hidden)
     assert gather["step_s"] > ring["step_s"]
+
+
+def test_fp8_current_scaling_reads_each_cast_value_once_more():
+    """Transformer Engine docs ("FP8 Delayed Scaling"): current scaling reads a tensor twice
+    per quantization (amax, then cast), delayed once: 4 + 2 bytes per value against 4."""
+    from labkit.theory import plan_terms
+    m = catalog.model("llama-3-8b")
+    delayed = planner.make_cluster("H100", 8, precision="fp8")
+    current = planner.make_cluster("H100", 8, precision="fp8", fp8_recipe="current")
+    args = (m, 8192, 1, 1, 0, 1)
+    assert plan_terms.fp8_cast_time(current, *args) == pytest.approx(
+        plan_terms.fp8_cast_time(delayed, *args) * 6 / 4)
+    with pytest.raises(ValueError, match="--fp8-recipe"):
+        planner.make_cluster("H100", 8, precision="fp8", fp8_recipe="jit")

@@ -28,6 +28,7 @@ class ClusterSpec:
     causal: bool = True              # causal masks: FlashAttention skips the masked blocks
     achievable_fp8: float = None     # fp8 GEMM ceiling (precision="fp8")
     kernel_launch_s: float = kernels.LAUNCH_S   # per kernel (data/kernels.csv)
+    fp8_recipe: str = "delayed"      # TE scaling: "current" reads each tensor twice to cast it
 
     def link(self, span):
         """The link of a group whose members lie within `span` consecutive ranks."""
@@ -45,12 +46,13 @@ class ClusterSpec:
 
 def make_cluster(gpu="H100", gpus=8, gpus_per_node=None, intra_link=None, inter_link=None,
                  achievable=None, flash_attention=True, precision="bf16",
-                 dropout=None, stack=None, causal=True):
+                 dropout=None, stack=None, causal=True, fp8_recipe="delayed"):
     g = gpu if isinstance(gpu, hardware.GPU) else _gpu(gpu)
     gpus = inputs.count("gpus", gpus)
     gpus_per_node = inputs.count("gpus_per_node", g.nvlink_domain if gpus_per_node is None
                                  else gpus_per_node)     # 0 is refused, not defaulted
     inputs.choice(precision, inputs.PRECISIONS, "--precision")
+    inputs.choice(fp8_recipe, inputs.FP8_RECIPES, "--fp8-recipe")
     if precision == "fp8":
         g.flops("fp8")      # a GPU without fp8 tensor cores ends here, saying so
     intra = _link(intra_link or g.link, "--intra-link")
@@ -58,7 +60,8 @@ def make_cluster(gpu="H100", gpus=8, gpus_per_node=None, intra_link=None, inter_
     return ClusterSpec(g, gpus, gpus_per_node, intra, inter,
                        achievable_fraction(g, "bf16", achievable), flash_attention,
                        precision, dropout, overlap.stack(stack or overlap.DEFAULT_STACK), causal,
-                       achievable_fraction(g, "fp8", achievable) if g.fp8_flops else None)
+                       achievable_fraction(g, "fp8", achievable) if g.fp8_flops else None,
+                       fp8_recipe=fp8_recipe)
 
 
 def _gpu(name):

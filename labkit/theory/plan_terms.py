@@ -20,6 +20,7 @@ ADAM_BYTES_TOUCHED = 30         # read grad, master, m, v (16 B); write master, 
 # fp8 copy transposed (1 + 1 B): Hopper's fp8 tensor cores take only the TN layout, so backward
 # needs the transpose (TE docs, "FP8 primer").
 FP8_CAST_BYTES = 4
+CURRENT_SCALING_BYTES = 2       # current scaling's amax pass reads the bf16 value again
 GRAD_BYTES = 4                  # fp32 main gradients (see the module docstring)
 
 
@@ -191,11 +192,16 @@ def fp8_cast_time(c, m, tokens, tp, layers, layer_params, microbatches):
     """Transformer Engine casts each fp8 GEMM's inputs: forward activations entering the QKV,
     output, MLP-up and MLP-down projections (3h + f per token), their gradients in backward
     (as many), FP8_CAST_BYTES each; weights once per step (cached across micro-batches).
+    Current scaling reads each bf16 value once more (CURRENT_SCALING_BYTES) for its amax: "FP8
+    Current Scaling requires two tensor reads per quantization: one to compute amax, one to
+    cast" (Transformer Engine docs, "FP8 Delayed Scaling"); delayed scaling takes the amax
+    from history.
     Hand check: h=4096, f=14336, 8192 tokens, tp=1, 1 layer: 2 * 8192 * 26624 * 4 B = 1.74 GB
     of HBM traffic per micro-batch."""
     f = m.ffn * (min(m.top_k, m.experts) if m.experts > 1 else 1)
-    per_mb = 2 * tokens * (3 * m.hidden + f) / tp * layers * FP8_CAST_BYTES
-    weights = layer_params * layers * FP8_CAST_BYTES
+    cast = FP8_CAST_BYTES + (CURRENT_SCALING_BYTES if c.fp8_recipe == "current" else 0)
+    per_mb = 2 * tokens * (3 * m.hidden + f) / tp * layers * cast
+    weights = layer_params * layers * cast
     return (per_mb * microbatches + weights) / kernels.hbm_bandwidth(c.gpu)
 
 

@@ -336,16 +336,17 @@ parse_model = inputs.parse_model      # a catalog name, a ModelShape or a shape 
 def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_link=None,
          global_batch=None, global_batch_tokens=None, seq=4096, fix=None, top=None,
          achievable=None, flash_attention=True, precision="bf16",
-         dropout=None, stack=None, causal=True):
+         dropout=None, stack=None, causal=True, fp8_recipe="delayed"):
     """Rank every legal plan; returns DESIGN.md's {"model", "cluster", "considered", "plans"}.
 
     flash_attention=False models a stack that stores the softmax (Megatron-LM in 2021);
     precision "fp8" runs the linear layers in fp8 (Transformer Engine), "fp32" is all fp32 (4 +
-    4 + 8 bytes of Adam states per parameter); stack: overlap.STACKS (default "megatron");
+    4 + 8 bytes of Adam states per parameter); fp8_recipe: Transformer Engine's "delayed" or
+    "current" scaling (plan_terms.fp8_cast_time); stack: overlap.STACKS (default "megatron");
     gpu: a catalog name or a hardware.GPU (hardware.custom_gpu)."""
     m = parse_model(model)
     c = make_cluster(gpu, gpus, gpus_per_node, intra_link, inter_link, achievable,
-                     flash_attention, precision, dropout, stack, causal)
+                     flash_attention, precision, dropout, stack, causal, fp8_recipe)
     seq = inputs.count("seq", seq)
     note = ""
     if global_batch is None:

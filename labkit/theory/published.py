@@ -34,7 +34,8 @@ def predict(r, achievable=None):
                         fix=_fix(r, m), top=1, achievable=achievable,
                         flash_attention=r["attention"] == "flash",
                         precision=r.get("precision") or "bf16",
-                        stack=r.get("stack") or None)["plans"][0]
+                        stack=r.get("stack") or None,
+                        fp8_recipe=r.get("fp8_recipe") or "delayed")["plans"][0]
 
 
 def published_tflops(r):
