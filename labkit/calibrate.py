@@ -10,7 +10,7 @@ median of several repetitions):
   - the NCCL all-reduce curve on every GPU of the machine (only with 2 or more).
 The profile format and its use in `plan --gpu-profile`: labkit/theory/profile.py. Each
 measured number is printed beside the lab's own model of it (theory/serving.py's decode
-roofline, theory/transformer.py's 6N + 12Lhs FLOPs at the fitted achievable fraction).
+roofline, theory/transformer.py's 6N + 12Lhs FLOPs at the MAMF ceiling, theory/kernels.py).
 """
 from __future__ import annotations
 

@@ -34,10 +34,12 @@ def plan_arguments(parser):
     batch.add_argument("--global-batch", type=int, help="global batch in sequences")
     batch.add_argument("--global-batch-tokens", type=int, help="global batch in tokens")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length")
+    parser.add_argument("--fp8-recipe", default="delayed", choices=("delayed", "current"),
+                        help="Transformer Engine's fp8 scaling (current: one more read per cast)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp32"),
                         help="fp8: linear layers in fp8 (Transformer Engine), the rest bf16")
     parser.add_argument("--stack", default="megatron",
-                        choices=("megatron", "megatron-2021", "fsdp2", "deepspeed"),
+                        choices=("megatron", "megatron-2021", "fsdp2", "deepspeed", "llama3"),
                         help="which communication the software hides under compute")
     parser.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True,
                         help="FlashAttention (no s^2 softmax kept; --no-flash: unfused)")
@@ -78,7 +80,8 @@ def plan_command(args):
                        args.inter_link, global_batch=args.global_batch,
                        global_batch_tokens=args.global_batch_tokens, seq=args.seq,
                        fix=args.fix, top=args.top, flash_attention=args.flash,
-                       precision=args.precision, stack=args.stack, causal=args.causal)
+                       precision=args.precision, stack=args.stack, causal=args.causal,
+                       fp8_recipe=args.fp8_recipe)
     if header:
         out["gpu_profile"] = dict(path=args.gpu_profile, peak_bf16_flops=gpu.bf16_flops,
                                   memory_bw=gpu.memory_bw)

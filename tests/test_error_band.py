@@ -44,7 +44,9 @@ def test_only_check_rows_and_each_named(training, check_rows):
     names = {r["name"] for r in training["rows"]}
     assert names == {r["name"] for r in check_rows} and len(names) == training["n"]
     assert not names & {r["name"] for r in published.runs("calibration")}
-    assert training["low"] <= 0 <= training["high"] and training["inside"] < training["n"]
+    # the kernel model (nothing fitted) over-predicts most rows: the band need not hold 0
+    assert training["min"] <= training["low"] <= training["high"] <= training["max"]
+    assert training["inside"] < training["n"]
     for r in training["rows"]:          # the error is the row's, predicted by the planner
         assert r["error"] == pytest.approx(r["modelled"] / r["reference"] - 1)
 

@@ -1,14 +1,16 @@
-"""The planner (labkit/theory/planner.py): calibrated on Narayanan et al. 2021 Table 1, rejects
-what cannot fit with a reason, keeps TP inside a node, and agrees with the catalog's counts."""
+"""The planner (labkit/theory/planner.py): near Narayanan et al. 2021 Table 1 with nothing
+fitted to it, rejects what cannot fit with a reason, keeps TP inside a node, and agrees with the
+catalog's counts."""
 import pytest
 
 from labkit.theory import catalog, planner, published, transformer as tf
 
-# Calibration tolerance: the two fitted constants leave a mean absolute error of 1.6% and every
-# row within 4% on Table 1 (the table reports whole TFLOP/s; run-to-run noise on Selene was a
-# few percent). 6% per row and 3% on the mean leave room for rounding without hiding a change
-# in the model's physics (dropping the bubble, the TP comm or recompute moves rows by > 10%).
-ROW_TOLERANCE, MEAN_TOLERANCE = 0.06, 0.03
+# Table 1 tolerance: GEMMs run at the kernel model's efficiency (theory/kernels.py: the measured
+# MAMF ceiling) and element-wise kernels at their own bytes, nothing fitted; it over-predicts
+# Table 1 by 15-24% (mean 20.1%, bench/planner.py); 28% per row and 25% on the mean guard
+# against a broken model (dropping the bubble, the TP comm or recompute moves rows by > 10%
+# more) without hiding that gap.
+ROW_TOLERANCE, MEAN_TOLERANCE = 0.28, 0.25
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +246,9 @@ def test_overlap_hides_up_to_the_window_and_charges_contention():
     mega, old = overlap.stack("megatron"), overlap.stack("megatron-2021")
     assert overlap.tp_comm(old, 4.0, 10.0, 8) == (4.0, 0.0)
     assert overlap.tp_comm(mega, 4.0, 10.0, 8) == (0.5, 3.5)        # floor: one of 8 steps
-    assert overlap.contention_slowdown(3.5) == pytest.approx(3.5 * 16 / 132)
+    # 16 of 132 SMs held: the compute beside it runs on 116, 132/116 as long
+    assert overlap.contention_slowdown(3.5) == pytest.approx(3.5 * 16 / 116)
+    assert overlap.contention_slowdown(3.5, 148) == pytest.approx(3.5 * 16 / 132)
     # FSDP, 4 layers: gathers 8 s (4 forward, 4 backward), reduce 4 s; forward 2 s, backward 10 s
     exposed, hidden = overlap.fsdp_layer_traffic(8.0, 4.0, 2.0, 10.0, 4)
     assert exposed == pytest.approx(2.0 + 2.0) and hidden == pytest.approx(2.0 + 6.0)
@@ -269,11 +273,11 @@ def test_fp8_speeds_up_only_the_linear_layers():
     from labkit.theory import plan_terms, hardware
     c8 = planner.make_cluster("H100", 8, precision="fp8")
     c16 = planner.make_cluster("H100", 8)
-    # the measured matmul ceilings carry the A100 fit: 1402.6 fp8 vs 794.5 bf16 TFLOP/s
+    # the measured matmul ceilings: 1402.6 fp8 vs 794.5 bf16 TFLOP/s
     assert plan_terms.gemm_flops_rate(c8, "fp8") / plan_terms.gemm_flops_rate(c16, "bf16") \
         == pytest.approx(1402.6 / 794.5, rel=1e-6)
-    # ... and the A100 fit itself: 0.67 x 794.5 / 989 / (271.2 / 312) of the H100's peak
-    assert c16.achievable == pytest.approx(0.67 * (794.5 / 989) / (271.2 / 312), rel=1e-6)
+    # ... and the bf16 ceiling is the H100's own measured MAMF over its peak, nothing fitted
+    assert c16.achievable == pytest.approx(794.5 / 989, rel=1e-6)
     kw = dict(global_batch=8, seq=4096, top=1, fix="dp=8,tp=1,pp=1,micro_batch_size=1")
     bf16 = planner.plan("llama-3-8b", 8, "H100", **kw)["plans"][0]
     fp8 = planner.plan("llama-3-8b", 8, "H100", precision="fp8", **kw)["plans"][0]
@@ -329,7 +333,8 @@ def test_fp8_cast_traffic_matches_the_hand_count():
     c = planner.make_cluster("H100", 8, precision="fp8")
     m = catalog.model("llama-3-8b")
     seconds = plan_terms.fp8_cast_time(c, m, 8192, 1, 1, 0, 1)
-    assert seconds * c.gpu.memory_bw == pytest.approx(2 * 8192 * (3 * 4096 + 14336) * 4)
+    # at the achievable HBM bandwidth: 84% of the datasheet's 3.35 TB/s (data/kernels.csv)
+    assert seconds * 3.35e12 * 0.84 == pytest.approx(2 * 8192 * (3 * 4096 + 14336) * 4)
 
 
 def test_memory_refuses_huge_counts_in_one_line(capsys):
@@ -341,12 +346,12 @@ def test_memory_refuses_huge_counts_in_one_line(capsys):
 
 def test_held_out_runs_stay_predicted():
     # A guard, not a fit: nothing was tuned on these rows (data/published_runs.csv, use=check).
-    # labkit's mean absolute error on them is ~10% (bench/planner.py; llm-analysis at half of
-    # peak: ~26%; without overlap, megatron-2021 everywhere: ~13%; without the MAMF scaling of
-    # the A100 fit: ~16%); 15% leaves room for the model's known gaps.
+    # labkit's mean absolute error on them is ~24% with nothing fitted (bench/planner.py; it
+    # was ~10% with the 0.67 and 6.5 HBM passes fitted on Table 1; llm-analysis at half of
+    # peak: ~26%); 32% leaves room for the model's known gaps and fails a broken model.
     rows = published.check(published.runs("check"))
     assert len(rows) >= 25
-    assert sum(abs(r["error"]) for r in rows) / len(rows) < 0.15
+    assert sum(abs(r["error"]) for r in rows) / len(rows) < 0.32
 
 
 def test_selective_recompute_keeps_korthikantis_bytes_not_full_recomputes():
@@ -436,3 +441,30 @@ def test_expert_all_to_all_is_priced_and_pays_for_leaving_the_node():
         "all_to_all", plan_terms.ep_all_to_all_bytes(m, 4096, 2), 4)
     lesson = moe.all_to_all_bytes_per_rank(4096, m.top_k, m.hidden, 4, bytes_per_value=2)
     assert per_layer == pytest.approx(lesson, rel=1e-12)
+
+
+def test_llama3_stack_exposes_the_cp_all_gather():
+    """Dubey et al. 2024 section 3.3.2: Llama 3's CP all-gathers K and V, exposed; Megatron's
+    ring hides each hop under one layer's attention block."""
+    fix = "dp=1,tp=8,pp=1,cp=2,micro_batch_size=1,zero_stage=1,recompute=none"
+    ring, gather = (planner.plan("llama-3-70b", 16, "H100", global_batch=1, seq=65536, fix=fix,
+                                 top=1, stack=s)["plans"][0] for s in ("megatron", "llama3"))
+    hidden = ring["communication_s"]["cp_comm_hidden"]
+    assert ring["breakdown_s"]["cp_comm"] < hidden
+    assert gather["breakdown_s"]["cp_comm"] == pytest.approx(
+        ring["breakdown_s"]["cp_comm"] + hidden)
+    assert gather["step_s"] > ring["step_s"]
+
+
+def test_fp8_current_scaling_reads_each_cast_value_once_more():
+    """Transformer Engine docs ("FP8 Delayed Scaling"): current scaling reads a tensor twice
+    per quantization (amax, then cast), delayed once: 4 + 2 bytes per value against 4."""
+    from labkit.theory import plan_terms
+    m = catalog.model("llama-3-8b")
+    delayed = planner.make_cluster("H100", 8, precision="fp8")
+    current = planner.make_cluster("H100", 8, precision="fp8", fp8_recipe="current")
+    args = (m, 8192, 1, 1, 0, 1)
+    assert plan_terms.fp8_cast_time(current, *args) == pytest.approx(
+        plan_terms.fp8_cast_time(delayed, *args) * 6 / 4)
+    with pytest.raises(ValueError, match="--fp8-recipe"):
+        planner.make_cluster("H100", 8, precision="fp8", fp8_recipe="jit")

@@ -192,13 +192,9 @@ def test_four_bit_llama_3_70b_is_about_35_gb_and_scales_are_counted():
 
 def test_the_knee_batch_of_decode():
     # Without a cache, intensity = 2 N b / (bytes of the weights): bf16 weights on an H100 turn
-    # compute-bound at b = peak x achievable / bandwidth (dense, bytes per weight = 2), the
-    # achievable fraction the planner's: Table 1's fit on A100 times how much closer H100's best
-    # matmul (MAMF) comes to its peak than A100's.
-    h100, a100 = hardware.gpu("H100"), hardware.gpu("A100")
-    achievable = planner.ACHIEVABLE * (h100.mamf_bf16_flops / h100.bf16_flops) / (
-        a100.mamf_bf16_flops / a100.bf16_flops)
-    ridge = h100.bf16_flops * achievable / h100.memory_bw
+    # compute-bound at b = best GEMM FLOP/s / achievable bandwidth (dense, bytes per weight =
+    # 2): H100's measured MAMF, 794.5 TFLOP/s, over 84% of its 3.35 TB/s (data/kernels.csv)
+    ridge = 794.5e12 / (3.35e12 * 0.84)
     m = catalog.model("llama-3-70b")
     by_hand = ridge * theory.weight_bytes(m)["total"] / (2 * m.active_param_count())
     assert theory.knee_batch(m, "H100") == math.ceil(by_hand)
@@ -212,14 +208,19 @@ def test_tpot_by_hand_one_gpu_tp_and_pp():
     g = hardware.gpu("H100")
     P, T = 512, 64
     one = theory.serving_time(m, gpu="H100", batch=1, prompt_len=P, new_tokens=T)
-    # batch 1 decode is memory-bound: weights + the cache at context P + T/2 over HBM
+    # batch 1 decode is memory-bound: weights + the cache at context P + T/2 over the
+    # achievable HBM bandwidth (84% of 3.35 TB/s), plus a launch of 4 us for each kernel: 11
+    # per Llama layer (2 norms, QKV, RoPE, attention, output, 2 residual adds, gate/up,
+    # SwiGLU, down) and 2 for the head (final norm, logits)
     read = theory.weight_bytes(m)["total"] + (P + T / 2 + 1) * theory.kv_bytes_per_token(m)
-    assert one["tpot_s"] == pytest.approx(read / g.memory_bw, rel=1e-9)
+    bw, launches = g.memory_bw * 0.84, (32 * 11 + 2) * 4e-6
+    assert one["tpot_s"] == pytest.approx(read / bw + launches, rel=1e-9)
+    assert one["tpot_s"] > read / g.memory_bw       # slower than the datasheet roofline
     # TP=2: half the bytes per GPU, plus 2 all-reduces per layer of h bf16 values (ring on
     # NVLink 4: 2 (n-1) latency steps of 2 us + 2 (n-1)/n x bytes / (450 GB/s x 0.8))
     tp2 = theory.serving_time(m, gpu="H100", tp=2, batch=1, prompt_len=P, new_tokens=T)
     all_reduce = 2 * 2e-6 + (m.hidden * 2) / (450e9 * 0.8)
-    assert tp2["tpot_s"] == pytest.approx(read / 2 / g.memory_bw + 2 * 32 * all_reduce,
+    assert tp2["tpot_s"] == pytest.approx(read / 2 / bw + launches + 2 * 32 * all_reduce,
                                           rel=1e-6)
     # PP=2: half the memory per GPU, but a token still passes every layer: no faster
     pp2 = theory.serving_time(m, gpu="H100", pp=2, batch=1, prompt_len=P, new_tokens=T)
@@ -236,8 +237,9 @@ def test_replicas_double_throughput_only_when_one_copy_is_saturated():
     # 16 requests, decode-heavy: one GPU batches them as cheaply as two (memory-bound)
     speed, tpot = ratio(16, 64, 256)
     assert speed < 1.1 and tpot > 0.9
-    # far past the knee (compute-bound) or all prefill: a second copy doubles the rate
-    assert ratio(1024, 64, 256)[0] == pytest.approx(2.0, rel=0.02)
+    # far past the knee (compute-bound) or all prefill: a second copy nearly doubles the rate
+    # (each copy still pays its kernel launches per step, which do not halve)
+    assert 1.8 < ratio(1024, 64, 256)[0] <= 2.0
     assert ratio(16, 4096, 1)[0] == pytest.approx(2.0, rel=0.02)
 
 

@@ -4,8 +4,8 @@ Both planners are models; on runs they never saw they are off. Every plan theref
 the spread of error = modelled / reference - 1 (a throughput ratio: TFLOP/s or tokens/s per
 GPU, so +10% means the model promised 10% more than was seen) over rows that nothing was
 fitted to:
-  - training: the `check` rows of labkit/tables/published_runs.csv (published.py: one table
-    fits, the rest check), each predicted with the row's own layout held; beside them the
+  - training: the `check` rows of labkit/tables/published_runs.csv (published.py; Table 1's
+    rows kept apart), each predicted with the row's own layout held; beside them the
     training steps of data/profiles/h200.json, one GPU, predicted by the same planner;
   - serving: the decode steps of data/profiles/h200.json (one GPU, a 1B-shaped Llama, replayed
     as a CUDA graph), predicted by serving.serving_time, the roofline `plan --serve` ranks by.

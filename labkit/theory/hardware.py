@@ -3,8 +3,9 @@
 A GPU does `flops(dtype)` FLOP/s at peak; a cluster achieves `mfu` of that (an assumption).
 A link moves `bandwidth * efficiency` bytes/s per direction after `latency` seconds.
 A GPU's `memory_bytes` is what the driver reports (H100: 81559 MiB = 85.5e9 bytes), so that
-"fits" compares like with like; `achievable` is the fitted fraction of peak big GEMMs reach;
-`mamf_*` the measured maximum achievable matmul FLOP/s (a public microbenchmark, see the CSV).
+"fits" compares like with like; `mamf_*` the measured maximum achievable matmul FLOP/s (a
+public microbenchmark, see the CSV), the ceiling of theory/kernels.py's GEMM efficiency;
+`achievable` an optional override of that ceiling.
 """
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ class GPU:
     memory_bytes: float   # bytes the driver reports (nvidia-smi memory.total); 1 GB = 1e9 bytes
     memory_bw: float      # bytes/s
     link: str             # name of the default intra-node link
-    achievable: float | None = None   # fraction of dense bf16 peak large GEMMs reach (fitted)
+    achievable: float | None = None   # override of the MAMF ceiling (None: kernels.ceiling)
     fp8_flops: float | None = None    # dense fp8 tensor-core FLOP/s (None: no fp8 tensor cores)
     power_w: float | None = None      # board power (datasheet TDP)
     nvlink_domain: int = 8            # GPUs one NVLink/fabric domain joins (a node; NVL72: 72)
     mamf_bf16_flops: float | None = None  # measured maximum achievable matmul FLOP/s, bf16
     mamf_fp8_flops: float | None = None   # the same for fp8 (None: not measured)
+    hbm_fraction: float | None = None     # achieved / memory_bw (None: kernels.HBM_FRACTION)
 
     def flops(self, dtype="bf16") -> float:
         """Peak FLOP/s for a dtype: a torch dtype or 'bf16'/'fp16'/'fp8'/'fp32'/'float32'."""

@@ -5,8 +5,8 @@ compute (the window) and *exposed* beyond it: exposed = max(floor, comm - window
 floor is the part no schedule can hide (the first all-gather before there is anything to compute,
 the last reduce-scatter after the last gradient). Hiding is not free: the collective's kernels
 hold streaming multiprocessors (SMs) that the overlapped GEMMs lose, so compute slows by
-SM_CONTENTION x the hidden time (Calculon, Isaev et al. 2023, SC'23, charges overlapped
-communication against compute the same way).
+COMM_SMS / (SMs - COMM_SMS) x the hidden time (Calculon, Isaev et al. 2023, SC'23, charges
+overlapped communication against compute the same way).
 
 The stacks (a planner option, `stack=`):
 - "megatron": Megatron-Core today. TP all-gather / reduce-scatter overlapped with the GEMMs
@@ -21,6 +21,10 @@ The stacks (a planner option, `stack=`):
 - "fsdp2": PyTorch FSDP2 / torchtitan. ZeRO-3 (fully_shard) prefetches the next layer's
   all-gather during forward and backward and reduce-scatters each layer's gradients during
   backward; async TP overlaps TP like Megatron-Core; ZeRO 0-2 reduce gradients as DDP does.
+- "llama3": Meta's stack for Llama 3 (Dubey et al. 2024, arXiv 2407.21783, section 3.3.2):
+  as "megatron", but context parallelism all-gathers K and V before attention instead of
+  passing them round a ring, and "the all-gather communication latency is exposed in the
+  critical path".
 - "deepspeed": DeepSpeed ZeRO (`overlap_comm`): reduce-scatter with backward, ZeRO-3 prefetch
   as FSDP2; no TP overlap; ZeRO-1/2 parameters gathered after the step.
 """
@@ -28,10 +32,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# SMs a collective's kernels take from overlapped compute, as a fraction of an H100's 132: NCCL
-# runs one thread block (one SM) per channel and Transformer Engine's userbuffers overlap uses
-# 16 SMs by default (`num_sm` in its TP-overlap config): 16 / 132 = 0.12.
-SM_CONTENTION = 16 / 132
+# SMs a collective's kernels take from overlapped compute: NCCL runs one thread block (one SM)
+# per channel and Transformer Engine's userbuffers overlap uses 16 SMs by default (`num_sm` in
+# its TP-overlap config). (DeepSeek-V3's report, arXiv 2412.19437 section 3.2.2, gives 20 of
+# an H800's 132 SMs to its all-to-all: the same order.) SM_CONTENTION: their share of an H100.
+COMM_SMS = 16
+SM_CONTENTION = COMM_SMS / 132
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class Stack:
     grad_reduce_overlap: bool  # ZeRO-1/2 reduce-scatter under backward (DDP all-reduce always)
     param_gather_overlap: bool  # ZeRO-1/2 parameter all-gather under the next forward
     p2p_overlap: bool          # pipeline sends under interleaved compute (v > 1)
+    cp_overlap: bool = True    # CP's K/V ring under the attention blocks (else all exposed)
 
 
 STACKS = {
@@ -48,6 +55,7 @@ STACKS = {
     "megatron-2021": Stack("megatron-2021", False, False, False, False),
     "fsdp2": Stack("fsdp2", True, True, False, False),
     "deepspeed": Stack("deepspeed", False, True, False, False),
+    "llama3": Stack("llama3", True, True, True, True, cp_overlap=False),
 }
 DEFAULT_STACK = "megatron"
 
@@ -115,6 +123,8 @@ def pp_sends(stack_, comm_s, v):
     return comm_s, 0.0
 
 
-def contention_slowdown(hidden_s):
-    """Seconds compute loses to collectives sharing its SMs: SM_CONTENTION x hidden time."""
-    return SM_CONTENTION * hidden_s
+def contention_slowdown(hidden_s, sms=132):
+    """Seconds compute loses to collectives sharing its SMs: while a collective holds COMM_SMS
+    of the GPU's `sms`, the compute beside it runs on the rest, so it takes sms / (sms -
+    COMM_SMS) as long: hidden time x COMM_SMS / (sms - COMM_SMS)."""
+    return hidden_s * COMM_SMS / (sms - COMM_SMS)

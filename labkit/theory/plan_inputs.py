@@ -24,8 +24,9 @@ SHAPE_KEYS = ("layers", "hidden", "heads", "ffn", "vocab", "kv_heads", "experts"
 ARCHS = {"gpt": "gpt2", "gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral"}
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
 RECOMPUTE = ("none", "selective", "full")
-STACKS = ("megatron", "megatron-2021", "fsdp2", "deepspeed")
+STACKS = ("megatron", "megatron-2021", "fsdp2", "deepspeed", "llama3")
 PRECISIONS = ("bf16", "fp8", "fp32")
+FP8_RECIPES = ("delayed", "current")   # Transformer Engine's per-tensor scaling recipes
 FIX_FIELDS = ("dp", "tp", "pp", "cp", "ep", "v", "micro_batch_size", "zero_stage", "recompute",
               "recompute_layers", "sequence_parallel")
 

@@ -10,7 +10,7 @@ them up). Formulas and sources are in each docstring; the constants they share:
 """
 from __future__ import annotations
 
-from . import memory, transformer as tf
+from . import kernels, memory, transformer as tf
 from .time import collective_time
 
 ALLOCATOR_RESERVE = 2 * 2**30   # bytes; an assumption, see the module docstring
@@ -20,6 +20,7 @@ ADAM_BYTES_TOUCHED = 30         # read grad, master, m, v (16 B); write master, 
 # fp8 copy transposed (1 + 1 B): Hopper's fp8 tensor cores take only the TN layout, so backward
 # needs the transpose (TE docs, "FP8 primer").
 FP8_CAST_BYTES = 4
+CURRENT_SCALING_BYTES = 2       # current scaling's amax pass reads the bf16 value again
 GRAD_BYTES = 4                  # fp32 main gradients (see the module docstring)
 
 
@@ -49,9 +50,9 @@ def zero3_buffers(layer_params, zero_stage, weight_bytes=2):
 
 
 def gemm_flops_rate(c, precision):
-    """FLOP/s the linear layers reach: the achievable fraction x the dense peak of their
-    precision (plan_cluster.achievable_fraction: fitted on A100, carried by each GPU's measured
-    matmul ceiling). Under fp8 (Transformer Engine) only the linear layers run in fp8; attention
+    """FLOP/s the best large GEMM reaches in the linear layers' precision: the dense peak x the
+    measured MAMF ceiling (plan_cluster.achievable_fraction); kernels.py lowers it per shape.
+    Under fp8 (Transformer Engine) only the linear layers run in fp8; attention
     and the head stay in bf16."""
     if precision == "fp8":
         return c.gpu.flops("fp8") * c.achievable_fp8
@@ -106,8 +107,8 @@ def cp_ring_bytes(m, tokens, tp, cp, value_bytes=2, recompute_share=0.0):
 def cp_ring_times(c, m, seq, tokens, tp, cp, layers, attention_s_per_layer, value_bytes=2,
                   recompute_share=0.0):
     """(total, exposed) seconds of context parallelism's K/V ring for one micro-batch: each of
-    cp_ring_bytes' hops a send, hidden under one block of attention unless the link is
-    slower."""
+    cp_ring_bytes' hops a send, hidden under one block of attention (one layer's forward +
+    backward attention, `attention_s_per_layer`, / cp / 3) unless the link is slower."""
     if cp <= 1:
         return 0.0, 0.0
     ring = cp_ring_bytes(m, tokens, tp, cp, value_bytes, recompute_share)
@@ -196,25 +197,50 @@ def fsdp_traffic(c, stage_params, shard, span, weight_bytes=2):
 
 
 def optimizer_time(c, params_held):
-    """Adam is memory bound: ADAM_BYTES_TOUCHED bytes per parameter a GPU updates / HBM bw."""
-    return ADAM_BYTES_TOUCHED * params_held / c.gpu.memory_bw
+    """Adam is memory bound: ADAM_BYTES_TOUCHED bytes per parameter a GPU updates / achievable
+    HBM bandwidth (kernels.hbm_bandwidth)."""
+    return ADAM_BYTES_TOUCHED * params_held / kernels.hbm_bandwidth(c.gpu)
 
 
-def elementwise_time(c, layer_bytes_kept, layers, recompute_share):
-    """Memory-bound element-wise work (norms, activations, softmax, dropout, residuals): HBM
-    passes over the bytes a layer keeps, again (1/3 more) for recomputed forwards."""
-    return c.hbm_passes * layers * layer_bytes_kept / c.gpu.memory_bw * (1 + recompute_share / 3)
+def elementwise_time(c, work, layers, recompute_share, selective=False):
+    """Memory-bound element-wise kernels (norms, rotary, activations, residual adds, dropout,
+    an unfused softmax) at the achievable HBM bandwidth (kernels.hbm_bandwidth), from their own
+    bytes (kernels.layer_kernels, `work` = kernels.training_forward's answer), not a fitted
+    pass count. Per layer and micro-batch:
+        bytes = forward + backward + recompute_share x forward (+ the softmax's forward again
+                under selective recompute)
+    Forward: each kernel reads its inputs and writes its output once. Backward, derived per
+    kernel (kernels.elementwise): y = f(x_1..x_n) needs dy and the saved x_i and writes each
+    dx_i, so it moves (2n + 1) / (n + 1) of the forward's bytes (a norm 3a for 2a, SwiGLU
+    5 for 3, softmax 3 for 2); a linear map (rotary, a residual add, a permutation) moves the
+    gradient as the forward moved the value; dropout reads the gradient and its 1-byte mask.
+    Once per micro-batch, the head's: the final norm and the cross entropy over the rank's
+    logits, 38 + 14 bytes per logit (kernels.LOSS_FORWARD_BYTES: Megatron-Core's fp32 loss).
+    Hand check (Llama 3 8B, 8192 tokens, tp=1, a = 2 x 8192 x 4096 B = 64 MiB): norms 2 x (2a
+    + 3a), residuals 2 x (3a + 3a), rotary 2 x 2 x 1.25a (q and k: 40 of 32 heads' width),
+    SwiGLU (3 + 5) x 3.5a (ffn 14336 = 3.5 h): 55a = 3.69 GB per layer and micro-batch. The
+    fitted constant this replaces (6.5 passes over the bytes a layer keeps, Narayanan et al.
+    2021 Table 1) is gone: nothing here is fitted to a published run."""
+    per_layer = work["forward_bytes"] * (1 + recompute_share) + work["backward_bytes"]
+    if selective:
+        per_layer += (1 - recompute_share) * work["softmax_bytes"]
+    return (layers * per_layer + work["head_bytes"]) / kernels.hbm_bandwidth(c.gpu)
 
 
 def fp8_cast_time(c, m, tokens, tp, layers, layer_params, microbatches):
     """Transformer Engine casts each fp8 GEMM's inputs: forward activations entering the QKV,
     output, MLP-up and MLP-down projections (3h + f per token), their gradients in backward
     (as many), FP8_CAST_BYTES each; weights once per step (cached across micro-batches).
+    Current scaling reads each bf16 value once more (CURRENT_SCALING_BYTES) for its amax: "FP8
+    Current Scaling requires two tensor reads per quantization: one to compute amax, one to
+    cast" (Transformer Engine docs, "FP8 Delayed Scaling"); delayed scaling takes the amax
+    from history.
     Hand check: h=4096, f=14336, 8192 tokens, tp=1, 1 layer: 2 * 8192 * 26624 * 4 B = 1.74 GB
     of HBM traffic per micro-batch."""
     f = m.ffn * (min(m.top_k, m.experts) if m.experts > 1 else 1)
-    per_mb = 2 * tokens * (3 * m.hidden + f) / tp * layers * FP8_CAST_BYTES
-    weights = layer_params * layers * FP8_CAST_BYTES
-    return (per_mb * microbatches + weights) / c.gpu.memory_bw
+    cast = FP8_CAST_BYTES + (CURRENT_SCALING_BYTES if c.fp8_recipe == "current" else 0)
+    per_mb = 2 * tokens * (3 * m.hidden + f) / tp * layers * cast
+    weights = layer_params * layers * cast
+    return (per_mb * microbatches + weights) / kernels.hbm_bandwidth(c.gpu)
 
 

@@ -4,41 +4,50 @@ For a model, a cluster and a global batch it enumerates every legal plan (dp, tp
 interleave v, micro-batch size, ZeRO stage 0-3, recompute none/selective/full of k layers per
 stage, sequence parallel), predicts memory per GPU (worst pipeline stage) and the step time, and
 ranks the plans that fit. Everything is modelled from first principles with named terms
-(plan_terms.py, recompute.py, overlap.py) and two fitted constants:
+(plan_terms.py, recompute.py, overlap.py, kernels.py); nothing is fitted to a published run:
 
-- Compute: FLOPs (transformer.py) at `achievable` x peak (one constant per GPU kind, calibrated
-  on Narayanan et al. 2021 Table 1, data/published_runs.csv; see `calibrate`); linear layers at
-  the fp8 peak under precision="fp8"; attention at half its FLOPs under FlashAttention with a
-  causal mask (the kernel skips masked blocks). MFU counts the FLOPs the model needs (6 N +
-  6 L h s per token when causal: the masked scores are not needed), HFU those the kernels run
-  (with recompute), both over the dense peak of the linear layers' precision: each <= 1.
+- Compute: kernel by kernel (kernels.py): each forward kernel of a layer the max of its FLOPs at
+  peak x the GPU's measured MAMF ceiling x its shape's tile and wave quantization and its bytes
+  at an achievable HBM bandwidth, plus a launch; backward as its own kernels (dgrad and wgrad
+  GEMMs at their own shapes, FlashAttention's backward at 2.5 x its forward's FLOPs);
+  recompute runs the forward again; linear layers at the fp8 peak under precision="fp8";
+  attention at half its FLOPs under FlashAttention with a causal mask (the kernel skips masked
+  blocks). Element-wise kernels (norms, rotary, activations, residual adds, dropout, an unfused
+  softmax, the fp32 cross entropy over the logits) at their own bytes forward and backward
+  (plan_terms.elementwise_time). MFU counts
+  the FLOPs the model needs (6 N + 6 L h s per token when causal: the masked scores are not
+  needed), HFU those the kernels run (with recompute), both over the dense peak of the linear
+  layers' precision: each <= 1.
 - Memory, Megatron-LM's convention: 18 bytes per parameter (bf16 weights 2, fp32 main gradients
   4, fp32 master weights + Adam moments 12; ZeRO's paper counts 16 with bf16 gradients), sharded
   by ZeRO through memory.model_state_bytes; activations per layer from transformer.py times the
   micro-batches a stage holds (recompute.py, with k of the layers fully recomputed); two
   gathered layers under ZeRO-3; the allocator reserve (plan_terms.ALLOCATOR_RESERVE).
-- Time: compute + recompute + element-wise HBM passes + TP collectives + CP's K/V ring + the
+- Time: compute + recompute + element-wise kernels + TP collectives + CP's K/V ring (each hop
+  under one layer's attention block; exposed where the stack all-gathers, "llama3") + the
   pipeline bubble (pp-1)/v micro-batch times (Narayanan et al. 2021) + pipeline sends + DP/ZeRO
   traffic + the experts' all-to-alls (exposed) + the optimizer (memory bound); messages carry
   values of the run's precision (plan_terms.message_bytes). Each communication is split into
-  what the stack (overlap.py: megatron, megatron-2021, fsdp2, deepspeed) hides under compute
-  and what stays exposed; hidden traffic slows compute by overlap.SM_CONTENTION. Collectives use
-  the alpha-beta ring model (time.py) on NVLink inside a node, the inter-node link across nodes.
+  what the stack (overlap.py: megatron, megatron-2021, fsdp2, deepspeed, llama3) hides under
+  compute and what stays exposed; hidden traffic slows compute by the SMs it holds
+  (overlap.COMM_SMS). Collectives use the alpha-beta ring model (time.py) on NVLink inside a
+  node, the inter-node link across nodes.
 - Legal interleaving: v > 1 needs whole layers per virtual stage (layers % (pp v) == 0).
 
-Left out (so errors can be read): kernel launch and Python overheads, load imbalance between
-MoE experts, the embedding's all-reduce across the first and last stage, network contention
-between concurrent groups, stragglers and failures, kernel choice beyond one efficiency constant.
+Left out (so errors can be read): Python overheads, load imbalance between MoE experts, the
+embedding's all-reduce across the first and last stage, network contention between concurrent
+groups, stragglers and failures, GEMM shapes that fall short of the best matmul for reasons other
+than tile and wave quantization.
 """
 from __future__ import annotations
 
 import functools
 import itertools
 
-from . import overlap, plan_inputs as inputs, plan_terms as terms, recompute as rc
+from . import kernels, overlap, plan_inputs as inputs, plan_terms as terms
+from . import recompute as rc
 from . import transformer as tf
-from .plan_cluster import (ACHIEVABLE, HBM_PASSES, ClusterSpec, achievable_fraction,  # noqa: F401
-                           make_cluster)
+from .plan_cluster import ClusterSpec, achievable_fraction, make_cluster  # noqa: F401
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 RECOMPUTE = inputs.RECOMPUTE
@@ -207,10 +216,14 @@ def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):
     tp_total = terms.tp_comm_time(c, m, tokens, tp, layers, calls, vb)
     tp_exp, tp_hid = overlap.tp_comm(st, tp_total, work["gemm"], tp) if \
         p["sequence_parallel"] else (tp_total, 0.0)
-    cp_total, cp_exp = terms.cp_ring_times(c, m, seq, tokens, tp, cp, layers, work["attention"],
-                                           vb, share)
+    # each ring hop hides under one layer's block of attention, not the stage's
+    cp_total, cp_exp = terms.cp_ring_times(c, m, seq, tokens, tp, cp, layers,
+                                           work["attention"] / layers, vb, share)
+    if not st.cp_overlap:     # K and V all-gathered before attention, on the critical path
+        cp_exp = cp_total
     ep_s = terms.ep_comm_time(c, m, tokens, p["ep"], layers, p["ep"] * cp * tp, calls, vb)
-    slow_mb = overlap.contention_slowdown(tp_hid + cp_total - cp_exp)
+    sms = kernels.sms(c.gpu)
+    slow_mb = overlap.contention_slowdown(tp_hid + cp_total - cp_exp, sms)
     mb_time = work["total"] + tp_exp + cp_exp + ep_s + slow_mb
     pp_total = terms.pp_send_time(c, m, tokens, tp, dp * cp * tp * 2, pp, micro, v, vb)
     pp_exp, pp_hid = overlap.pp_sends(st, pp_total, v)
@@ -221,7 +234,8 @@ def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):
                tp_comm=micro * tp_exp, cp_comm=micro * cp_exp, ep_comm=micro * ep_s,
                pp_bubble=(pp - 1) / v * mb_time,
                pp_comm=pp_exp, dp_comm=dp_exp, optimizer=terms.optimizer_time(c, opt_params),
-               overlap_slowdown=micro * slow_mb + overlap.contention_slowdown(pp_hid + dp_hid))
+               overlap_slowdown=micro * slow_mb + overlap.contention_slowdown(pp_hid + dp_hid,
+                                                                                  sms))
     communication = dict(tp_comm_exposed=micro * tp_exp, tp_comm_hidden=micro * tp_hid,
                          cp_comm_exposed=micro * cp_exp,
                          cp_comm_hidden=micro * (cp_total - cp_exp), pp_comm_exposed=pp_exp,
@@ -231,27 +245,36 @@ def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):
 
 
 def _micro_batch_work(m, c, seq, p, tokens, layers, share, kept):
-    """Seconds of one micro-batch's compute on one stage: linear layers (at the precision's
-    rate), attention core and head (bf16), recompute, element-wise passes, fp8 casts."""
+    """Seconds of one micro-batch's compute on one stage, kernel by kernel (kernels.py): linear
+    layers (at the precision's rate), attention core and head (bf16), each forward x 3 for
+    forward + backward; the launches of every kernel; recompute; element-wise passes; fp8
+    casts."""
     tp, flash = p["tp"], c.flash_attention
-    bf16 = c.gpu.bf16_flops * c.achievable
-    counts = layer_counts(m)
-    linear = tokens * layers * 2 * (counts.attention + counts.mlp_active + counts.router) / tp
-    core = tokens * layers * tf.attention_core_flops_per_token(m, seq) / tp \
-        * terms.attention_time_factor(flash, c.causal)
-    gemm = 3 * linear / terms.gemm_flops_rate(c, c.precision)
-    attention = 3 * core / bf16
-    head = tokens * tf.head_flops_per_token(m) / tp / bf16
-    # run again in backward: the scores of every layer (FlashAttention's backward, selective
-    # recompute), the whole forward of the fully recomputed share
-    core_again = attention / 3 if (flash or p["recompute"] == "selective") else 0.0
-    recompute_s = share * (gemm + attention) / 3 + (1 - share) * core_again
-    elementwise = terms.elementwise_time(c, kept, layers, share)
+    mbs = p["micro_batch_size"]
+    fwd = kernels.training_forward(
+        m, tokens, seq, c.gpu, tp, p["ep"], mbs, c.causal, flash,
+        4 if c.precision == "fp32" else 2, terms.gemm_flops_rate(c, c.precision),
+        c.gpu.bf16_flops * c.achievable, c.kernel_launch_s, p["sequence_parallel"],
+        tf.is_gpt(m) if c.dropout is None else c.dropout, p["cp"])
+    gemm = layers * (fwd["gemm"] + fwd["gemm_backward"])
+    attention = layers * (fwd["attention"] + fwd["attention_backward"])
+    head = fwd["head"] + fwd["head_backward"]
+    launches = layers * (fwd["launch"] + fwd["backward_launch"]) + 3 * fwd["head_launch"]
+    # run again in backward: the whole forward of the fully recomputed share (its launches
+    # too); the scores under selective recompute (FlashAttention's backward kernel already
+    # recomputes them: kernels.backward)
+    core_again = layers * fwd["attention"] if (not flash and p["recompute"] == "selective") \
+        else 0.0
+    recompute_s = share * layers * (fwd["gemm"] + fwd["attention"] + fwd["launch"]) \
+        + (1 - share) * core_again
+    elementwise = terms.elementwise_time(c, fwd, layers, share,
+                                         p["recompute"] == "selective" and not flash)
     cast = 0.0
     if c.precision == "fp8":
+        counts = layer_counts(m)
         counts_layer = (counts.attention + counts.mlp_active) / tp
         cast = terms.fp8_cast_time(c, m, tokens, tp, layers, counts_layer, 1)
-    compute = gemm + attention + head
+    compute = gemm + attention + head + launches
     return dict(gemm=gemm, attention=attention, compute=compute, recompute=recompute_s,
                 elementwise=elementwise, fp8_cast=cast,
                 total=compute + recompute_s + elementwise + cast)
@@ -316,17 +339,18 @@ parse_model = inputs.parse_model      # a catalog name, a ModelShape or a shape 
 
 def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_link=None,
          global_batch=None, global_batch_tokens=None, seq=4096, fix=None, top=None,
-         achievable=None, hbm_passes=None, flash_attention=True, precision="bf16",
-         dropout=None, stack=None, causal=True):
+         achievable=None, flash_attention=True, precision="bf16",
+         dropout=None, stack=None, causal=True, fp8_recipe="delayed"):
     """Rank every legal plan; returns DESIGN.md's {"model", "cluster", "considered", "plans"}.
 
     flash_attention=False models a stack that stores the softmax (Megatron-LM in 2021);
     precision "fp8" runs the linear layers in fp8 (Transformer Engine), "fp32" is all fp32 (4 +
-    4 + 8 bytes of Adam states per parameter); stack: overlap.STACKS (default "megatron");
+    4 + 8 bytes of Adam states per parameter); fp8_recipe: Transformer Engine's "delayed" or
+    "current" scaling (plan_terms.fp8_cast_time); stack: overlap.STACKS (default "megatron");
     gpu: a catalog name or a hardware.GPU (hardware.custom_gpu)."""
     m = parse_model(model)
-    c = make_cluster(gpu, gpus, gpus_per_node, intra_link, inter_link, achievable, hbm_passes,
-                     flash_attention, precision, dropout, stack, causal)
+    c = make_cluster(gpu, gpus, gpus_per_node, intra_link, inter_link, achievable,
+                     flash_attention, precision, dropout, stack, causal, fp8_recipe)
     seq = inputs.count("seq", seq)
     note = ""
     if global_batch is None:

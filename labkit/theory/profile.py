@@ -2,10 +2,11 @@
 and the catalog GPU with the measured numbers in place of the datasheet's.
 
 The planners model a step from datasheet constants (labkit/tables/hardware.csv): peak dense bf16
-FLOP/s times a fitted achievable fraction, and HBM bytes/s. A profile replaces both with what
-one machine measured: the peak by the best large bf16 GEMM (which is what the catalog's MAMF
-column, "maximum achievable matmul FLOP/s", means, so the achievable fraction of transformer
-shapes below that best GEMM stays the fitted one), the bandwidth by a device-to-device copy.
+FLOP/s times the MAMF ceiling and each kernel's shape efficiency (theory/kernels.py), and HBM
+bytes/s times an achievable fraction. A profile replaces both with what one machine measured:
+the peak by the best large bf16 GEMM (which is what the catalog's MAMF column, "maximum
+achievable matmul FLOP/s", means: the ceiling becomes 1, the shape efficiencies stay), the
+bandwidth by a device-to-device copy (its achievable fraction becomes 1).
 
 The format (JSON; every time in seconds, every rate as named):
     {"gpu": str, "torch": str, "cuda": str|null,
@@ -111,7 +112,7 @@ def profiled_gpu(profile, gpu=None):
     peak = peak_tflops(profile) * 1e12
     return dataclasses.replace(base, name=f"{base.name} (measured: {profile['gpu']})",
                                bf16_flops=peak, mamf_bf16_flops=peak,
-                               memory_bw=profile["hbm_gbps"] * 1e9)
+                               memory_bw=profile["hbm_gbps"] * 1e9, hbm_fraction=1.0)
 
 
 def plan_gpu(path, gpu=None):

@@ -1,13 +1,14 @@
-"""The planner against published runs (data/published_runs.csv): one table fits, the rest check.
+"""The planner against published runs (data/published_runs.csv): checks, none fitted to.
 
-`calibrate` fits the planner's two constants (planner.ACHIEVABLE, planner.HBM_PASSES) on the
-rows whose `use` is "calibration" (Narayanan et al. 2021 Table 1) and nothing else; the "check"
-rows are never fitted to. A row fixes the layout its source states; the rest is searched (a
-recompute the source leaves unsaid: the least that fits). Where a row gives tokens/s/GPU the
-comparison is in tokens (no FLOPs convention involved) and the published TFLOP/s is re-expressed
-in the published convention (6 N + 12 L h s per token, no causal halving); else it compares
-TFLOP/s by the row's `metric` (mfu: the predicted tokens/s in that convention; hfu: the
-planner's HFU, the FLOPs run with recompute, which for these unfused rows is the convention).
+Nothing in the planner is fitted to these rows. The "calibration" rows (Narayanan et al. 2021
+Table 1) were once fitted to and were looked at while the kernel model was designed, so they are
+kept apart; the "check" rows make the error band (theory/error_band.py). A row fixes the layout
+its source states; the rest is searched (a recompute the source leaves unsaid: the least that
+fits). Where a row gives tokens/s/GPU the comparison is in tokens (no FLOPs convention
+involved) and the published TFLOP/s is re-expressed in the published convention (6 N + 12 L h s
+per token, no causal halving); else it compares TFLOP/s by the row's `metric` (mfu: the
+predicted tokens/s in that convention; hfu: the planner's HFU, the FLOPs run with recompute,
+which for these unfused rows is the convention).
 The planner's own MFU halves the causal scores (transformer.model_flops_per_token).
 theory/error_band.py turns the check rows' errors into the band every `plan` prints.
 """
@@ -25,15 +26,16 @@ def _fix(r, m):
     return planner.parse_fix(fix)
 
 
-def predict(r, achievable=None, hbm_passes=None):
+def predict(r, achievable=None):
     """labkit's best plan for row `r` with the row's layout held."""
     m = planner.parse_model(r["model"])
     return planner.plan(m, int(r["gpus"]), r["gpu"], int(r["gpus_per_node"]), r["intra_link"],
                         r["inter_link"], global_batch=int(r["global_batch"]), seq=int(r["seq"]),
-                        fix=_fix(r, m), top=1, achievable=achievable, hbm_passes=hbm_passes,
+                        fix=_fix(r, m), top=1, achievable=achievable,
                         flash_attention=r["attention"] == "flash",
                         precision=r.get("precision") or "bf16",
-                        stack=r.get("stack") or None)["plans"][0]
+                        stack=r.get("stack") or None,
+                        fp8_recipe=r.get("fp8_recipe") or "delayed")["plans"][0]
 
 
 def published_tflops(r):
@@ -44,12 +46,12 @@ def published_tflops(r):
     return float(r["tflops_per_gpu"])
 
 
-def check(rows, achievable=None, hbm_passes=None):
+def check(rows, achievable=None):
     """Each row with `predicted` TFLOP/s per GPU, `published` (same convention), `error`
     (predicted / published - 1) and the `plan`."""
     out = []
     for r in rows:
-        best = predict(r, achievable, hbm_passes)
+        best = predict(r, achievable)
         if r["metric"] == "hfu":       # FLOPs run: the planner's HFU counts them (unfused)
             predicted = best["hfu"] * hardware.gpu(r["gpu"]).bf16_flops / 1e12
         else:                           # the published convention, from predicted tokens/s
@@ -67,19 +69,3 @@ def runs(source=None):
     with open(hardware.DATA_DIR / "published_runs.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     return [r for r in rows if source in (None, r["use"])]
-
-
-def calibrate(rows, achievable=(0.40, 0.90, 0.01), hbm_passes=(0.0, 12.0, 0.5)):
-    """The (achievable fraction, HBM passes) pair on a grid that minimises the mean absolute
-    percentage error on `rows`: the planner's only two fitted constants."""
-    best = None
-    for a in _grid(*achievable):
-        for h in _grid(*hbm_passes):
-            mape = sum(abs(r["error"]) for r in check(rows, a, h)) / len(rows)
-            if best is None or mape < best[2]:
-                best = (a, h, mape)
-    return dict(achievable=best[0], hbm_passes=best[1], mape=best[2])
-
-
-def _grid(lo, hi, step):
-    return [round(lo + i * step, 6) for i in range(int(round((hi - lo) / step)) + 1)]

@@ -8,10 +8,16 @@ roofline, and time to first token (TTFT) and time per output token (TPOT) per la
   weights (int4: groups of 128 as GPTQ/AWQ, Frantar et al. 2022, Lin et al. 2023; int8: one
   per output channel, as LLM.int8(); fp8: one per tensor); embeddings, head and norms in bf16.
   Weight-only formats compute in bf16 (weights dequantised on the fly).
-- Roofline (Williams et al. 2009; Pope et al. 2022, arXiv 2211.05102): a step takes
-  max(FLOPs / (peak x achievable), bytes / HBM bandwidth). Decode reads every weight and the
-  whole cache for b tokens: intensity ~ 2b / bytes_per_weight FLOP/byte, so it is memory-bound
-  until the knee batch b* = (peak x achievable / bandwidth) x bytes_per_weight / 2.
+- Roofline (Williams et al. 2009; Pope et al. 2022, arXiv 2211.05102) with kernels
+  (theory/kernels.py): a stage takes max(compute, bytes / achievable HBM bandwidth) + launches,
+  compute the sum of its kernels' FLOPs each at peak x MAMF ceiling x its shape efficiency
+  (tile and wave quantization), launches kernels.LAUNCH_S per kernel (11 per Llama layer,
+  10 per GPT layer): what makes batch-1 decode slower than its bytes alone. Decode reads
+  every weight and the whole cache for b tokens: intensity ~ 2b / bytes_per_weight FLOP/byte,
+  so it is memory-bound until the knee batch
+      b* = (peak x ceiling / achievable bandwidth) x bytes_per_weight / 2.
+  Serving counts each kernel's forward only (no backward, no dropout); the training planner
+  shares the same kernels (kernels.layer_kernels) with their backward.
 - Layouts of one replica (tp x pp x ep GPUs); replicas split the requests, a replica serving
   ceil(b / replicas) of them (at least one: a request is never split across replicas):
   TP: 2 all-reduces per layer of b x h values per decode step (Megatron-LM), each the faster
@@ -28,19 +34,19 @@ roofline, and time to first token (TTFT) and time per output token (TPOT) per la
 - TTFT: the prefill of the replica's batch (through the pipeline: (M + pp - 1) stage times).
   TPOT: averaged over the generated tokens (context P + T/2).
 
-Constants: none fitted here. Compute uses the training planner's `achievable` (fitted there on
-Narayanan et al. 2021 Table 1); HBM and links at datasheet bandwidth (links x their modelled
-efficiency, data/hardware.csv); ACTIVATION_FACTOR is an assumption (below). Left out: kernel
-launch overheads, paged-cache fragmentation, continuous batching, speculative decoding.
+Constants: none fitted. Kernels as theory/kernels.py (data/kernels.csv, each with its public
+source); links x their modelled efficiency (data/hardware.csv); ACTIVATION_FACTOR is an
+assumption (below). Left out: paged-cache fragmentation, continuous batching, speculative
+decoding, CUDA graphs' lower launch cost (the profile's decode steps replay one).
 """
 from __future__ import annotations
 
 import math
 
-from . import catalog, hardware, plan_inputs as inputs
+from . import catalog, hardware, kernels, plan_inputs as inputs
 from .memory import dtype_bytes
 from .plan_terms import ep_all_to_all_bytes
-from .planner import ACHIEVABLE, RESERVED_BYTES, achievable_fraction, parse_model
+from .planner import RESERVED_BYTES, achievable_fraction, parse_model
 from .time import collective_time
 from .weights import SCALE_BYTES, SCALE_GROUP, WEIGHTS, layer_param_split, weight_bytes  # noqa
 
@@ -116,9 +122,10 @@ def decode_intensity(model, batch, context=0, weights="bf16", kv_dtype="bf16") -
 
 
 def ridge_intensity(gpu="H100") -> float:
-    """FLOP per byte where a GPU turns compute-bound: peak x achievable / HBM bandwidth."""
+    """FLOP per byte where a GPU turns compute-bound: peak x its MAMF ceiling / achievable HBM
+    bandwidth (kernels.py)."""
     g = hardware.gpu(gpu)
-    return g.bf16_flops * achievable_fraction(g) / g.memory_bw
+    return g.bf16_flops * achievable_fraction(g) / kernels.hbm_bandwidth(g)
 
 
 def knee_batch(model, gpu="H100", weights="bf16", context=0, kv_dtype="bf16") -> float:
@@ -140,13 +147,6 @@ def knee_batch(model, gpu="H100", weights="bf16", context=0, kv_dtype="bf16") ->
 
 
 # -------------------------------------------------------------- one layout, modelled
-
-def _flops(m, tokens, context, new):
-    """FLOPs for `tokens` tokens attending to `context` cached ones (prefill: new = tokens,
-    causal half of the square)."""
-    attention = 4 * m.layers * m.hidden * tokens * (context + (new + 1) / 2)
-    return 2 * m.active_param_count() * tokens + attention
-
 
 def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, prompt_len=1024,
                  new_tokens=128, weights="bf16", kv_dtype="bf16", gpus_per_node=8,
@@ -172,22 +172,25 @@ def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, pr
     layers = m.layers / pp
 
     def stage_time(tokens, context, new):
-        """One micro-batch of `tokens` (b_mb x new) through one stage: roofline + comm."""
-        flops = _flops(m, tokens, context, new) / (tp * pp)
+        """One micro-batch of `tokens` (b_mb x new) through one stage: kernels + comm."""
+        k = kernels.serving_compute(m, tokens, context + new, g, tp, ep, max(1, tokens // new),
+                                    flops_rate)
+        compute = layers * k["layer_s"] + k["head_s"] / pp
+        launch = (layers * k["layer_kernels"] + k["head_kernels"] / pp) * kernels.LAUNCH_S
         routed = group_mb * new               # tokens of the whole EP group reach the experts
         local = m.experts / ep
         picked = m.experts * (1 - (1 - m.top_k / m.experts) ** routed) if m.experts > 1 else 1
         touched = min(local, picked) / local if m.experts > 1 else 1.0
         read = dense_gpu + experts_gpu * touched      # bytes, not parameter shares
         read += kv_cache_bytes(m, tokens / new, context + new, kv_dtype, tp, pp)
-        compute, memory = flops / flops_rate, read / g.memory_bw
+        memory = read / kernels.hbm_bandwidth(g)
         act = tokens * m.hidden * 2
         tp_comm = 2 * layers * small_all_reduce_time(act, tp, tp_link) if tp > 1 else 0
         # dispatch and combine (no backward): the planner's payload, the same bytes
         ep_comm = (2 * layers * collective_time("all_to_all", ep_all_to_all_bytes(m, tokens),
                                                 ep, ep_link) if ep > 1 else 0.0)
-        return dict(compute=compute, memory=memory, tp_comm=tp_comm, ep_comm=ep_comm,
-                    total=max(compute, memory) + tp_comm + ep_comm,
+        return dict(compute=compute, memory=memory, launch=launch, tp_comm=tp_comm,
+                    ep_comm=ep_comm, total=max(compute, memory) + launch + tp_comm + ep_comm,
                     hop=collective_time("send", act, 2, pp_link) if pp > 1 else 0.0)
 
     pre = stage_time(b_mb * prompt_len, 0, prompt_len)
@@ -205,7 +208,7 @@ def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, pr
                 tokens_per_s_per_gpu=tokens_per_s / gpus,
                 decode_bound="compute" if decode["compute"] >= decode["memory"] else "memory",
                 decode_breakdown_s=dict({k: decode[k] * passes for k in (
-                    "compute", "memory", "tp_comm", "ep_comm")}, pp_hops=hops),
+                    "compute", "memory", "launch", "tp_comm", "ep_comm")}, pp_hops=hops),
                 memory_bytes=memory_per_gpu(m, tp=tp, pp=pp, ep=ep, batch_per_gpu=b_gpu,
                                             context=prompt_len + new_tokens,
                                             prompt_len=prompt_len / M, weights=weights,

@@ -193,8 +193,8 @@ def mesh_layout(table, gpus_per_node=8, title="", ax=None):
 
 def error_band_figure(band, calibration=(), ax=None):
     """Modelled against published TFLOP/s per GPU (theory.error_band.training_band's `band`):
-    each check row a numbered dot named in the key beside it, the calibration rows (what the
-    planner was fitted on, not in the band) as hollow grey circles, y = x and the band
+    each check row a numbered dot named in the key beside it, the calibration rows (looked at
+    while the model was designed, so not in the band) as hollow grey circles, y = x and the band
     (modelled = (1 + error) x published, error from low to high) shaded. Returns the figure."""
     rows = band["rows"]
     if ax is None:
@@ -212,7 +212,7 @@ def error_band_figure(band, calibration=(), ax=None):
     if calibration:
         ax.scatter([r["reference"] for r in calibration], [r["modelled"] for r in calibration],
                    facecolors="none", edgecolors="0.5", s=40,
-                   label=f"calibration rows ({len(calibration)}, fitted on: not in the band)")
+                   label=f"calibration rows ({len(calibration)}, looked at: not in the band)")
     sources = sorted({r["source"] for r in rows})
     colors = plt.get_cmap("tab10")
     key = []

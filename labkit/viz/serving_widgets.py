@@ -16,8 +16,8 @@ from .plots import memory_stack, restack, retime, stack_shape, time_shape, time_
 NEW_TOKENS = 256
 LAYOUTS = ("1 GPU", "TP", "PP", "replicas", "EP")
 TPOT_COLORS = {"memory-bound step": "#64b5cd", "compute-bound step": "#2ca02c",
-               "TP all-reduces": "#9467bd", "EP all-to-alls": "#e377c2",
-               "pipeline hand-offs": "#dcdcdc"}
+               "kernel launches": "#ff7f0e", "TP all-reduces": "#9467bd",
+               "EP all-to-alls": "#e377c2", "pipeline hand-offs": "#dcdcdc"}
 MEMORY_KEEP = ("weights", "kv_cache", "activations")
 SHORT = {"1 GPU": "1\nGPU", "TP": "TP\n{g}", "PP": "PP\n{g}", "replicas": "{g}\nrepl.",
          "EP": "EP\n{g}"}
@@ -66,7 +66,8 @@ def _tpot_parts(t):
     step = max(d["compute"], d["memory"])
     parts = {"memory-bound step": step if d["memory"] >= d["compute"] else 0.0,
              "compute-bound step": step if d["compute"] > d["memory"] else 0.0,
-             "TP all-reduces": d["tp_comm"], "EP all-to-alls": d["ep_comm"]}
+             "kernel launches": d["launch"], "TP all-reduces": d["tp_comm"],
+             "EP all-to-alls": d["ep_comm"]}
     parts["pipeline hand-offs"] = d["pp_hops"]   # every stage's time is in the step already
     return parts
 

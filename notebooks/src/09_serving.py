@@ -190,8 +190,8 @@ pd.DataFrame(rows).set_index("model").round(1)
 # A decode step of b requests does 2 · params · b FLOPs and reads every weight once (plus each
 # request's cache). Its arithmetic intensity, FLOPs per byte read, is about b for bf16 weights.
 # A GPU turns compute-bound where the intensity passes peak FLOP/s ÷ memory bandwidth (its
-# ridge; here with the planner's achievable fraction of peak): below that batch, adding
-# requests is almost free. First measured on this CPU with the tiny GPT: how the time of one
+# ridge; here the best matmul's FLOP/s over the achievable HBM bandwidth): below that batch,
+# adding requests is almost free. First measured on this CPU with the tiny GPT: how the time of one
 # decode step and the tokens/s change with the batch (the ratios are printed below the table).
 
 # %%
@@ -218,7 +218,7 @@ print(f"batch {first['batch']} -> {last['batch']} ({last['batch'] // first['batc
 # The same on a GPU, modelled: Llama 3 70B's decode intensity against the ridges of three GPUs.
 # Without a cache the line crosses the ridge at the knee batch; with a 4,096-token context each
 # request also reads its own cache, which no other request shares, so the intensity levels off
-# (at the value printed below the figure): above the ridge of some GPUs, below that of others.
+# (at the value printed below the figure); whether that is above a GPU's ridge is printed too.
 
 # %%
 roofline_figure("Llama 3 70B")
@@ -241,7 +241,9 @@ for g in ("H100", "H200", "A100"):
 # ## 5 · TP vs PP vs replicas: latency and throughput (modelled)
 #
 # `theory.serving.serving_time` models one layout: prefill and decode on the roofline of each
-# GPU's share, TP's 2 all-reduces per layer and token (each the faster of the ring, 2(N−1) link
+# GPU's share, kernel by kernel (`theory/kernels.py`: each GEMM's shape, a launch cost per
+# kernel, a visible share of a batch-1 token beside reading the weights), TP's 2 all-reduces
+# per layer and token (each the faster of the ring, 2(N−1) link
 # latencies, and a one-shot all-reduce of two: `small_all_reduce_time`, with the nccl-tests
 # numbers it is checked against), pipeline hops and micro-batches, the EP all-to-alls. A replica
 # serves whole requests: at batch 1 the other replicas idle. TTFT is the time to the first
