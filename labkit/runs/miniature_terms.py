@@ -158,7 +158,7 @@ def _stage_recompute(m, c, run, p):
     layers), keeping one chunk input (a_full) per chunk in flight and rebuilding a whole chunk
     (L / v x a_none) in backward, where the planner keeps every layer's input and rebuilds one
     layer; the planner's own a_none, a_full, logits and chunks in flight."""
-    a = planner._activation_terms(m, c, run["seq"], p)
+    a = planner.activation_terms(m, c, run["seq"], p)
     layers = planner.layers_per_stage(m, p["pp"])
     chunk = layers / p["v"]
     held = rc.layers_in_flight(layers, run["microbatches"], p["pp"], p["v"]) / chunk

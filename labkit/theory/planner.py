@@ -115,7 +115,7 @@ def why_illegal(m, c, batch, seq, p):
     return ""
 
 
-def _activation_terms(m, c, seq, p):
+def activation_terms(m, c, seq, p):
     """One layer's bytes kept (a_none), kept when recomputed (a_full), the rebuilt working set,
     and the last stage's logits, for one micro-batch on one GPU."""
     mbs, tp, cp, sp = p["micro_batch_size"], p["tp"], p["cp"], p["sequence_parallel"]
@@ -138,7 +138,7 @@ def memory_terms(m, c, batch, seq, p):
     states = terms.model_states(stage_params, c.precision, p["zero_stage"], shard)
     weight_bytes = 4 if c.precision == "fp32" else 2
     buffers = terms.zero3_buffers(layer_params, p["zero_stage"], weight_bytes)
-    stage = dict(_activation_terms(m, c, seq, p), microbatches=batch // (p["dp"] *
+    stage = dict(activation_terms(m, c, seq, p), microbatches=batch // (p["dp"] *
                  p["micro_batch_size"]), pp=p["pp"], v=p["v"])
     k = p["recompute_layers"]
     if p["recompute"] != "full":
