@@ -1,7 +1,7 @@
 """Context parallelism on the mesh (labkit.parallel.hybrid with cp > 1): CP x DP, CP x TP (+SP),
-CP x PP and FSDP x TP x PP x CP each train the tiny GPT as one device does; the bytes on the
-`cp` dimension equal the ring formula of theory/context_parallel.py; activations per rank fall
-as the planner's cp term says; bad degrees refused in one line naming the argument."""
+CP x PP, HSDP x CP and FSDP x TP x PP x CP each train the tiny GPT as one device does; the
+bytes on the `cp` dimension equal the ring formula of theory/context_parallel.py; activations
+per rank fall as the planner's cp term says; bad degrees refused in one line naming the argument."""
 import json
 
 import pytest
@@ -102,6 +102,18 @@ def test_fsdp_x_tp_x_pp_x_cp_on_16_ranks_equals_one_device():
             ("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter")} <= ops(rep)
     assert cp_bytes_match_ring(rep)
     # FullyShard shards over dp_shard x cp = 4 ranks (torchtitan's dp_shard_cp)
+    assert dp_bytes_match_theory(rep) and states_match_theory(rep, ("params", "grads"))
+
+
+def test_hsdp_x_cp_shards_over_dp_shard_x_cp_and_averages_across_replicas():
+    rep = run(dp=4, tp=1, pp=1, cp=2, zero=3, dp_replicate=2, optimizer="sgd")
+    assert rep["world_size"] == 8
+    assert equals_one_device(rep)
+    assert {("cp", "send"), ("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
+            ("dp_replicate", "all_reduce")} <= ops(rep)
+    assert all(row["measured"]["dp_replicate"] > 0 for row in rep["dp_comm_by_rank"])
+    assert cp_bytes_match_ring(rep)
+    # FullyShard shards over dp_shard x cp = 2 x 2 ranks; the replicas average their shards
     assert dp_bytes_match_theory(rep) and states_match_theory(rep, ("params", "grads"))
 
 
