@@ -148,10 +148,12 @@ def label_dp(rows, hybrid):
     dp x cp is `dp_cp`, the experts' (ZeRO-1's too) over their replicas `ep_dp`."""
     if hybrid.dp_shard is None:
         cp = hybrid.mesh.sizes["cp"] > 1
-        for row in rows:   # by tag: with dp = 1 the dp_cp group has the cp group's ranks
-            zero1 = cp and row["tag"].startswith(ZERO1_TAGS)
+        dense = "dp_cp" if cp else "dp"
+        for row in rows:   # by tag: with dp = 1 the dp_cp group has the cp group's ranks,
+            # with dp = ep (experts) the dp group has the ep group's
+            zero1 = (cp or hybrid.experts) and row["tag"].startswith(ZERO1_TAGS)
             if row["tag"].startswith("dp_cp") or (zero1 and row["group"] == hybrid.dp_cp.name):
-                row["dim"] = "dp_cp"
+                row["dim"] = dense
             elif zero1 and row["group"] == hybrid.ep_dp.name:   # the experts' replicas
                 row["dim"] = "ep_dp"
         return rows
