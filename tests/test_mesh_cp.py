@@ -1,7 +1,7 @@
 """Context parallelism on the mesh (labkit.parallel.hybrid with cp > 1): CP x DP, CP x TP (+SP),
-CP x PP and FSDP x TP x PP x CP each train the tiny GPT as one device does; the bytes on the
-`cp` dimension equal the ring formula of theory/context_parallel.py; activations per rank fall
-as the planner's cp term says; bad degrees refused in one line naming the argument."""
+CP x PP, HSDP x CP and FSDP x TP x PP x CP each train the tiny GPT as one device does; the
+bytes on the `cp` dimension equal the ring formula of theory/context_parallel.py; activations
+per rank fall as the planner's cp term says; bad degrees refused in one line naming the argument."""
 import json
 
 import pytest
@@ -9,7 +9,9 @@ import pytest
 from labkit import cli, models
 from labkit.parallel.mesh_dims import validate_dims
 from labkit.runs import hybrid, reference
-from labkit.theory import context_parallel as theory_cp
+from labkit.theory import context_parallel as theory_cp, plan_terms as terms
+from labkit.theory.catalog import ModelShape
+from labkit.theory.time import wire_bytes_per_rank
 from mesh_helpers import dp_bytes_match_theory, equals_one_device, ops, states_match_theory
 
 CFG = reference.RunConfig()
@@ -105,6 +107,50 @@ def test_fsdp_x_tp_x_pp_x_cp_on_16_ranks_equals_one_device():
     assert dp_bytes_match_theory(rep) and states_match_theory(rep, ("params", "grads"))
 
 
+def test_hsdp_x_cp_shards_over_dp_shard_x_cp_and_averages_across_replicas():
+    rep = run(dp=4, tp=1, pp=1, cp=2, zero=3, dp_replicate=2, optimizer="sgd")
+    assert rep["world_size"] == 8
+    assert equals_one_device(rep)
+    assert {("cp", "send"), ("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
+            ("dp_replicate", "all_reduce")} <= ops(rep)
+    assert all(row["measured"]["dp_replicate"] > 0 for row in rep["dp_comm_by_rank"])
+    assert cp_bytes_match_ring(rep)
+    # FullyShard shards over dp_shard x cp = 2 x 2 ranks; the replicas average their shards
+    assert dp_bytes_match_theory(rep) and states_match_theory(rep, ("params", "grads"))
+
+
+def ep_bytes_match_plan_terms(rep):
+    """The `ep` bytes sent (summed over ranks) against plan_terms.ep_all_to_all_bytes for this
+    rank's s / cp tokens of its micro-batch (4 all-to-alls per MoE layer and micro-batch:
+    dispatch and combine, forward and backward) plus the miniature's derived extra: before
+    each dispatch the mesh all-gathers every rank's top_k x experts + 1 int64 routing counts
+    (runs/miniature_terms.py); for each layer, micro-batch, step and dp x tp x cp rank."""
+    c = rep["config"]
+    m = ModelShape(name="tiny", display_name="tiny", arch="mixtral", layers=SHAPE.layers,
+                   hidden=SHAPE.hidden, heads=SHAPE.heads, kv_heads=SHAPE.heads, ffn=SHAPE.ffn,
+                   vocab=SHAPE.vocab, experts=c["experts"], top_k=c["top_k"])
+    tokens = CFG.global_batch // (c["dp"] * c["microbatches"]) * SHAPE.seq // c["cp"]
+    a2a = 4 * wire_bytes_per_rank("all_to_all", terms.ep_all_to_all_bytes(m, tokens, 4),
+                                  c["ep"])
+    counts = wire_bytes_per_rank("all_gather", 8 * (m.top_k * m.experts + 1), c["ep"])
+    expected = ((a2a + counts) * SHAPE.layers * c["microbatches"] * CFG.steps
+                * c["dp"] * c["tp"] * c["cp"])
+    sent = sum(row["wire_bytes"] for row in rep["comm_by_dim"] if row["dim"] == "ep")
+    assert sent == pytest.approx(expected, rel=1e-9), (sent, expected)
+    return True
+
+
+def test_cp_x_ep_x_dp_x_pp_equals_one_device():
+    rep = run(dp=2, tp=1, pp=2, cp=2, ep=2, experts=4, top_k=2, optimizer="sgd")
+    assert rep["world_size"] == 8
+    assert equals_one_device(rep)
+    # each cp rank routes its own shard over ep; the experts' replicas span cp (ep_dp)
+    assert {("ep", "all_to_all"), ("cp", "send"), ("pp", "send"), ("dp_cp", "all_reduce"),
+            ("ep_dp", "all_reduce")} <= ops(rep)
+    assert "other" not in {d for d, _ in ops(rep)}
+    assert ep_bytes_match_plan_terms(rep) and cp_bytes_match_ring(rep)
+
+
 def test_activations_per_rank_fall_with_cp_as_the_planner_says():
     (two, two_model), (four, four_model) = (activations_match_theory(run(dp=1, tp=1, pp=1,
                                                                          cp=cp))
@@ -120,7 +166,6 @@ def test_activations_per_rank_fall_with_cp_as_the_planner_says():
     (["--cp", "3"], "--cp 3 does not cut the sequence of 32 tokens into 6 equal chunks"),
     (["--cp", "16", "--cp-layout", "contiguous", "--tp", "4", "--sequence-parallel"],
      "TP degree 4 does not divide seq / cp=2"),
-    (["--cp", "2", "--experts", "4", "--ep", "2"], "cp=2 with experts (ep=2) is not composed"),
     (["--cp", "2", "--tp", "2", "--sequence-parallel", "--cp-layout", "contiguous",
       "--dp", "1", "--pp", "1", "--world-size", "2"], "--world-size 2 but dp x tp x pp x cp"),
 ])

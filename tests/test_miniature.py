@@ -19,6 +19,11 @@ SHAPES = {
     "zero1 x tp+sp x pp": dict(dp=2, tp=2, pp=2, zero_stage=1, sequence_parallel=True),
     "dp x pp interleaved": dict(dp=2, pp=2, v=2),
     "dp x ep": dict(dp=2, ep=2),
+    # CP with experts: each cp rank routes its shard; experts (and ZeRO-1's shards of their
+    # state) averaged over their dp x cp / ep replicas
+    "dp x cp x ep": dict(dp=2, cp=2, ep=2),
+    "zero1 x dp x cp x ep": dict(dp=2, cp=2, ep=2, zero_stage=1),
+    "zero1 x dp x ep": dict(dp=2, ep=2, zero_stage=1),
     "pp=4 (uneven stages)": dict(pp=4),
     "tp+sp x pp interleaved": dict(tp=2, pp=2, v=2, sequence_parallel=True),
     "dp x tp": dict(dp=2, tp=2),
@@ -96,7 +101,6 @@ def test_cp_ring_adjustment_is_the_rings_last_hop(cp):
 
 
 @pytest.mark.parametrize("fields, words", [
-    (dict(dp=2, cp=2, ep=2), "cp > 1 with ep > 1"),
     (dict(dp=2, tp=2, ep=2), "tp > 1 with ep > 1"),
     (dict(dp=2, recompute="selective"), "recompute=selective"),
     (dict(dp=4, tp=2, pp=2, cp=2), "32 ranks"),

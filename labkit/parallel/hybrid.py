@@ -42,7 +42,10 @@ FullyShard shard over dp x cp (dp_shard x cp with HSDP): model states / (dp_shar
 a rank sends per step on cp, per attention layer of its stage and micro-batch (b sequences,
 KV = 2 b (h / tp) (s / cp) d values): (cp - 1) KV forward, (cp - 1) KV + cp dKV (fp32)
 backward (theory/context_parallel.comm_bytes_per_rank); on dp_cp 2 (N-1)/N x the stage's
-gradient bytes, N = dp x cp. Not composed with experts (refused).
+gradient bytes, N = dp x cp. With experts each cp rank routes its own tokens (its sequence
+shard) through its ep group's all-to-all, as without CP (the ep group holds one cp index);
+an expert's gradient is averaged over its replicas, the dp x cp / ep ranks with the same ep
+index (`ep_dp`, spanning cp: torchtitan's "ranks that hold the same experts").
 
 Memory per GPU (model states): Ψ / (tp * pp) of the weights each (+ 1/ep of the experts);
 ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
@@ -74,7 +77,8 @@ from .serving import PipelineGenerator, generate, new_cache, split_requests
 from .flat import average_gradients, unwrapped_name
 from .context_parallel import ContextParallel
 from .fully_shard import FullyShard, one_unit_per_layer
-from .mesh_dims import SCHEDULES, check_layout, dp_cp_group, dp_groups, validate_dims
+from .mesh_dims import (SCHEDULES, check_layout, dp_cp_group, dp_groups, ep_dp_cp_group,
+                        validate_dims)
 from .tp_shards import all_gather_dim, split_parts
 from .tensor_parallel import gather_params, parallelize
 from .tensor_parallel_plan import plan_for
@@ -117,8 +121,8 @@ class HybridParallel:
     input per micro-batch in flight and runs its forward again in backward). After
     construction: `dp_shard` / `dp_replicate` (the groups; None where there is no such
     dimension; dp_shard spans cp), `dp_cp` (the group averaging the gradients under
-    ZeRO-0/1), `stage_params` (this rank's stages' parameters after TP, before FullyShard
-    shards them).
+    ZeRO-0/1), `ep_dp` (the group of the experts' replicas), `stage_params` (this rank's
+    stages' parameters after TP, before FullyShard shards them).
     """
 
     def __init__(self, model, mesh, loss_fn, *, tp_plan=None, sequence_parallel=False,
@@ -135,6 +139,8 @@ class HybridParallel:
                                             else (None, None))
         # the ranks whose gradients are averaged (ZeRO-0/1): dp x cp (mesh["dp"] if cp = 1)
         self.dp_cp = dp_cp_group(mesh)
+        # the replicas of this rank's experts: dp x cp / ep ranks (mesh["ep_dp"] if cp = 1)
+        self.ep_dp = ep_dp_cp_group(mesh) if expert_parallel else mesh["ep_dp"]
         if cp > 1 and not attention_layers(model):
             raise ValueError(f"cp={cp} but the {type(model).__name__} has no module named "
                              "*Attention* to make context-parallel")
@@ -185,10 +191,11 @@ class HybridParallel:
     @property
     def gradient_groups(self):
         """[(parameters, the group their gradients are averaged over)]: the dense ones over
-        dp x cp (`dp_cp`; ZeRO-3: FullyShard's shards), the experts over `ep_dp`. What the
+        dp x cp (`dp_cp`; ZeRO-3: FullyShard's shards), the experts over `ep_dp` (their
+        replicas, dp x cp / ep ranks). What the
         optimizers are built from, one per group (ZeRO-1 shards each over its group)."""
         return [(params, group) for params, group in ((self.dense, self.dp_cp),
-                                                      (self.experts, self.mesh["ep_dp"]))
+                                                      (self.experts, self.ep_dp))
                 if params]
 
     def forward_backward(self, x=None, target=None):
@@ -205,7 +212,7 @@ class HybridParallel:
         else:   # DP (x CP): a stage's replicas average their gradients (one all-reduce)
             average_gradients(self.dense, self.dp_cp,
                               tag="dp_cp grads" if self.mesh.sizes["cp"] > 1 else "dp grads")
-        average_gradients(self.experts, self.mesh["ep_dp"], tag="ep_dp grads")
+        average_gradients(self.experts, self.ep_dp, tag="ep_dp grads")
 
     @torch.no_grad()
     def _sum_over_tp(self, shards):

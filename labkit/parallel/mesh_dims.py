@@ -5,8 +5,8 @@ ParallelDims._validate); `check_layout` adds what a GPT of a given shape and bat
 (CLI flag names). `dp_groups` / `dp_cp_group` are the groups that reduce gradients: context
 parallelism (cp) splits the sequence, not the weights, so the cp ranks of a stage hold the same
 weights as its dp ranks do and their gradients are reduced over dp x cp together (torchtitan's
-"dp_cp" dimension; with ZeRO-3 FullyShard shards over dp_shard x cp). Each error is one line
-naming the argument.
+"dp_cp" dimension; with ZeRO-3 FullyShard shards over dp_shard x cp); `ep_dp_cp_group` the
+replicas of an expert, over dp x cp / ep ranks. Each error is one line naming the argument.
 """
 from .ring_attention import LAYOUTS
 
@@ -41,9 +41,6 @@ def validate_dims(*, dp, tp, pp, ep=1, dp_replicate=1, zero_stage=0, sequence_pa
                          "ranks hold different experts")
     if cp_layout not in LAYOUTS:
         raise ValueError(f"cp_layout must be one of {', '.join(LAYOUTS)}, got {cp_layout!r}")
-    if cp > 1 and (ep > 1 or experts):
-        raise ValueError(f"cp={cp} with experts (ep={ep}) is not composed here: the experts' "
-                         "gradients would need averaging over cp as well as ep_dp")
     chunks = cp if cp_layout == "contiguous" else 2 * cp
     if cp > 1 and seq is not None and seq % chunks:
         raise ValueError(f"cp={cp} does not cut the sequence of {seq} tokens into {chunks} "
@@ -112,6 +109,19 @@ def dp_cp_group(mesh):
     if mesh.sizes["cp"] == 1:
         return mesh["dp"]
     return mesh.ctx.split_groups(_partition(mesh, lambda row: (row["pp"], row["tp"])))
+
+
+def ep_dp_cp_group(mesh):
+    """The replicas of this rank's experts (same pp, tp and ep index; every dp // ep and cp
+    index): dp x cp / ep ranks whose expert gradients are averaged together. Each cp rank
+    routes its own sequence shard through its ep group's all-to-all (the ep group holds one
+    cp index), so the cp ranks hold the same experts as the ep_dp ranks do (torchtitan
+    averages expert gradients over the ranks holding the same experts likewise).
+    mesh["ep_dp"] when cp = 1. Every rank calls it."""
+    if mesh.sizes["cp"] == 1:
+        return mesh["ep_dp"]
+    return mesh.ctx.split_groups(_partition(mesh, lambda row: (row["pp"], row["tp"],
+                                                               row["ep"])))
 
 
 def dp_groups(mesh, dp_replicate):

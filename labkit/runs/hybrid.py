@@ -13,6 +13,8 @@ With --cp each rank trains on its shard of every sequence (the embedding given t
 global positions); the gradients are averaged over dp x cp (`dp_cp`; under --zero 3 FullyShard
 shards over dp_shard x cp) and the report adds `predicted_cp_wire_bytes`
 (theory/hybrid.cp_wire_bytes: the ring's bytes, summed over the ranks, over the run).
+With --experts and --cp each rank routes its sequence shard through the ep all-to-all; the
+experts' gradients are averaged over their dp x cp / ep replicas (`ep_dp`).
 The MoE variant routes without capacity limits (capacity factor = experts / top_k: nothing is
 dropped, so micro-batching cannot change the routing) and without router losses, so the one
 device reference trains the same function.
@@ -143,13 +145,17 @@ def label_dp(rows, hybrid):
     and reduce-scatters ("grads ...") on `dp_shard` (which spans cp too when cp > 1), HSDP's
     all-reduce across `dp_replicate` (by tag and group: a one-rank dp_shard has the ranks, so
     the name, of other groups). With cp > 1 and ZeRO-0/1 the gradients' all-reduce over
-    dp x cp is `dp_cp`."""
+    dp x cp is `dp_cp`, the experts' (ZeRO-1's too) over their replicas `ep_dp`."""
     if hybrid.dp_shard is None:
-        for row in rows:   # by tag: with dp = 1 the dp_cp group has the cp group's ranks
-            if row["tag"].startswith("dp_cp") or (hybrid.mesh.sizes["cp"] > 1 and
-                                                  row["group"] == hybrid.dp_cp.name and
-                                                  row["tag"].startswith(ZERO1_TAGS)):
-                row["dim"] = "dp_cp"
+        cp = hybrid.mesh.sizes["cp"] > 1
+        dense = "dp_cp" if cp else "dp"
+        for row in rows:   # by tag: with dp = 1 the dp_cp group has the cp group's ranks,
+            # with dp = ep (experts) the dp group has the ep group's
+            zero1 = (cp or hybrid.experts) and row["tag"].startswith(ZERO1_TAGS)
+            if row["tag"].startswith("dp_cp") or (zero1 and row["group"] == hybrid.dp_cp.name):
+                row["dim"] = dense
+            elif zero1 and row["group"] == hybrid.ep_dp.name:   # the experts' replicas
+                row["dim"] = "ep_dp"
         return rows
     for row in rows:
         if row["group"] == hybrid.dp_shard.name and row["tag"].startswith(("params ",

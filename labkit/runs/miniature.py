@@ -38,8 +38,6 @@ def why_not(p):
     if world > MAX_RANKS:
         return (f"dp*tp*pp*cp = {world} ranks: the launcher runs at most {MAX_RANKS} CPU ranks "
                 f"here (plan for --gpus {MAX_RANKS} or fewer, or --fix a layout that small)")
-    if p["cp"] > 1 and p["ep"] > 1:
-        return "cp > 1 with ep > 1: the mesh does not compose context parallelism with experts"
     if p["tp"] > 1 and p["ep"] > 1:
         return ("tp > 1 with ep > 1: the mesh keeps each expert whole on every TP rank, the "
                 "planner splits experts by tp (expert tensor parallelism)")
@@ -117,9 +115,11 @@ def compare(side, rep, steps, sp=False, zero3=False):
                      side["adjusted"]["activations"], acts, ACTIVATION_BAND))
     world = rep["world_size"]
     for dim, (plan_b, adj_b) in side["comm"].items():
-        # a pipeline send between two ranks that are no mesh group's (pp > 2) is "other"
+        # a pipeline send between two ranks that are no mesh group's (pp > 2) is "other";
+        # the experts' gradients (on their replicas, ep_dp) are part of the planner's DP term
         measured = sum(r["wire_bytes"] for r in rep["comm_by_dim"] if r["dim"] == dim or (
-            dim == "pp" and r["dim"] == "other" and r["op"] in ("send", "recv")))
+            dim == "pp" and r["dim"] == "other" and r["op"] in ("send", "recv")) or (
+            dim.startswith("dp") and r["dim"] == "ep_dp"))
         row = _row(f"{dim} bytes", plan_b, adj_b, measured / world / steps)
         if dim == "tp" and sp and zero3:
             # ZeRO-3 sums the SP gradients on the shards once per step (parallel/hybrid.py):

@@ -35,8 +35,9 @@ to the planner's number (`adjusted`), never fitted:
   hops: + one hop per layer and micro-batch (theory/context_parallel.comm_bytes_per_rank).
   DP (over dp x cp, `dp_cp`, when cp > 1): ZeRO-1 is ShardedOptimizer's all-reduce + owners'
   broadcasts (3 Psi on the wire where the planner's reduce-scatter + all-gather move 2 Psi);
-  experts average over ep_dp = dp / ep ranks, not dp. EP: the planner's 4 all-to-alls per MoE
-  layer and micro-batch (ep_all_to_all_bytes: tokens x top_k x h each, (ep-1)/ep on the wire;
+  experts average over their replicas, ep_dp = dp x cp / ep ranks, not dp x cp (ZeRO-1 shards
+  their optimizer state over ep_dp too). EP: the planner's 4 all-to-alls per MoE layer and
+  micro-batch (ep_all_to_all_bytes: tokens x top_k x h each, (ep-1)/ep on the wire;
   nothing dropped, as the tiny MoE routes without capacity); before each forward's dispatch the
   mesh all-gathers every rank's top_k x experts + 1 routing counts (int64): + that all-gather.
 Activations under full recompute: the pipeline checkpoints whole stage chunks
@@ -112,10 +113,17 @@ def planner_side(p):
     mem, _, stage_params, _ = planner.memory_terms(m, c, run["batch"], run["seq"], plan)
     units = _rank_units(m, p)
     held = [_rank_params(m, p, *u) for u in units]
+    # a dense model's MLPs are no experts: averaged over dp x cp with the rest
+    tp = p["tp"]
+    experts = [u[0] * terms.tf.layer_counts(m).mlp_total / (tp * p["ep"]) if p["ep"] > 1 else 0
+               for u in units]
     worst = max(held)
-    shard = p["dp"] * p["cp"]
-    adjusted = terms.model_states(worst, "fp32", p["zero_stage"], shard)
-    tokens, micro, tp = run["mbs"] * run["seq"] // p["cp"], run["microbatches"], p["tp"]
+    shard, e = p["dp"] * p["cp"], experts[held.index(worst)]
+    # ZeRO-1 shards the dense states over dp x cp, the experts' over their dp x cp / ep replicas
+    dense, expert = (terms.model_states(n, "fp32", p["zero_stage"], s)
+                     for n, s in ((worst - e, shard), (e, shard // p["ep"])))
+    adjusted = {k: dense[k] + expert[k] for k in dense}
+    tokens, micro = run["mbs"] * run["seq"] // p["cp"], run["microbatches"]
     vb = terms.message_bytes(c.precision)
     layers = planner.layers_per_stage(m, p["pp"])
     act = terms.tp_collective_bytes(m, tokens, vb)
@@ -129,9 +137,6 @@ def planner_side(p):
     pp_adjusted = pp_planner * (p["pp"] * p["v"] - 1) / (p["pp"] * p["v"]) * \
         (1 if p["sequence_parallel"] else tp)
     dp_planner = _dp_bytes(stage_params, p, micro, vb)
-    # a dense model's MLPs are no experts: averaged over dp x cp with the rest
-    experts = [u[0] * terms.tf.layer_counts(m).mlp_total / (tp * p["ep"]) if p["ep"] > 1 else 0
-               for u in units]
     dp_adjusted = sum(_dp_bytes(h, p, micro, vb, e) for h, e in zip(held, experts)) / len(held)
     dp_dim = "dp_shard" if p["zero_stage"] == 3 else "dp_cp" if p["cp"] > 1 else "dp"
     comm = {"tp": (tp_planner, tp_adjusted), "pp": (pp_planner, pp_adjusted),
@@ -197,8 +202,8 @@ def _tp_extras(m, p, run, blocks):
 
 def _dp_bytes(stage_params, p, micro, weight_bytes, expert_params=None):
     """Wire bytes per rank and step of the DP traffic (plan_terms' payloads, ring model).
-    With `expert_params` (the mesh's side): experts average over ep_dp = dp / ep ranks, not
-    dp (the planner's shard), and ZeRO-1 is ShardedOptimizer's: an all-reduce of the
+    With `expert_params` (the mesh's side): experts average over ep_dp = dp x cp / ep ranks,
+    not dp x cp (the planner's shard), and ZeRO-1 is ShardedOptimizer's: an all-reduce of the
     gradients (twice a reduce-scatter's wire bytes) and each owner's broadcast of its weights
     (an all-gather's), torch's ZeroRedundancyOptimizer's 3 Psi for the planner's 2 Psi."""
     shard = p["dp"] * p["cp"]
@@ -209,11 +214,12 @@ def _dp_bytes(stage_params, p, micro, weight_bytes, expert_params=None):
     if expert_params is None:
         pay = terms.dp_traffic_bytes(stage_params, p["zero_stage"], shard, weight_bytes)
         return sum(wire_bytes_per_rank(op, b, shard) for op, b in pay.items())
-    dense = _dp_bytes(stage_params - expert_params, p, micro, weight_bytes)
-    ep_dp = dict(p, dp=p["dp"] // p["ep"], cp=1)
-    out = dense + (_dp_bytes(expert_params, ep_dp, micro, weight_bytes) if expert_params
-                   else 0.0)
-    if p["zero_stage"] == 1:
-        grads = terms.dp_traffic_bytes(stage_params, 1, shard, weight_bytes)["reduce_scatter"]
-        out += wire_bytes_per_rank("reduce_scatter", grads, shard)
+    ep_dp = dict(p, dp=p["dp"] // p["ep"])    # x cp: the cp ranks hold the same experts
+    out = 0.0
+    for params, q in ((stage_params - expert_params, p), (expert_params, ep_dp)):
+        n = q["dp"] * q["cp"]
+        out += _dp_bytes(params, q, micro, weight_bytes)
+        if p["zero_stage"] == 1:   # the all-reduce: one more reduce-scatter's bytes
+            grads = terms.dp_traffic_bytes(params, 1, n, weight_bytes)["reduce_scatter"]
+            out += wire_bytes_per_rank("reduce_scatter", grads, n)
     return out

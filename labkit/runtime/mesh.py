@@ -6,7 +6,8 @@ move the most bytes per step use the fastest link (Megatron-LM's ordering, Naray
 2021, arXiv 2104.04473). `order=` lays the dimensions out otherwise, e.g. to show TP across
 nodes being slow. Expert parallelism splits the data-parallel dimension: `ep` ranks with the
 same (pp, cp, tp) and neighbouring dp hold different experts; `ep_dp` are the replicas of the
-same experts (their gradients are averaged).
+same experts within one cp index (their gradients are averaged; with cp > 1 over the cp
+ranks too, parallel/mesh_dims.ep_dp_cp_group).
 
     mesh = Mesh(dp=2, tp=2, pp=2)       # or ctx.mesh(...); every rank builds it, same order
     mesh["tp"]          # this rank's TP group (a Group; pass it as group= to a block)
