@@ -35,9 +35,8 @@ from dataclasses import dataclass
 # SMs a collective's kernels take from overlapped compute: NCCL runs one thread block (one SM)
 # per channel and Transformer Engine's userbuffers overlap uses 16 SMs by default (`num_sm` in
 # its TP-overlap config). (DeepSeek-V3's report, arXiv 2412.19437 section 3.2.2, gives 20 of
-# an H800's 132 SMs to its all-to-all: the same order.) SM_CONTENTION: their share of an H100.
+# an H800's 132 SMs to its all-to-all: the same order.)
 COMM_SMS = 16
-SM_CONTENTION = COMM_SMS / 132
 
 
 @dataclass(frozen=True)

@@ -87,9 +87,9 @@ def tp_comm_time(c, m, tokens, tp, layers, collectives_per_layer, value_bytes=2)
 
 
 def message_bytes(precision):
-    """Bytes per value of the activations the GPUs exchange (TP, CP, PP, EP messages) and of
-    the weights ZeRO gathers: 4 in an fp32 run, else 2 (bf16; fp8 runs keep bf16 outside
-    the GEMMs, Transformer Engine's default)."""
+    """Bytes per value of a run's activations (kept, and exchanged as TP, CP, PP, EP messages)
+    and of the weights ZeRO gathers: 4 in an fp32 run, else 2 (bf16; fp8 runs keep bf16
+    outside the GEMMs, Transformer Engine's default)."""
     return 4 if precision == "fp32" else 2
 
 

@@ -119,7 +119,7 @@ def activation_terms(m, c, seq, p):
     """One layer's bytes kept (a_none), kept when recomputed (a_full), the rebuilt working set,
     and the last stage's logits, for one micro-batch on one GPU."""
     mbs, tp, cp, sp = p["micro_batch_size"], p["tp"], p["cp"], p["sequence_parallel"]
-    flash, value_bytes = c.flash_attention, 4 if c.precision == "fp32" else 2
+    flash, value_bytes = c.flash_attention, terms.message_bytes(c.precision)
     none = activation_bytes(m, seq, mbs, tp, sp, "none", cp, flash, c.dropout, value_bytes)
     kept = none if p["recompute"] != "selective" else \
         activation_bytes(m, seq, mbs, tp, sp, "selective", cp, flash, c.dropout, value_bytes)
@@ -136,7 +136,7 @@ def memory_terms(m, c, batch, seq, p):
     stage_params, layer_params = terms.stage_parameters(m, p["tp"], p["ep"], p["pp"], layers)
     shard = p["dp"] * p["cp"]        # ZeRO shards over every rank holding the same weights
     states = terms.model_states(stage_params, c.precision, p["zero_stage"], shard)
-    weight_bytes = 4 if c.precision == "fp32" else 2
+    weight_bytes = terms.message_bytes(c.precision)
     buffers = terms.zero3_buffers(layer_params, p["zero_stage"], weight_bytes)
     stage = dict(activation_terms(m, c, seq, p), microbatches=batch // (p["dp"] *
                  p["micro_batch_size"]), pp=p["pp"], v=p["v"])
@@ -253,7 +253,7 @@ def _micro_batch_work(m, c, seq, p, tokens, layers, share, kept):
     mbs = p["micro_batch_size"]
     fwd = kernels.training_forward(
         m, tokens, seq, c.gpu, tp, p["ep"], mbs, c.causal, flash,
-        4 if c.precision == "fp32" else 2, terms.gemm_flops_rate(c, c.precision),
+        terms.message_bytes(c.precision), terms.gemm_flops_rate(c, c.precision),
         c.gpu.bf16_flops * c.achievable, c.kernel_launch_s, p["sequence_parallel"],
         tf.is_gpt(m) if c.dropout is None else c.dropout, p["cp"])
     gemm = layers * (fwd["gemm"] + fwd["gemm_backward"])

@@ -359,7 +359,7 @@ print(f"measured, not fitted: H100 GEMM ceiling {kernels.ceiling(h100):.2f} of p
       f"kernel launch, FlashAttention {kernels.FLASH_FRACTION:.0%} of peak")
 print(f"assumed: link efficiency {link.efficiency:.0%} of line rate, NVLink latency "
       f"{link.latency * 1e6:.0f} us, allocator reserve {plan_terms.ALLOCATOR_RESERVE / 2**30:.0f} "
-      f"GiB, overlapped comm takes {overlap.SM_CONTENTION:.0%} of the SMs")
+      f"GiB, overlapped comm holds {overlap.COMM_SMS} SMs (of an H100's {kernels.sms(h100)})")
 for use in ("calibration", "check"):
     part = published[published.use == use]
     print(f"mean absolute error, {use} rows ({len(part)}): labkit "
