@@ -192,8 +192,8 @@ class HybridParallel:
     def gradient_groups(self):
         """[(parameters, the group their gradients are averaged over)]: the dense ones over
         dp x cp (`dp_cp`; ZeRO-3: FullyShard's shards), the experts over `ep_dp` (their
-        replicas, dp x cp / ep ranks). What the
-        optimizers are built from, one per group (ZeRO-1 shards each over its group)."""
+        replicas, dp x cp / ep ranks). What the optimizers are built from, one per group
+        (ZeRO-1 shards each over its group)."""
         return [(params, group) for params, group in ((self.dense, self.dp_cp),
                                                       (self.experts, self.ep_dp))
                 if params]
