@@ -95,7 +95,7 @@ def plan_command(args):
         return json.dumps(out, indent=2)
     band = error_band.format_band(out["error_band"],
                                   best["tokens_per_s_per_gpu"] if best["fits"] else None)
-    text = "\n".join(([header] if header else []) + [planner.format_plans(out)] + band)
+    text = "\n".join(([header] if header else []) + [format_plans(out)] + band)
     if not getattr(args, "miniature", False):
         return text
     print(text, flush=True)      # the plan first: the miniature run takes seconds
@@ -104,6 +104,30 @@ def plan_command(args):
         f"note: {out['model']['display_name']}'s layout runs on a tiny GPT (the mesh trains "
         "no other family): the layout's terms are checked, not this model's layer\n")
     return family + miniature.format_rows(run_miniature(best))
+
+
+def format_plans(out):
+    """The training planner's ranking as text (what `python -m labkit plan` prints); all times are modelled."""
+    from .theory import planner
+    c, m = out["cluster"], out["model"]
+    lines = [f"{m['display_name']} ({m['params'] / 1e9:.1f}B params) on {c['gpus']} x "
+             f"{c['gpu']} ({c['gpus_per_node']} per node, {c['intra_link']} / "
+             f"{c['inter_link']}), batch {out['workload']['global_batch']} x "
+             f"{out['workload']['seq']} tokens, {c['precision']}, stack {c['stack']}: "
+             f"{out['considered']} legal plans, modelled",
+             f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'v':>2} {'mbs':>3} "
+             f"{'ZeRO':>4} {'recompute':>11} {'sp':>3} {'GB/GPU':>7} {'step s':>8} {'MFU':>6} "
+             f"{'tok/s/GPU':>9}  fits"]
+    if out["workload"].get("note"):
+        lines.insert(1, "note: " + out["workload"]["note"])
+    for p in out["plans"]:
+        lines.append(
+            f"{p['dp']:>5} {p['tp']:>3} {p['pp']:>3} {p['cp']:>3} {p['ep']:>3} {p['v']:>2} "
+            f"{p['micro_batch_size']:>3} {p['zero_stage']:>4} {planner.recompute_label(p):>11} "
+            f"{'yes' if p['sequence_parallel'] else 'no':>3} "
+            f"{p['memory_bytes']['total'] / 1e9:7.1f} {p['step_s']:8.3f} {p['mfu']:6.1%} "
+            f"{p['tokens_per_s_per_gpu']:9.0f}  {'yes' if p['fits'] else p['reason']}")
+    return "\n".join(lines)
 
 
 def run_miniature(best):

@@ -3,6 +3,7 @@ fitted to it, rejects what cannot fit with a reason, keeps TP inside a node, and
 catalog's counts."""
 import pytest
 
+from labkit import cli_plan
 from labkit.theory import catalog, planner, published, transformer as tf
 
 # Table 1 tolerance: GEMMs run at the kernel model's efficiency (theory/kernels.py: the measured
@@ -398,7 +399,7 @@ def test_global_batch_tokens_that_are_not_whole_sequences_are_said(capsys):
                        top=1)
     assert out["workload"]["global_batch"] == 3906
     assert "rounded down to 3,906 sequences" in out["workload"]["note"]
-    assert "note: --global-batch-tokens 16,000,000" in planner.format_plans(out)
+    assert "note: --global-batch-tokens 16,000,000" in cli_plan.format_plans(out)
     exact = planner.plan("llama-3-8b", 64, "H100", global_batch_tokens=4096 * 512, seq=4096,
                          top=1)
     assert exact["workload"]["note"] == ""

@@ -405,25 +405,3 @@ def recompute_label(p):
     return "full" if p["recompute_layers"] >= per_stage else \
         f"full {p['recompute_layers']}/{per_stage}"
 
-
-def format_plans(out):
-    """The ranking as text (what `python -m labkit plan` prints); all times are modelled."""
-    c, m = out["cluster"], out["model"]
-    lines = [f"{m['display_name']} ({m['params'] / 1e9:.1f}B params) on {c['gpus']} x "
-             f"{c['gpu']} ({c['gpus_per_node']} per node, {c['intra_link']} / "
-             f"{c['inter_link']}), batch {out['workload']['global_batch']} x "
-             f"{out['workload']['seq']} tokens, {c['precision']}, stack {c['stack']}: "
-             f"{out['considered']} legal plans, modelled",
-             f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'v':>2} {'mbs':>3} "
-             f"{'ZeRO':>4} {'recompute':>11} {'sp':>3} {'GB/GPU':>7} {'step s':>8} {'MFU':>6} "
-             f"{'tok/s/GPU':>9}  fits"]
-    if out["workload"].get("note"):
-        lines.insert(1, "note: " + out["workload"]["note"])
-    for p in out["plans"]:
-        lines.append(
-            f"{p['dp']:>5} {p['tp']:>3} {p['pp']:>3} {p['cp']:>3} {p['ep']:>3} {p['v']:>2} "
-            f"{p['micro_batch_size']:>3} {p['zero_stage']:>4} {recompute_label(p):>11} "
-            f"{'yes' if p['sequence_parallel'] else 'no':>3} "
-            f"{p['memory_bytes']['total'] / 1e9:7.1f} {p['step_s']:8.3f} {p['mfu']:6.1%} "
-            f"{p['tokens_per_s_per_gpu']:9.0f}  {'yes' if p['fits'] else p['reason']}")
-    return "\n".join(lines)
