@@ -1,7 +1,8 @@
 """`python -m labkit calibrate`: measure this machine's GPU and write a hardware profile.
 
 What the planners take from a datasheet, measured here with CUDA events after warm-up (the
-median of several repetitions):
+median of several repetitions; a short kernel repeated back to back to fill each timed
+window, so that Python's launch latency is not timed with it):
   - bf16 GEMM TFLOP/s (2 m n k FLOPs per product) over square shapes 1024..8192 and the skinny
     ones decode (m = 1..256 tokens) and tensor parallelism (hidden / tp) produce;
   - HBM bandwidth: one large device-to-device copy, read + write bytes counted (2 x size);
@@ -30,6 +31,7 @@ from .theory.profile import catalog_gpu, check_profile, peak_tflops
 
 # LLAMA_1B: the measured model's shape (theory/error_band.py keeps it: its check rows model the
 # same shape); the quick run keeps the same shape, fewer repetitions.
+WINDOW_S = 1e-3     # each timed window: long enough that launch latency is a rounding error
 SQUARES = (1024, 2048, 4096, 8192)
 TOKENS = (1, 16, 64, 256)                          # decode batches / short prefill chunks
 SKINNY_NK = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (3584, 8192))
@@ -42,20 +44,31 @@ def no_gpu_reason():
     return None
 
 
+def calls_per_window(seconds, window_s=WINDOW_S, most=1000):
+    """How many back-to-back calls of a `seconds`-long function fill one timed window."""
+    return max(1, min(most, math.ceil(window_s / max(seconds, 1e-9))))
+
+
 def cuda_seconds(fn, warmup=3, reps=10):
-    """Median seconds of fn() on the current CUDA stream, timed with CUDA events."""
+    """Median seconds of one fn() on the current CUDA stream, timed with CUDA events. The GPU
+    idles while Python launches the first kernel after `start`, so one short kernel between two
+    events would time that launch latency (tens of microseconds) too: short functions run
+    calls_per_window() times back to back between the events, and the window is divided."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    calls = calls_per_window(_window_seconds(fn, 1))      # a sizing window, not kept
+    return statistics.median(_window_seconds(fn, calls) for _ in range(reps))
+
+
+def _window_seconds(fn, calls):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
 
 
 def gemm_shapes(quick=False):

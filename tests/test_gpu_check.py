@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import cli, gpu_check
-from labkit.calibrate import LLAMA_1B, modelled, side_by_side
+from labkit.calibrate import LLAMA_1B, WINDOW_S, calls_per_window, modelled, side_by_side
 from labkit.runtime import comm
 from labkit.theory import hardware
 from labkit.theory.profile import check_profile, load_profile, peak_tflops, profiled_gpu
@@ -190,3 +190,13 @@ def test_a_wrong_block_is_caught(monkeypatch):
         return loss
     assert gpu_check.judged("wrong", lambda m: gpu_check.train_losses(m, doubled, "cpu"),
                             gpu_check.gpt, "cpu")["result"] == "FAIL"
+
+
+@pytest.mark.parametrize("seconds", [1e-7, 4e-5, 3.3e-4, 1e-3, 0.12])
+def test_a_short_kernel_is_timed_over_a_full_window(seconds):
+    """One short kernel between two CUDA events would time Python's launch latency as well;
+    calibrate repeats it back to back until the window reaches WINDOW_S (at most 1000 calls)."""
+    calls = calls_per_window(seconds)
+    assert 1 <= calls <= 1000
+    assert calls * seconds >= WINDOW_S or calls == 1000
+    assert calls == 1 or (calls - 1) * seconds < WINDOW_S
