@@ -469,3 +469,18 @@ def test_fp8_current_scaling_reads_each_cast_value_once_more():
         plan_terms.fp8_cast_time(delayed, *args) * 6 / 4)
     with pytest.raises(ValueError, match="--fp8-recipe"):
         planner.make_cluster("H100", 8, precision="fp8", fp8_recipe="jit")
+
+
+def test_zero3_with_pipeline_only_on_the_fsdp2_stack():
+    """torchtitan shards each pipeline stage with fully_shard; Megatron-LM and DeepSpeed refuse
+    ZeRO-3 with PP. Modelled per micro-batch (labkit's mesh): more micro-batches, more gathers."""
+    fix = "dp=4,tp=8,pp=2,v=1,zero_stage=3,recompute=none,sequence_parallel=true"
+    with pytest.raises(ValueError, match="stack megatron"):
+        planner.plan("llama-3-70b", 64, "H100", global_batch=64, fix=fix, top=1)
+    one, four = (planner.plan("llama-3-70b", 64, "H100", global_batch=64, stack="fsdp2",
+                              fix=f"{fix},micro_batch_size={mbs}", top=1)["plans"][0]
+                 for mbs in (16, 4))
+    assert one["zero_stage"] == four["zero_stage"] == 3 and one["pp"] == 2
+    dp_time = [p["communication_s"]["dp_comm_hidden"] + p["breakdown_s"]["dp_comm"]
+               for p in (one, four)]
+    assert dp_time[1] == pytest.approx(4 * dp_time[0], rel=1e-9)

@@ -81,6 +81,16 @@ def interleave_choices(m, pp):
     return sorted(out)
 
 
+def zero3_with_pipeline(c, zero_stage):
+    """ZeRO-3 composes with PP on the fsdp2 stack only: torchtitan applies fully_shard to each
+    pipeline stage (Liang et al. 2024, TorchTitan, arXiv 2410.06511). Modelled as labkit's mesh
+    runs it: each stage's weights gathered and its gradients reduce-scattered per micro-batch
+    (fully_shard's reshard_after_forward=True; torchtitan's default for PP keeps the weights
+    unsharded over the micro-batches instead: fewer gathers, a whole stage's weights in memory).
+    Megatron-LM and DeepSpeed refuse ZeRO-2/3 with PP."""
+    return zero_stage == 3 and c.stack.name == "fsdp2"
+
+
 def why_illegal(m, c, batch, seq, p):
     """'' if plan `p` is a legal layout of model `m` on cluster `c`, else the reason."""
     dp, tp, pp, cp, ep, v, mbs = (p[k] for k in ("dp", "tp", "pp", "cp", "ep", "v",
@@ -100,8 +110,9 @@ def why_illegal(m, c, batch, seq, p):
         return f"global batch {batch} does not split into dp={dp} x micro-batch {mbs}"
     if v > 1 and (batch // (dp * mbs)) % pp:
         return "interleaving needs micro-batches divisible by pp"
-    if p["zero_stage"] >= 2 and pp > 1:
-        return "ZeRO-2/3 with pipeline parallelism (Megatron-LM and DeepSpeed refuse it)"
+    if p["zero_stage"] >= 2 and pp > 1 and not zero3_with_pipeline(c, p["zero_stage"]):
+        return (f"ZeRO-{p['zero_stage']} with pipeline parallelism on stack {c.stack.name} "
+                "(Megatron-LM and DeepSpeed refuse it; FSDP2 runs ZeRO-3 with PP)")
     if p["sequence_parallel"] and tp == 1:
         return "sequence parallelism needs tp > 1"
     if cp > 1 and seq % (2 * cp):
@@ -319,7 +330,8 @@ def candidates(m, c, batch, seq, fix=None):
                 chunks = interleave_choices(m, pp)
                 for ep, v, mbs in itertools.product(pick("ep", eps), pick("v", chunks),
                                                     pick("micro_batch_size", MICRO_BATCHES)):
-                    zeros = pick("zero_stage", (0, 1) if pp > 1 else (0, 1, 2, 3))
+                    zeros = pick("zero_stage", (0, 1, 2, 3) if pp == 1 else
+                                 (0, 1, 3) if zero3_with_pipeline(c, 3) else (0, 1))
                     sps = pick("sequence_parallel", (False, True) if tp > 1 else (False,))
                     for zero, rc_mode, sp in itertools.product(zeros, pick("recompute", rcs),
                                                                sps):
