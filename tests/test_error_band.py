@@ -206,3 +206,12 @@ def test_the_figure_draws_the_serving_rows_as_rates(serving):
     assert [e[0] for e in edges] == pytest.approx(
         [ax.get_xlim()[0] * (1 + serving[k]) for k in ("low", "high")])
     fig.canvas.draw()
+
+
+def test_a_dots_number_moves_off_a_dot_beside_it():
+    from labkit.viz.planner_widgets import _number_places
+    dots = [(0.0, 0.0), (5.0, 5.0), (200.0, 0.0)]         # pixels at 72 dpi: 1 px = 1 pt
+    places = _number_places(dots, 72)
+    assert places[2] == (7.0, 7.0)                         # alone: up-right, as before
+    for (x, y), (dx, dy) in zip(dots[:2], places[:2]):     # the pair: each number clear of both
+        assert all(((x + dx - a) ** 2 + (y + dy - b) ** 2) ** 0.5 >= 5 for a, b in dots)
