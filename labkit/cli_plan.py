@@ -223,6 +223,7 @@ def serve_plan_main(argv):
             gpus_per_node=args.gpus_per_node, intra_link=args.intra_link,
             inter_link=args.inter_link, top=args.top)
         from .theory import error_band
+        # the published rows ran on their own H100s, so a profile changes only the H200 rows
         out["error_band"] = error_band.serving_band(profiled=bool(header))
     except (ValueError, KeyError) as error:
         message = error.args[0] if error.args else error
@@ -233,7 +234,8 @@ def serve_plan_main(argv):
     else:
         best = out["plans"][0]
         band = error_band.format_band(out["error_band"], best["tokens_per_s_per_gpu"]
-                                      if best["fits"] and not best["reason"] else None)
+                                      if best["fits"] and not best["reason"] else None,
+                                      unit="output tokens/s per GPU")
         print("\n".join(([header] if header else []) + [serving.format_serving_plans(out)]
                         + band))
     return 0

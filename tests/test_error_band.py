@@ -1,6 +1,6 @@
 """The planners' expected error band (labkit/theory/error_band.py): taken from the check rows
-(a changed row changes it), printed by `plan` and `plan --serve`, in their --json as
-`error_band`, drawn in lesson 06's figure."""
+(a changed row changes it; serving: the published serving runs), printed by `plan` and
+`plan --serve`, in their --json as `error_band`, drawn in lessons 06 and 09."""
 import copy
 import json
 import os
@@ -13,7 +13,7 @@ import matplotlib
 import pytest
 
 from labkit.cli import main
-from labkit.theory import error_band, published
+from labkit.theory import error_band, published, published_serving
 
 matplotlib.use("Agg")
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -27,6 +27,11 @@ def check_rows():
 @pytest.fixture(scope="module")
 def training(check_rows):
     return error_band.training_band(check_rows)
+
+
+@pytest.fixture(scope="module")
+def serving():
+    return error_band.serving_band()
 
 
 def test_the_band_is_the_central_spread_of_the_rows():
@@ -77,15 +82,53 @@ def test_measured_rows_are_the_profile_against_the_lab_model():
     assert all(p["modelled"] != d["modelled"] for p, d in zip(profiled, decode))
     slower = copy.deepcopy(measured)
     slower["decode_step_s"][0]["seconds"] *= 3
-    assert error_band.serving_band(slower)["max"] > error_band.serving_band(measured)["max"]
+    assert error_band.serving_band(measured=slower)["measured"]["max"] > \
+        error_band.serving_band(measured=measured)["measured"]["max"]
+
+
+def test_the_serving_band_is_the_published_serving_rows(serving):
+    table = published_serving.runs()
+    assert serving["n"] == len(table) == len(serving["rows"])
+    assert [r["name"] for r in serving["rows"]] == [r["name"] for r in table]
+    assert {r["kind"] for r in serving["rows"]} == {"throughput", "TTFT"}
+    assert "published serving runs" in serving["basis"]
+    assert serving["min"] <= serving["low"] <= serving["high"] <= serving["max"]
+    # beside it, not in it: the H200's decode steps
+    assert serving["measured"]["n"] == len(error_band.load_measured()["decode_step_s"])
+    assert not {r["name"] for r in serving["measured"]["rows"]} & {r["name"] for r in table}
+    for r in serving["rows"]:           # as rates, modelled / published - 1 is the row's error
+        reference, modelled = error_band.rates(r)
+        assert modelled / reference - 1 == pytest.approx(r["error"])
+
+
+def test_changing_a_published_serving_row_changes_the_band(serving):
+    top = max((r for r in serving["rows"] if r["name"] not in serving["outside"]),
+              key=lambda r: r["error"])                # the row that sets the band's high edge
+    assert top["error"] == pytest.approx(serving["high"])
+    rows = copy.deepcopy(published_serving.runs())
+    row = next(r for r in rows if r["name"] == top["name"])
+    # published 3x as fast: throughput 3x, or TTFT a third; the row becomes the lowest
+    factor = 3 if row["metric"] == "tokens_per_s_per_gpu" else 1 / 3
+    row["published"] = str(float(row["published"]) * factor)
+    moved = error_band.serving_band(rows, measured=None)
+    assert moved["high"] < serving["high"] and moved["min"] < serving["min"]
+    assert moved["measured"] is None
 
 
 def test_no_rows_refuses_in_one_line():
     with pytest.raises(ValueError, match="at least one check row"):
         error_band.band([])
-    missing = error_band.serving_band(measured=None)
-    assert "missing" in missing
-    assert error_band.format_band(missing)[0].startswith("expected error: unknown")
+    with pytest.raises(ValueError, match="metric must be one of"):
+        published_serving.predict(dict(published_serving.runs()[0], metric="tokens_per_s"))
+
+
+def test_a_missing_profile_still_gives_the_published_serving_band(serving):
+    b = error_band.serving_band(measured=None)
+    assert b["measured"] is None and (b["low"], b["high"], b["n"]) == (
+        serving["low"], serving["high"], serving["n"])
+    text = error_band.format_band(b)
+    assert text[0].startswith(f"expected error {b['low']:+.0%}/{b['high']:+.0%}")
+    assert any("measured on one GPU: missing" in line for line in text)
 
 
 def test_plan_prints_and_returns_the_band(capsys):
@@ -105,10 +148,18 @@ def test_plan_prints_and_returns_the_band(capsys):
 def test_plan_serve_prints_and_returns_the_band(capsys):
     args = ["plan", "--serve", "--model", "llama-3-8b", "--gpus", "8", "--top", "1"]
     assert main(args + ["--json"]) == 0
-    b = json.loads(capsys.readouterr().out)["error_band"]
-    assert b["kind"] == "serving" and b["n"] == 4 and "decode" in b["rows"][0]["name"]
+    out = json.loads(capsys.readouterr().out)
+    b, best = out["error_band"], out["plans"][0]
+    assert b["kind"] == "serving" and b["n"] == len(published_serving.runs())
+    assert b["measured"]["n"] == 4 and "decode" in b["measured"]["rows"][0]["name"]
     assert main(args) == 0
-    assert f"expected error {b['low']:+.0%}/{b['high']:+.0%}" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    line = next(t for t in text.splitlines() if t.startswith("expected error"))
+    assert line.startswith(f"expected error {b['low']:+.0%}/{b['high']:+.0%}")
+    assert "published serving runs never fitted to (published_serving.csv)" in line
+    low = best["tokens_per_s_per_gpu"] / (1 + b["high"])
+    assert f"output tokens/s per GPU (modelled) would measure about {low:,.0f}-" in text
+    assert all(name in text for name in b["outside"]) and error_band.MEASURED in text
 
 
 def test_plan_with_the_band_imports_no_torch():
@@ -137,3 +188,30 @@ def test_the_figure_draws_every_row_and_the_band(training):
     key = fig.texts[0].get_text()
     assert all(r["name"][:52] in key for r in training["rows"])
     fig.canvas.draw()
+
+
+def test_the_figure_draws_the_serving_rows_as_rates(serving):
+    from labkit.viz.planner_widgets import error_band_figure
+    fig = error_band_figure(serving, group="kind", unit="rate", model="serving_time")
+    ax = fig.axes[0]
+    from matplotlib.collections import PathCollection
+    dots = [tuple(c.get_offsets()[0]) for c in ax.collections
+            if isinstance(c, PathCollection) and len(c.get_offsets()) == 1]
+    assert dots == [pytest.approx(error_band.rates(r)) for r in serving["rows"]]
+    ttft = next(r for r in serving["rows"] if r["kind"] == "TTFT")   # drawn as 1 / TTFT in 1/s
+    assert error_band.rates(ttft)[0] == pytest.approx(1e3 / ttft["reference"])
+    labels = ax.get_legend_handles_labels()[1]
+    assert "throughput" in labels and "TTFT" in labels
+    edges = [ln.get_ydata() for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+    assert [e[0] for e in edges] == pytest.approx(
+        [ax.get_xlim()[0] * (1 + serving[k]) for k in ("low", "high")])
+    fig.canvas.draw()
+
+
+def test_a_dots_number_moves_off_a_dot_beside_it():
+    from labkit.viz.planner_widgets import _number_places
+    dots = [(0.0, 0.0), (5.0, 5.0), (200.0, 0.0)]         # pixels at 72 dpi: 1 px = 1 pt
+    places = _number_places(dots, 72)
+    assert places[2] == (7.0, 7.0)                         # alone: up-right, as before
+    for (x, y), (dx, dy) in zip(dots[:2], places[:2]):     # the pair: each number clear of both
+        assert all(((x + dx - a) ** 2 + (y + dy - b) ** 2) ** 0.5 >= 5 for a, b in dots)

@@ -1,26 +1,30 @@
 """How far to trust a plan: its expected error band, from the lab's own check rows.
 
 Both planners are models; on runs they never saw they are off. Every plan therefore carries
-the spread of error = modelled / reference - 1 (a throughput ratio: TFLOP/s or tokens/s per
-GPU, so +10% means the model promised 10% more than was seen) over rows that nothing was
-fitted to:
+the spread of error = modelled / reference - 1 (a ratio of rates: TFLOP/s, tokens/s or first
+tokens/s = 1 / TTFT, so +10% means the model promised 10% more than was seen) over rows that
+nothing was fitted to:
   - training: the `check` rows of labkit/tables/published_runs.csv (published.py; Table 1's
-    rows kept apart), each predicted with the row's own layout held; beside them the
-    training steps of data/profiles/h200.json, one GPU, predicted by the same planner;
-  - serving: the decode steps of data/profiles/h200.json (one GPU, a 1B-shaped Llama, replayed
-    as a CUDA graph), predicted by serving.serving_time, the roofline `plan --serve` ranks by.
-    No published serving run is checked yet; where the profile is missing the band says so.
-The band is the central COVERAGE of the rows (sorted errors, floor(n (1 - COVERAGE) / 2)
-dropped at each end: 2 of 27 each side; none of 4), so one outlier with a known cause does
-not set it; the full range and the mean |error| come with it. A real run of a plan is then
-expected near modelled / (1 + error). Imports no torch: `plan` stays quick.
+    rows kept apart), each predicted with the row's own layout held;
+  - serving: every row of labkit/tables/published_serving.csv (published_serving.py:
+    TensorRT-LLM's H100 throughput and TTFT tables), each predicted by serving.serving_time,
+    the model `plan --serve` ranks by, with the row's own settings.
+Beside each band, as its `measured` part, the steps `labkit calibrate` measured on one H200
+(data/profiles/h200.json, a 1B-shaped Llama): its training steps predicted by the same
+planner, its decode steps (replayed as a CUDA graph) by serving_time; where the profile is
+missing the band says so. The band is the central COVERAGE of the rows (sorted errors,
+floor(n (1 - COVERAGE) / 2) dropped at each end: 2 of 27 each side, 1 of 12; none of 4), so
+one outlier with a known cause does not set it; the full range and the mean |error| come with
+it. A real run of a plan is then expected near modelled / (1 + error). Imports no torch:
+`plan` stays quick.
 """
 from __future__ import annotations
 
 import json
 import math
 
-from . import catalog, hardware, planner, profile as gpu_profile, published, serving
+from . import (catalog, hardware, planner, profile as gpu_profile, published,
+               published_serving, serving)
 
 COVERAGE = 0.8
 PROFILE = "profiles/h200.json"      # under hardware.DATA_DIR, from a checkout
@@ -73,6 +77,29 @@ def published_rows(rows=None):
                  precision=r.get("precision") or "bf16", modelled=r["predicted"],
                  reference=r["published"], error=r["error"], unit="TFLOP/s per GPU")
             for r in published.check(rows)]
+
+
+KINDS = {"tokens_per_s_per_gpu": "throughput", "ttft_ms": "TTFT"}
+SECONDS = {"ms to first token": 1e-3, "s per step": 1.0}     # the time units a row may be in
+
+
+def published_serving_rows(rows=None):
+    """The published serving rows (default: every row of published_serving.csv), each as
+    {name, source, gpu, kind, modelled, reference, error, unit}: kind "throughput" (output
+    tokens/s per GPU) or "TTFT" (ms), error as published_serving.predict (a ratio of rates)."""
+    return [dict(name=r["name"], source=_source(r["source"]), gpu=r["gpu"],
+                 kind=KINDS[r["metric"]], precision=r["weights"], modelled=r["modelled"],
+                 reference=r["published"], error=r["error"], unit=r["unit"])
+            for r in published_serving.check(rows)]
+
+
+def rates(row):
+    """(reference, modelled) of a check row as rates, a time (unit in SECONDS) as 1 / time in
+    1/s, so that modelled / reference - 1 is the row's error whatever its unit."""
+    scale = SECONDS.get(row["unit"])
+    if scale is None:
+        return row["reference"], row["modelled"]
+    return 1 / (row["reference"] * scale), 1 / (row["modelled"] * scale)
 
 
 def load_measured(path=None):
@@ -139,16 +166,18 @@ def training_band(rows=None, measured="default", profiled=False):
     return out
 
 
-def serving_band(measured="default", profiled=False):
-    """The serving planner's band over the measured decode steps, or {"missing": why} where
-    there are no serving check rows."""
+def serving_band(rows=None, measured="default", profiled=False):
+    """The serving model's band over the published serving runs (`rows`: published_serving.csv
+    rows; default all of them), with the H200's measured decode steps beside it (`measured`: a
+    profile dict, None for none, default the lab's file; the band's `measured` is None where
+    there are no decode steps)."""
+    out = band(published_serving_rows(rows))
+    out.update(kind="serving", quantity="modelled / published - 1 in output tokens/s per GPU, "
+                                        "TTFT rows in 1 / TTFT",
+               basis="published serving runs never fitted to (published_serving.csv)")
     measured = load_measured() if measured == "default" else measured
-    if not measured or not measured["decode_step_s"]:
-        return dict(kind="serving", missing=f"no serving check rows ({PROFILE} has no decode "
-                                            "step here; no published serving run is checked)")
-    out = band(measured_decode_rows(measured, profiled))
-    out.update(kind="serving", quantity="modelled / measured - 1 in tokens/s",
-               basis=f"decode steps {MEASURED} (one GPU; no published serving run yet)")
+    out["measured"] = band(measured_decode_rows(measured, profiled)) \
+        if measured and measured["decode_step_s"] else None
     return out
 
 
@@ -158,29 +187,28 @@ def _pct(x):
 
 def format_band(b, modelled=None, unit="tokens/s/GPU"):
     """The band as text lines (what `plan` prints under its table); `modelled`: the best plan's
-    number, turned into the range a real run is expected in."""
-    if "missing" in b:
-        return [f"expected error: unknown, {b['missing']}"]
+    number in `unit`, turned into the range a real run is expected in."""
     lines = [f"expected error {_pct(b['low'])}/{_pct(b['high'])} ({b['quantity']}; "
              f"{b['inside']} of {b['n']} {b['basis']}; all: {_pct(b['min'])}/"
              f"{_pct(b['max'])}, mean |error| {b['mean_abs']:.1%})"]
     if modelled:
         lines.append(f"  so the best plan's {modelled:,.0f} {unit} (modelled) would measure "
                      f"about {modelled / (1 + b['high']):,.0f}-{modelled / (1 + b['low']):,.0f}")
-    if b["kind"] == "training":
-        sources = {}
-        for r in b["rows"]:
-            sources[r["source"]] = sources.get(r["source"], 0) + 1
-        lines.append("  rows from: " + ", ".join(f"{s} ({n})" for s, n in sources.items())
-                     + "; each named in --json's error_band.rows")
-    else:
-        lines.append("  rows: " + ", ".join(f"{r['name']} ({r['mode']}) {_pct(r['error'])}"
-                                            for r in b["rows"]))
+    counts = {}             # by source (and, for serving, throughput or TTFT)
+    for r in b["rows"]:
+        key = r["source"] + (f" {r['kind']}" if "kind" in r else "")
+        counts[key] = counts.get(key, 0) + 1
+    lines.append("  rows from: " + ", ".join(f"{s} ({n})" for s, n in counts.items())
+                 + "; each named in --json's error_band.rows")
     if b["outside"]:
         errors = {r["name"]: r["error"] for r in b["rows"]}
         lines.append("  outside the band: " + ", ".join(f"{n} {_pct(errors[n])}"
                                                         for n in b["outside"]))
     if b.get("measured"):
-        lines.append(f"  {MEASURED}, one GPU: " + ", ".join(
-            f"{r['name']} {_pct(r['error'])}" for r in b["measured"]["rows"]))
+        lines.append(f"  {MEASURED}, one GPU (mean |error| {b['measured']['mean_abs']:.1%}): "
+                     + ", ".join(f"{r['name']}" + (f" ({r['mode']})" if "mode" in r else "")
+                                 + f" {_pct(r['error'])}" for r in b["measured"]["rows"]))
+    elif "measured" in b:
+        lines.append(f"  measured on one GPU: missing ({PROFILE} is not here or has no such "
+                     "steps)")
     return lines

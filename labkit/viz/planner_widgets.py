@@ -6,10 +6,11 @@ published runs with its expected error band (theory/error_band.py). Everything h
 from __future__ import annotations
 
 import functools
+import math
 
 import matplotlib.pyplot as plt
 
-from ..theory import catalog, planner
+from ..theory import catalog, error_band, planner
 from .live import Drawing, neighbours, prefetch
 from .plots import memory_stack, restack, retime, stack_shape, time_shape, time_split
 
@@ -191,49 +192,78 @@ def mesh_layout(table, gpus_per_node=8, title="", ax=None):
     return fig
 
 
-def error_band_figure(band, calibration=(), ax=None):
-    """Modelled against published TFLOP/s per GPU (theory.error_band.training_band's `band`):
-    each check row a numbered dot named in the key beside it, the calibration rows (looked at
-    while the model was designed, so not in the band) as hollow grey circles, y = x and the band
-    (modelled = (1 + error) x published, error from low to high) shaded. Returns the figure."""
+def _number_places(xy, dpi, others=(), away=7.0, clear=11.0):
+    """Where each dot's number goes, as an offset in points: the first of eight places around
+    the dot (up-right first) at least `clear` points from every other dot (`others`: more dots,
+    unnumbered) and every number placed before it, else the place farthest from them, so that
+    clustered dots stay legible. `xy`, `others`: the dots in pixels."""
+    places = [(1, 1), (1, -1), (-1, 1), (-1, -1), (1.3, 0), (-1.3, 0), (0, 1.3), (0, -1.3)]
+    scale = dpi / 72                                  # pixels per point
+    taken, out = [], []
+    for i, (x, y) in enumerate(xy):
+        near = [p for j, p in enumerate(xy) if j != i] + list(others) + taken
+
+        def room(place):
+            cx, cy = x + place[0] * away * scale, y + place[1] * away * scale
+            return min((math.hypot(cx - a, cy - b) for a, b in near), default=math.inf)
+        best = next((p for p in places if room(p) >= clear * scale), max(places, key=room))
+        taken.append((x + best[0] * away * scale, y + best[1] * away * scale))
+        out.append((best[0] * away, best[1] * away))
+    return out
+
+
+def error_band_figure(band, calibration=(), ax=None, *, group="source",
+                      unit="TFLOP/s per GPU (6N + 12Lhs per token)", model="labkit's planner"):
+    """Modelled against published (theory.error_band's training_band or serving_band), each row
+    at its rates (error_band.rates: a time drawn as 1 / time, so above y = x the model is
+    optimistic whatever the row's unit): each check row a numbered dot named in the key beside
+    it, coloured by its `group` field (training: the source; serving: "kind", throughput or
+    TTFT), the calibration rows (looked at while the model was designed, so not in the band) as
+    hollow grey circles, y = x and the band (modelled = (1 + error) x published, error from low
+    to high) shaded between its two dashed edges; `unit` and `model` name the axes. Returns the
+    figure."""
     rows = band["rows"]
     if ax is None:
         fig, ax = plt.subplots(figsize=(13, 7.2))
     else:
         fig = ax.figure
-    values = [v for r in list(rows) + list(calibration) for v in (r["modelled"], r["reference"])]
+    points = {id(r): error_band.rates(r) for r in list(rows) + list(calibration)}
+    values = [v for xy in points.values() for v in xy]
     lo, hi = min(values) / 1.3, max(values) * 1.3
     line = [lo, hi]
-    ax.fill_between(line, [x * (1 + band["low"]) for x in line],
-                    [x * (1 + band["high"]) for x in line], color="#1f77b4", alpha=0.12,
+    edges = [[x * (1 + band[k]) for x in line] for k in ("low", "high")]
+    ax.fill_between(line, *edges, color="#1f77b4", alpha=0.12,
                     label=f"expected band {band['low']:+.0%}/{band['high']:+.0%} "
                           f"({band['inside']} of {band['n']} check rows)")
+    for edge in edges:
+        ax.plot(line, edge, color="#1f77b4", lw=0.8, ls="--")
     ax.plot(line, line, color="0.3", lw=1, label="modelled = published")
     if calibration:
-        ax.scatter([r["reference"] for r in calibration], [r["modelled"] for r in calibration],
-                   facecolors="none", edgecolors="0.5", s=40,
-                   label=f"calibration rows ({len(calibration)}, looked at: not in the band)")
-    sources = sorted({r["source"] for r in rows})
-    colors = plt.get_cmap("tab10")
-    key = []
-    for i, r in enumerate(rows, 1):
-        c = colors(sources.index(r["source"]) % 10)
-        outside = r["name"] in band["outside"]
-        ax.scatter([r["reference"]], [r["modelled"]], color=c, s=36, zorder=3,
-                   marker="X" if outside else "o")
-        ax.annotate(str(i), (r["reference"], r["modelled"]), xytext=(3, 3),
-                    textcoords="offset points", fontsize=7, color=c)
-        key.append(f"{i:>2} {r['name'][:52]:<52} {r['error']:+6.1%}"
-                   + (" *" if outside else ""))
-    for s in sources:
-        ax.scatter([], [], color=colors(sources.index(s) % 10), s=36, label=s)
-    ax.set(xscale="log", yscale="log", xlim=line, ylim=line,
-           xlabel="published TFLOP/s per GPU (6N + 12Lhs per token)",
-           ylabel="labkit's planner, modelled TFLOP/s per GPU",
+        ax.scatter([points[id(r)][0] for r in calibration],
+                   [points[id(r)][1] for r in calibration], facecolors="none", edgecolors="0.5",
+                   s=40, label=f"calibration rows ({len(calibration)}, looked at: not in the "
+                               "band)")
+    ax.set(xscale="log", yscale="log", xlim=line, ylim=line, xlabel=f"published {unit}",
+           ylabel=f"{model}, modelled {unit}",
            title=f"modelled vs published: {band['n']} runs never fitted to, mean |error| "
                  f"{band['mean_abs']:.1%} (X, *: outside the band)")
+    fig.subplots_adjust(left=0.07, right=0.57)     # before the numbers are placed in pixels
+    groups = sorted({r[group] for r in rows})
+    colors = plt.get_cmap("tab10")
+    pixels = ax.transData.transform([points[id(r)] for r in list(rows) + list(calibration)])
+    places = _number_places(pixels[:len(rows)], fig.dpi, pixels[len(rows):])
+    key, width = [], min(52, max(len(r["name"]) for r in rows))     # the key's name column
+    for i, (r, offset) in enumerate(zip(rows, places), 1):
+        c = colors(groups.index(r[group]) % 10)
+        outside, (x, y) = r["name"] in band["outside"], points[id(r)]
+        ax.scatter([x], [y], color=c, s=36, zorder=3, marker="X" if outside else "o")
+        ax.annotate(str(i), (x, y), xytext=offset, textcoords="offset points", fontsize=7,
+                    color=c, ha="center", va="center")
+        key.append(f"{i:>2} {r['name'][:width]:<{width}} {r['error']:+6.1%}"
+                   + (" *" if outside else ""))
+    for g in groups:
+        ax.scatter([], [], color=colors(groups.index(g) % 10), s=36, label=g)
     ax.legend(loc="upper left", fontsize=8)
     fig.text(0.6, 0.5, "\n".join(["check rows: modelled / published - 1"] + key),
              family="monospace", fontsize=7, va="center")
-    fig.subplots_adjust(left=0.07, right=0.57)
     return fig

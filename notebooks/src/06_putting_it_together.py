@@ -379,8 +379,9 @@ published.style.format({"labkit error": "{:+.1%}", "llm-analysis error": "{:+.1%
 # grey line the planner is exact; inside the shaded band lie the rows that set it. The hollow
 # circles are the calibration rows, which the model's design looked at, so they are not in
 # the band. Beside it, the training steps that `labkit calibrate` measured on one H200 (a
-# 1B-shaped Llama), predicted by the same planner. `plan --serve` prints its own band, from the
-# decode steps measured on that H200; no published serving run is checked yet.
+# 1B-shaped Llama), predicted by the same planner. `plan --serve` prints its own band, from
+# published serving runs (lesson 09 draws it), with the decode steps measured on that H200
+# beside it.
 
 # %%
 from labkit.theory import error_band

@@ -289,6 +289,46 @@ serving_figure("Llama 3 70B", gpus=8, gpu="H100 SXM", batch=16, context=2048, we
 plt.show()
 
 # %% [markdown]
+# ### How far to trust the serving model
+#
+# Every number above is modelled, and `python -m labkit plan --serve` says under its table how
+# far to trust it: the spread of the model's error over published serving runs it was never
+# fitted to (`labkit/tables/published_serving.csv`: NVIDIA's TensorRT-LLM tables for Llama 2 7B
+# and 70B in fp8 on H100s, static batches, each row with its source), each predicted by
+# `serving_time` with the run's own settings. A throughput row compares output tokens/s per GPU;
+# a TTFT row compares 1 / TTFT, the rate of first tokens, so on both a positive error means the
+# model promised more than was measured, and a real run is expected near modelled / (1 + error).
+# The band keeps the central errors (the share printed below) so one outlier does not set it.
+# The figure puts each run at (published, modelled): on the grey line the model is exact, the
+# dashed lines are the band's edges. The line starting "measured" is the decode steps that
+# `labkit calibrate` timed on one H200 (a 1B-shaped Llama), beside the band, not in it.
+
+# %%
+from labkit.theory import error_band
+from labkit.viz.planner_widgets import error_band_figure
+
+serving_band = error_band.serving_band()
+print(f"the band keeps the central {error_band.COVERAGE:.0%} of the errors")
+for kind in ("throughput", "TTFT"):
+    part = [r for r in serving_band["rows"] if r["kind"] == kind]
+    inside = sum(r["name"] not in serving_band["outside"] for r in part)
+    print(f"{kind} rows: {inside} of {len(part)} inside the band, mean |error| "
+          f"{sum(abs(r['error']) for r in part) / len(part):.1%}, signed "
+          f"{sum(r['error'] for r in part) / len(part):+.1%} (modelled / published - 1)")
+print("\n".join(error_band.format_band(serving_band)))
+fig = error_band_figure(serving_band, group="kind", model="serving_time",
+                        unit="rate (output tokens/s per GPU, or 1/TTFT in 1/s)")
+plt.show()
+
+# %% [markdown]
+# The throughput rows fall on both sides of the line, most of them inside the band, while the
+# TTFT rows split by prompt: a long prompt's prefill is compute-bound and the model lands close,
+# a short one does so little work that costs the model leaves out, most likely the fixed work of
+# an engine step (scheduling, sampling, copies between host and GPU), decide it, and the model is
+# optimistic. So read `plan --serve`'s tokens/s as the range it prints under its table, and its
+# TTFT for a short prompt as a lower bound.
+
+# %% [markdown]
 # ## 6 · Experts across GPUs
 #
 # Measured above: the MoE GPT on 2 ranks sent two all-to-alls per MoE layer and token. Each
