@@ -77,6 +77,7 @@ from .serving import PipelineGenerator, generate, new_cache, split_requests
 from .flat import average_gradients, unwrapped_name
 from .context_parallel import ContextParallel
 from .fully_shard import FullyShard, one_unit_per_layer
+from .recompute import checkpoint_attention_cores
 from .mesh_dims import (SCHEDULES, check_layout, dp_cp_group, dp_groups, ep_dp_cp_group,
                         validate_dims)
 from .tp_shards import all_gather_dim, split_parts
@@ -117,8 +118,10 @@ class HybridParallel:
     `dp_replicate` > 1: HSDP, the shards' gradients averaged over `dp_replicate`). mesh
     cp > 1: every attention layer in ContextParallel over mesh["cp"]
     (`cp_layout`, `cp_method`: its layout and core); x and target are this rank's sequence
-    shards. recompute: full activation recompute, the pipeline's (each stage keeps only its
-    input per micro-batch in flight and runs its forward again in backward). After
+    shards. recompute: "none" (False), "full" (True: the pipeline's, each stage keeps only its
+    input per micro-batch in flight and runs its forward again in backward) or "selective"
+    (each attention layer's core checkpointed, parallel/recompute.py: 34 sbh kept per layer
+    where none keeps 34 sbh + 5 a s^2 b; Korthikanti et al. 2022, arXiv 2205.05198). After
     construction: `dp_shard` / `dp_replicate` (the groups; None where there is no such
     dimension; dp_shard spans cp), `dp_cp` (the group averaging the gradients under
     ZeRO-0/1), `ep_dp` (the group of the experts' replicas), `stage_params` (this rank's
@@ -130,6 +133,10 @@ class HybridParallel:
                  expert_parallel=False, zero_stage=0, dp_replicate=1, cp_layout="zigzag",
                  cp_method="ring", recompute=False):
         cp = mesh.sizes["cp"]
+        mode = {False: "none", True: "full"}.get(recompute, recompute)
+        if mode not in ("none", "full", "selective"):
+            raise ValueError(f"recompute must be 'none', 'full' or 'selective' (or False / "
+                             f"True), got {recompute!r}")
         validate_dims(dp=mesh.sizes["dp"], tp=mesh.sizes["tp"], pp=mesh.sizes["pp"], cp=cp,
                       ep=mesh.ep, dp_replicate=dp_replicate, zero_stage=zero_stage,
                       sequence_parallel=sequence_parallel and mesh.sizes["tp"] > 1,
@@ -144,6 +151,10 @@ class HybridParallel:
         if cp > 1 and not attention_layers(model):
             raise ValueError(f"cp={cp} but the {type(model).__name__} has no module named "
                              "*Attention* to make context-parallel")
+        if mode == "selective" and not attention_layers(model):
+            raise ValueError(f"recompute='selective' but the {type(model).__name__} has no "
+                             "module named *Attention* whose core to recompute: use 'full'")
+        self.recompute = mode
         pp = mesh.sizes["pp"]
         total = pp * virtual
         modules = split_into_stages(model, total, balance)
@@ -155,10 +166,16 @@ class HybridParallel:
             if mesh.sizes["tp"] > 1 and tp_plan:
                 parallelize(modules[s], plan_for(modules[s], tp_plan), group=mesh["tp"],
                             sequence_parallel=sequence_parallel)
-            if cp > 1:   # after TP (the attention sees this rank's heads), before FSDP
-                for parent, attr, layer in attention_layers(modules[s]):
+            attention = []   # each attention layer as it sits in the stage (CP-wrapped)
+            for parent, attr, layer in attention_layers(modules[s]):
+                if cp > 1:   # after TP (the attention sees this rank's heads), before FSDP
                     setattr(parent, attr, ContextParallel(layer, mesh["cp"], cp_layout,
                                                           cp_method))
+                attention.append(getattr(parent, attr))
+            if mode == "selective" and attention:
+                # on the CP wrapper, under its router: the ring keeps no scores and refuses a
+                # hand-written core itself, so only a plain layer must show its core call
+                checkpoint_attention_cores(attention, type(model).__name__, require_core=cp == 1)
             if expert_parallel:
                 for parent, attr, layer in moe_layers(modules[s]):
                     setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"]))
@@ -178,7 +195,7 @@ class HybridParallel:
         self.stages = [PipelineStage(modules[s], s, total, group=mesh["pp"]) for s in mine]
         self.module = nn.ModuleList(stage.module for stage in self.stages)
         self.pipe = PipelineSchedule(self.stages, n_microbatches, loss_fn, schedule=schedule,
-                                     recompute=recompute)
+                                     recompute=mode == "full")
         params = list(self.module.parameters())
         expert_ids = {id(p) for _, _, layer in moe_layers(self.module)
                       for p in layer.experts.parameters()}

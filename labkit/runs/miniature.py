@@ -41,9 +41,6 @@ def why_not(p):
     if p["tp"] > 1 and p["ep"] > 1:
         return ("tp > 1 with ep > 1: the mesh keeps each expert whole on every TP rank, the "
                 "planner splits experts by tp (expert tensor parallelism)")
-    if p["recompute"] == "selective":
-        return ("recompute=selective: the mesh recomputes whole pipeline stages (full), not "
-                "the attention scores alone")
     if p["zero_stage"] == 2:
         return "zero_stage=2: the mesh runs ZeRO 0, 1 and 3 (2 would shard accumulated grads)"
     if p["zero_stage"] == 3 and p["ep"] > 1:
@@ -68,7 +65,8 @@ def miniature(plan_fields, steps=1, timeout_s=180):
     miniature; returns {rows, shape, run, report}: rows of (what, planner, adjusted, measured,
     ratio, verdict) for params, grads, optimizer, activations and each mesh dimension's
     bytes per rank and step. recompute="full" recomputes every layer (a planner's plan with
-    `layers_per_stage` and fewer `recompute_layers` is refused: the mesh recomputes stages)."""
+    `layers_per_stage` and fewer `recompute_layers` is refused: the mesh recomputes stages),
+    "selective" every attention core (parallel/recompute.py)."""
     p = dict(DEFAULTS, **{k: v for k, v in plan_fields.items() if k in DEFAULTS})
     of = plan_fields.get("layers_per_stage")
     if p["recompute"] == "full" and of and 0 < p["recompute_layers"] < of:
@@ -90,7 +88,7 @@ def miniature(plan_fields, steps=1, timeout_s=180):
                         zero=p["zero_stage"], microbatches=run["microbatches"], virtual=p["v"],
                         schedule="interleaved" if p["v"] > 1 else "1f1b",
                         sequence_parallel=p["sequence_parallel"],
-                        recompute=p["recompute"] == "full",
+                        recompute=p["recompute"],
                         experts=m.experts if p["ep"] > 1 else 0, top_k=m.top_k,
                         cluster="8xH100-NVLink" if run["world"] <= 8 else "2x8xH100-IB",
                         timeout_s=timeout_s)
@@ -154,20 +152,25 @@ def format_rows(out):
     return "\n".join(lines)
 
 
-def recompute_drop(plan_fields, **options):
-    """The same plan run in miniature without and with full recompute: {planner, adjusted,
-    measured} activations with / without (the planner's memory_terms keep only each layer's
-    input; `adjusted` is the mesh's whole-stage checkpoint, _stage_recompute), and both runs."""
-    runs = {rc_mode: miniature(dict(plan_fields, recompute=rc_mode), **options)
-            for rc_mode in ("none", "full")}
-    acts = {k: next(r for r in out["rows"] if r["what"] == "activations")
-            for k, out in runs.items()}
-    return dict({col: acts["full"][col] / acts["none"][col]
-                 for col in ("planner", "adjusted", "measured")}, runs=runs)
+def recompute_drop(plan_fields, mode="full", runs=None, **options):
+    """The same plan run in miniature without and with `mode` recompute ("full" or
+    "selective"): {planner, adjusted, measured} activations with / without, and the runs
+    (`runs`: those already made, by mode, e.g. the "none" run of an earlier call). Full: the
+    planner's memory_terms keep only each layer's input, `adjusted` is the mesh's whole-stage
+    checkpoint (_stage_recompute); selective: both keep every layer's activations but the
+    attention core's a s^2 b (the planner's a_selective)."""
+    runs = dict(runs or {})
+    for rc_mode in ("none", mode):
+        if rc_mode not in runs:
+            runs[rc_mode] = miniature(dict(plan_fields, recompute=rc_mode), **options)
+    acts = {k: next(r for r in runs[k]["rows"] if r["what"] == "activations")
+            for k in ("none", mode)}
+    return dict({col: acts[mode][col] / acts["none"][col]
+                 for col in ("planner", "adjusted", "measured")}, runs=runs, mode=mode)
 
 
 def format_drop(drop):
-    """One line: the activations ratio with / without full recompute, three ways."""
-    return (f"activations with / without full recompute: planner {drop['planner']:.3f} "
-            f"(modelled), +derived {drop['adjusted']:.3f} (modelled), measured "
-            f"{drop['measured']:.3f}")
+    """One line: the activations ratio with / without recompute, three ways."""
+    return (f"activations with / without {drop.get('mode', 'full')} recompute: planner "
+            f"{drop['planner']:.3f} (modelled), +derived {drop['adjusted']:.3f} (modelled), "
+            f"measured {drop['measured']:.3f}")

@@ -42,6 +42,13 @@ to the planner's number (`adjusted`), never fitted:
   mesh all-gathers every rank's top_k x experts + 1 routing counts (int64): + that all-gather.
 Activations under full recompute: the pipeline checkpoints whole stage chunks
   (`_stage_recompute`); the planner checkpoints every layer and rebuilds one at a time.
+  Under selective recompute (parallel/recompute.py) both keep every layer's activations but
+  the attention core's; the planner also holds one rebuilt core (working_set - kept_layer)
+  while its backward runs, which torch's checkpoint keeps in its own frame, outside the
+  saved-tensor hooks the memory tracker counts by: - that transient. Under CP the ring core
+  keeps q, k, v, its output and log-sum-exp, no scores (FlashAttention's way, with or without
+  selective recompute, which leaves the ring alone: no K/V hop repeats, share 0 below): the
+  planner's own activation terms with flash_attention=True.
 """
 from __future__ import annotations
 
@@ -153,9 +160,24 @@ def planner_side(p):
         counts = (1 + share) * wire_bytes_per_rank("all_gather", 8 * (m.top_k * m.experts + 1),
                                                    p["ep"])
         comm["ep"] = (micro * layers * a2a, micro * mean_blocks * (a2a + counts))
-    return dict(model=m, run=run, memory=mem, adjusted=dict(
-        adjusted, activations=_stage_recompute(m, c, run, plan) if every else
-        mem["activations"]), comm=comm)
+    return dict(model=m, run=run, memory=mem, comm=comm, adjusted=dict(
+        adjusted, activations=_mesh_activations(m, run, plan, mem["activations"])))
+
+
+def _mesh_activations(m, run, p, planner_bytes):
+    """The planner's activations for the mesh's way of keeping them: under CP the ring core
+    keeps no scores (the planner's FlashAttention count), full recompute checkpoints whole
+    stages, and selective recompute's rebuilt core is not seen by the tracker."""
+    c = make_cluster("H100", run["world"], precision="fp32", flash_attention=p["cp"] > 1,
+                     dropout=False)
+    if p["recompute"] == "full" and p["recompute_layers"]:
+        return _stage_recompute(m, c, run, p)
+    if p["cp"] == 1 and p["recompute"] == "none":
+        return planner_bytes
+    mem = planner.memory_terms(m, c, run["batch"], run["seq"], p)[0]
+    a = planner.activation_terms(m, c, run["seq"], p)
+    rebuilt = a["working_set"] - a["kept_layer"] if p["recompute"] == "selective" else 0.0
+    return mem["activations"] - rebuilt
 
 
 def _stage_recompute(m, c, run, p):

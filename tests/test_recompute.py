@@ -1,0 +1,68 @@
+"""Selective recompute as a block (parallel/recompute.py): each attention core checkpointed.
+The numbers do not move (the same ops run again), and what autograd keeps drops by exactly the
+core's own saved tensors: the fp32 softmax, a s^2 b per layer, and its causal mask, s^2 bools
+(models.causal_attention; theory.memory.tiny_gpt_activation_bytes counts the first, its
+as^2b term)."""
+import pytest
+import torch
+import torch.nn as nn
+
+from labkit import models
+from labkit.parallel.recompute import checkpoint_attention_cores
+from labkit.runtime.memory import MemoryTracker
+
+CFG = dict(layers=3, seq=16, hidden=32, heads=4, vocab=64, ffn=64)
+
+
+def train_step(selective, batch=2):
+    model = models.build("gpt", seed=0, **CFG)
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, CFG["vocab"], (batch, CFG["seq"]), generator=g) for _ in "xy")
+    handle = checkpoint_attention_cores([b.attn for b in model.blocks], "TinyGPT") \
+        if selective else None
+    tracker = MemoryTracker()
+    with tracker.track_activations():
+        loss = model(x, y)
+        calls = handle.calls if handle else 0
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads, tracker.max_saved_bytes, calls
+
+
+def test_same_numbers_fewer_saved_bytes():
+    loss, grads, none_bytes, _ = train_step(False)
+    loss_s, grads_s, selective_bytes, calls = train_step(True)
+    # the core runs again on the same inputs: bit for bit the same loss and gradients
+    assert torch.equal(loss, loss_s) and all(torch.equal(grads[n], grads_s[n]) for n in grads)
+    assert calls == CFG["layers"]
+    b, s, a = 2, CFG["seq"], CFG["heads"]
+    per_layer = 4 * a * s * s * b + s * s          # softmax (fp32) + causal mask (bool)
+    assert none_bytes - selective_bytes == CFG["layers"] * per_layer
+
+
+def test_no_attention_is_refused_naming_the_model():
+    with pytest.raises(ValueError) as err:
+        checkpoint_attention_cores([], "MLP")
+    assert "MLP" in str(err.value) and "\n" not in str(err.value)
+
+
+class HandWrittenAttention(nn.Module):
+    """softmax(QK^T)V by hand: no core call for the block to checkpoint."""
+
+    def __init__(self, hidden=8):
+        super().__init__()
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return (q @ k.transpose(-2, -1)).softmax(-1) @ v
+
+
+def test_hand_written_core_is_refused_when_it_runs():
+    layer = HandWrittenAttention()
+    checkpoint_attention_cores([layer], "MyModel")
+    with torch.no_grad():          # no gradients: nothing to keep, nothing refused
+        layer(torch.randn(1, 4, 8))
+    with pytest.raises(ValueError) as err:
+        layer(torch.randn(1, 4, 8))
+    assert "MyModel's HandWrittenAttention" in str(err.value) and "\n" not in str(err.value)
