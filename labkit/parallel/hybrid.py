@@ -50,7 +50,11 @@ index (`ep_dp`, spanning cp: torchtitan's "ranks that hold the same experts").
 Memory per GPU (model states): Ψ / (tp * pp) of the weights each (+ 1/ep of the experts);
 ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
 dp_shard. Activations: those of the micro-batches in flight on this stage, / tp with sequence
-parallelism. Communication per step: TP 4 collectives
+parallelism; per layer and micro-batch sbh (34 + 5 a s / h) (16-bit, Korthikanti et al. 2022,
+arXiv 2205.05198), 34 sbh under recompute="selective" (each attention core checkpointed,
+parallel/recompute.py: its a s^2 b scores rebuilt in backward, no collective repeated; under
+CP the ring core keeps no scores and is left alone), the stage's input alone under "full"
+(the pipeline runs the stage's forward again, its forward collectives with it). Communication per step: TP 4 collectives
 per layer and micro-batch of b*s*h values (inside a node); PP 2 point-to-point messages per
 stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the stage's gradients
 (2 (dp-1)/dp x its bytes; ZeRO-1 the same in reduce-scatter + all-gather form).
