@@ -42,6 +42,12 @@ SHAPES = {
     "selective x dp x tp x pp": dict(dp=2, tp=2, pp=2, recompute="selective"),
     "selective x tp+sp x pp x cp": dict(tp=2, pp=2, cp=2, sequence_parallel=True,
                                         recompute="selective"),
+    # full recompute of k of L layers per stage: the share kept (3 of 12: 1 of 4 blocks),
+    # each checkpointed block's forward collectives twice
+    "3 of 12 x dp x tp": dict(dp=2, tp=2, recompute="full", recompute_layers=3,
+                              layers_per_stage=12),
+    "1 of 2 x tp+sp x pp x cp": dict(tp=2, pp=2, cp=2, sequence_parallel=True, recompute="full",
+                                     recompute_layers=1, layers_per_stage=2),
 }
 
 
@@ -134,7 +140,8 @@ def test_cp_ring_adjustment_is_the_rings_last_hop(cp):
     (dict(dp=2, zero_stage=2), "zero_stage=2"),
     (dict(dp=2, ep=2, zero_stage=3), "zero_stage=3 with ep"),
     (dict(dp=0), "dp must be a positive integer"),
-    (dict(dp=2, recompute="full", recompute_layers=3, layers_per_stage=12), "3 of 12 layers"),
+    (dict(pp=4, recompute="full", recompute_layers=3, layers_per_stage=12), "3 of 12 layers"),
+    (dict(dp=2, recompute="full", recompute_layers=1, layers_per_stage=9), "over 8 layers"),
 ])
 def test_refused_in_one_line(fields, words):
     with pytest.raises(ValueError) as err:

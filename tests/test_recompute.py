@@ -66,3 +66,37 @@ def test_hand_written_core_is_refused_when_it_runs():
     with pytest.raises(ValueError) as err:
         layer(torch.randn(1, 4, 8))
     assert "MyModel's HandWrittenAttention" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(recompute="some"), "recompute must be"),
+    (dict(recompute="selective", recompute_layers=1), "recompute_layers must be"),
+    (dict(recompute="full", recompute_layers=1, zero=3), "zero_stage=3"),
+    (dict(recompute="full", recompute_layers=1, schedule="interleaved", virtual=2),
+     "virtual > 1"),
+])
+def test_mesh_refuses_before_any_rank(options, words):
+    from labkit.runs import hybrid
+    with pytest.raises(ValueError) as err:
+        hybrid.report(dp=2, tp=1, pp=2, timeout_s=1, **options)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_k_of_l_blocks_on_the_mesh():
+    """tp=2, 2 blocks: recomputing k = 0, 1, 2 of them keeps fewer activations each time,
+    runs 2 more TP all-reduces (attention and MLP outputs) per rebuilt block and micro-batch,
+    and equals one device."""
+    from labkit.runs import hybrid, reference
+    from labkit.theory.time import wire_bytes_per_rank
+    cfg = reference.RunConfig(steps=1, global_batch=4, model_kwargs=dict(
+        layers=2, hidden=32, heads=4, ffn=64, vocab=64, seq=16))
+    acts, tp = [], []
+    for k in (0, 1, 2):
+        rep = hybrid.report(cfg=cfg, dp=1, tp=2, pp=1, microbatches=2, recompute="full",
+                            recompute_layers=k, timeout_s=120)
+        assert rep["agreement"]["params"]["ok"] and rep["agreement"]["loss"]["ok"], k
+        acts.append(max(m["activations"] for m in rep["memory"].values()))
+        tp.append(sum(r["wire_bytes"] for r in rep["comm_by_dim"] if r["dim"] == "tp") / 2)
+    assert acts[0] > acts[1] > acts[2], acts
+    one = wire_bytes_per_rank("all_reduce", 4 * 2 * 16 * 32, 2)   # fp32 (b=2, s=16, h=32)
+    assert [b - tp[0] for b in tp] == [0, 2 * 2 * one, 2 * 2 * 2 * one], tp

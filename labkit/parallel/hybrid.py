@@ -81,7 +81,7 @@ from .serving import PipelineGenerator, generate, new_cache, split_requests
 from .flat import average_gradients, unwrapped_name
 from .context_parallel import ContextParallel
 from .fully_shard import FullyShard, one_unit_per_layer
-from .recompute import checkpoint_attention_cores
+from .recompute import CheckpointedLayer, checkpoint_attention_cores
 from .mesh_dims import (SCHEDULES, check_layout, dp_cp_group, dp_groups, ep_dp_cp_group,
                         validate_dims)
 from .tp_shards import all_gather_dim, split_parts
@@ -111,6 +111,29 @@ def attention_layers(module):
     return found
 
 
+def check_recompute(recompute, k=None, virtual=1, zero_stage=0):
+    """recompute as "none" | "full" | "selective" (False / True accepted), or a one-line
+    ValueError naming the argument; k (recompute_layers): full recompute of k of each rank's
+    blocks (None: the pipeline's whole stages)."""
+    mode = {False: "none", True: "full"}.get(recompute, recompute) \
+        if isinstance(recompute, (bool, str)) else recompute
+    if mode not in ("none", "full", "selective"):
+        raise ValueError(f"recompute must be 'none', 'full' or 'selective' (or False / "
+                         f"True), got {recompute!r}")
+    if k is None:
+        return mode
+    if mode != "full" or not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"recompute_layers must be a whole number >= 0 with recompute='full' "
+                         f"(k of each stage's layers), got {k!r} with recompute={mode!r}")
+    if virtual > 1:
+        raise ValueError("recompute_layers with virtual > 1: the mesh checkpoints a rank's "
+                         "first k blocks, not k per interleaved chunk; use recompute_layers=None")
+    if zero_stage == 3:
+        raise ValueError("recompute_layers with zero_stage=3: not composed (FullyShard's "
+                         "per-layer units around checkpointed blocks); use recompute_layers=None")
+    return mode
+
+
 class HybridParallel:
     """`model` (an nn.Sequential, or a model with `as_sequential()`) composed on a `mesh`.
 
@@ -135,12 +158,9 @@ class HybridParallel:
     def __init__(self, model, mesh, loss_fn, *, tp_plan=None, sequence_parallel=False,
                  schedule="1f1b", n_microbatches=4, virtual=1, balance="layers",
                  expert_parallel=False, zero_stage=0, dp_replicate=1, cp_layout="zigzag",
-                 cp_method="ring", recompute=False):
+                 cp_method="ring", recompute=False, recompute_layers=None):
         cp = mesh.sizes["cp"]
-        mode = {False: "none", True: "full"}.get(recompute, recompute)
-        if mode not in ("none", "full", "selective"):
-            raise ValueError(f"recompute must be 'none', 'full' or 'selective' (or False / "
-                             f"True), got {recompute!r}")
+        mode = check_recompute(recompute, recompute_layers, virtual, zero_stage)
         validate_dims(dp=mesh.sizes["dp"], tp=mesh.sizes["tp"], pp=mesh.sizes["pp"], cp=cp,
                       ep=mesh.ep, dp_replicate=dp_replicate, zero_stage=zero_stage,
                       sequence_parallel=sequence_parallel and mesh.sizes["tp"] > 1,
@@ -158,7 +178,8 @@ class HybridParallel:
         if mode == "selective" and not attention_layers(model):
             raise ValueError(f"recompute='selective' but the {type(model).__name__} has no "
                              "module named *Attention* whose core to recompute: use 'full'")
-        self.recompute = mode
+        self.recompute, self.recompute_layers = mode, recompute_layers
+        blocks_left = recompute_layers or 0   # full recompute of this rank's first k blocks
         pp = mesh.sizes["pp"]
         total = pp * virtual
         modules = split_into_stages(model, total, balance)
@@ -183,6 +204,9 @@ class HybridParallel:
             if expert_parallel:
                 for parent, attr, layer in moe_layers(modules[s]):
                     setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"]))
+            for i, unit in enumerate(modules[s]):   # the blocks: units holding attention
+                if blocks_left and attention_layers(unit):
+                    modules[s][i], blocks_left = CheckpointedLayer(unit), blocks_left - 1
             self.stage_params += sum(p.numel() for p in modules[s].parameters())
             if zero_stage == 3:   # last, on the TP shards: torchtitan's order
                 named = dict(modules[s].named_parameters())
@@ -199,7 +223,7 @@ class HybridParallel:
         self.stages = [PipelineStage(modules[s], s, total, group=mesh["pp"]) for s in mine]
         self.module = nn.ModuleList(stage.module for stage in self.stages)
         self.pipe = PipelineSchedule(self.stages, n_microbatches, loss_fn, schedule=schedule,
-                                     recompute=mode == "full")
+                                     recompute=mode == "full" and recompute_layers is None)
         params = list(self.module.parameters())
         expert_ids = {id(p) for _, _, layer in moe_layers(self.module)
                       for p in layer.experts.parameters()}

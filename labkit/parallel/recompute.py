@@ -37,6 +37,12 @@ router this mode would checkpoint the routed call and rebuild it, in backward, w
     handle = checkpoint_attention_cores(layers, model_name="TinyGPT")
     loss = model(x, y); loss.backward()       # each core runs twice, its scores never kept
     handle.remove()
+
+Full recompute of k of a stage's L_s layers (Megatron-LM's `--recompute-method block
+--recompute-num-layers k`): `CheckpointedLayer(block)` keeps the block's input (2 sbh) and runs
+its whole forward again in backward, its forward collectives (TP, the CP ring's hops, EP's
+all-to-alls) with it, so a stage keeps (L_s - k) a_none + k a_full per micro-batch in flight
+(theory/recompute.py); k = L_s is the pipeline's whole-stage recompute.
 """
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 CORE_NAMES = ("causal_attention",)   # overridable cores found by name (labkit.models')
 
@@ -134,3 +140,21 @@ def _watch(layer, mode, label):
                              "attention core): its scores cannot be recomputed alone; use full "
                              "recompute")
     return [layer.register_forward_pre_hook(start), layer.register_forward_hook(check)]
+
+
+class CheckpointedLayer(nn.Module):
+    """`module` under torch.utils.checkpoint (non-reentrant) while gradients are on: autograd
+    keeps its inputs, none of its own saved tensors, and backward runs its forward again."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module     # `.module`: flat.unwrapped_name gives the model's names
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        # the whole forward again, as Megatron-LM's (and the planner's count): torch's early
+        # stop would end the rebuild at the last saved tensor, skipping the layer's last
+        # forward collective (the MLP's row-parallel all-reduce)
+        with set_checkpoint_early_stop(False):
+            return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
