@@ -100,3 +100,45 @@ def test_k_of_l_blocks_on_the_mesh():
     assert acts[0] > acts[1] > acts[2], acts
     one = wire_bytes_per_rank("all_reduce", 4 * 2 * 16 * 32, 2)   # fp32 (b=2, s=16, h=32)
     assert [b - tp[0] for b in tp] == [0, 2 * 2 * one, 2 * 2 * 2 * one], tp
+
+
+def cp_runs(ctx):
+    """On 2 ranks: TinyGPT with each attention in ContextParallel (ring, all-gather), with and
+    without selective recompute on the wrappers: loss, gradients, saved and wire bytes."""
+    from labkit.parallel.context_parallel import ContextParallel, shard_sequence
+    out = {}
+    for method in ("ring", "all_gather"):
+        for selective in (False, True):
+            model = models.build("gpt", seed=0, **CFG)
+            for block in model.blocks:
+                block.attn = ContextParallel(block.attn, None, "zigzag", method)
+            if selective:
+                checkpoint_attention_cores([b.attn for b in model.blocks], "TinyGPT",
+                                           require_core=False)
+            g = torch.Generator().manual_seed(1)
+            x, y = (shard_sequence(torch.randint(0, CFG["vocab"], (2, CFG["seq"]), generator=g),
+                                   None, "zigzag", dim=1) for _ in "xy")
+            ctx.comm.reset()
+            tracker = MemoryTracker()
+            with tracker.track_activations():
+                loss = model(x, y)
+                loss.backward()
+            wire = sum(r["wire_bytes_per_rank"] for r in ctx.comm.summary(by=("op", "tag")))
+            out[method, selective] = (loss.detach(), [p.grad.clone() for p in model.parameters()],
+                                      tracker.max_saved_bytes, wire)
+    return out
+
+
+def test_on_the_cp_wrapper_the_ring_is_left_alone_and_all_gather_checkpointed():
+    """Selective recompute on ContextParallel wrappers: the numbers do not move and no
+    collective repeats (the same wire bytes); the ring keeps no scores, so its saved bytes do
+    not move either, while the all-gather core's SDPA over the gathered keys is checkpointed."""
+    import labkit
+    for rank in labkit.launch(cp_runs, 2, timeout_s=120):
+        for method in ("ring", "all_gather"):
+            (loss, grads, saved, wire), (loss_s, grads_s, saved_s, wire_s) = (
+                rank[method, False], rank[method, True])
+            assert torch.equal(loss, loss_s) and all(map(torch.equal, grads, grads_s)), method
+            assert wire == wire_s > 0, method
+        assert rank["ring", True][2] == rank["ring", False][2]
+        assert rank["all_gather", True][2] < rank["all_gather", False][2]
