@@ -54,10 +54,12 @@ parallelism; per layer and micro-batch sbh (34 + 5 a s / h) (16-bit, Korthikanti
 arXiv 2205.05198), 34 sbh under recompute="selective" (each attention core checkpointed,
 parallel/recompute.py: its a s^2 b scores rebuilt in backward, no collective repeated; under
 CP the ring core keeps no scores and is left alone), the stage's input alone under "full"
-(the pipeline runs the stage's forward again, its forward collectives with it). Communication per step: TP 4 collectives
-per layer and micro-batch of b*s*h values (inside a node); PP 2 point-to-point messages per
-stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the stage's gradients
-(2 (dp-1)/dp x its bytes; ZeRO-1 the same in reduce-scatter + all-gather form).
+(the pipeline runs the stage's forward again, its forward collectives with it), or of k
+blocks per rank under recompute_layers=k (each a CheckpointedLayer). Communication per step:
+TP 4 collectives per layer and micro-batch of b*s*h values (inside a node); PP 2
+point-to-point messages per stage boundary and micro-batch of b*s*h/(tp if SP); DP one
+all-reduce of the stage's gradients (2 (dp-1)/dp x its bytes; ZeRO-1 the same in
+reduce-scatter + all-gather form).
 
     mesh = ctx.mesh(dp=2, tp=2, pp=2, cp=2)     # cp: x, target sharded along the sequence
     hybrid = HybridParallel(model, mesh, loss_fn, tp_plan=plan, n_microbatches=4,
