@@ -38,6 +38,16 @@ SHAPES = {
     "recompute x tp+sp x pp x cp": dict(tp=2, pp=2, cp=2, sequence_parallel=True,
                                         recompute="full"),
     "recompute x dp x ep": dict(dp=2, ep=2, recompute="full"),
+    # selective recompute: the attention cores again, no collective (the ring left alone)
+    "selective x dp x tp x pp": dict(dp=2, tp=2, pp=2, recompute="selective"),
+    "selective x tp+sp x pp x cp": dict(tp=2, pp=2, cp=2, sequence_parallel=True,
+                                        recompute="selective"),
+    # full recompute of k of L layers per stage: the share kept (3 of 12: 1 of 4 blocks),
+    # each checkpointed block's forward collectives twice
+    "3 of 12 x dp x tp": dict(dp=2, tp=2, recompute="full", recompute_layers=3,
+                              layers_per_stage=12),
+    "1 of 2 x tp+sp x pp x cp": dict(tp=2, pp=2, cp=2, sequence_parallel=True, recompute="full",
+                                     recompute_layers=1, layers_per_stage=2),
 }
 
 
@@ -84,6 +94,30 @@ def test_full_recompute_drops_the_activations_as_the_planner_says():
         assert run["report"]["agreement"]["loss"]["ok"], run["report"]["agreement"]
 
 
+def test_selective_recompute_drops_less_than_full():
+    """dp=2 x tp=2 x pp=2: selective recompute keeps every activation but the attention
+    cores', so the measured activations fall below none's and stay above full's; the planner's
+    a_selective (less the rebuilt core the tracker cannot see) says how far, within 5%."""
+    selective = mini.recompute_drop(dict(dp=2, tp=2, pp=2), mode="selective")
+    full = mini.recompute_drop(dict(dp=2, tp=2, pp=2), mode="full", runs=selective["runs"])
+    assert full["measured"] < selective["measured"] < 1, (mini.format_drop(selective),
+                                                          mini.format_drop(full))
+    assert selective["measured"] == pytest.approx(selective["adjusted"], rel=0.05), \
+        mini.format_drop(selective)
+    for run in full["runs"].values():
+        assert run["report"]["agreement"]["params"]["ok"], run["report"]["agreement"]
+
+
+def test_selective_recompute_leaves_the_ring_alone():
+    """tp=2 x cp=2: the ring core keeps no scores (q, k, v, out, lse), so selective recompute
+    does not checkpoint it: the activations are none's to the byte and the cp bytes carry no
+    extra hop (the planner counts extra hops for fully recomputed layers only)."""
+    drop = mini.recompute_drop(dict(tp=2, cp=2), mode="selective")
+    assert drop["measured"] == 1.0 == drop["adjusted"], mini.format_drop(drop)
+    rows = [{r["what"]: r for r in run["rows"]}["cp bytes"] for run in drop["runs"].values()]
+    assert rows[0]["measured"] == rows[1]["measured"] == rows[1]["adjusted"]
+
+
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_cp_ring_adjustment_is_the_rings_last_hop(cp):
     """The derived CP difference (one hop: dK, dV carried home) is what separates the planner's
@@ -102,12 +136,12 @@ def test_cp_ring_adjustment_is_the_rings_last_hop(cp):
 
 @pytest.mark.parametrize("fields, words", [
     (dict(dp=2, tp=2, ep=2), "tp > 1 with ep > 1"),
-    (dict(dp=2, recompute="selective"), "recompute=selective"),
     (dict(dp=4, tp=2, pp=2, cp=2), "32 ranks"),
     (dict(dp=2, zero_stage=2), "zero_stage=2"),
     (dict(dp=2, ep=2, zero_stage=3), "zero_stage=3 with ep"),
     (dict(dp=0), "dp must be a positive integer"),
-    (dict(dp=2, recompute="full", recompute_layers=3, layers_per_stage=12), "3 of 12 layers"),
+    (dict(pp=4, recompute="full", recompute_layers=3, layers_per_stage=12), "3 of 12 layers"),
+    (dict(dp=2, recompute="full", recompute_layers=1, layers_per_stage=9), "over 8 layers"),
 ])
 def test_refused_in_one_line(fields, words):
     with pytest.raises(ValueError) as err:

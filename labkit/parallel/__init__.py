@@ -36,6 +36,7 @@ _BLOCKS = {
     "PipelineGenerator": "serving",
     "HybridParallel": "hybrid",
     "MasterWeights": "mixed_precision",
+    "checkpoint_attention_cores": "recompute",
 }
 __all__ = sorted(_BLOCKS)
 

@@ -50,10 +50,16 @@ index (`ep_dp`, spanning cp: torchtitan's "ranks that hold the same experts").
 Memory per GPU (model states): Ψ / (tp * pp) of the weights each (+ 1/ep of the experts);
 ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
 dp_shard. Activations: those of the micro-batches in flight on this stage, / tp with sequence
-parallelism. Communication per step: TP 4 collectives
-per layer and micro-batch of b*s*h values (inside a node); PP 2 point-to-point messages per
-stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the stage's gradients
-(2 (dp-1)/dp x its bytes; ZeRO-1 the same in reduce-scatter + all-gather form).
+parallelism; per layer and micro-batch sbh (34 + 5 a s / h) (16-bit, Korthikanti et al. 2022,
+arXiv 2205.05198), 34 sbh under recompute="selective" (each attention core checkpointed,
+parallel/recompute.py: its a s^2 b scores rebuilt in backward, no collective repeated; under
+CP the ring core keeps no scores and is left alone), the stage's input alone under "full"
+(the pipeline runs the stage's forward again, its forward collectives with it), or of k
+blocks per rank under recompute_layers=k (each a CheckpointedLayer). Communication per step:
+TP 4 collectives per layer and micro-batch of b*s*h values (inside a node); PP 2
+point-to-point messages per stage boundary and micro-batch of b*s*h/(tp if SP); DP one
+all-reduce of the stage's gradients (2 (dp-1)/dp x its bytes; ZeRO-1 the same in
+reduce-scatter + all-gather form).
 
     mesh = ctx.mesh(dp=2, tp=2, pp=2, cp=2)     # cp: x, target sharded along the sequence
     hybrid = HybridParallel(model, mesh, loss_fn, tp_plan=plan, n_microbatches=4,
@@ -77,6 +83,7 @@ from .serving import PipelineGenerator, generate, new_cache, split_requests
 from .flat import average_gradients, unwrapped_name
 from .context_parallel import ContextParallel
 from .fully_shard import FullyShard, one_unit_per_layer
+from .recompute import CheckpointedLayer, checkpoint_attention_cores
 from .mesh_dims import (SCHEDULES, check_layout, dp_cp_group, dp_groups, ep_dp_cp_group,
                         validate_dims)
 from .tp_shards import all_gather_dim, split_parts
@@ -106,6 +113,29 @@ def attention_layers(module):
     return found
 
 
+def check_recompute(recompute, k=None, virtual=1, zero_stage=0):
+    """recompute as "none" | "full" | "selective" (False / True accepted), or a one-line
+    ValueError naming the argument; k (recompute_layers): full recompute of k of each rank's
+    blocks (None: the pipeline's whole stages)."""
+    mode = {False: "none", True: "full"}.get(recompute, recompute) \
+        if isinstance(recompute, (bool, str)) else recompute
+    if mode not in ("none", "full", "selective"):
+        raise ValueError(f"recompute must be 'none', 'full' or 'selective' (or False / "
+                         f"True), got {recompute!r}")
+    if k is None:
+        return mode
+    if mode != "full" or not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"recompute_layers must be a whole number >= 0 with recompute='full' "
+                         f"(k of each stage's layers), got {k!r} with recompute={mode!r}")
+    if virtual > 1:
+        raise ValueError("recompute_layers with virtual > 1: the mesh checkpoints a rank's "
+                         "first k blocks, not k per interleaved chunk; use recompute_layers=None")
+    if zero_stage == 3:
+        raise ValueError("recompute_layers with zero_stage=3: not composed (FullyShard's "
+                         "per-layer units around checkpointed blocks); use recompute_layers=None")
+    return mode
+
+
 class HybridParallel:
     """`model` (an nn.Sequential, or a model with `as_sequential()`) composed on a `mesh`.
 
@@ -117,8 +147,10 @@ class HybridParallel:
     `dp_replicate` > 1: HSDP, the shards' gradients averaged over `dp_replicate`). mesh
     cp > 1: every attention layer in ContextParallel over mesh["cp"]
     (`cp_layout`, `cp_method`: its layout and core); x and target are this rank's sequence
-    shards. recompute: full activation recompute, the pipeline's (each stage keeps only its
-    input per micro-batch in flight and runs its forward again in backward). After
+    shards. recompute: "none" (False), "full" (True: the pipeline's, each stage keeps only its
+    input per micro-batch in flight and runs its forward again in backward) or "selective"
+    (each attention layer's core checkpointed, parallel/recompute.py: 34 sbh kept per layer
+    where none keeps 34 sbh + 5 a s^2 b; Korthikanti et al. 2022, arXiv 2205.05198). After
     construction: `dp_shard` / `dp_replicate` (the groups; None where there is no such
     dimension; dp_shard spans cp), `dp_cp` (the group averaging the gradients under
     ZeRO-0/1), `ep_dp` (the group of the experts' replicas), `stage_params` (this rank's
@@ -128,8 +160,9 @@ class HybridParallel:
     def __init__(self, model, mesh, loss_fn, *, tp_plan=None, sequence_parallel=False,
                  schedule="1f1b", n_microbatches=4, virtual=1, balance="layers",
                  expert_parallel=False, zero_stage=0, dp_replicate=1, cp_layout="zigzag",
-                 cp_method="ring", recompute=False):
+                 cp_method="ring", recompute=False, recompute_layers=None):
         cp = mesh.sizes["cp"]
+        mode = check_recompute(recompute, recompute_layers, virtual, zero_stage)
         validate_dims(dp=mesh.sizes["dp"], tp=mesh.sizes["tp"], pp=mesh.sizes["pp"], cp=cp,
                       ep=mesh.ep, dp_replicate=dp_replicate, zero_stage=zero_stage,
                       sequence_parallel=sequence_parallel and mesh.sizes["tp"] > 1,
@@ -144,6 +177,11 @@ class HybridParallel:
         if cp > 1 and not attention_layers(model):
             raise ValueError(f"cp={cp} but the {type(model).__name__} has no module named "
                              "*Attention* to make context-parallel")
+        if mode == "selective" and not attention_layers(model):
+            raise ValueError(f"recompute='selective' but the {type(model).__name__} has no "
+                             "module named *Attention* whose core to recompute: use 'full'")
+        self.recompute, self.recompute_layers = mode, recompute_layers
+        blocks_left = recompute_layers or 0   # full recompute of this rank's first k blocks
         pp = mesh.sizes["pp"]
         total = pp * virtual
         modules = split_into_stages(model, total, balance)
@@ -155,13 +193,22 @@ class HybridParallel:
             if mesh.sizes["tp"] > 1 and tp_plan:
                 parallelize(modules[s], plan_for(modules[s], tp_plan), group=mesh["tp"],
                             sequence_parallel=sequence_parallel)
-            if cp > 1:   # after TP (the attention sees this rank's heads), before FSDP
-                for parent, attr, layer in attention_layers(modules[s]):
+            attention = []   # each attention layer as it sits in the stage (CP-wrapped)
+            for parent, attr, layer in attention_layers(modules[s]):
+                if cp > 1:   # after TP (the attention sees this rank's heads), before FSDP
                     setattr(parent, attr, ContextParallel(layer, mesh["cp"], cp_layout,
                                                           cp_method))
+                attention.append(getattr(parent, attr))
+            if mode == "selective" and attention:
+                # on the CP wrapper, under its router: the ring keeps no scores and refuses a
+                # hand-written core itself, so only a plain layer must show its core call
+                checkpoint_attention_cores(attention, type(model).__name__, require_core=cp == 1)
             if expert_parallel:
                 for parent, attr, layer in moe_layers(modules[s]):
                     setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"]))
+            for i, unit in enumerate(modules[s]):   # the blocks: units holding attention
+                if blocks_left and attention_layers(unit):
+                    modules[s][i], blocks_left = CheckpointedLayer(unit), blocks_left - 1
             self.stage_params += sum(p.numel() for p in modules[s].parameters())
             if zero_stage == 3:   # last, on the TP shards: torchtitan's order
                 named = dict(modules[s].named_parameters())
@@ -178,7 +225,7 @@ class HybridParallel:
         self.stages = [PipelineStage(modules[s], s, total, group=mesh["pp"]) for s in mine]
         self.module = nn.ModuleList(stage.module for stage in self.stages)
         self.pipe = PipelineSchedule(self.stages, n_microbatches, loss_fn, schedule=schedule,
-                                     recompute=recompute)
+                                     recompute=mode == "full" and recompute_layers is None)
         params = list(self.module.parameters())
         expert_ids = {id(p) for _, _, layer in moe_layers(self.module)
                       for p in layer.experts.parameters()}

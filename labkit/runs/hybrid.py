@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from .. import data, models
 from ..parallel.context_parallel import LAYOUTS, sequence_positions, shard_sequence
-from ..parallel.hybrid import HybridParallel
+from ..parallel.hybrid import HybridParallel, check_recompute
 from ..parallel.mesh_dims import SCHEDULES, check_layout
 from ..runtime.mesh import DIMS, comm_by_dim
 from ..theory import hybrid as theory_hybrid
@@ -85,7 +85,7 @@ class ShardEmbeddings(nn.Module):
 
 def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, virtual=1,
           sequence_parallel=False, order=DIMS, dp_replicate=1, cp=1, cp_layout="zigzag",
-          recompute=False):
+          recompute=False, recompute_layers=None):
     """Train on this rank's place in the mesh; returns `rank_result` with its stages' params.
     cp > 1: the rank's batch rows (by dp) and its shard of each sequence (by cp, inputs and
     the already-shifted targets alike), the embedding given the shard's global positions."""
@@ -102,7 +102,7 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
         sequence_parallel=sequence_parallel, schedule=schedule, n_microbatches=microbatches,
         virtual=virtual if schedule == "interleaved" else 1,
         expert_parallel=cfg.model == "moe", zero_stage=zero, dp_replicate=dp_replicate,
-        cp_layout=cp_layout, recompute=recompute)
+        cp_layout=cp_layout, recompute=recompute, recompute_layers=recompute_layers)
     optimizers = build_optimizers(hybrid, cfg, zero)
     first, last = any(s.is_first for s in hybrid.stages), hybrid.is_last
 
@@ -217,12 +217,14 @@ def add_arguments(parser):
 def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2, ep=1, zero=0,
            schedule="1f1b", microbatches=2, virtual=2, sequence_parallel=False, experts=0,
            top_k=2, order=",".join(DIMS), dp_replicate=1, timeout_s=180, cp=1,
-           cp_layout="zigzag", recompute=False, **_):
+           cp_layout="zigzag", recompute=False, recompute_layers=None, **_):
     """Run the hybrid and return the run report of DESIGN.md (+ mesh table, comm by group;
     cp > 1: `predicted_cp_wire_bytes`, the ring's bytes over the run summed over ranks)."""
     cfg = cfg or reference.RunConfig(model_kwargs=dict(layers=2))
     check_config(cfg, dp, tp, pp, ep, zero, schedule, microbatches, virtual, sequence_parallel,
                  experts, top_k, dp_replicate, cp, cp_layout)
+    check_recompute(recompute, recompute_layers, virtual if schedule == "interleaved" else 1,
+                    zero)
     world = dp * tp * pp * cp
     if world_size not in (None, world):
         dims = "dp x tp x pp" + (" x cp" if cp > 1 else "")
@@ -235,7 +237,8 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
     options = dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, schedule=schedule,
                    microbatches=microbatches, virtual=virtual,
                    sequence_parallel=sequence_parallel, dp_replicate=dp_replicate, cp=cp,
-                   cp_layout=cp_layout, recompute=recompute)
+                   cp_layout=cp_layout, recompute=recompute,
+                   recompute_layers=recompute_layers)
     results = launch_checked("hybrid", train, world, run, dict(options, order=dims),
                              cli_options=dict(options, experts=experts, top_k=top_k),
                              cluster=cluster, timeout_s=timeout_s)

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import math
 
-from .miniature_terms import miniature_shape, planner_side   # noqa: F401 (the API)
+from .miniature_terms import (miniature_shape, planner_side,   # noqa: F401 (the API)
+                              recompute_share)
 
 MAX_RANKS = 16           # dp2 x tp2 x pp2 x cp2: the largest mesh the lab's tests run
 EQUAL = 1e-9             # relative: exact integer arithmetic on both sides
 ACTIVATION_BAND = (0.25, 4.0)   # ratio shown, reported "order of magnitude" only inside it
 DEFAULTS = dict(dp=1, tp=1, pp=1, cp=1, ep=1, v=1, micro_batch_size=1, zero_stage=0,
-                recompute="none", recompute_layers=0, sequence_parallel=False)
+                recompute="none", recompute_layers=0, sequence_parallel=False,
+                layers_per_stage=0)   # the plan's (0: unknown), for k of L layers recomputed
 
 
 def why_not(p):
@@ -41,9 +43,14 @@ def why_not(p):
     if p["tp"] > 1 and p["ep"] > 1:
         return ("tp > 1 with ep > 1: the mesh keeps each expert whole on every TP rank, the "
                 "planner splits experts by tp (expert tensor parallelism)")
-    if p["recompute"] == "selective":
-        return ("recompute=selective: the mesh recomputes whole pipeline stages (full), not "
-                "the attention scores alone")
+    share = recompute_share(p)
+    if share is not None:
+        k_of = f"recompute of {p['recompute_layers']} of {p['layers_per_stage']} layers"
+        if p["v"] > 1 or p["pp"] > 2 or p["zero_stage"] == 3:
+            return (f"{k_of} with v > 1, pp > 2 or zero_stage=3: the mesh checkpoints a "
+                    "rank's first k blocks, on stages of equal blocks, without FullyShard")
+        if share.denominator > 8:
+            return f"{k_of}: keeping that share needs over 8 layers per stage in miniature"
     if p["zero_stage"] == 2:
         return "zero_stage=2: the mesh runs ZeRO 0, 1 and 3 (2 would shard accumulated grads)"
     if p["zero_stage"] == 3 and p["ep"] > 1:
@@ -67,13 +74,11 @@ def miniature(plan_fields, steps=1, timeout_s=180):
     """Run plan `plan_fields` (planner field names; missing ones default to 1 / none) in
     miniature; returns {rows, shape, run, report}: rows of (what, planner, adjusted, measured,
     ratio, verdict) for params, grads, optimizer, activations and each mesh dimension's
-    bytes per rank and step. recompute="full" recomputes every layer (a planner's plan with
-    `layers_per_stage` and fewer `recompute_layers` is refused: the mesh recomputes stages)."""
+    bytes per rank and step. recompute="full" recomputes every layer (the pipeline's whole
+    stages) or, given `layers_per_stage` and fewer `recompute_layers`, the same share of each
+    stage's blocks (checkpointed one by one); "selective" every attention core
+    (parallel/recompute.py)."""
     p = dict(DEFAULTS, **{k: v for k, v in plan_fields.items() if k in DEFAULTS})
-    of = plan_fields.get("layers_per_stage")
-    if p["recompute"] == "full" and of and 0 < p["recompute_layers"] < of:
-        raise ValueError(f"cannot run in miniature: recompute of {p['recompute_layers']} of "
-                         f"{of} layers per stage: the mesh recomputes whole stages (all or none)")
     for key in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batch_size"):
         if not isinstance(p[key], int) or p[key] < 1:
             raise ValueError(f"{key} must be a positive integer, got {p[key]!r}")
@@ -90,7 +95,7 @@ def miniature(plan_fields, steps=1, timeout_s=180):
                         zero=p["zero_stage"], microbatches=run["microbatches"], virtual=p["v"],
                         schedule="interleaved" if p["v"] > 1 else "1f1b",
                         sequence_parallel=p["sequence_parallel"],
-                        recompute=p["recompute"] == "full",
+                        recompute=p["recompute"], recompute_layers=run["recompute_layers"],
                         experts=m.experts if p["ep"] > 1 else 0, top_k=m.top_k,
                         cluster="8xH100-NVLink" if run["world"] <= 8 else "2x8xH100-IB",
                         timeout_s=timeout_s)
@@ -145,7 +150,9 @@ def format_rows(out):
              f" ({out['run']['microbatches']} micro-batches of {out['run']['mbs']}), fp32; "
              f"dp={p['dp']} tp={p['tp']} pp={p['pp']} cp={p['cp']} ep={p['ep']} v={p['v']} "
              f"ZeRO {p['zero_stage']} sp={'yes' if p['sequence_parallel'] else 'no'} "
-             f"recompute={p['recompute']}",
+             f"recompute={p['recompute']}" + (f" {out['run']['recompute_layers']} of "
+                                               f"{m.layers // p['pp']} blocks per stage"
+                                               if out["run"]["recompute_layers"] else ""),
              f"{'per rank':<16} {'planner B':>11} {'+derived B':>11} {'measured B':>11} "
              f"{'ratio':>6}  verdict"]
     for r in out["rows"]:
@@ -154,20 +161,25 @@ def format_rows(out):
     return "\n".join(lines)
 
 
-def recompute_drop(plan_fields, **options):
-    """The same plan run in miniature without and with full recompute: {planner, adjusted,
-    measured} activations with / without (the planner's memory_terms keep only each layer's
-    input; `adjusted` is the mesh's whole-stage checkpoint, _stage_recompute), and both runs."""
-    runs = {rc_mode: miniature(dict(plan_fields, recompute=rc_mode), **options)
-            for rc_mode in ("none", "full")}
-    acts = {k: next(r for r in out["rows"] if r["what"] == "activations")
-            for k, out in runs.items()}
-    return dict({col: acts["full"][col] / acts["none"][col]
-                 for col in ("planner", "adjusted", "measured")}, runs=runs)
+def recompute_drop(plan_fields, mode="full", runs=None, **options):
+    """The same plan run in miniature without and with `mode` recompute ("full" or
+    "selective"): {planner, adjusted, measured} activations with / without, and the runs
+    (`runs`: those already made, by mode, e.g. the "none" run of an earlier call). Full: the
+    planner's memory_terms keep only each layer's input, `adjusted` is the mesh's whole-stage
+    checkpoint (_stage_recompute); selective: both keep every layer's activations but the
+    attention core's a s^2 b (the planner's a_selective)."""
+    runs = dict(runs or {})
+    for rc_mode in ("none", mode):
+        if rc_mode not in runs:
+            runs[rc_mode] = miniature(dict(plan_fields, recompute=rc_mode), **options)
+    acts = {k: next(r for r in runs[k]["rows"] if r["what"] == "activations")
+            for k in ("none", mode)}
+    return dict({col: acts[mode][col] / acts["none"][col]
+                 for col in ("planner", "adjusted", "measured")}, runs=runs, mode=mode)
 
 
 def format_drop(drop):
-    """One line: the activations ratio with / without full recompute, three ways."""
-    return (f"activations with / without full recompute: planner {drop['planner']:.3f} "
-            f"(modelled), +derived {drop['adjusted']:.3f} (modelled), measured "
-            f"{drop['measured']:.3f}")
+    """One line: the activations ratio with / without recompute, three ways."""
+    return (f"activations with / without {drop.get('mode', 'full')} recompute: planner "
+            f"{drop['planner']:.3f} (modelled), +derived {drop['adjusted']:.3f} (modelled), "
+            f"measured {drop['measured']:.3f}")

@@ -41,15 +41,36 @@ to the planner's number (`adjusted`), never fitted:
   nothing dropped, as the tiny MoE routes without capacity); before each forward's dispatch the
   mesh all-gathers every rank's top_k x experts + 1 routing counts (int64): + that all-gather.
 Activations under full recompute: the pipeline checkpoints whole stage chunks
-  (`_stage_recompute`); the planner checkpoints every layer and rebuilds one at a time.
+  (`_stage_recompute`); the planner checkpoints every layer and rebuilds one at a time. A
+  plan recomputing k of its L layers per stage (layers_per_stage, recompute_layers) keeps the
+  share k / L: L' = the fewest blocks per stage (>= 2) with k L' / L whole, layers = pp L'
+  (pp <= 2 keeps every stage at L' blocks), and the mesh checkpoints each rank's first k'
+  blocks (parallel/recompute.CheckpointedLayer): both keep (L - k) a_none + k a_full; the
+  planner's one rebuilt layer is, again, in torch's checkpoint frame: - that transient.
+  Under selective recompute (parallel/recompute.py) both keep every layer's activations but
+  the attention core's; the planner also holds one rebuilt core (working_set - kept_layer)
+  while its backward runs, which torch's checkpoint keeps in its own frame, outside the
+  saved-tensor hooks the memory tracker counts by: - that transient. Under CP the ring core
+  keeps q, k, v, its output and log-sum-exp, no scores (FlashAttention's way, with or without
+  selective recompute, which leaves the ring alone: no K/V hop repeats, share 0 below): the
+  planner's own activation terms with flash_attention=True.
 """
 from __future__ import annotations
+
+from fractions import Fraction
 
 from ..theory import plan_terms as terms, planner, recompute as rc
 from ..theory.catalog import ModelShape
 from ..theory.pipeline import balanced_split
 from ..theory.plan_cluster import make_cluster
 from ..theory.time import wire_bytes_per_rank
+
+
+def recompute_share(p):
+    """Fraction(k, L) when plan `p` fully recomputes k of its stage's L layers (0 < k < L,
+    Megatron-LM's block method), else None (none, selective, or whole stages)."""
+    of, k = p.get("layers_per_stage") or 0, p["recompute_layers"] or 0
+    return Fraction(k, of) if p["recompute"] == "full" and 0 < k < of else None
 
 
 def miniature_shape(p):
@@ -59,6 +80,10 @@ def miniature_shape(p):
     hidden = 8 * heads
     fits = [n for n in range(2, 8 * pp * v) if (n + 2) % (pp * v) == 0]
     layers = next((n for n in fits if n % pp == 0), fits[0])
+    share, recompute_layers = recompute_share(p), None
+    if share is not None:   # k of L kept: L' blocks per stage, the fewest >= 2 it divides
+        per_stage = share.denominator * -(-2 // share.denominator)
+        layers, recompute_layers = pp * per_stage, int(share * per_stage)
     seq, experts = 8 * tp * p["cp"], 2 * ep if ep > 1 else 1
     # top-2 of 2 ep experts: every expert meets tokens in one step (one that gets none has no
     # gradient and, Adam being lazy, no state: its bytes would be missing, not wrong)
@@ -68,7 +93,7 @@ def miniature_shape(p):
     micro = max(2, pp)
     mbs = min(2, p["micro_batch_size"])
     return m, dict(seq=seq, microbatches=micro, mbs=mbs, batch=p["dp"] * micro * mbs,
-                   world=p["dp"] * tp * pp * p["cp"])
+                   world=p["dp"] * tp * pp * p["cp"], recompute_layers=recompute_layers)
 
 
 def _rank_units(m, p):
@@ -107,8 +132,9 @@ def planner_side(p):
     rank and step by dimension (the plan_terms byte functions, ring model), adjusted."""
     m, run = miniature_shape(p)
     c = make_cluster("H100", run["world"], precision="fp32", flash_attention=False, dropout=False)
-    # full recompute: of every layer (the mesh recomputes whole stages)
-    every = planner.layers_per_stage(m, p["pp"]) if p["recompute"] == "full" else 0
+    # full recompute: of every layer (the pipeline's whole stages) or of k of L per stage
+    layers = planner.layers_per_stage(m, p["pp"])
+    every = (run["recompute_layers"] or layers) if p["recompute"] == "full" else 0
     plan = dict(p, micro_batch_size=run["mbs"], recompute_layers=every)
     mem, _, stage_params, _ = planner.memory_terms(m, c, run["batch"], run["seq"], plan)
     units = _rank_units(m, p)
@@ -125,9 +151,8 @@ def planner_side(p):
     adjusted = {k: dense[k] + expert[k] for k in dense}
     tokens, micro = run["mbs"] * run["seq"] // p["cp"], run["microbatches"]
     vb = terms.message_bytes(c.precision)
-    layers = planner.layers_per_stage(m, p["pp"])
     act = terms.tp_collective_bytes(m, tokens, vb)
-    share = 1.0 if p["recompute"] == "full" else 0.0    # every layer recomputed
+    share = every / layers                 # the layers whose forward collectives run twice
     per_layer = terms.tp_collectives_per_layer(p["recompute"], share)
     tp_planner = micro * layers * per_layer * wire_bytes_per_rank("all_reduce", act, tp)
     mean_blocks = m.layers / p["pp"]
@@ -153,9 +178,27 @@ def planner_side(p):
         counts = (1 + share) * wire_bytes_per_rank("all_gather", 8 * (m.top_k * m.experts + 1),
                                                    p["ep"])
         comm["ep"] = (micro * layers * a2a, micro * mean_blocks * (a2a + counts))
-    return dict(model=m, run=run, memory=mem, adjusted=dict(
-        adjusted, activations=_stage_recompute(m, c, run, plan) if every else
-        mem["activations"]), comm=comm)
+    return dict(model=m, run=run, memory=mem, comm=comm, adjusted=dict(
+        adjusted, activations=_mesh_activations(m, run, plan, mem["activations"])))
+
+
+def _mesh_activations(m, run, p, planner_bytes):
+    """The planner's activations for the mesh's way of keeping them: under CP the ring core
+    keeps no scores (the planner's FlashAttention count), full recompute checkpoints whole
+    stages, and what checkpoint rebuilds (selective: one core, k of L: one layer) is not seen
+    by the tracker."""
+    c = make_cluster("H100", run["world"], precision="fp32", flash_attention=p["cp"] > 1,
+                     dropout=False)
+    if p["recompute"] == "full" and run["recompute_layers"] is None:
+        return _stage_recompute(m, c, run, p)
+    if p["cp"] == 1 and p["recompute"] == "none":
+        return planner_bytes
+    mem = planner.memory_terms(m, c, run["batch"], run["seq"], p)[0]
+    a = planner.activation_terms(m, c, run["seq"], p)
+    # the one rebuilt core (selective) or layer (k of L) is in torch's checkpoint frame
+    rebuilt = {"selective": a["working_set"] - a["kept_layer"],
+               "full": a["working_set"] - a["recomputed_layer"]}.get(p["recompute"], 0.0)
+    return mem["activations"] - rebuilt
 
 
 def _stage_recompute(m, c, run, p):
@@ -180,7 +223,9 @@ def _tp_extras(m, p, run, blocks):
     shards, and the sum over TP of each replicated parameter's gradient (6h per layer, 2h of
     the final norm). Under full recompute each forward collective runs twice."""
     tp, vb, h = p["tp"], 4, m.hidden
-    f = 2 if p["recompute"] == "full" else 1      # forward passes per micro-batch
+    # forward passes per micro-batch of the ends: twice when the pipeline rebuilds whole
+    # stages, once when only k blocks are checkpointed
+    f = 2 if p["recompute"] == "full" and run["recompute_layers"] is None else 1
     seq = run["seq"] // p["cp"]          # this rank's tokens of each sequence
     act = vb * run["mbs"] * seq * h
     logits = wire_bytes_per_rank("all_gather", act / h * m.vocab / tp, tp)

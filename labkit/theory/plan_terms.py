@@ -98,7 +98,9 @@ def cp_ring_bytes(m, tokens, tp, cp, value_bytes=2, recompute_share=0.0):
     al. 2023, arXiv 2310.01889): its K and V shard, `hop` = 2 value_bytes x tokens x h_kv d /
     tp (tokens: this rank's s / cp of each sequence), passed cp-1 hops forward; backward K, V
     again and their gradients cp-1 hops each: 3 (cp-1) hops, + cp-1 for the forward again of
-    the fully recomputed share of layers. {'hop', 'hops', 'total'}."""
+    the fully recomputed share of layers (selective recompute leaves the ring core alone: it
+    keeps no scores to drop, so no hop repeats; parallel/recompute.py). {'hop', 'hops',
+    'total'}."""
     hop = 2 * value_bytes * tokens * m.kv_heads * m.head_dim / tp
     hops = (3 + recompute_share) * (cp - 1) if cp > 1 else 0
     return dict(hop=hop, hops=hops, total=hops * hop)

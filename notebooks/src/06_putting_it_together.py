@@ -239,8 +239,12 @@ fig.tight_layout()
 # attention sent, + one derived hop (the mesh carries dK, dV home). Expert parallelism: the
 # planner's dispatch and combine all-to-alls (`plan_terms.ep_all_to_all_bytes`, GShard's
 # tokens x top-k x hidden, (ep-1)/ep on the wire) + the routing counts' small all-gather.
-# Full recompute: the planner's forward collectives counted twice. The table counts, per
-# shape, the rows (memory by category, bytes per dimension) that equal planner + derived.
+# Full recompute: the planner's forward collectives counted twice, of every layer (the
+# pipeline rebuilds whole stages) or of k of a stage's L layers (each of k blocks checkpointed;
+# a plan's 3 of 12 runs as 1 of 4). Selective recompute (`labkit/parallel/recompute.py`:
+# each attention core checkpointed, Korthikanti et al. 2022) repeats no collective, as the
+# planner counts. The table counts, per shape, the rows (memory by category, bytes per
+# dimension) that equal planner + derived.
 
 # %%
 shapes = {
@@ -250,6 +254,9 @@ shapes = {
     "dp x tp+sp x pp x cp, ZeRO-1": dict(dp=2, tp=2, pp=2, cp=2, zero_stage=1,
                                          sequence_parallel=True),
     "tp x pp x cp, full recompute": dict(tp=2, pp=2, cp=2, recompute="full"),
+    "dp x tp, full recompute of 3 of 12": dict(dp=2, tp=2, recompute="full", recompute_layers=3,
+                                               layers_per_stage=12),
+    "dp x tp x pp, selective recompute": dict(dp=2, tp=2, pp=2, recompute="selective"),
 }
 summary = {}
 for name, fields in shapes.items():
@@ -267,11 +274,15 @@ pd.DataFrame(summary).T
 # %% [markdown]
 # Recompute is where the mesh and the planner differ most: the planner keeps each layer's input
 # and rebuilds one layer at a time, the pipeline keeps each stage's input and rebuilds the whole
-# stage. Both say the activations fall with two micro-batches in flight; the ranks measure it:
+# stage. Both say the activations fall with two micro-batches in flight; the ranks measure it.
+# Selective recompute drops only the attention scores (a s^2 b of a layer's 16 sbh + a s^2 b
+# here): less than full recompute, for one attention core's forward again per layer:
 
 # %%
 drop = miniature.recompute_drop(dict(dp=2, pp=2))
 print(miniature.format_drop(drop))
+print(miniature.format_drop(miniature.recompute_drop(dict(dp=2, pp=2), mode="selective",
+                                                     runs=drop["runs"])))
 
 # %% [markdown]
 # ## 4 · The planner on real models (modelled)
