@@ -159,9 +159,12 @@ class HybridParallel:
                 for parent, attr, layer in attention_layers(modules[s]):
                     setattr(parent, attr, ContextParallel(layer, mesh["cp"], cp_layout,
                                                           cp_method))
-            if expert_parallel:
+            if expert_parallel:   # tp > 1: each expert split over TP too (expert_tp.py)
+                tp_group = mesh["tp"] if mesh.sizes["tp"] > 1 and tp_plan else None
                 for parent, attr, layer in moe_layers(modules[s]):
-                    setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"]))
+                    setattr(parent, attr, ExpertParallel(
+                        layer, group=mesh["ep"], tp_group=tp_group,
+                        sequence_parallel=sequence_parallel))
             self.stage_params += sum(p.numel() for p in modules[s].parameters())
             if zero_stage == 3:   # last, on the TP shards: torchtitan's order
                 named = dict(modules[s].named_parameters())

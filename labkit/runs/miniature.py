@@ -38,9 +38,6 @@ def why_not(p):
     if world > MAX_RANKS:
         return (f"dp*tp*pp*cp = {world} ranks: the launcher runs at most {MAX_RANKS} CPU ranks "
                 f"here (plan for --gpus {MAX_RANKS} or fewer, or --fix a layout that small)")
-    if p["tp"] > 1 and p["ep"] > 1:
-        return ("tp > 1 with ep > 1: the mesh keeps each expert whole on every TP rank, the "
-                "planner splits experts by tp (expert tensor parallelism)")
     if p["recompute"] == "selective":
         return ("recompute=selective: the mesh recomputes whole pipeline stages (full), not "
                 "the attention scores alone")
