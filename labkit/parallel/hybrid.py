@@ -7,8 +7,10 @@ TP group by `parallelize` (heads and MLP columns, + sequence parallelism); the s
 the PP group with `PipelineSchedule`; the dp replicas of a stage average their gradients over
 the DP group after the pipeline flush (Megatron-LM's order, Narayanan et al. 2021,
 arXiv 2104.04473: TP inside a node, PP across nodes, DP outermost). An MoE model's experts are
-spread by `ExpertParallel` over EP groups carved out of DP; an expert's gradient is averaged
-over its replicas (`ep_dp`), every other one over DP. HybridParallel composes the blocks and
+spread by `ExpertParallel` over EP groups carved out of DP, and with tp > 1 each expert split
+over the TP group as a dense MLP is (expert TP, parallel/expert_tp.py: the same tokens and rows
+on every TP rank, the partial outputs summed over TP at the layer's output); an expert's
+gradient is averaged over its replicas (`ep_dp`), every other one over DP. HybridParallel composes the blocks and
 nothing more: the optimizer (a plain one, or ZeRO-1's `ShardedOptimizer` over each gradient
 group) and the loop are the trainer's (labkit/runs/trainer.py, as torchtitan's
 `parallelize_llama` leaves them to its Trainer).
@@ -47,7 +49,7 @@ shard) through its ep group's all-to-all, as without CP (the ep group holds one 
 an expert's gradient is averaged over its replicas, the dp x cp / ep ranks with the same ep
 index (`ep_dp`, spanning cp: torchtitan's "ranks that hold the same experts").
 
-Memory per GPU (model states): Ψ / (tp * pp) of the weights each (+ 1/ep of the experts);
+Memory per GPU (model states): Ψ / (tp * pp) of the weights each (the experts / (ep tp pp));
 ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
 dp_shard. Activations: those of the micro-batches in flight on this stage, / tp with sequence
 parallelism. Communication per step: TP 4 collectives

@@ -13,7 +13,15 @@ router. On every forward each rank routes its own tokens, then
   4. all_to_all "combine": the outputs go home, where the gate weights scale and sum them.
 Backward mirrors it: the gradient of an all-to-all is the reverse all-to-all.
 
-Memory per rank: the replicated part (router) + E/N experts, their gradients and optimizer
+Expert tensor parallelism (`tp_group`, expert_tp.py; Megatron-Core's ETP, = TP by default):
+each local expert's MLP split over a TP group as a dense MLP is (first linear colwise, last
+rowwise); every TP rank routes the same tokens (SP's shards all-gathered first), sends the same
+rows over EP (the all-to-alls below, unchanged), computes its slice of each expert's ffn, and
+the partial outputs are summed over TP once, at the layer's output (all-reduce; SP:
+reduce-scatter): the dense MLP's TP traffic, + the router's gradient summed over TP.
+
+Memory per rank: the replicated part (router) + E/N experts (each / tp under expert TP: the
+experts' 3 h ffn (SwiGLU; GELU 2 h ffn) x E / (N tp)), their gradients and optimizer
 state; activations: the ~T k rows received (balanced routing, T tokens per rank).
 Communication per layer and step, per rank: 4 all-to-alls (2 forward, 2 backward) of the
 T k h dispatched values, of which (N-1)/N leave the rank: 4 (N-1)/N T k h bytes per value,
@@ -261,11 +269,8 @@ class ExpertParallel(nn.Module):
             out.update(zip(names, (v.clone() for v in layout.views(everyone[r]))))
         return out
 
-    def _whole_state(self, expert):
-        """An expert's state tensors, whole (under expert TP: its slices gathered over TP)."""
-        if self.tp == 1:
-            return list(expert.state_dict().values())
-        return list(gather_params(expert).values())
+    def _whole_state(self, expert):   # under expert TP: its slices gathered over TP
+        return (gather_params(expert) if self.tp > 1 else expert.state_dict()).values()
 
     def _rank_experts(self, member):
         return range(member * self.per_rank, (member + 1) * self.per_rank)
