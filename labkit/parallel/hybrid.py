@@ -10,10 +10,10 @@ arXiv 2104.04473: TP inside a node, PP across nodes, DP outermost). An MoE model
 spread by `ExpertParallel` over EP groups carved out of DP, and with tp > 1 each expert split
 over the TP group as a dense MLP is (expert TP, parallel/expert_tp.py: the same tokens and rows
 on every TP rank, the partial outputs summed over TP at the layer's output); an expert's
-gradient is averaged over its replicas (`ep_dp`), every other one over DP. HybridParallel composes the blocks and
-nothing more: the optimizer (a plain one, or ZeRO-1's `ShardedOptimizer` over each gradient
-group) and the loop are the trainer's (labkit/runs/trainer.py, as torchtitan's
-`parallelize_llama` leaves them to its Trainer).
+gradient is averaged over its replicas (`ep_dp`), every other one over DP. HybridParallel
+composes the blocks and nothing more: the optimizer (a plain one, or ZeRO-1's
+`ShardedOptimizer` over each gradient group) and the loop are the trainer's
+(labkit/runs/trainer.py, as torchtitan's `parallelize_llama` leaves them to its Trainer).
 
 `zero_stage=3` (ZeRO-3 / FSDP, torchtitan's order: TP -> PP stages -> FullyShard) wraps each of
 this rank's TP-split stages in `FullyShard` (one unit per layer) over the DP group; HSDP

@@ -278,7 +278,7 @@ class ExpertParallel(nn.Module):
     def extra_repr(self):
         return (f"experts={self.num_experts}, top_k={self.top_k}, "
                 f"capacity_factor={self.capacity_factor}, group={list(self.group.ranks)}, "
-                f"local_experts={list(self.local_experts)}")
+                f"local_experts={list(self.local_experts)}, tp={self.tp}")
 
 
 def full_parameters(model):
