@@ -13,7 +13,7 @@ from labkit.runs import miniature as mini
 EXACT = ("params", "grads", "optimizer", "pp bytes", "dp bytes", "dp_shard bytes",
          "dp_cp bytes", "cp bytes", "ep bytes")
 
-# each dimension at least once: dp, tp, pp, cp, ep, interleaved v, ZeRO 1 and 3, SP
+# each dimension at least once: dp, tp, pp, cp, ep, interleaved v, ZeRO 1 and 3, SP, tp x ep
 SHAPES = {
     "fsdp x tp x pp": dict(dp=2, tp=2, pp=2, zero_stage=3),
     "zero1 x tp+sp x pp": dict(dp=2, tp=2, pp=2, zero_stage=1, sequence_parallel=True),
@@ -24,6 +24,8 @@ SHAPES = {
     "dp x cp x ep": dict(dp=2, cp=2, ep=2),
     "zero1 x dp x cp x ep": dict(dp=2, cp=2, ep=2, zero_stage=1),
     "zero1 x dp x ep": dict(dp=2, ep=2, zero_stage=1),
+    # expert TP: each expert split over tp (the planner's stage_parameters, experts / ep tp)
+    "dp x tp x ep": dict(dp=2, tp=2, ep=2),
     "pp=4 (uneven stages)": dict(pp=4),
     "tp+sp x pp interleaved": dict(tp=2, pp=2, v=2, sequence_parallel=True),
     "dp x tp": dict(dp=2, tp=2),
@@ -135,7 +137,6 @@ def test_cp_ring_adjustment_is_the_rings_last_hop(cp):
 
 
 @pytest.mark.parametrize("fields, words", [
-    (dict(dp=2, tp=2, ep=2), "tp > 1 with ep > 1"),
     (dict(dp=4, tp=2, pp=2, cp=2), "32 ranks"),
     (dict(dp=2, zero_stage=2), "zero_stage=2"),
     (dict(dp=2, ep=2, zero_stage=3), "zero_stage=3 with ep"),

@@ -7,11 +7,13 @@ TP group by `parallelize` (heads and MLP columns, + sequence parallelism); the s
 the PP group with `PipelineSchedule`; the dp replicas of a stage average their gradients over
 the DP group after the pipeline flush (Megatron-LM's order, Narayanan et al. 2021,
 arXiv 2104.04473: TP inside a node, PP across nodes, DP outermost). An MoE model's experts are
-spread by `ExpertParallel` over EP groups carved out of DP; an expert's gradient is averaged
-over its replicas (`ep_dp`), every other one over DP. HybridParallel composes the blocks and
-nothing more: the optimizer (a plain one, or ZeRO-1's `ShardedOptimizer` over each gradient
-group) and the loop are the trainer's (labkit/runs/trainer.py, as torchtitan's
-`parallelize_llama` leaves them to its Trainer).
+spread by `ExpertParallel` over EP groups carved out of DP, and with tp > 1 each expert split
+over the TP group as a dense MLP is (expert TP, parallel/expert_tp.py: the same tokens and rows
+on every TP rank, the partial outputs summed over TP at the layer's output); an expert's
+gradient is averaged over its replicas (`ep_dp`), every other one over DP. HybridParallel
+composes the blocks and nothing more: the optimizer (a plain one, or ZeRO-1's
+`ShardedOptimizer` over each gradient group) and the loop are the trainer's
+(labkit/runs/trainer.py, as torchtitan's `parallelize_llama` leaves them to its Trainer).
 
 `zero_stage=3` (ZeRO-3 / FSDP, torchtitan's order: TP -> PP stages -> FullyShard) wraps each of
 this rank's TP-split stages in `FullyShard` (one unit per layer) over the DP group; HSDP
@@ -47,7 +49,7 @@ shard) through its ep group's all-to-all, as without CP (the ep group holds one 
 an expert's gradient is averaged over its replicas, the dp x cp / ep ranks with the same ep
 index (`ep_dp`, spanning cp: torchtitan's "ranks that hold the same experts").
 
-Memory per GPU (model states): Ψ / (tp * pp) of the weights each (+ 1/ep of the experts);
+Memory per GPU (model states): Ψ / (tp * pp) of the weights each (the experts / (ep tp pp));
 ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
 dp_shard. Activations: those of the micro-batches in flight on this stage, / tp with sequence
 parallelism; per layer and micro-batch sbh (34 + 5 a s / h) (16-bit, Korthikanti et al. 2022,
@@ -203,9 +205,12 @@ class HybridParallel:
                 # on the CP wrapper, under its router: the ring keeps no scores and refuses a
                 # hand-written core itself, so only a plain layer must show its core call
                 checkpoint_attention_cores(attention, type(model).__name__, require_core=cp == 1)
-            if expert_parallel:
+            if expert_parallel:   # tp > 1: each expert split over TP too (expert_tp.py)
+                tp_group = mesh["tp"] if mesh.sizes["tp"] > 1 and tp_plan else None
                 for parent, attr, layer in moe_layers(modules[s]):
-                    setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"]))
+                    setattr(parent, attr, ExpertParallel(
+                        layer, group=mesh["ep"], tp_group=tp_group,
+                        sequence_parallel=sequence_parallel))
             for i, unit in enumerate(modules[s]):   # the blocks: units holding attention
                 if blocks_left and attention_layers(unit):
                     modules[s][i], blocks_left = CheckpointedLayer(unit), blocks_left - 1

@@ -13,7 +13,15 @@ router. On every forward each rank routes its own tokens, then
   4. all_to_all "combine": the outputs go home, where the gate weights scale and sum them.
 Backward mirrors it: the gradient of an all-to-all is the reverse all-to-all.
 
-Memory per rank: the replicated part (router) + E/N experts, their gradients and optimizer
+Expert tensor parallelism (`tp_group`, expert_tp.py; Megatron-Core's ETP, = TP by default):
+each local expert's MLP split over a TP group as a dense MLP is (first linear colwise, last
+rowwise); every TP rank routes the same tokens (SP's shards all-gathered first), sends the same
+rows over EP (the all-to-alls below, unchanged), computes its slice of each expert's ffn, and
+the partial outputs are summed over TP once, at the layer's output (all-reduce; SP:
+reduce-scatter): the dense MLP's TP traffic, + the router's gradient summed over TP.
+
+Memory per rank: the replicated part (router) + E/N experts (each / tp under expert TP: the
+experts' 3 h ffn (SwiGLU; GELU 2 h ffn) x E / (N tp)), their gradients and optimizer
 state; activations: the ~T k rows received (balanced routing, T tokens per rank).
 Communication per layer and step, per rank: 4 all-to-alls (2 forward, 2 backward) of the
 T k h dispatched values, of which (N-1)/N leave the rank: 4 (N-1)/N T k h bytes per value,
@@ -56,9 +64,11 @@ import torch.nn.functional as F
 
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
+from . import expert_tp
 from .flat import FlatBuffer, average_gradients
 from .hf_experts import as_expert_layer, is_hf_module, router_logits
 from .mappings import all_to_all_rows
+from .tp_shards import gather_params
 
 
 # ----------------------------------------------------------------------------------- routing
@@ -127,7 +137,9 @@ def check_expert_parallel(experts, top_k, capacity_factor, ranks):
 class ExpertParallel(nn.Module):
     """`layer`'s experts spread over `group` (None: the world); see the module docstring."""
 
-    def __init__(self, moe_layer: nn.Module, group: GroupLike = None, tag: str = "moe") -> None:
+    def __init__(self, moe_layer: nn.Module, group: GroupLike = None, tag: str = "moe", *,
+                 tp_group: GroupLike = None, sequence_parallel: bool = False,
+                 expert_plan=None) -> None:
         super().__init__()
         if is_hf_module(moe_layer) or not _has_setting(moe_layer, "capacity_factor"):
             # transformers' blocks name no capacity: re-expressed and checked (hf_experts)
@@ -150,6 +162,13 @@ class ExpertParallel(nn.Module):
         # what every expert's state looks like, to gather them later (full_state_dict)
         self._expert_state = [[(k, t.shape, t.numel()) for k, t in e.state_dict().items()]
                               for e in experts]
+        # expert tensor parallelism (expert_tp.py): each local expert split over tp_group
+        self.tp_group = context().group(tp_group) if tp_group is not None else None
+        self.tp = self.tp_group.size if self.tp_group is not None else 1
+        self.sequence_parallel = sequence_parallel and self.tp > 1
+        if self.tp > 1:
+            expert_tp.split_layer(moe_layer, [experts[e] for e in self.local_experts],
+                                  self.tp_group, expert_plan, tag)
         moe_layer.experts = nn.ModuleDict({str(e): experts[e] for e in self.local_experts})
         self.module = moe_layer
         if n > 1:   # an expert's gradient sums all ranks' tokens: make it the group's mean
@@ -162,6 +181,8 @@ class ExpertParallel(nn.Module):
     def forward(self, x):
         comm, group, tag = context().comm, self.group, self.tag
         E, k, n = self.num_experts, self.top_k, self.group.size
+        if self.tp > 1:   # every TP rank: the same tokens (expert_tp.py)
+            x = expert_tp.enter(x, self.tp_group, self.sequence_parallel, tag)
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         logits = router_logits(getattr(self.module, self._router_name), tokens)
@@ -198,9 +219,14 @@ class ExpertParallel(nn.Module):
         out = torch.zeros_like(tokens).index_add(0, tok, done * weight[tok, choice, None])
         if hasattr(self.module, "shared_forward"):   # a shared expert every token passes
             out = out + self.module.shared_forward(tokens)
+        if self.tp > 1:   # computed alike on every TP rank, its gradient summed over TP
+            logits = expert_tp.once_over_tp(logits, self.tp)
+            probs = logits.softmax(dim=-1)
         self._router_losses(logits, probs, counts, group_tokens)
         self.routing = dict(load=counts[group.rank].sum(dim=0), dropped=int((~kept).sum()),
                             capacity=slots, sent=sum(send), received=sum(recv))
+        if self.tp > 1:   # each TP rank's partial outputs summed, once
+            return expert_tp.leave(out.view(shape), self.tp_group, self.sequence_parallel, tag)
         return out.view(shape)
 
     def _run_experts(self, rows, row_expert):
@@ -229,7 +255,7 @@ class ExpertParallel(nn.Module):
         out = {k: t.detach().clone() for k, t in self.module.state_dict().items()
                if not k.startswith("experts.")}
         mine = FlatBuffer([t.detach() for e in self.local_experts
-                           for t in self.module.experts[str(e)].state_dict().values()])
+                           for t in self._whole_state(self.module.experts[str(e)])])
         layouts = [FlatBuffer([torch.empty(shape, device="meta") for e in self._rank_experts(r)
                                for _, shape, _ in self._expert_state[e]])
                    for r in range(self.group.size)]    # every rank holds at least one expert
@@ -243,13 +269,16 @@ class ExpertParallel(nn.Module):
             out.update(zip(names, (v.clone() for v in layout.views(everyone[r]))))
         return out
 
+    def _whole_state(self, expert):   # under expert TP: its slices gathered over TP
+        return (gather_params(expert) if self.tp > 1 else expert.state_dict()).values()
+
     def _rank_experts(self, member):
         return range(member * self.per_rank, (member + 1) * self.per_rank)
 
     def extra_repr(self):
         return (f"experts={self.num_experts}, top_k={self.top_k}, "
                 f"capacity_factor={self.capacity_factor}, group={list(self.group.ranks)}, "
-                f"local_experts={list(self.local_experts)}")
+                f"local_experts={list(self.local_experts)}, tp={self.tp}")
 
 
 def full_parameters(model):

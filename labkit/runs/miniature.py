@@ -40,9 +40,6 @@ def why_not(p):
     if world > MAX_RANKS:
         return (f"dp*tp*pp*cp = {world} ranks: the launcher runs at most {MAX_RANKS} CPU ranks "
                 f"here (plan for --gpus {MAX_RANKS} or fewer, or --fix a layout that small)")
-    if p["tp"] > 1 and p["ep"] > 1:
-        return ("tp > 1 with ep > 1: the mesh keeps each expert whole on every TP rank, the "
-                "planner splits experts by tp (expert tensor parallelism)")
     share = recompute_share(p)
     if share is not None:
         k_of = f"recompute of {p['recompute_layers']} of {p['layers_per_stage']} layers"

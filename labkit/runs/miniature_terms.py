@@ -15,7 +15,9 @@ tiny GPT runs.
 Where the planner and the mesh legitimately differ, the difference is derived, named and added
 to the planner's number (`adjusted`), never fitted:
 - row-parallel biases (attention output, MLP down) are replicated on every TP rank, the
-  planner divides all of a layer's weights by tp: + 2 h (1 - 1/tp) per layer held;
+  planner divides all of a layer's weights by tp: + 2 h (1 - 1/tp) per layer held; with
+  experts (expert TP, parallel/expert_tp.py) each local expert's down bias: + (1 + E/ep) h
+  (1 - 1/tp), of which E/ep h (1 - 1/tp) are the experts' (averaged over ep_dp);
 - the learned position table is split by TP only under SP (else replicated): + s h (1 - 1/tp)
   on the rank holding the embedding; the final LayerNorm has a bias the planner (RMSNorm-like
   `head_params`) leaves out, and the norm is whole on every TP rank: + 2h - h/tp on the rank
@@ -36,7 +38,9 @@ to the planner's number (`adjusted`), never fitted:
   DP (over dp x cp, `dp_cp`, when cp > 1): ZeRO-1 is ShardedOptimizer's all-reduce + owners'
   broadcasts (3 Psi on the wire where the planner's reduce-scatter + all-gather move 2 Psi);
   experts average over their replicas, ep_dp = dp x cp / ep ranks, not dp x cp (ZeRO-1 shards
-  their optimizer state over ep_dp too). EP: the planner's 4 all-to-alls per MoE layer and
+  their optimizer state over ep_dp too). Expert TP sums the router's and the local experts'
+  down biases' gradients over TP (partial on each TP rank): + (h E + E/ep h) per layer and
+  micro-batch on tp. EP: the planner's 4 all-to-alls per MoE layer and
   micro-batch (ep_all_to_all_bytes: tokens x top_k x h each, (ep-1)/ep on the wire;
   nothing dropped, as the tiny MoE routes without capacity); before each forward's dispatch the
   mesh all-gathers every rank's top_k x experts + 1 routing counts (int64): + that all-gather.
@@ -111,11 +115,18 @@ def _rank_units(m, p):
     return out
 
 
+def _row_biases(m, p):
+    """Row-parallel biases (h each) a block holds whole on every TP rank: the attention
+    output's and the MLP down projection's, or with experts each local expert's (expert TP,
+    parallel/expert_tp.py: the experts' down biases are replicated over TP)."""
+    return 1 + (m.experts // p["ep"] if m.experts > 1 else 1)
+
+
 def _rank_params(m, p, blocks, first, last):
     """A rank's parameters after TP in the planner's units plus the derived differences."""
     tp, h = p["tp"], m.hidden
     _, layer = terms.stage_parameters(m, tp, p["ep"], 1, 1)
-    params = blocks * (layer + 2 * h * (1 - 1 / tp))
+    params = blocks * (layer + _row_biases(m, p) * h * (1 - 1 / tp))
     if first:
         emb = terms.tf.embedding_params(m) / tp
         params += emb + (0 if p["sequence_parallel"] else m.max_seq * h * (1 - 1 / tp))
@@ -141,8 +152,9 @@ def planner_side(p):
     held = [_rank_params(m, p, *u) for u in units]
     # a dense model's MLPs are no experts: averaged over dp x cp with the rest
     tp = p["tp"]
-    experts = [u[0] * terms.tf.layer_counts(m).mlp_total / (tp * p["ep"]) if p["ep"] > 1 else 0
-               for u in units]
+    # (expert TP splits each expert's matrices; its down bias is whole on every TP rank)
+    experts = [u[0] * (terms.tf.layer_counts(m).mlp_total / (tp * p["ep"]) + m.experts //
+                       p["ep"] * m.hidden * (1 - 1 / tp)) if p["ep"] > 1 else 0 for u in units]
     worst = max(held)
     shard, e = p["dp"] * p["cp"], experts[held.index(worst)]
     # ZeRO-1 shards the dense states over dp x cp, the experts' over their dp x cp / ep replicas
@@ -221,18 +233,29 @@ def _tp_extras(m, p, run, blocks):
     vocabulary-parallel ends and the gathered logits; under SP also the backward's regather of
     each column-parallel input (2 all-gathers per layer), the embedding's scatters to sequence
     shards, and the sum over TP of each replicated parameter's gradient (6h per layer, 2h of
-    the final norm). Under full recompute each forward collective runs twice."""
+    the final norm; an MoE layer under expert TP keeps its gathered input, no regather).
+    With experts and tp > 1, with or without SP, the router's and the local experts' down
+    biases' gradients summed over TP (h E + E/ep h per layer). Under full recompute each
+    forward collective runs twice."""
     tp, vb, h = p["tp"], 4, m.hidden
     # forward passes per micro-batch of the ends: twice when the pipeline rebuilds whole
     # stages, once when only k blocks are checkpointed
     f = 2 if p["recompute"] == "full" and run["recompute_layers"] is None else 1
+    # expert TP: the router's (h E) and the local experts' down biases' gradients are partial
+    # on each TP rank and summed over TP (parallel/expert_tp.py), with or without SP
+    moe = m.experts > 1 and tp > 1
+    expert_grads = h * m.experts + m.experts // p["ep"] * h if moe else 0
+    # under SP every replicated parameter's gradient is summed: the norms (4h), the attention
+    # output's bias (h), the MLP's down bias (h) or the MoE layer's
+    replicated = 5 * h + (expert_grads or h)
     seq = run["seq"] // p["cp"]          # this rank's tokens of each sequence
     act = vb * run["mbs"] * seq * h
     logits = wire_bytes_per_rank("all_gather", act / h * m.vocab / tp, tp)
     if not p["sequence_parallel"]:
         # embedding: an all-reduce forward; head: one of its input's gradient backward
         ends = (f + 1) * wire_bytes_per_rank("all_reduce", act, tp) + f * logits
-        return run["microbatches"] * ends / p["pp"]
+        grads = wire_bytes_per_rank("all_reduce", vb, tp) * expert_grads * blocks
+        return run["microbatches"] * (ends / p["pp"] + grads)
     gather, scatter = (wire_bytes_per_rank("all_gather", act / tp, tp),
                        wire_bytes_per_rank("reduce_scatter", act, tp))
     table = vb * seq * h
@@ -241,8 +264,11 @@ def _tp_extras(m, p, run, blocks):
     first = f * (wire_bytes_per_rank("reduce_scatter", table, tp) + scatter) + \
         wire_bytes_per_rank("all_gather", table / tp, tp) + gather
     last = (f + 1) * gather + f * logits + scatter
-    grads = wire_bytes_per_rank("all_reduce", vb, tp) * (6 * h * blocks + 2 * h / p["pp"])
-    return run["microbatches"] * ((first + last) / p["pp"] + 2 * gather * blocks + grads)
+    # an MoE layer keeps its gathered input (expert_tp.enter): no regather of its own
+    regathers = 1 if moe else 2
+    grads = wire_bytes_per_rank("all_reduce", vb, tp) * (replicated * blocks + 2 * h / p["pp"])
+    return run["microbatches"] * ((first + last) / p["pp"] + regathers * gather * blocks +
+                                  grads)
 
 
 def _dp_bytes(stage_params, p, micro, weight_bytes, expert_params=None):
