@@ -484,3 +484,25 @@ def test_zero3_with_pipeline_only_on_the_fsdp2_stack():
     dp_time = [p["communication_s"]["dp_comm_hidden"] + p["breakdown_s"]["dp_comm"]
                for p in (one, four)]
     assert dp_time[1] == pytest.approx(4 * dp_time[0], rel=1e-9)
+
+
+def test_zero2_reduces_the_gradients_after_every_micro_batch():
+    """ZeRO-2 keeps only its gradient shard, so it reduce-scatters after every backward
+    (DeepSpeed issue #2252); ZeRO-1 accumulates full gradients and reduces once per step."""
+    from labkit.theory.time import collective_time
+    m = catalog.model("llama-3-8b")
+    c = planner.make_cluster("H100", 8)
+
+    def dp_time(zero, batch):
+        p = planner.plan(m, 8, "H100", global_batch=batch, seq=4096, top=1,
+                         fix=f"dp=8,tp=1,pp=1,micro_batch_size=1,zero_stage={zero},"
+                             "recompute=full")["plans"][0]
+        assert p["microbatches"] == batch // 8
+        return p["communication_s"]["dp_comm_hidden"] + p["breakdown_s"]["dp_comm"]
+    z1, z2 = ({b: dp_time(zero, b) for b in (8, 32)} for zero in (1, 2))
+    assert z1[32] == pytest.approx(z1[8], rel=1e-12)        # one reduction whatever the count
+    assert z2[8] == pytest.approx(z1[8], rel=1e-12)         # one micro-batch: the same traffic
+    # the bf16 weights' all-gather runs once per step, the reduce-scatter once per micro-batch
+    gather = collective_time("all_gather", 2 * m.param_count() / 8, 8, c.link(8))
+    reduce = z1[8] - gather
+    assert reduce > 0 and z2[32] == pytest.approx(gather + 4 * reduce, rel=1e-9)

@@ -20,7 +20,8 @@ The stacks (a planner option, `stack=`):
   hidden except one bucket, parameters gathered after the step, pipeline sends exposed.
 - "fsdp2": PyTorch FSDP2 / torchtitan. ZeRO-3 (fully_shard) prefetches the next layer's
   all-gather during forward and backward and reduce-scatters each layer's gradients during
-  backward; async TP overlaps TP like Megatron-Core; ZeRO 0-2 reduce gradients as DDP does.
+  backward; async TP overlaps TP like Megatron-Core; ZeRO 0-2 reduce gradients as DDP does
+  (ZeRO-2 after every micro-batch's backward, dp_grad_reduce).
 - "llama3": Meta's stack for Llama 3 (Dubey et al. 2024, arXiv 2407.21783, section 3.3.2):
   as "megatron", but context parallelism all-gathers K and V before attention instead of
   passing them round a ring, and "the all-gather communication latency is exposed in the
@@ -83,14 +84,19 @@ def tp_comm(stack_, comm_s, gemm_s, tp):
     return hide(comm_s, gemm_s, comm_s / tp)
 
 
-def dp_grad_reduce(stack_, comm_s, backward_s, bucket_s, zero_stage):
-    """Gradient reduction once per step (all-reduce, or reduce-scatter under ZeRO >= 1): hidden
-    under the last micro-batch's backward (`backward_s`) except the last bucket, which is ready
-    only when backward ends. Every stack overlaps DDP's all-reduce; ZeRO-1/2's reduce-scatter
-    only where the stack does (`grad_reduce_overlap`)."""
+def dp_grad_reduce(stack_, comm_s, backward_s, bucket_s, zero_stage, reductions=1):
+    """Gradient reductions of one step (all-reduce, or reduce-scatter under ZeRO >= 1), each of
+    `comm_s`, hidden under the backward that produced its gradients (`backward_s`, one
+    micro-batch's) except its last bucket, which is ready only when that backward ends.
+    ZeRO-0/1 reduce once (reductions=1), under the last micro-batch's backward; ZeRO-2 after
+    every micro-batch's backward (reductions = micro-batches, plan_terms.
+    grad_reductions_per_step; DeepSpeed issue #2252), each under its own backward by the same
+    rule. Every stack overlaps DDP's all-reduce; ZeRO-1/2's reduce-scatter only where the
+    stack does (`grad_reduce_overlap`)."""
     if zero_stage >= 1 and not stack_.grad_reduce_overlap:
-        return comm_s, 0.0
-    return hide(comm_s, backward_s, bucket_s)
+        return reductions * comm_s, 0.0
+    exposed, hidden = hide(comm_s, backward_s, bucket_s)
+    return reductions * exposed, reductions * hidden
 
 
 def dp_param_gather(stack_, comm_s, forward_s, bucket_s):

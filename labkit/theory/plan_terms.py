@@ -155,10 +155,22 @@ def pp_send_time(c, m, tokens, tp, span, pp, microbatches, v, value_bytes=2):
     return 2 * microbatches * v * one
 
 
+def grad_reductions_per_step(zero_stage, microbatches):
+    """How many times a step reduces the gradients under gradient accumulation: ZeRO-0/1 once,
+    after the last micro-batch (each rank accumulates its full gradients, then all-reduces or
+    reduce-scatters them); ZeRO-2 after every micro-batch's backward, because a rank keeps only
+    its shard of the accumulated gradients and must hand every other shard on before the next
+    backward adds to it (DeepSpeed issue #2252: "For zero stage 2 (and 3), gradient reduction
+    is required after every backward because of gradient partitioning"). ZeRO-3's per-layer
+    traffic is fsdp_traffic's, per micro-batch too."""
+    return microbatches if zero_stage == 2 else 1
+
+
 def dp_traffic_bytes(stage_params, zero_stage, shard, weight_bytes=2):
-    """{op: payload bytes} of one step's DP collectives on a stage (dp_traffic's): ZeRO-0 one
-    all-reduce of the fp32 gradients; ZeRO-1/2 their reduce-scatter and an all-gather of each
-    rank's shard of the updated weights."""
+    """{op: payload bytes} of one DP collective of each kind on a stage (dp_traffic's): ZeRO-0
+    one all-reduce of the fp32 gradients; ZeRO-1/2 their reduce-scatter and an all-gather of
+    each rank's shard of the updated weights. Per step the all-gather runs once, the
+    gradient reduction grad_reductions_per_step times (ZeRO-2: once per micro-batch)."""
     grads = GRAD_BYTES * stage_params
     if zero_stage == 0:
         return {"all_reduce": grads}
@@ -174,9 +186,11 @@ def fsdp_traffic_bytes(stage_params, shard, weight_bytes=2):
 
 
 def dp_traffic(c, stage_params, zero_stage, shard, span, weight_bytes=2):
-    """(gradient reduction, parameter all-gather, bucket share) seconds per step over `shard`
-    ranks: ZeRO-0 all-reduces fp32 gradients; ZeRO-1/2 reduce-scatter them and all-gather the
-    updated bf16 weights; ZeRO-3's per-layer traffic is fsdp_traffic's."""
+    """(gradient reduction, parameter all-gather, bucket share) seconds of ONE of each
+    collective over `shard` ranks: ZeRO-0 all-reduces fp32 gradients; ZeRO-1/2 reduce-scatter
+    them and all-gather the updated bf16 weights. A step runs the reduction
+    grad_reductions_per_step times (ZeRO-2: per micro-batch), the all-gather once; ZeRO-3's
+    per-layer traffic is fsdp_traffic's."""
     grads = GRAD_BYTES * stage_params
     link = c.link(span)
     payload = dp_traffic_bytes(stage_params, zero_stage, shard, weight_bytes)

@@ -26,7 +26,8 @@ ranks the plans that fit. Everything is modelled from first principles with name
 - Time: compute + recompute + element-wise kernels + TP collectives + CP's K/V ring (each hop
   under one layer's attention block; exposed where the stack all-gathers, "llama3") + the
   pipeline bubble (pp-1)/v micro-batch times (Narayanan et al. 2021) + pipeline sends + DP/ZeRO
-  traffic + the experts' all-to-alls (exposed) + the optimizer (memory bound); messages carry
+  traffic (ZeRO-0/1 reduce the gradients once per step, ZeRO-2 after every micro-batch's
+  backward: plan_terms.grad_reductions_per_step) + the experts' all-to-alls (exposed) + the optimizer (memory bound); messages carry
   values of the run's precision (plan_terms.message_bytes). Each communication is split into
   what the stack (overlap.py: megatron, megatron-2021, fsdp2, deepspeed, llama3) hides under
   compute and what stays exposed; hidden traffic slows compute by the SMs it holds
@@ -292,7 +293,8 @@ def _micro_batch_work(m, c, seq, p, tokens, layers, share, kept):
 
 
 def _dp_comm(c, p, stage_params, work, micro, layers, weight_bytes):
-    """(exposed, hidden) seconds of data-parallel traffic per step (overlap.py by stack)."""
+    """(exposed, hidden) seconds of data-parallel traffic per step (overlap.py by stack): the
+    gradient reduction once (ZeRO-0/1) or per micro-batch (ZeRO-2), the all-gather once."""
     shard, zero, st = p["dp"] * p["cp"], p["zero_stage"], c.stack
     span = p["dp"] * p["cp"] * p["tp"]
     forward = work["compute"] / 3
@@ -303,7 +305,9 @@ def _dp_comm(c, p, stage_params, work, micro, layers, weight_bytes):
         return micro * exposed, micro * hidden
     reduce_s, gather_s, bucket = terms.dp_traffic(c, stage_params, zero, shard, span,
                                                   weight_bytes)
-    r_exp, r_hid = overlap.dp_grad_reduce(st, reduce_s, backward, bucket * reduce_s, zero)
+    # ZeRO-2 reduce-scatters after every micro-batch (it keeps only its gradient shard)
+    r_exp, r_hid = overlap.dp_grad_reduce(st, reduce_s, backward, bucket * reduce_s, zero,
+                                          terms.grad_reductions_per_step(zero, micro))
     g_exp, g_hid = overlap.dp_param_gather(st, gather_s, forward, bucket * gather_s)
     return r_exp + g_exp, r_hid + g_hid
 
