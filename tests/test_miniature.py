@@ -13,7 +13,7 @@ from labkit.runs import miniature as mini
 EXACT = ("params", "grads", "optimizer", "pp bytes", "dp bytes", "dp_shard bytes",
          "dp_cp bytes", "cp bytes", "ep bytes")
 
-# each dimension at least once: dp, tp, pp, cp, ep, interleaved v, ZeRO 1 and 3, SP, tp x ep
+# each dimension at least once: dp, tp, pp, cp, ep, interleaved v, ZeRO 1, 2 and 3, SP, tp x ep
 SHAPES = {
     "fsdp x tp x pp": dict(dp=2, tp=2, pp=2, zero_stage=3),
     "zero1 x tp+sp x pp": dict(dp=2, tp=2, pp=2, zero_stage=1, sequence_parallel=True),
@@ -36,6 +36,8 @@ SHAPES = {
     "zero1 x tp+sp x pp x cp": dict(dp=2, tp=2, pp=2, cp=2, zero_stage=1,
                                     sequence_parallel=True),
     "fsdp x tp x pp x cp": dict(dp=2, tp=2, pp=2, cp=2, zero_stage=3),
+    # ZeRO-2: a reduce-scatter of the gradients per micro-batch (2 here), the planner's too
+    "zero2 x tp+sp x cp": dict(dp=2, tp=2, cp=2, zero_stage=2, sequence_parallel=True),
     # full recompute: every forward collective twice (TP, the CP ring, EP's all-to-alls)
     "recompute x tp+sp x pp x cp": dict(tp=2, pp=2, cp=2, sequence_parallel=True,
                                         recompute="full"),
@@ -138,7 +140,8 @@ def test_cp_ring_adjustment_is_the_rings_last_hop(cp):
 
 @pytest.mark.parametrize("fields, words", [
     (dict(dp=4, tp=2, pp=2, cp=2), "32 ranks"),
-    (dict(dp=2, zero_stage=2), "zero_stage=2"),
+    (dict(dp=2, pp=2, zero_stage=2), "zero_stage=2 with pp > 1"),
+    (dict(dp=2, ep=2, zero_stage=2), "zero_stage=2 with ep > 1"),
     (dict(dp=2, ep=2, zero_stage=3), "zero_stage=3 with ep"),
     (dict(dp=0), "dp must be a positive integer"),
     (dict(pp=4, recompute="full", recompute_layers=3, layers_per_stage=12), "3 of 12 layers"),

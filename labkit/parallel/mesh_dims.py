@@ -26,9 +26,15 @@ def validate_dims(*, dp, tp, pp, ep=1, dp_replicate=1, zero_stage=0, sequence_pa
     for name, value in dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
                             dp_replicate=dp_replicate).items():
         _positive(name, value)
-    if zero_stage not in (0, 1, 3):
-        raise ValueError(f"zero_stage must be 0, 1 or 3, got {zero_stage!r} (ZeRO-2 would "
-                         "shard gradients the pipeline accumulates; 3 is FullyShard)")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if zero_stage == 2 and pp > 1:
+        raise ValueError(f"zero_stage=2 with pp={pp} is not composed here (as the planner, "
+                         "Megatron-LM and DeepSpeed refuse it): use zero_stage 1 or 3 with pp")
+    if zero_stage == 2 and (ep > 1 or experts):
+        raise ValueError(f"zero_stage=2 with experts (ep={ep}) is not composed here: an expert "
+                         "no token reaches on one replica has no gradient, and the replicas' "
+                         "bucket reduce-scatters would not line up")
     if dp % dp_replicate:
         raise ValueError(f"dp_replicate={dp_replicate} does not divide dp={dp} "
                          "(HSDP: dp = dp_replicate x dp_shard)")

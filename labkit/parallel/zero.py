@@ -15,7 +15,10 @@ Communication per step and rank: stage 2 reduce-scatters the gradients (Psi) and
 updated weights (Psi): 2 Psi, the same as DP's all-reduce (itself a reduce-scatter plus an
 all-gather). Stage 1 here takes gradients already averaged (an all-reduce, 2 Psi, e.g. from
 DataParallel) and then sends the owners' weights (Psi): 3 Psi on the wire, as with torch's
-ZeroRedundancyOptimizer.
+ZeroRedundancyOptimizer. Under gradient accumulation (m backwards per step) stage 2 keeps only
+its shard, so it reduce-scatters after every backward: (m + 1) Psi per step, where stage 1's
+caller reduces the accumulated gradients once (DeepSpeed issue #2252: "For zero stage 2 (and
+3), gradient reduction is required after every backward because of gradient partitioning").
 
 How the work is cut:
 - stage 1, whole tensors (like torch's ZeroRedundancyOptimizer): parameters go, largest first, to
@@ -310,10 +313,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         me = weakref.ref(self)
         self.ctx.memory.watch(
             params=lambda: [p for g in me().param_groups for p in g["params"]] if me() else [],
-            grads=lambda: me()._grad_tensors() if me() else [],
+            grads=lambda: me().gradient_tensors() if me() else [],
             optimizer_state=lambda: optimizer_state_tensors(me().optim) if me() else [])
 
-    def _grad_tensors(self):
+    def gradient_tensors(self):
+        """The gradients this rank holds: each parameter's `.grad` (stage 2: None once its
+        bucket took it), and under stage 2 its shards' and the full bucket in flight."""
         out = [p.grad for g in self.param_groups for p in g["params"]]
         for bucket in self.buckets:
             out += [bucket.shard.grad, bucket.grad]

@@ -2,7 +2,7 @@
 device.
 
 `python -m labkit run hybrid --dp 2 --tp 2 --pp 2 [--cp 2 [--cp-layout zigzag|contiguous]]
-[--zero 1|3 [--dp-replicate R]] [--schedule 1f1b] [--sequence-parallel] [--experts 4 --ep 2]
+[--zero 1|2|3 [--dp-replicate R]] [--schedule 1f1b] [--sequence-parallel] [--experts 4 --ep 2]
 [--order tp,pp,dp,cp] --json` trains the tiny GPT
 (or its MoE variant) on dp x tp x pp x cp CPU ranks with `labkit.parallel.hybrid.HybridParallel`
 and reports DESIGN.md's contract: loss and parameters against the single-device run, memory
@@ -124,15 +124,18 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
 
 def build_optimizers(hybrid, cfg, zero):
     """The run's optimizer over each of the mesh's gradient groups, as one `Optimizers`: ZeRO-1
-    wraps it in `ShardedOptimizer` over the group (ZeRO-3: a plain one over FullyShard's
-    shards is already 1/dp_shard). The memory watch: this rank's stages and their states."""
+    and ZeRO-2 wrap it in `ShardedOptimizer(stage=zero)` over the group (ZeRO-3: a plain one
+    over FullyShard's shards is already 1/dp_shard). The memory watch: this rank's stages and
+    their states; ZeRO-2's gradients are its shards (and the bucket in flight)."""
     optimizer_class, options = reference.optimizer_spec(cfg)
     optimizers = Optimizers(
-        ShardedOptimizer(params, optimizer_class, group=group, stage=1, **options) if zero == 1
-        else optimizer_class(params, **options) for params, group in hybrid.gradient_groups)
+        ShardedOptimizer(params, optimizer_class, group=group, stage=zero, **options)
+        if zero in (1, 2) else optimizer_class(params, **options)
+        for params, group in hybrid.gradient_groups)
     module = hybrid.module
-    hybrid.ctx.memory.watch(params=lambda: list(module.parameters()),
-                            grads=lambda: [p.grad for p in module.parameters()],
+    grads = (lambda: [g for o in optimizers.optimizers for g in o.gradient_tensors()]) \
+        if zero == 2 else (lambda: [p.grad for p in module.parameters()])
+    hybrid.ctx.memory.watch(params=lambda: list(module.parameters()), grads=grads,
                             optimizer_state=lambda: list(optimizer_state_tensors(optimizers)))
     return optimizers
 
@@ -197,7 +200,8 @@ def add_arguments(parser):
         parser.add_argument(f"--{name}", type=int, default=2 if name != "ep" else 1,
                             help=help_)
     parser.add_argument("--zero", type=int, default=0,
-                        help="0, 1 (ZeRO-1 over the DP group) or 3 (FullyShard over dp_shard)")
+                        help="0, 1 or 2 (ShardedOptimizer over the DP group; 2: pp = 1) or 3 "
+                             "(FullyShard over dp_shard)")
     parser.add_argument("--dp-replicate", type=int, default=1,
                         help="HSDP (--zero 3): replicas of dp_shard = dp / dp_replicate ranks")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")

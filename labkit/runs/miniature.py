@@ -48,8 +48,11 @@ def why_not(p):
                     "rank's first k blocks, on stages of equal blocks, without FullyShard")
         if share.denominator > 8:
             return f"{k_of}: keeping that share needs over 8 layers per stage in miniature"
-    if p["zero_stage"] == 2:
-        return "zero_stage=2: the mesh runs ZeRO 0, 1 and 3 (2 would shard accumulated grads)"
+    if p["zero_stage"] == 2 and p["pp"] > 1:   # the planner never proposes it
+        return "zero_stage=2 with pp > 1: the mesh runs ZeRO-2 without a pipeline only"
+    if p["zero_stage"] == 2 and p["ep"] > 1:
+        return ("zero_stage=2 with ep > 1: the mesh does not shard experts' gradients "
+                "(an expert without tokens on a replica has none)")
     if p["zero_stage"] == 3 and p["ep"] > 1:
         return "zero_stage=3 with ep > 1: the mesh does not shard experts with FullyShard"
     if p["v"] > 1 and p["pp"] == 1:

@@ -284,7 +284,12 @@ def _dp_bytes(stage_params, p, micro, weight_bytes, expert_params=None):
                         + wire_bytes_per_rank("reduce_scatter", pay["reduce_scatter"], shard))
     if expert_params is None:
         pay = terms.dp_traffic_bytes(stage_params, p["zero_stage"], shard, weight_bytes)
-        return sum(wire_bytes_per_rank(op, b, shard) for op, b in pay.items())
+        # ZeRO-2 reduce-scatters each micro-batch's gradients, the rest run once per step
+        count = dict(reduce_scatter=terms.grad_reductions_per_step(p["zero_stage"], micro))
+        return sum(count.get(op, 1) * wire_bytes_per_rank(op, b, shard)
+                   for op, b in pay.items())
+    if p["zero_stage"] == 2:   # one flat bucket padded to a multiple of the group (zero.py)
+        return _dp_bytes(-(-stage_params // shard) * shard, p, micro, weight_bytes)
     ep_dp = dict(p, dp=p["dp"] // p["ep"])    # x cp: the cp ranks hold the same experts
     out = 0.0
     for params, q in ((stage_params - expert_params, p), (expert_params, ep_dp)):
