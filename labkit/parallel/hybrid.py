@@ -50,8 +50,8 @@ an expert's gradient is averaged over its replicas, the dp x cp / ep ranks with 
 index (`ep_dp`, spanning cp: torchtitan's "ranks that hold the same experts").
 
 Memory per GPU (model states): Ψ / (tp * pp) of the weights each (the experts / (ep tp pp));
-ZeRO-1 divides the optimizer state by dp too, ZeRO-2 the gradients as well, ZeRO-3 weights,
-gradients and optimizer state by dp_shard. Activations: those of the micro-batches in flight on this stage, / tp with sequence
+ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
+dp_shard. Activations: those of the micro-batches in flight on this stage, / tp with sequence
 parallelism; per layer and micro-batch sbh (34 + 5 a s / h) (16-bit, Korthikanti et al. 2022,
 arXiv 2205.05198), 34 sbh under recompute="selective" (each attention core checkpointed,
 parallel/recompute.py: its a s^2 b scores rebuilt in backward, no collective repeated; under
@@ -62,11 +62,11 @@ TP 4 collectives per layer and micro-batch of b*s*h values (inside a node); PP 2
 point-to-point messages per stage boundary and micro-batch of b*s*h/(tp if SP); DP one
 all-reduce of the stage's gradients (2 (dp-1)/dp x its bytes; ZeRO-1 the same in
 reduce-scatter + all-gather form). ZeRO-2 (pp = 1; `ShardedOptimizer(stage=2)` over dp x cp)
-keeps only its shard of the gradients, so it reduce-scatters after *every* micro-batch's
-backward (m (dp-1)/dp x the bytes for m micro-batches; DeepSpeed issue #2252) and all-gathers
-the updated shards once: SP's sum over TP of a replicated weight's gradient (a hook on the
-parameter) runs before each backward's reduce-scatter, once, as the sum of dp-averaged shards
-equals the dp average of the sums.
+keeps only its shard of the gradients (and of the optimizer state: both / (dp cp)), so it
+reduce-scatters after *every* micro-batch's backward (m (dp-1)/dp x the bytes for m
+micro-batches; DeepSpeed issue #2252) and all-gathers the updated shards once. SP's sum over
+TP of a replicated weight's gradient (a hook on the parameter) runs before each backward's
+reduce-scatter, once: the TP sum of dp-averaged shards is the dp average of the TP sums.
 
     mesh = ctx.mesh(dp=2, tp=2, pp=2, cp=2)     # cp: x, target sharded along the sequence
     hybrid = HybridParallel(model, mesh, loss_fn, tp_plan=plan, n_microbatches=4,
@@ -150,9 +150,9 @@ class HybridParallel:
     the sequential (e.g. {"*.attn.qkv": "colwise", ...}); schedule / n_microbatches / virtual:
     the pipeline's; expert_parallel: wrap every MoE layer in ExpertParallel over mesh["ep"];
     zero_stage 0, 1 or 2 (the modules as they are: ZeRO-1/2 is the optimizer's, a
-    ShardedOptimizer over each of `gradient_groups`; ZeRO-2's reduce-scatters and averages the
-    gradients itself, so sync_gradients leaves them; pp = 1, no experts) or 3 (each stage in FullyShard over `dp_shard`;
-    `dp_replicate` > 1: HSDP, the shards' gradients averaged over `dp_replicate`). mesh
+    ShardedOptimizer over each of `gradient_groups`; ZeRO-2's reduce-scatters the gradients
+    itself, after each micro-batch; pp = 1, no experts) or 3 (each stage in FullyShard over
+    `dp_shard`; `dp_replicate` > 1: HSDP, the shards' gradients averaged over `dp_replicate`). mesh
     cp > 1: every attention layer in ContextParallel over mesh["cp"]
     (`cp_layout`, `cp_method`: its layout and core); x and target are this rank's sequence
     shards. recompute: "none" (False), "full" (True: the pipeline's, each stage keeps only its
@@ -268,8 +268,7 @@ class HybridParallel:
             self._sum_over_tp(self._sp_sum)
             if self.dp_replicate is not None:
                 average_gradients(self.dense, self.dp_replicate, tag="dp_replicate grads")
-        elif self.zero_stage != 2:   # ZeRO-2's optimizer reduce-scatters after each backward
-            # DP (x CP): a stage's replicas average their gradients (one all-reduce)
+        elif self.zero_stage != 2:   # DP (x CP): the replicas average (one all-reduce)
             average_gradients(self.dense, self.dp_cp,
                               tag="dp_cp grads" if self.mesh.sizes["cp"] > 1 else "dp grads")
         average_gradients(self.experts, self.ep_dp, tag="ep_dp grads")

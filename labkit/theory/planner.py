@@ -24,14 +24,14 @@ ranks the plans that fit. Everything is modelled from first principles with name
   micro-batches a stage holds (recompute.py, with k of the layers fully recomputed); two
   gathered layers under ZeRO-3; the allocator reserve (plan_terms.ALLOCATOR_RESERVE).
 - Time: compute + recompute + element-wise kernels + TP collectives + CP's K/V ring (each hop
-  under one layer's attention block; exposed where the stack all-gathers, "llama3") + the
-  pipeline bubble (pp-1)/v micro-batch times (Narayanan et al. 2021) + pipeline sends + DP/ZeRO
-  traffic (ZeRO-0/1 reduce the gradients once per step, ZeRO-2 after every micro-batch's
-  backward: plan_terms.grad_reductions_per_step) + the experts' all-to-alls (exposed) + the optimizer (memory bound); messages carry
-  values of the run's precision (plan_terms.message_bytes). Each communication is split into
-  what the stack (overlap.py: megatron, megatron-2021, fsdp2, deepspeed, llama3) hides under
-  compute and what stays exposed; hidden traffic slows compute by the SMs it holds
-  (overlap.COMM_SMS). Collectives use the alpha-beta ring model (time.py) on NVLink inside a
+  under one layer's attention block; exposed where the stack all-gathers, "llama3") + the pipeline
+  bubble (pp-1)/v micro-batch times (Narayanan et al. 2021) + pipeline sends + DP/ZeRO traffic
+  (ZeRO-0/1 reduce the gradients once per step, ZeRO-2 after every micro-batch's backward:
+  plan_terms.grad_reductions_per_step) + the experts' all-to-alls (exposed) + the optimizer (memory
+  bound); messages carry values of the run's precision (plan_terms.message_bytes). Each
+  communication is split into what the stack (overlap.py: megatron, megatron-2021, fsdp2, deepspeed,
+  llama3) hides under compute and what stays exposed; hidden traffic slows compute by the SMs it
+  holds (overlap.COMM_SMS). Collectives use the alpha-beta ring model (time.py) on NVLink inside a
   node, the inter-node link across nodes.
 - Legal interleaving: v > 1 needs whole layers per virtual stage (layers % (pp v) == 0).
 
