@@ -78,7 +78,7 @@ from .flat import average_gradients, unwrapped_name
 from .context_parallel import ContextParallel
 from .fully_shard import FullyShard, one_unit_per_layer
 from .mesh_dims import (SCHEDULES, check_layout, dp_cp_group, dp_groups, ep_dp_cp_group,
-                        validate_dims)
+                        ep_shard_group, validate_dims)
 from .tp_shards import all_gather_dim, split_parts
 from .tensor_parallel import gather_params, parallelize
 from .tensor_parallel_plan import plan_for
@@ -141,6 +141,9 @@ class HybridParallel:
         self.dp_cp = dp_cp_group(mesh)
         # the replicas of this rank's experts: dp x cp / ep ranks (mesh["ep_dp"] if cp = 1)
         self.ep_dp = ep_dp_cp_group(mesh) if expert_parallel else mesh["ep_dp"]
+        # ZeRO-3 shards the experts over their replicas within one dp_shard group
+        self.ep_shard = None if zero_stage != 3 or not expert_parallel else \
+            self.ep_dp if dp_replicate == 1 else ep_shard_group(mesh, dp_replicate)
         if cp > 1 and not attention_layers(model):
             raise ValueError(f"cp={cp} but the {type(model).__name__} has no module named "
                              "*Attention* to make context-parallel")
@@ -151,6 +154,7 @@ class HybridParallel:
         self._tp_splits = {}   # stage -> {name: (tp_split, tp_group)}: FullyShard hides them
         self.stage_params = 0  # this rank's parameters after TP, before FullyShard
         self._sp_sum = []      # ZeRO-3 + SP: shards whose gradient is summed over TP
+        self.expert_params = 0   # of them, this rank's experts'
         for s in mine:
             if mesh.sizes["tp"] > 1 and tp_plan:
                 parallelize(modules[s], plan_for(modules[s], tp_plan), group=mesh["tp"],
@@ -163,11 +167,18 @@ class HybridParallel:
                 for parent, attr, layer in moe_layers(modules[s]):
                     setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"]))
             self.stage_params += sum(p.numel() for p in modules[s].parameters())
+            self.expert_params += sum(p.numel() for _, _, layer in moe_layers(modules[s])
+                                      for p in layer.experts.parameters())
             if zero_stage == 3:   # last, on the TP shards: torchtitan's order
                 named = dict(modules[s].named_parameters())
-                self._tp_splits[s] = {n: (getattr(p, "tp_split", None),
-                                          getattr(p, "tp_group", None))
+                self._tp_splits[s] = {unwrapped_name(n): (getattr(p, "tp_split", None),
+                                                          getattr(p, "tp_group", None))
                                       for n, p in named.items()}
+                # the experts first, over their own replicas; then the stage over dp_shard
+                for wrapper in modules[s].modules():
+                    if isinstance(wrapper, ExpertParallel):
+                        wrapper.shard_experts(self.ep_shard)
+                named = dict(modules[s].named_parameters())
                 modules[s] = FullyShard(modules[s], group=self.dp_shard,
                                         units=one_unit_per_layer(modules[s]))
                 # SP's replicated weights lose their TP-sum hook to FullyShard's leaves:
@@ -205,13 +216,15 @@ class HybridParallel:
 
     def sync_gradients(self):
         """After backward: each gradient averaged over the ranks holding its parameter."""
-        if self.zero_stage == 3:   # FullyShard averaged over dp_shard; HSDP: across replicas
+        if self.zero_stage == 3:   # FullyShard averaged over dp_shard (experts: ep_shard)
             self._sum_over_tp(self._sp_sum)
-            if self.dp_replicate is not None:
-                average_gradients(self.dense, self.dp_replicate, tag="dp_replicate grads")
-        else:   # DP (x CP): a stage's replicas average their gradients (one all-reduce)
-            average_gradients(self.dense, self.dp_cp,
-                              tag="dp_cp grads" if self.mesh.sizes["cp"] > 1 else "dp grads")
+            if self.dp_replicate is not None:   # HSDP: across replicas, experts' shards too
+                average_gradients(self.dense + self.experts, self.dp_replicate,
+                                  tag="dp_replicate grads")
+            return
+        # DP (x CP): a stage's replicas average their gradients (one all-reduce)
+        average_gradients(self.dense, self.dp_cp,
+                          tag="dp_cp grads" if self.mesh.sizes["cp"] > 1 else "dp grads")
         average_gradients(self.experts, self.ep_dp, tag="ep_dp grads")
 
     @torch.no_grad()
@@ -246,7 +259,7 @@ class HybridParallel:
         """A FullyShard stage's whole tensors: gathered over dp_shard, then over TP."""
         out = {}
         for name, tensor in module.full_state_dict().items():
-            split, group = splits[name]
+            split, group = splits[unwrapped_name(name)]
             if split is not None:
                 dim, parts = split
                 tensor = torch.cat([all_gather_dim(p, dim, group, "gather params")
