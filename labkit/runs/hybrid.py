@@ -182,7 +182,8 @@ def merge_results(results, dp):
 def dp_comm_by_rank(results, steps, dp, dp_replicate, microbatches, cp=1, ep=1):
     """Per rank, ZeRO-3's DP bytes on the wire (ring model) by dimension over the run: those
     its comm log counted (`measured`) and theory/hybrid.fsdp_wire_bytes (`predicted`; the
-    shard group is dp_shard x cp, the experts' dp_shard x cp / ep: "ep_dp")."""
+    shard group is dp_shard x cp, the experts' dp_shard x cp / ep: "ep_dp"); `held`: its
+    stages' parameters after TP and of them its experts', before FullyShard."""
     out = []
     for r in results:
         per_step = theory_hybrid.fsdp_wire_bytes(
@@ -191,7 +192,9 @@ def dp_comm_by_rank(results, steps, dp, dp_replicate, microbatches, cp=1, ep=1):
         measured = {dim: sum(row["wire_bytes_per_rank"] for row in r["comm_by_group"]
                              if row["dim"] == dim) for dim in per_step}
         out.append(dict(rank=r["rank"], measured=measured,
-                        predicted={k: v * steps for k, v in per_step.items()}))
+                        predicted={k: v * steps for k, v in per_step.items()},
+                        held=dict(params=r["held_params"],
+                                  experts=r["held_expert_params"])))
     return out
 
 
