@@ -27,6 +27,11 @@ gathered first (a TorchFunctionMode), and that op's outputs gather the unit agai
 backward. So every parameter a forward reads is gathered, whoever owns it; a unit read again
 after its own forward freed it (a tied head) costs one all-gather more per step.
 
+A FullyShard may sit inside the module another one wraps (torchtitan shards a block's experts
+over the ranks holding the same experts, then the block over dp): the outer one leaves the
+inner one's parameters to it, each gathers and reduce-scatters over its own group, and the
+outer's `full_state_dict` asks the inner for its part. Wrapping a module twice is refused.
+
 Parameters outside the units (a custom `units`) stay whole and their gradients are all-reduced.
 Frozen parameters are gathered, never reduced; a parameter two modules share (tied weights) is
 sharded once and gathered wherever it is used. `offload=True` keeps the shards, their gradients

@@ -26,7 +26,18 @@ micro-batches, S = dp_shard) where ZeRO-1 moves 2 (S-1)/S once: (3m/2)x the byte
 states of 16 Ψ / (tp pp S) instead of (8 + 8/S) Ψ / (tp pp) (fp32 Adam). With sequence
 parallelism a replicated weight's gradient, which SP sums over TP by a hook on the parameter
 (lost when FullyShard computes with its own full copies), is summed over TP on the shards after
-the pipeline: one all-reduce of those shards per step. Experts are not sharded (refused).
+the pipeline: one all-reduce of those shards per step.
+
+ZeRO-3 with experts (torchtitan's order: the experts sharded first, then the block): each
+MoE layer's experts are sharded by a FullyShard of their own (`ExpertParallel.shard_experts`)
+over `ep_shard`, the ranks holding the same experts: their dp x cp / ep replicas (`ep_dp`;
+under HSDP those within one dp_shard group, ep | dp_shard, so the dp_replicate group holds the
+same experts and averages dense and expert shards in one all-reduce); the stage's FullyShard
+over dp_shard leaves them alone. Sharding the experts over dp_shard would mix ranks holding
+different experts. Model states: dense 16 (Ψ - Ψ_E) / (tp pp S cp), experts 16 Ψ_E / (tp pp S
+cp / ep) (Ψ_E: the stage's experts before EP, spread over ep); DP traffic per rank and step,
+B_E the bytes of this rank's experts, E = S cp / ep: 3 m (E-1)/E x B_E on ep_dp beside
+3 m (S cp - 1)/(S cp) x (B - B_E) on dp_shard (theory/hybrid.fsdp_wire_bytes).
 
 Context parallelism (`cp` > 1; Ring Attention, Liu et al. 2023, arXiv 2310.01889): each rank
 holds s / cp tokens of each sequence (zigzag by default: chunks r and 2cp-1-r, balanced under
@@ -49,7 +60,7 @@ index (`ep_dp`, spanning cp: torchtitan's "ranks that hold the same experts").
 
 Memory per GPU (model states): Ψ / (tp * pp) of the weights each (+ 1/ep of the experts);
 ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
-dp_shard. Activations: those of the micro-batches in flight on this stage, / tp with sequence
+dp_shard (the experts' by dp_shard / ep). Activations: those of the micro-batches in flight on this stage, / tp with sequence
 parallelism. Communication per step: TP 4 collectives
 per layer and micro-batch of b*s*h values (inside a node); PP 2 point-to-point messages per
 stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the stage's gradients
@@ -121,8 +132,9 @@ class HybridParallel:
     input per micro-batch in flight and runs its forward again in backward). After
     construction: `dp_shard` / `dp_replicate` (the groups; None where there is no such
     dimension; dp_shard spans cp), `dp_cp` (the group averaging the gradients under
-    ZeRO-0/1), `ep_dp` (the group of the experts' replicas), `stage_params` (this rank's
-    stages' parameters after TP, before FullyShard shards them).
+    ZeRO-0/1), `ep_dp` (the group of the experts' replicas), `ep_shard` (ZeRO-3 with experts:
+    the group FullyShard shards them over), `stage_params` (this rank's stages' parameters
+    after TP, before FullyShard shards them) and `expert_params` (of them its experts').
     """
 
     def __init__(self, model, mesh, loss_fn, *, tp_plan=None, sequence_parallel=False,
