@@ -120,7 +120,8 @@ def planner_side(p):
                for u in units]
     worst = max(held)
     shard, e = p["dp"] * p["cp"], experts[held.index(worst)]
-    # ZeRO-1 shards the dense states over dp x cp, the experts' over their dp x cp / ep replicas
+    # ZeRO-1/3 shard the dense states over dp x cp, the experts' over their dp x cp / ep
+    # replicas (as the planner's memory_terms does: no difference left to derive here)
     dense, expert = (terms.model_states(n, "fp32", p["zero_stage"], s)
                      for n, s in ((worst - e, shard), (e, shard // p["ep"])))
     adjusted = {k: dense[k] + expert[k] for k in dense}
