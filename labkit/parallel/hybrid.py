@@ -60,9 +60,9 @@ index (`ep_dp`, spanning cp: torchtitan's "ranks that hold the same experts").
 
 Memory per GPU (model states): Ψ / (tp * pp) of the weights each (+ 1/ep of the experts);
 ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
-dp_shard (the experts' by dp_shard / ep). Activations: those of the micro-batches in flight on this stage, / tp with sequence
-parallelism. Communication per step: TP 4 collectives
-per layer and micro-batch of b*s*h values (inside a node); PP 2 point-to-point messages per
+dp_shard (the experts' by dp_shard / ep). Activations: those of the micro-batches in flight on
+this stage, / tp with sequence parallelism. Communication per step: TP 4 collectives per layer
+and micro-batch of b*s*h values (inside a node); PP 2 point-to-point messages per
 stage boundary and micro-batch of b*s*h/(tp if SP); DP one all-reduce of the stage's gradients
 (2 (dp-1)/dp x its bytes; ZeRO-1 the same in reduce-scatter + all-gather form).
 

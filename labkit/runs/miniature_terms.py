@@ -35,9 +35,9 @@ to the planner's number (`adjusted`), never fitted:
   hops: + one hop per layer and micro-batch (theory/context_parallel.comm_bytes_per_rank).
   DP (over dp x cp, `dp_cp`, when cp > 1): ZeRO-1 is ShardedOptimizer's all-reduce + owners'
   broadcasts (3 Psi on the wire where the planner's reduce-scatter + all-gather move 2 Psi);
-  experts average over their replicas, ep_dp = dp x cp / ep ranks, not dp x cp (ZeRO-1 shards
-  their optimizer state over ep_dp too; ZeRO-3 their weights, gradients and state, FullyShard
-  gathering and reduce-scattering them over ep_dp, torchtitan's dp_shard_mod_ep). EP: the planner's 4 all-to-alls per MoE layer and
+  experts average over their replicas, ep_dp = dp x cp / ep ranks, not dp x cp (ZeRO-3:
+  FullyShard gathers and reduce-scatters them over ep_dp, torchtitan's dp_shard_mod_ep; their
+  states the planner shards over ep_dp too). EP: the planner's 4 all-to-alls per MoE layer and
   micro-batch (ep_all_to_all_bytes: tokens x top_k x h each, (ep-1)/ep on the wire;
   nothing dropped, as the tiny MoE routes without capacity); before each forward's dispatch the
   mesh all-gathers every rank's top_k x experts + 1 routing counts (int64): + that all-gather.
