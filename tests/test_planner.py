@@ -484,3 +484,25 @@ def test_zero3_with_pipeline_only_on_the_fsdp2_stack():
     dp_time = [p["communication_s"]["dp_comm_hidden"] + p["breakdown_s"]["dp_comm"]
                for p in (one, four)]
     assert dp_time[1] == pytest.approx(4 * dp_time[0], rel=1e-9)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_shards_expert_states_over_their_replicas_not_all_of_dp(zero):
+    """The ranks of one EP group hold different experts, so ZeRO shards an expert's states over
+    its replicas, dp x cp / ep ranks (torchtitan's dp_shard_mod_ep; the mesh measures it,
+    tests/test_miniature.py), the rest over dp x cp. Mixtral 8x7B on 64 H100s, dp 64, ep 8, bf16:
+    the expert weights counted by hand (3 h f SwiGLU matrices, 8 experts, 32 layers, / ep), the
+    dense ones the stage's others; 2-byte weights, 4-byte gradients, 12-byte Adam state."""
+    m = catalog.model("mixtral-8x7b")
+    c = planner.make_cluster("H100", 64)
+    p = dict(dp=64, tp=1, pp=1, cp=1, ep=8, v=1, micro_batch_size=1, zero_stage=zero,
+             recompute="full", recompute_layers=m.layers, sequence_parallel=False)
+    mem, _, stage_params, _ = planner.memory_terms(m, c, 512, 4096, p)
+    experts = 32 * 3 * m.hidden * m.ffn * 8 / 8
+    dense, replicas = stage_params - experts, 64 // 8
+    assert 0 < experts < stage_params
+    weights = 2 * (dense / 64 + experts / replicas if zero == 3 else stage_params)
+    assert mem["params"] == pytest.approx(weights, rel=1e-12)
+    assert mem["optimizer"] == pytest.approx(12 * (dense / 64 + experts / replicas), rel=1e-12)
+    # sharding the experts over all 64 ranks would have claimed ~ ep x less for them
+    assert mem["optimizer"] > 1.5 * 12 * stage_params / 64

@@ -50,8 +50,6 @@ def why_not(p):
             return f"{k_of}: keeping that share needs over 8 layers per stage in miniature"
     if p["zero_stage"] == 2:
         return "zero_stage=2: the mesh runs ZeRO 0, 1 and 3 (2 would shard accumulated grads)"
-    if p["zero_stage"] == 3 and p["ep"] > 1:
-        return "zero_stage=3 with ep > 1: the mesh does not shard experts with FullyShard"
     if p["v"] > 1 and p["pp"] == 1:
         return "v > 1 needs pp > 1"
     return ""

@@ -146,7 +146,9 @@ def memory_terms(m, c, batch, seq, p):
     layers = layers_per_stage(m, p["pp"])
     stage_params, layer_params = terms.stage_parameters(m, p["tp"], p["ep"], p["pp"], layers)
     shard = p["dp"] * p["cp"]        # ZeRO shards over every rank holding the same weights
-    states = terms.model_states(stage_params, c.precision, p["zero_stage"], shard)
+    experts = terms.expert_parameters(m, p["tp"], p["ep"], layers)   # over shard / ep of them
+    states = terms.sharded_states(stage_params, experts, c.precision, p["zero_stage"], shard,
+                                  p["ep"])
     weight_bytes = terms.message_bytes(c.precision)
     buffers = terms.zero3_buffers(layer_params, p["zero_stage"], weight_bytes)
     stage = dict(activation_terms(m, c, seq, p), microbatches=batch // (p["dp"] *
