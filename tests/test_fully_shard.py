@@ -346,3 +346,39 @@ def test_a_second_fully_shard_over_the_same_parameters_is_refused_at_the_wrap(ho
     said = labkit.launch(_shard_twice, 2, how)
     assert said[0] == said[1] and said[0].startswith("FullyShard applied twice: ")
     assert where in said[0] and "\n" not in said[0]
+
+
+def _nested(ctx):
+    """A block's inner module sharded by a FullyShard of its own first, then the block (the
+    order the mesh shards experts in); SGD against one device in float32 and float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(),
+                          nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4))
+    single, exact = copy.deepcopy(model), copy.deepcopy(model).to(F64)
+    x, y = torch.randn(BATCH, 8), torch.randn(BATCH, 4)
+    model[2] = FullyShard(model[2])
+    sharded = FullyShard(model)
+    inner_numel = sum(p.numel() for p in single[2].parameters())
+    held_by_outer = sum(sharded.unit_numels)
+    runs = [(sharded, x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]),
+            (single, x, y), (exact, x.to(F64), y.to(F64))]
+    for module, xs, ys in runs:
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        for _ in range(STEPS):
+            opt.zero_grad()
+            F.mse_loss(module(xs), ys).backward()
+            opt.step()
+    full = sharded.full_state_dict()
+    return dict(names=list(full), full={k.replace(".module.", "."): v for k, v in full.items()},
+                single=dict(single.named_parameters()), exact=dict(exact.named_parameters()),
+                inner_numel=inner_numel, held_by_outer=held_by_outer,
+                total=sum(p.numel() for p in single.parameters()))
+
+
+def test_a_fully_shard_inside_another_is_left_to_its_own_group_and_equals_one_device():
+    out = labkit.launch(_nested, 2)[0]
+    # the outer one shards only what the inner one does not hold
+    assert out["held_by_outer"] == out["total"] - out["inner_numel"] > 0
+    assert "2.module.0.weight" in out["names"]
+    assert numerics.compare(out["full"], {k: v.detach() for k, v in out["single"].items()},
+                            {k: v.detach() for k, v in out["exact"].items()})

@@ -61,7 +61,6 @@ def test_fsdp_x_tp_x_pp_equals_one_device():
     (["--zero", "2"], "zero_stage=2 with pp=2 is not composed"),
     (["--zero", "3", "--dp-replicate", "3"], "dp_replicate=3 does not divide dp=2"),
     (["--dp-replicate", "2"], "dp_replicate=2 needs zero_stage=3"),
-    (["--zero", "3", "--experts", "4", "--ep", "2"], "zero_stage=3 with experts"),
 ])
 def test_bad_degrees_are_one_line(capsys, argv, message):
     assert cli.main(["run", "hybrid", *argv]) == 2

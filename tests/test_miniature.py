@@ -26,6 +26,9 @@ SHAPES = {
     "zero1 x dp x ep": dict(dp=2, ep=2, zero_stage=1),
     # expert TP: each expert split over tp (the planner's stage_parameters, experts / ep tp)
     "dp x tp x ep": dict(dp=2, tp=2, ep=2),
+    # ZeRO-3 with experts: the blocks sharded over dp x cp, the experts over their replicas
+    "fsdp x dp x ep": dict(dp=4, ep=2, zero_stage=3),
+    "fsdp x dp x cp x ep": dict(dp=2, cp=2, ep=2, zero_stage=3),
     "pp=4 (uneven stages)": dict(pp=4),
     "tp+sp x pp interleaved": dict(tp=2, pp=2, v=2, sequence_parallel=True),
     "dp x tp": dict(dp=2, tp=2),
@@ -142,7 +145,6 @@ def test_cp_ring_adjustment_is_the_rings_last_hop(cp):
     (dict(dp=4, tp=2, pp=2, cp=2), "32 ranks"),
     (dict(dp=2, pp=2, zero_stage=2), "zero_stage=2 with pp > 1"),
     (dict(dp=2, ep=2, zero_stage=2), "zero_stage=2 with ep > 1"),
-    (dict(dp=2, ep=2, zero_stage=3), "zero_stage=3 with ep"),
     (dict(dp=0), "dp must be a positive integer"),
     (dict(pp=4, recompute="full", recompute_layers=3, layers_per_stage=12), "3 of 12 layers"),
     (dict(dp=2, recompute="full", recompute_layers=1, layers_per_stage=9), "over 8 layers"),

@@ -506,3 +506,41 @@ def test_zero2_reduces_the_gradients_after_every_micro_batch():
     gather = collective_time("all_gather", 2 * m.param_count() / 8, 8, c.link(8))
     reduce = z1[8] - gather
     assert reduce > 0 and z2[32] == pytest.approx(gather + 4 * reduce, rel=1e-9)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_shards_expert_states_over_their_replicas_not_all_of_dp(zero):
+    """The ranks of one EP group hold different experts, so ZeRO shards an expert's states over
+    its replicas, dp x cp / ep ranks (torchtitan's dp_shard_mod_ep; the mesh measures it,
+    tests/test_miniature.py), the rest over dp x cp. Mixtral 8x7B on 64 H100s, dp 64, ep 8, bf16:
+    the expert weights counted by hand (3 h f SwiGLU matrices, 8 experts, 32 layers, / ep), the
+    dense ones the stage's others; 2-byte weights, 4-byte gradients, 12-byte Adam state."""
+    m = catalog.model("mixtral-8x7b")
+    c = planner.make_cluster("H100", 64)
+    p = dict(dp=64, tp=1, pp=1, cp=1, ep=8, v=1, micro_batch_size=1, zero_stage=zero,
+             recompute="full", recompute_layers=m.layers, sequence_parallel=False)
+    mem, _, stage_params, _ = planner.memory_terms(m, c, 512, 4096, p)
+    experts = 32 * 3 * m.hidden * m.ffn * 8 / 8
+    dense, replicas = stage_params - experts, 64 // 8
+    assert 0 < experts < stage_params
+    weights = 2 * (dense / 64 + experts / replicas if zero == 3 else stage_params)
+    assert mem["params"] == pytest.approx(weights, rel=1e-12)
+    assert mem["optimizer"] == pytest.approx(12 * (dense / 64 + experts / replicas), rel=1e-12)
+    # sharding the experts over all 64 ranks would have claimed ~ ep x less for them
+    assert mem["optimizer"] > 1.5 * 12 * stage_params / 64
+
+
+def test_zero_steps_the_experts_over_their_replicas():
+    """Adam's time (memory bound) follows the parameters a GPU steps: under ZeRO-1 the dense ones
+    / (dp x cp), the experts / (dp x cp / ep). Mixtral 8x7B, dp 64, ep 8: counted by hand."""
+    from labkit.theory import kernels, plan_terms
+    m = catalog.model("mixtral-8x7b")
+    fix = "dp=64,tp=1,pp=1,cp=1,ep=8,v=1,micro_batch_size=1,zero_stage=1,recompute=full"
+    best = planner.plan("mixtral-8x7b", 64, "H100", global_batch=512, fix=fix, top=1)
+    p = best["plans"][0]
+    c = planner.make_cluster("H100", 64)
+    _, _, stage_params, _ = planner.memory_terms(m, c, 512, 4096, p)
+    experts = 32 * 3 * m.hidden * m.ffn * 8 / 8
+    stepped = (stage_params - experts) / 64 + experts / (64 // 8)
+    assert p["breakdown_s"]["optimizer"] == pytest.approx(
+        plan_terms.ADAM_BYTES_TOUCHED * stepped / kernels.hbm_bandwidth(c.gpu), rel=1e-12)

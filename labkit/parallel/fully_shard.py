@@ -27,6 +27,11 @@ gathered first (a TorchFunctionMode), and that op's outputs gather the unit agai
 backward. So every parameter a forward reads is gathered, whoever owns it; a unit read again
 after its own forward freed it (a tied head) costs one all-gather more per step.
 
+A FullyShard may sit inside the module another one wraps (torchtitan shards a block's experts
+over the ranks holding the same experts, then the block over dp): the outer one leaves the
+inner one's parameters to it, each gathers and reduce-scatters over its own group, and the
+outer's `full_state_dict` asks the inner for its part. Wrapping a module twice is refused.
+
 Parameters outside the units (a custom `units`) stay whole and their gradients are all-reduced.
 Frozen parameters are gathered, never reduced; a parameter two modules share (tied weights) is
 sharded once and gathered wherever it is used. `offload=True` keeps the shards, their gradients
@@ -76,10 +81,28 @@ def one_unit_per_layer(model: nn.Module) -> Callable[[nn.Module], bool]:
     return lambda module: id(module) in layers
 
 
-def _refuse_sharded_twice(module):
-    """Its parameters are already shards (views of a FullyShard's flat buffer): sharding them
-    again would shard shards, and fail later far from here ("mat2 must be a matrix")."""
+def nested_shards(module):
+    """(name, FullyShard) of the outermost FullyShards strictly inside `module`: a module
+    sharded over its own group before its parent is (torchtitan shards a block's experts over
+    the ranks holding the same experts, then the block over dp). The parent leaves them alone."""
+    found = []
     for name, m in module.named_modules():
+        if m is not module and isinstance(m, FullyShard) and not any(
+                name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, m))
+    return found
+
+
+def _refuse_sharded_twice(module):
+    """Its parameters are already shards (views of a FullyShard's flat buffer) outside a
+    FullyShard of their own below it: sharding them again would shard shards, and fail later
+    far from here ("mat2 must be a matrix")."""
+    inside = {id(m) for _, inner in nested_shards(module) for m in inner.modules()}
+    for name, m in module.named_modules():
+        if id(m) in inside and m is not module:
+            continue
+        if isinstance(m, FullyShard) and m is not module:
+            continue   # a nested FullyShard: its own group, left alone (nested_shards)
         if isinstance(m, FullyShard) or getattr(m, "_labkit_fully_sharded", False):
             where = f"its submodule {name!r}" if name else type(module).__name__
             raise ValueError(f"FullyShard applied twice: {where} is already inside a "
@@ -112,14 +135,16 @@ class FullyShard(nn.Module):
         self.group = self._ctx.group(group)
         self.compute_dtype, self.offload = compute_dtype, offload
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self._units = _make_units(module, units or holds_parameters, self)
+        self._nested = nested_shards(module)   # sharded over their own groups: not ours
+        self._units = _make_units(module, units or holds_parameters, self,
+                                  skip={id(m) for _, inner in self._nested
+                                        for m in inner.modules()})
         self._flats = [f for u in self._units for f in u.flats]
         self._order = [u for u in self._units if u.sharded and u.flats]  # forward order
         self._seen, self._inflight, self._pending, self._borrowed = [], {}, [], []
         self._entry_of_piece = {id(e.piece): e for u in self._units for e in u.entries}
         self._backward_started = False
         self._ctx.memory.watch(params=self._device_params, grads=self._device_grads)
-        self._in_hook = 0   # inside its own hooks FullyShard touches shards: no gather-on-use
         for unit in self._units:
             unit.module.register_forward_pre_hook(
                 lambda m, a, u=unit: self._quietly(self._pre_forward, u))
@@ -138,12 +163,16 @@ class FullyShard(nn.Module):
         self._borrowed = []
         return out
 
+    # inside any FullyShard's hooks (a nested one's too: its memory bookkeeping reads every
+    # watched parameter) shards are touched as bookkeeping: no gather-on-use
+    _in_hook = 0
+
     def _quietly(self, hook, *args):
-        self._in_hook += 1
+        FullyShard._in_hook += 1
         try:
             return hook(*args)
         finally:
-            self._in_hook -= 1
+            FullyShard._in_hook -= 1
 
     def _borrow(self, entry):
         """The full parameter for `entry`'s shard that an op received: gather its unit now."""
@@ -316,6 +345,11 @@ class FullyShard(nn.Module):
         return sum(f.shard.nbytes for f in self._flats) + sum(grads.values()) \
             if self.offload else 0
 
+    def compute_parameters(self):
+        """The full parameters modules compute with (views of the gathered buffers, one per
+        original parameter): a hook meant for a whole parameter's gradient goes on these."""
+        return [leaf for f in self._flats for leaf in f.leaves]
+
     @property
     def unit_numels(self):
         """Parameters per sharded flat buffer (a unit's trainable or frozen ones), unpadded."""
@@ -336,7 +370,11 @@ class FullyShard(nn.Module):
                     data = self._ctx.comm.all_gather(data, group=self.group)
                 for e in flat.entries:
                     full[e.piece] = flat.view(e.slot, data).clone()
-        return {name: full[p] for name, p in self.module.named_parameters()}
+        nested = {f"{prefix}.module.{name}": tensor   # each gathered over its own group
+                  for prefix, inner in self._nested
+                  for name, tensor in inner.full_state_dict().items()}
+        return {name: nested[name] if name in nested else full[p]
+                for name, p in self.module.named_parameters()}
 
     def extra_repr(self):
         return (f"group={list(self.group.ranks)}, units={len(self._units)}, "

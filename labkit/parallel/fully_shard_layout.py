@@ -94,12 +94,15 @@ class _Unit:
                 module._parameters[attr] = e.piece
 
 
-def _make_units(root, pick, owner):
+def _make_units(root, pick, owner, skip=()):
     """Units in pre-order; a parameter belongs to the nearest unit above its first holder,
-    or to the replicated pseudo-unit (hooked on the root) when no unit is above it."""
+    or to the replicated pseudo-unit (hooked on the root) when no unit is above it. `skip`:
+    ids of modules a nested FullyShard owns (sharded over its own group)."""
     replicated = _Unit("replicated", root, sharded=False)
     units, entry_of, region = [replicated], {}, {}
     for name, module in root.named_modules():
+        if id(module) in skip:
+            continue
         unit = region.get(module, replicated)
         if pick(module):
             unit = _Unit(name or "root", module, sharded=True)

@@ -28,7 +28,18 @@ micro-batches, S = dp_shard) where ZeRO-1 moves 2 (S-1)/S once: (3m/2)x the byte
 states of 16 Ψ / (tp pp S) instead of (8 + 8/S) Ψ / (tp pp) (fp32 Adam). With sequence
 parallelism a replicated weight's gradient, which SP sums over TP by a hook on the parameter
 (lost when FullyShard computes with its own full copies), is summed over TP on the shards after
-the pipeline: one all-reduce of those shards per step. Experts are not sharded (refused).
+the pipeline: one all-reduce of those shards per step.
+
+ZeRO-3 with experts (torchtitan's order: the experts sharded first, then the block): each
+MoE layer's experts are sharded by a FullyShard of their own (`ExpertParallel.shard_experts`)
+over `ep_shard`, the ranks holding the same experts: their dp x cp / ep replicas (`ep_dp`;
+under HSDP those within one dp_shard group, ep | dp_shard, so the dp_replicate group holds the
+same experts and averages dense and expert shards in one all-reduce); the stage's FullyShard
+over dp_shard leaves them alone. Sharding the experts over dp_shard would mix ranks holding
+different experts. Model states: dense 16 (Ψ - Ψ_E) / (tp pp S cp), experts 16 Ψ_E / (tp pp S
+cp / ep) (Ψ_E: the stage's experts before EP, spread over ep); DP traffic per rank and step,
+B_E the bytes of this rank's experts, E = S cp / ep: 3 m (E-1)/E x B_E on ep_dp beside
+3 m (S cp - 1)/(S cp) x (B - B_E) on dp_shard (theory/hybrid.fsdp_wire_bytes).
 
 Context parallelism (`cp` > 1; Ring Attention, Liu et al. 2023, arXiv 2310.01889): each rank
 holds s / cp tokens of each sequence (zigzag by default: chunks r and 2cp-1-r, balanced under
@@ -51,16 +62,16 @@ index (`ep_dp`, spanning cp: torchtitan's "ranks that hold the same experts").
 
 Memory per GPU (model states): Ψ / (tp * pp) of the weights each (the experts / (ep tp pp));
 ZeRO-1 divides the optimizer state by dp too, ZeRO-3 weights, gradients and optimizer state by
-dp_shard. Activations: those of the micro-batches in flight on this stage, / tp with sequence
-parallelism; per layer and micro-batch sbh (34 + 5 a s / h) (16-bit, Korthikanti et al. 2022,
-arXiv 2205.05198), 34 sbh under recompute="selective" (each attention core checkpointed,
-parallel/recompute.py: its a s^2 b scores rebuilt in backward, no collective repeated; under
-CP the ring core keeps no scores and is left alone), the stage's input alone under "full"
-(the pipeline runs the stage's forward again, its forward collectives with it), or of k
-blocks per rank under recompute_layers=k (each a CheckpointedLayer). Communication per step:
-TP 4 collectives per layer and micro-batch of b*s*h values (inside a node); PP 2
-point-to-point messages per stage boundary and micro-batch of b*s*h/(tp if SP); DP one
-all-reduce of the stage's gradients (2 (dp-1)/dp x its bytes; ZeRO-1 the same in
+dp_shard (the experts' by dp_shard / ep). Activations: those of the micro-batches in flight
+on this stage, / tp with sequence parallelism; per layer and micro-batch sbh (34 + 5 a s / h)
+(16-bit, Korthikanti et al. 2022, arXiv 2205.05198), 34 sbh under recompute="selective" (each
+attention core checkpointed, parallel/recompute.py: its a s^2 b scores rebuilt in backward, no
+collective repeated; under CP the ring core keeps no scores and is left alone), the stage's
+input alone under "full" (the pipeline runs the stage's forward again, its forward collectives
+with it), or of k blocks per rank under recompute_layers=k (each a CheckpointedLayer).
+Communication per step: TP 4 collectives per layer and micro-batch of b*s*h values (inside a
+node); PP 2 point-to-point messages per stage boundary and micro-batch of b*s*h/(tp if SP); DP
+one all-reduce of the stage's gradients (2 (dp-1)/dp x its bytes; ZeRO-1 the same in
 reduce-scatter + all-gather form). ZeRO-2 (pp = 1; `ShardedOptimizer(stage=2)` over dp x cp)
 keeps only its shard of the gradients (and of the optimizer state: both / (dp cp)), so it
 reduce-scatters after *every* micro-batch's backward (m (dp-1)/dp x the bytes for m
@@ -92,7 +103,7 @@ from .context_parallel import ContextParallel
 from .fully_shard import FullyShard, one_unit_per_layer
 from .recompute import CheckpointedLayer, checkpoint_attention_cores
 from .mesh_dims import (SCHEDULES, check_layout, dp_cp_group, dp_groups, ep_dp_cp_group,
-                        validate_dims)
+                        ep_shard_group, validate_dims)
 from .tp_shards import all_gather_dim, split_parts
 from .tensor_parallel import gather_params, parallelize
 from .tensor_parallel_plan import plan_for
@@ -161,8 +172,9 @@ class HybridParallel:
     where none keeps 34 sbh + 5 a s^2 b; Korthikanti et al. 2022, arXiv 2205.05198). After
     construction: `dp_shard` / `dp_replicate` (the groups; None where there is no such
     dimension; dp_shard spans cp), `dp_cp` (the group averaging the gradients under
-    ZeRO-0/1), `ep_dp` (the group of the experts' replicas), `stage_params` (this rank's
-    stages' parameters after TP, before FullyShard shards them).
+    ZeRO-0/1), `ep_dp` (the group of the experts' replicas), `ep_shard` (ZeRO-3 with experts:
+    the group FullyShard shards them over), `stage_params` (this rank's stages' parameters
+    after TP, before FullyShard shards them) and `expert_params` (of them its experts').
     """
 
     def __init__(self, model, mesh, loss_fn, *, tp_plan=None, sequence_parallel=False,
@@ -182,6 +194,9 @@ class HybridParallel:
         self.dp_cp = dp_cp_group(mesh)
         # the replicas of this rank's experts: dp x cp / ep ranks (mesh["ep_dp"] if cp = 1)
         self.ep_dp = ep_dp_cp_group(mesh) if expert_parallel else mesh["ep_dp"]
+        # ZeRO-3 shards the experts over their replicas within one dp_shard group
+        self.ep_shard = None if zero_stage != 3 or not expert_parallel else \
+            self.ep_dp if dp_replicate == 1 else ep_shard_group(mesh, dp_replicate)
         if cp > 1 and not attention_layers(model):
             raise ValueError(f"cp={cp} but the {type(model).__name__} has no module named "
                              "*Attention* to make context-parallel")
@@ -197,6 +212,7 @@ class HybridParallel:
         self._tp_splits = {}   # stage -> {name: (tp_split, tp_group)}: FullyShard hides them
         self.stage_params = 0  # this rank's parameters after TP, before FullyShard
         self._sp_sum = []      # ZeRO-3 + SP: shards whose gradient is summed over TP
+        self.expert_params = 0   # of them, this rank's experts'
         for s in mine:
             if mesh.sizes["tp"] > 1 and tp_plan:
                 parallelize(modules[s], plan_for(modules[s], tp_plan), group=mesh["tp"],
@@ -221,11 +237,18 @@ class HybridParallel:
                 if blocks_left and attention_layers(unit):
                     modules[s][i], blocks_left = CheckpointedLayer(unit), blocks_left - 1
             self.stage_params += sum(p.numel() for p in modules[s].parameters())
+            self.expert_params += sum(p.numel() for _, _, layer in moe_layers(modules[s])
+                                      for p in layer.experts.parameters())
             if zero_stage == 3:   # last, on the TP shards: torchtitan's order
                 named = dict(modules[s].named_parameters())
-                self._tp_splits[s] = {n: (getattr(p, "tp_split", None),
-                                          getattr(p, "tp_group", None))
+                self._tp_splits[s] = {unwrapped_name(n): (getattr(p, "tp_split", None),
+                                                          getattr(p, "tp_group", None))
                                       for n, p in named.items()}
+                # the experts first, over their own replicas; then the stage over dp_shard
+                for wrapper in modules[s].modules():
+                    if isinstance(wrapper, ExpertParallel):
+                        wrapper.shard_experts(self.ep_shard)
+                named = dict(modules[s].named_parameters())
                 modules[s] = FullyShard(modules[s], group=self.dp_shard,
                                         units=one_unit_per_layer(modules[s]))
                 # SP's replicated weights lose their TP-sum hook to FullyShard's leaves:
@@ -242,6 +265,7 @@ class HybridParallel:
                       for p in layer.experts.parameters()}
         self.dense = [p for p in params if p.requires_grad and id(p) not in expert_ids]
         self.experts = [p for p in params if p.requires_grad and id(p) in expert_ids]
+
     @property
     def is_last(self):
         return any(stage.is_last for stage in self.stages)
@@ -264,11 +288,13 @@ class HybridParallel:
     def sync_gradients(self):
         """After backward: each gradient averaged over the ranks holding its parameter (ZeRO-2:
         already done, each micro-batch's by ShardedOptimizer(stage=2)'s reduce-scatter)."""
-        if self.zero_stage == 3:   # FullyShard averaged over dp_shard; HSDP: across replicas
+        if self.zero_stage == 3:   # FullyShard averaged over dp_shard (experts: ep_shard)
             self._sum_over_tp(self._sp_sum)
-            if self.dp_replicate is not None:
-                average_gradients(self.dense, self.dp_replicate, tag="dp_replicate grads")
-        elif self.zero_stage != 2:   # DP (x CP): the replicas average (one all-reduce)
+            if self.dp_replicate is not None:   # HSDP: across replicas, experts' shards too
+                average_gradients(self.dense + self.experts, self.dp_replicate,
+                                  tag="dp_replicate grads")
+            return
+        if self.zero_stage != 2:   # DP (x CP): a stage's replicas average (one all-reduce)
             average_gradients(self.dense, self.dp_cp,
                               tag="dp_cp grads" if self.mesh.sizes["cp"] > 1 else "dp grads")
         average_gradients(self.experts, self.ep_dp, tag="ep_dp grads")
@@ -305,7 +331,7 @@ class HybridParallel:
         """A FullyShard stage's whole tensors: gathered over dp_shard, then over TP."""
         out = {}
         for name, tensor in module.full_state_dict().items():
-            split, group = splits[name]
+            split, group = splits[unwrapped_name(name)]
             if split is not None:
                 dim, parts = split
                 tensor = torch.cat([all_gather_dim(p, dim, group, "gather params")

@@ -6,7 +6,9 @@ ParallelDims._validate); `check_layout` adds what a GPT of a given shape and bat
 parallelism (cp) splits the sequence, not the weights, so the cp ranks of a stage hold the same
 weights as its dp ranks do and their gradients are reduced over dp x cp together (torchtitan's
 "dp_cp" dimension; with ZeRO-3 FullyShard shards over dp_shard x cp); `ep_dp_cp_group` the
-replicas of an expert, over dp x cp / ep ranks. Each error is one line naming the argument.
+replicas of an expert, over dp x cp / ep ranks; `ep_shard_group` those of one dp_shard group
+(HSDP: FullyShard shards an expert over dp_shard x cp / ep ranks, replicated across
+dp_replicate). Each error is one line naming the argument.
 """
 from .ring_attention import LAYOUTS
 
@@ -41,10 +43,10 @@ def validate_dims(*, dp, tp, pp, ep=1, dp_replicate=1, zero_stage=0, sequence_pa
     if dp_replicate > 1 and zero_stage != 3:
         raise ValueError(f"dp_replicate={dp_replicate} needs zero_stage=3 (HSDP shards within "
                          f"dp_shard; with zero_stage={zero_stage} every dp rank is a replica)")
-    if zero_stage == 3 and (ep > 1 or experts):
-        raise ValueError(f"zero_stage=3 with experts (ep={ep}) is not composed here: "
-                         "FullyShard would shard the expert weights over all of dp, whose EP "
-                         "ranks hold different experts")
+    if zero_stage == 3 and ep > 1 and (dp // dp_replicate) % ep:
+        raise ValueError(f"dp_replicate={dp_replicate} leaves dp_shard={dp // dp_replicate} "
+                         f"ranks, not a multiple of ep={ep} (HSDP shards each expert within "
+                         "one dp_shard group, which must hold whole EP groups)")
     if cp_layout not in LAYOUTS:
         raise ValueError(f"cp_layout must be one of {', '.join(LAYOUTS)}, got {cp_layout!r}")
     chunks = cp if cp_layout == "contiguous" else 2 * cp
@@ -143,3 +145,16 @@ def dp_groups(mesh, dp_replicate):
     replicate = mesh.ctx.split_groups(_partition(
         mesh, lambda row: (row["pp"], row["cp"], row["tp"], row["dp"] % size)))
     return shard, replicate
+
+
+def ep_shard_group(mesh, dp_replicate):
+    """The ranks ZeRO-3 shards this rank's experts over: its experts' replicas (same pp, tp
+    and ep index) within its dp_shard group, dp_shard x cp / ep ranks (torchtitan's
+    dp_shard_mod_ep; ep | dp_shard, so an EP group lies in one dp_shard group and the
+    dp_replicate group averaging dense shards holds the same experts too). `ep_dp_cp_group`
+    when dp_replicate = 1. Every rank calls it."""
+    if dp_replicate == 1:
+        return ep_dp_cp_group(mesh)
+    size = mesh.sizes["dp"] // dp_replicate
+    return mesh.ctx.split_groups(_partition(
+        mesh, lambda row: (row["pp"], row["tp"], row["ep"], row["dp"] // size)))

@@ -66,6 +66,7 @@ from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from . import expert_tp
 from .flat import FlatBuffer, average_gradients
+from .fully_shard import FullyShard
 from .hf_experts import as_expert_layer, is_hf_module, router_logits
 from .mappings import all_to_all_rows
 from .tp_shards import gather_params
@@ -171,10 +172,10 @@ class ExpertParallel(nn.Module):
                                   self.tp_group, expert_plan, tag)
         moe_layer.experts = nn.ModuleDict({str(e): experts[e] for e in self.local_experts})
         self.module = moe_layer
+        self._local = dict(moe_layer.experts.items())   # what runs (also once FullyShard wraps)
+        self.run_every_expert = False
         if n > 1:   # an expert's gradient sums all ranks' tokens: make it the group's mean
-            for p in moe_layer.experts.parameters():
-                if p.requires_grad:
-                    p.register_hook(lambda grad: grad / n)
+            self._mean_over_group(moe_layer.experts.parameters())
         self.aux_loss = self.z_loss = torch.zeros(())
         self.routing = {}
 
@@ -229,13 +230,36 @@ class ExpertParallel(nn.Module):
             return expert_tp.leave(out.view(shape), self.tp_group, self.sequence_parallel, tag)
         return out.view(shape)
 
+    def _mean_over_group(self, params):
+        n = self.group.size
+        for p in params:
+            if p.requires_grad:
+                p.register_hook(lambda grad: grad / n)
+
+    def shard_experts(self, group: GroupLike = None) -> FullyShard:
+        """ZeRO-3 of this rank's experts over `group`: the ranks holding the same experts
+        (their replicas, never ranks of this EP group, whose experts differ; torchtitan's
+        fully_shard of the experts over its dp_shard_mod_ep mesh). One FullyShard unit per
+        expert, in `experts`' place; the gradients are reduce-scattered and averaged over
+        `group`. Each local expert then runs on every forward, on no rows if none came: its
+        gathers and reduce-scatters are collectives every replica must join (its gradient is
+        then zero, not None). Wrap the enclosing block in FullyShard after this, not before."""
+        experts = self.module.experts
+        sharded = FullyShard(experts, group, units=lambda m: any(
+            m is e for e in experts.values()))
+        self.module.experts, self.run_every_expert = sharded, True
+        if self.group.size > 1:   # the hooks on the whole parameters compute no more
+            self._mean_over_group(sharded.compute_parameters())
+        return sharded
+
     def _run_experts(self, rows, row_expert):
         # rows * 0 keeps the arrived rows in the graph even when none is for a local expert
         out = rows * 0
         for e in self.local_experts:
             idx = (row_expert == e).nonzero().squeeze(1)
-            if idx.numel():   # an expert no token reached keeps grad None, as on one device
-                out = out.index_copy(0, idx, self.module.experts[str(e)](rows[idx]))
+            # an expert no token reached keeps grad None, as on one device (unless sharded)
+            if idx.numel() or self.run_every_expert:
+                out = out.index_copy(0, idx, self._local[str(e)](rows[idx]))
         return out
 
     def _router_losses(self, logits, probs, counts, group_tokens):

@@ -14,7 +14,9 @@ global positions); the gradients are averaged over dp x cp (`dp_cp`; under --zer
 shards over dp_shard x cp) and the report adds `predicted_cp_wire_bytes`
 (theory/hybrid.cp_wire_bytes: the ring's bytes, summed over the ranks, over the run).
 With --experts and --cp each rank routes its sequence shard through the ep all-to-all; the
-experts' gradients are averaged over their dp x cp / ep replicas (`ep_dp`).
+experts' gradients are averaged over their dp x cp / ep replicas (`ep_dp`). With --experts and
+--zero 3 FullyShard shards the experts over those replicas (within one dp_shard group under
+HSDP): their gathers and reduce-scatters are the `ep_dp` rows.
 The MoE variant routes without capacity limits (capacity factor = experts / top_k: nothing is
 dropped, so micro-batching cannot change the routing) and without router losses, so the one
 device reference trains the same function.
@@ -119,7 +121,8 @@ def train(ctx, cfg, dp, tp, pp, ep=1, zero=0, schedule="1f1b", microbatches=4, v
         params = {model_name[k]: v for k, v in hybrid.full_params().items()}
     comm = label_dp(mesh.label_comm(ctx.comm.summary(by=("op", "group", "tag"))), hybrid)
     return trainer.result(stage_params=params, coords=mesh.coords, mesh_table=mesh.table(),
-                          is_last=last, comm_by_group=comm, held_params=hybrid.stage_params)
+                          is_last=last, comm_by_group=comm, held_params=hybrid.stage_params,
+                          held_expert_params=hybrid.expert_params)
 
 
 def build_optimizers(hybrid, cfg, zero):
@@ -160,9 +163,11 @@ def label_dp(rows, hybrid):
             elif zero1 and row["group"] == hybrid.ep_dp.name:   # the experts' replicas
                 row["dim"] = "ep_dp"
         return rows
-    for row in rows:
-        if row["group"] == hybrid.dp_shard.name and row["tag"].startswith(("params ",
-                                                                             "grads ")):
+    for row in rows:   # the experts' FullyShard runs on their replicas (ep_shard: "ep_dp")
+        fsdp = row["tag"].startswith(("params ", "grads "))
+        if fsdp and hybrid.ep_shard is not None and row["group"] == hybrid.ep_shard.name:
+            row["dim"] = "ep_dp"
+        elif fsdp and row["group"] == hybrid.dp_shard.name:
             row["dim"] = "dp_shard"
         elif row["tag"].startswith("dp_replicate"):
             row["dim"] = "dp_replicate"
@@ -177,18 +182,22 @@ def merge_results(results, dp):
     return [dict(results[0], loss=mean_loss(last, key="loss"), params=params)] + results[1:]
 
 
-def dp_comm_by_rank(results, steps, dp, dp_replicate, microbatches, cp=1):
+def dp_comm_by_rank(results, steps, dp, dp_replicate, microbatches, cp=1, ep=1):
     """Per rank, ZeRO-3's DP bytes on the wire (ring model) by dimension over the run: those
     its comm log counted (`measured`) and theory/hybrid.fsdp_wire_bytes (`predicted`; the
-    shard group is dp_shard x cp)."""
+    shard group is dp_shard x cp, the experts' dp_shard x cp / ep: "ep_dp"); `held`: its
+    stages' parameters after TP and of them its experts', before FullyShard."""
     out = []
     for r in results:
-        per_step = theory_hybrid.fsdp_wire_bytes(r["held_params"], dp // dp_replicate * cp,
-                                                 dp_replicate, microbatches)
+        per_step = theory_hybrid.fsdp_wire_bytes(
+            r["held_params"], dp // dp_replicate * cp, dp_replicate, microbatches,
+            expert_params=r["held_expert_params"], ep=ep)
         measured = {dim: sum(row["wire_bytes_per_rank"] for row in r["comm_by_group"]
                              if row["dim"] == dim) for dim in per_step}
         out.append(dict(rank=r["rank"], measured=measured,
-                        predicted={k: v * steps for k, v in per_step.items()}))
+                        predicted={k: v * steps for k, v in per_step.items()},
+                        held=dict(params=r["held_params"],
+                                  experts=r["held_expert_params"])))
     return out
 
 
@@ -262,8 +271,8 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
             dp=dp, tp=tp, pp=pp, microbatches=microbatches, virtual=v,
             sequence_parallel=sequence_parallel, zero=zero, optimizer=run.optimizer,
             dp_replicate=dp_replicate, cp=cp),
-        dp_comm_by_rank=dp_comm_by_rank(results, run.steps, dp, dp_replicate, microbatches, cp)
-        if zero == 3 else None,
+        dp_comm_by_rank=dp_comm_by_rank(results, run.steps, dp, dp_replicate, microbatches, cp,
+                                        ep) if zero == 3 else None,
         predicted_cp_wire_bytes=theory_hybrid.cp_wire_bytes(
             layers=shape.layers, micro_batch=run.global_batch // (dp * microbatches),
             heads=shape.heads, seq=shape.seq, head_dim=shape.hidden // shape.heads, dp=dp,

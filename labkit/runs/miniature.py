@@ -53,8 +53,6 @@ def why_not(p):
     if p["zero_stage"] == 2 and p["ep"] > 1:
         return ("zero_stage=2 with ep > 1: the mesh does not shard experts' gradients "
                 "(an expert without tokens on a replica has none)")
-    if p["zero_stage"] == 3 and p["ep"] > 1:
-        return "zero_stage=3 with ep > 1: the mesh does not shard experts with FullyShard"
     if p["v"] > 1 and p["pp"] == 1:
         return "v > 1 needs pp > 1"
     return ""

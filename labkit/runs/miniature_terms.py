@@ -38,7 +38,8 @@ to the planner's number (`adjusted`), never fitted:
   DP (over dp x cp, `dp_cp`, when cp > 1): ZeRO-1 is ShardedOptimizer's all-reduce + owners'
   broadcasts (3 Psi on the wire where the planner's reduce-scatter + all-gather move 2 Psi);
   experts average over their replicas, ep_dp = dp x cp / ep ranks, not dp x cp (ZeRO-1 shards
-  their optimizer state over ep_dp too). Expert TP sums the router's and the local experts'
+  their optimizer state over ep_dp too; ZeRO-3: FullyShard gathers and reduce-scatters them
+  over ep_dp, torchtitan's dp_shard_mod_ep). Expert TP sums the router's and the local experts'
   down biases' gradients over TP (partial on each TP rank): + (h E + E/ep h) per layer and
   micro-batch on tp. EP: the planner's 4 all-to-alls per MoE layer and
   micro-batch (ep_all_to_all_bytes: tokens x top_k x h each, (ep-1)/ep on the wire;
@@ -157,7 +158,8 @@ def planner_side(p):
                        p["ep"] * m.hidden * (1 - 1 / tp)) if p["ep"] > 1 else 0 for u in units]
     worst = max(held)
     shard, e = p["dp"] * p["cp"], experts[held.index(worst)]
-    # ZeRO-1 shards the dense states over dp x cp, the experts' over their dp x cp / ep replicas
+    # ZeRO-1/3 shard the dense states over dp x cp, the experts' over their dp x cp / ep
+    # replicas (as the planner's memory_terms does: no difference left to derive here)
     dense, expert = (terms.model_states(n, "fp32", p["zero_stage"], s)
                      for n, s in ((worst - e, shard), (e, shard // p["ep"])))
     adjusted = {k: dense[k] + expert[k] for k in dense}
@@ -278,11 +280,11 @@ def _dp_bytes(stage_params, p, micro, weight_bytes, expert_params=None):
     gradients (twice a reduce-scatter's wire bytes) and each owner's broadcast of its weights
     (an all-gather's), torch's ZeroRedundancyOptimizer's 3 Psi for the planner's 2 Psi."""
     shard = p["dp"] * p["cp"]
-    if p["zero_stage"] == 3:
+    if p["zero_stage"] == 3 and expert_params is None:
         pay = terms.fsdp_traffic_bytes(stage_params, shard, weight_bytes)
         return micro * (2 * wire_bytes_per_rank("all_gather", pay["all_gather"], shard)
                         + wire_bytes_per_rank("reduce_scatter", pay["reduce_scatter"], shard))
-    if expert_params is None:
+    if expert_params is None:   # (ZeRO-3 with experts: each part's FullyShard over its group)
         pay = terms.dp_traffic_bytes(stage_params, p["zero_stage"], shard, weight_bytes)
         # ZeRO-2 reduce-scatters each micro-batch's gradients, the rest run once per step
         count = dict(reduce_scatter=terms.grad_reductions_per_step(p["zero_stage"], micro))

@@ -16,6 +16,15 @@ once per micro-batch):
     dp_shard:      3 m (S - 1) / S x B
     dp_replicate:  2 (R - 1) / R x B / S       (the shards' gradients, one all-reduce)
 
+With experts (ep > 1, ep | S) FullyShard shards the B_E bytes of this rank's experts over
+their replicas within the dp_shard group, E = S / ep ranks (torchtitan's dp_shard_mod_ep;
+sharding them over all S would mix ranks holding different experts), the rest (B - B_E) over
+dp_shard as above; the replicas across dp_replicate hold the same experts:
+
+    dp_shard:      3 m (S - 1) / S x (B - B_E)
+    ep_dp:         3 m (E - 1) / E x B_E
+    dp_replicate:  2 (R - 1) / R x ((B - B_E) / S + B_E / E)
+
 Context parallelism on the mesh (cp ranks per sequence, ring attention; Liu et al. 2023,
 arXiv 2310.01889): every rank keeps s / cp tokens of each sequence, so activations fall by cp
 (the planner's `cp` term); the weights are those of the dp ranks, so ZeRO shards over
@@ -61,14 +70,19 @@ def tiny_gpt_memory(*, layers, hidden, heads, ffn, vocab, seq, global_batch, dp,
     return out
 
 
-def fsdp_wire_bytes(params, dp_shard, dp_replicate=1, microbatches=1, dtype_bytes=4) -> dict:
+def fsdp_wire_bytes(params, dp_shard, dp_replicate=1, microbatches=1, dtype_bytes=4,
+                    expert_params=0, ep=1) -> dict:
     """Ring-model bytes one rank sends per step under ZeRO-3 on the mesh (module docstring),
-    by mesh dimension: {"dp_shard": ..., "dp_replicate": ...}; `params`: the rank's
-    TP-split stage parameters (modelled)."""
-    full = params * dtype_bytes
-    s, r = dp_shard, dp_replicate
-    return {"dp_shard": 3 * microbatches * (s - 1) / s * full,
-            "dp_replicate": 2 * (r - 1) / r * full / s}
+    by mesh dimension: {"dp_shard": ..., "dp_replicate": ...} (+ "ep_dp" with experts);
+    `params`: the rank's TP-split stage parameters, `expert_params` of them its experts'
+    (spread over ep ranks; sharded over dp_shard / ep) (modelled)."""
+    dense, experts = (params - expert_params) * dtype_bytes, expert_params * dtype_bytes
+    s, r, e = dp_shard, dp_replicate, dp_shard // ep
+    out = {"dp_shard": 3 * microbatches * (s - 1) / s * dense,
+           "dp_replicate": 2 * (r - 1) / r * (dense / s + experts / e)}
+    if expert_params:
+        out["ep_dp"] = 3 * microbatches * (e - 1) / e * experts
+    return out
 
 
 def cp_wire_bytes(*, layers, micro_batch, heads, seq, head_dim, dp, tp, cp, microbatches,

@@ -35,6 +35,24 @@ def stage_parameters(m, tp, ep, pp, layers_per_stage):
     return layers_per_stage * layer + ends, layer
 
 
+def expert_parameters(m, tp, ep, layers_per_stage):
+    """Of `stage_parameters`' count, the experts' on one GPU (spread over ep, split by tp): ZeRO
+    shards them over their replicas, dp x cp / ep ranks, not over dp x cp (ranks of one EP
+    group hold different experts; torchtitan's dp_shard_mod_ep). 0 for a dense model."""
+    return layers_per_stage * tf.layer_counts(m).mlp_total / (tp * ep) if m.experts > 1 \
+        else 0.0
+
+
+def sharded_states(stage_params, expert_params, precision, zero_stage, shard, ep):
+    """`model_states` of a stage whose `expert_params` are sharded over shard / ep ranks, the
+    rest over `shard` (the ranks holding the same weights)."""
+    dense = model_states(stage_params - expert_params, precision, zero_stage, shard)
+    if not expert_params:
+        return dense
+    experts = model_states(expert_params, precision, zero_stage, shard // ep)
+    return {k: dense[k] + experts[k] for k in dense}
+
+
 def model_states(stage_params, precision, zero_stage, shard):
     """Weights, gradients and optimizer state per GPU (memory.model_state_bytes, ZeRO over the
     `shard` ranks that hold the same weights): bf16/fp8 runs keep bf16 weights, fp32 main

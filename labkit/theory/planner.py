@@ -147,7 +147,9 @@ def memory_terms(m, c, batch, seq, p):
     layers = layers_per_stage(m, p["pp"])
     stage_params, layer_params = terms.stage_parameters(m, p["tp"], p["ep"], p["pp"], layers)
     shard = p["dp"] * p["cp"]        # ZeRO shards over every rank holding the same weights
-    states = terms.model_states(stage_params, c.precision, p["zero_stage"], shard)
+    experts = terms.expert_parameters(m, p["tp"], p["ep"], layers)   # over shard / ep of them
+    states = terms.sharded_states(stage_params, experts, c.precision, p["zero_stage"], shard,
+                                  p["ep"])
     weight_bytes = terms.message_bytes(c.precision)
     buffers = terms.zero3_buffers(layer_params, p["zero_stage"], weight_bytes)
     stage = dict(activation_terms(m, c, seq, p), microbatches=batch // (p["dp"] *
@@ -240,7 +242,10 @@ def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):
     pp_total = terms.pp_send_time(c, m, tokens, tp, dp * cp * tp * 2, pp, micro, v, vb)
     pp_exp, pp_hid = overlap.pp_sends(st, pp_total, v)
     dp_exp, dp_hid = _dp_comm(c, p, stage_params, work, micro, layers, vb)
-    opt_params = stage_params / (dp * cp if p["zero_stage"] >= 1 else 1)
+    # ZeRO steps 1/(dp cp) of the dense weights, 1/(dp cp / ep) of the experts (their replicas)
+    experts = terms.expert_parameters(m, tp, p["ep"], layers) if p["zero_stage"] >= 1 else 0
+    opt_params = (stage_params - experts) / (dp * cp if p["zero_stage"] >= 1 else 1) \
+        + experts / (dp * cp // p["ep"])
     out = dict(compute=micro * (work["compute"] + work["elementwise"] + work["fp8_cast"]),
                recompute=micro * work["recompute"],
                tp_comm=micro * tp_exp, cp_comm=micro * cp_exp, ep_comm=micro * ep_s,
