@@ -191,8 +191,8 @@ mem
 # %% [markdown]
 # ### The plan, run in miniature: FSDP × TP × PP
 #
-# The planner recommends layouts such as ZeRO-3 (FSDP) with TP and PP. `labkit.runs.miniature`
-# runs any plan's layout on a tiny GPT of the planner's GPT family (degrees kept; layers, hidden,
+# On the fsdp2 stack the planner proposes layouts such as ZeRO-3 (FSDP) with TP and PP.
+# `labkit.runs.miniature` runs any plan's layout on a tiny GPT of the planner's GPT family (degrees kept; layers, hidden,
 # heads, ffn, vocab, sequence and batch shrunk so that each still divides by tp and pp) and sets
 # what the ranks **measured** beside what **the planner's own functions** say for that tiny shape:
 # memory of the worst stage by category, and ring-model bytes per rank and step by mesh dimension.
