@@ -55,12 +55,10 @@ tokens (what data parallelism assumes), every gradient is then the one of the gr
 loss. `aux_loss` (Switch) and `z_loss` are this rank's terms, scaled so that their mean over
 the group equals the single-device layer's over the group's tokens.
 """
-import math
 import re
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
@@ -69,53 +67,9 @@ from .flat import FlatBuffer, average_gradients
 from .fully_shard import FullyShard
 from .hf_experts import as_expert_layer, is_hf_module, router_logits
 from .mappings import all_to_all_rows
+from .moe_routing import (capacity, choice_counts, kept_per_rank,  # noqa: F401
+                          queue_positions, top_k_gates)
 from .tp_shards import gather_params
-
-
-# ----------------------------------------------------------------------------------- routing
-
-def top_k_gates(logits, top_k, normalize=None):
-    """softmax over experts, each token's top-k experts (best first) and their gate weights,
-    renormalised to sum 1 when `normalize` (None: when top_k > 1, labkit's convention)."""
-    probs = logits.softmax(dim=-1)
-    top_p, expert = probs.topk(top_k, dim=-1)
-    normalize = top_k > 1 if normalize is None else normalize
-    weight = top_p / top_p.sum(dim=-1, keepdim=True) if normalize else top_p
-    return probs, expert, weight
-
-
-def capacity(tokens, experts, top_k, capacity_factor):
-    """Slots per expert for `tokens` tokens: ceil(capacity_factor * top_k * tokens / experts);
-    capacity_factor None: room for every assignment."""
-    if capacity_factor is None:
-        return int(tokens) * top_k
-    return math.ceil(capacity_factor * top_k * int(tokens) / experts)
-
-
-def choice_counts(expert, experts):
-    """(k, E): how many tokens chose expert e as their j-th choice."""
-    return F.one_hot(expert, experts).sum(dim=0)
-
-
-def queue_positions(expert, experts, counts_by_rank, index):
-    """(T, k) slot of each of rank `index`'s (token, choice) in its expert's queue.
-
-    counts_by_rank (N, k, E) holds every rank's choice_counts. Ahead of rank `index`'s j-th
-    choices for expert e: all choices < j of the group, then the j-th choices of earlier ranks,
-    then this rank's earlier tokens.
-    """
-    total = counts_by_rank.sum(dim=0)
-    ahead = total.cumsum(dim=0) - total + counts_by_rank[:index].sum(dim=0)   # (k, E)
-    onehot = F.one_hot(expert, experts)                                      # (T, k, E)
-    earlier = onehot.cumsum(dim=0) - onehot
-    return ((earlier + ahead) * onehot).sum(dim=-1)
-
-
-def kept_per_rank(counts_by_rank, slots):
-    """(N, E): how many of each rank's assignments to expert e fit in its `slots`."""
-    total = counts_by_rank.sum(dim=0)
-    start = (total.cumsum(dim=0) - total) + (counts_by_rank.cumsum(dim=0) - counts_by_rank)
-    return (slots - start).clamp(min=0).minimum(counts_by_rank).sum(dim=1)
 
 
 def check_expert_parallel(experts, top_k, capacity_factor, ranks):
