@@ -82,13 +82,30 @@ def _heads_last(core):
     return causal_attention
 
 
-class _RouteAttention(TorchFunctionMode):
+class ModuleScopedMode(TorchFunctionMode):
+    """A TorchFunctionMode switched on by a module's forward pre-hook (`enter`) and off by its
+    forward hook (`exit`); nested hooked modules enter it once (`depth`)."""
+
+    depth = 0
+
+    def enter(self, *_):
+        self.depth += 1
+        if self.depth == 1:
+            self.__enter__()
+
+    def exit(self, *_):
+        self.depth -= 1
+        if self.depth == 0:
+            self.__exit__(None, None, None)
+
+
+class _RouteAttention(ModuleScopedMode):
     """While active, a call of scaled_dot_product_attention (or of a core named in `cores`)
     goes to the context-parallel core; every other torch call runs as it is."""
 
     def __init__(self, core, cores):
         super().__init__()
-        self.core, self.cores, self.depth = core, cores, 0
+        self.core, self.cores = core, cores
         self.routed = 0             # calls sent to the core so far (the attention check)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -102,15 +119,6 @@ class _RouteAttention(TorchFunctionMode):
             return adapter(self.core)(*args, **kwargs)
         return func(*args, **kwargs)
 
-    def enter(self, *_):        # forward hooks of nested attention modules: enter once
-        self.depth += 1
-        if self.depth == 1:
-            self.__enter__()
-
-    def exit(self, *_):
-        self.depth -= 1
-        if self.depth == 0:
-            self.__exit__(None, None, None)
 
 
 class ContextParallel(nn.Module):

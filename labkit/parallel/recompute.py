@@ -51,19 +51,20 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from .context_parallel import ModuleScopedMode
 
 CORE_NAMES = ("causal_attention",)   # overridable cores found by name (labkit.models')
 
 
-class _CheckpointCore(TorchFunctionMode):
+class _CheckpointCore(ModuleScopedMode):
     """While active, an attention-core call with gradients on runs under non-reentrant
     checkpoint; every other torch call runs as it is."""
 
     def __init__(self):
         super().__init__()
-        self.depth, self.calls = 0, 0
+        self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -76,15 +77,6 @@ class _CheckpointCore(TorchFunctionMode):
             return checkpoint(func, *args, use_reentrant=False, **kwargs)
         return func(*args, **kwargs)
 
-    def enter(self, *_):      # nested attention modules: enter once
-        self.depth += 1
-        if self.depth == 1:
-            self.__enter__()
-
-    def exit(self, *_):
-        self.depth -= 1
-        if self.depth == 0:
-            self.__exit__(None, None, None)
 
 
 class CheckpointedCores:
