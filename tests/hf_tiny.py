@@ -58,3 +58,16 @@ def kv_bytes(model, batch, tokens, tp=1, dtype_bytes=4):
 def batch(step, size=4, length=8):
     g = torch.Generator().manual_seed(100 + step)
     return torch.randint(0, VOCAB, (size, length), generator=g)
+
+
+def build_falcon(parallel_attn=True, seed=0):
+    """A 2-layer Falcon (the original architecture: one fused query_key_value, a LayerNorm per
+    block and, with `parallel_attn`, attention and MLP side by side, summed in place by
+    `mlp_output += attention_output`), dropout off, seeded."""
+    import transformers as hf
+    config = hf.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                             num_attention_heads=4, new_decoder_architecture=False,
+                             multi_query=False, parallel_attn=parallel_attn, hidden_dropout=0.0,
+                             attention_dropout=0.0, attn_implementation="sdpa", **NO_TOKENS)
+    torch.manual_seed(seed)
+    return hf.AutoModelForCausalLM.from_config(config).eval()

@@ -7,7 +7,9 @@ labkit.numerics) and bf16 compute (within 1e-4 of one device running mixed preci
 with fp32 masters); 2 ranks in a plain mp.spawn program, 4 ranks under launch, and inside the
 sub-groups {0,2} and {1,3} of 4. Also: what is communicated (frozen weights are gathered, never
 reduced; reshard_after_forward=False gathers once), replicated parameters outside the units,
-offload, the shards' gradients, full_state_dict's names.
+offload, the shards' gradients, full_state_dict's names. Hugging Face models: Falcon (attention
+and MLP summed in place in each block) and a Llama sharded with its root as a unit, trained on
+their own `out.loss`: equal to one device, and the output stays transformers' ModelOutput.
 
 Two programs run everything (the machine is small): one spawn of 2 ranks, one launch of 4.
 """
@@ -382,3 +384,68 @@ def test_a_fully_shard_inside_another_is_left_to_its_own_group_and_equals_one_de
     assert "2.module.0.weight" in out["names"]
     assert numerics.compare(out["full"], {k: v.detach() for k, v in out["single"].items()},
                             {k: v.detach() for k, v in out["exact"].items()})
+
+
+# ------------------------------------------------------------------ Hugging Face models
+
+HF_STEPS, HF_LR = 2, 0.1
+
+
+def _hf_model(kind):
+    import hf_tiny
+    return hf_tiny.build_falcon() if kind == "falcon" else hf_tiny.build("llama")
+
+
+def _hf_units(kind, model):
+    """Falcon: the default units; Llama: its root is a unit too (the root's forward hook
+    returns what the model returned, so `out.loss` must survive it), and each decoder layer."""
+    if kind == "falcon":
+        return None
+    layers = {id(m) for m in model.model.layers}
+    return lambda m: m is model or id(m) in layers
+
+
+def _hf_train(model, ids_of_step):
+    optimizer = torch.optim.SGD(model.parameters(), lr=HF_LR)
+    kinds = []
+    for step in range(HF_STEPS):
+        ids = ids_of_step(step)
+        optimizer.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        kinds.append(type(out).__name__)
+        out.loss.backward()
+        optimizer.step()
+    return kinds
+
+
+def _hf_sharded(ctx):
+    import hf_tiny
+    out = {}
+    half = slice(ctx.rank * 2, ctx.rank * 2 + 2)
+    for kind in ("falcon", "llama"):
+        model = _hf_model(kind).train()
+        sharded = FullyShard(model, units=_hf_units(kind, model))
+        kinds = _hf_train(sharded, lambda step: hf_tiny.batch(step)[half])
+        out[kind] = dict(kinds=kinds, state=sharded.full_state_dict())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["falcon", "llama"])
+def test_hf_models_train_equal_to_one_device_and_keep_their_output_type(kind):
+    import hf_tiny
+    pytest.importorskip("transformers")
+    if "hf" not in _RESULTS:
+        _RESULTS["hf"] = labkit.launch(_hf_sharded, 2, timeout_s=300)
+    ranks = _RESULTS["hf"]
+    runs = {}
+    for dtype in (torch.float32, F64):
+        model = _hf_model(kind).train().to(dtype)
+        _hf_train(model, hf_tiny.batch)
+        runs[dtype] = {n: p.detach() for n, p in model.named_parameters()}
+    start = dict(_hf_model(kind).named_parameters())
+    assert max_diff(start, runs[torch.float32]) > 1e-3   # the steps moved the weights
+    for rank in ranks:
+        assert rank[kind]["kinds"] == ["CausalLMOutputWithCrossAttentions" if kind == "falcon"
+                                       else "CausalLMOutputWithPast"] * HF_STEPS
+        agreement = numerics.compare(rank[kind]["state"], runs[torch.float32], runs[F64])
+        assert agreement, f"{kind}: {agreement}"

@@ -52,7 +52,7 @@ import torch.nn as nn
 from ..runtime.comm import GroupLike
 from ..runtime import torch_compat
 from ..runtime.context import context
-from .fully_shard_layout import _make_units, _GatherOnUse, _BeforeBackward, _map_tensors
+from .fully_shard_layout import _make_units, _GatherOnUse, _map_tensors, gather_before_backward
 from ..theory import hardware   # PCIe numbers for the modelled host <-> device copies
 
 OFFLOAD_LINK = "PCIe 5"        # what ZeRO-Offload's copies cross (modelled)
@@ -198,9 +198,7 @@ class FullyShard(nn.Module):
             if u.active == 0 and self.reshard_after_forward:
                 self._free(u)
         if torch.is_grad_enabled():   # backward reaches `_pre_backward` before this unit's
-            out = _map_tensors(out, lambda t: _BeforeBackward.apply(self, unit, t)
-                               if t.requires_grad else t)
-        return out
+            gather_before_backward(self, unit, out)   # `out` itself returned: its type kept
 
     def _pre_backward(self, unit):
         if not self._backward_started:   # like DDP: finish by itself when backward ends

@@ -153,29 +153,47 @@ class _GatherOnUse(TorchFunctionMode):
         out = func(*args, **kwargs)
         if used and torch.is_grad_enabled():
             for unit in dict.fromkeys(used):
-                out = _map_tensors(out, lambda t, u=unit: _BeforeBackward.apply(self.owner, u, t)
-                                   if t.requires_grad else t)
+                gather_before_backward(self.owner, unit, out)
         return out
 
 
-class _BeforeBackward(torch.autograd.Function):
-    """Identity in forward; in backward it first has the unit's weights gathered again."""
+def gather_before_backward(owner, unit, value):
+    """Have `unit`'s weights gathered again as soon as backward reaches any tensor of `value`
+    (a hook on each, as PyTorch's fully_shard does). A hook adds no autograd node: a forward
+    that then modifies such a tensor in place (Falcon's `mlp_output += attention_output`)
+    stays legal, which the output of an identity autograd.Function (a view) would not be."""
+    for t in _each_tensor(value):
+        if t.requires_grad:
+            t.register_hook(lambda _grad: owner._pre_backward(unit))
 
-    @staticmethod
-    def forward(ctx, owner, unit, x):
-        ctx.owner, ctx.unit = owner, unit
-        return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.owner._pre_backward(ctx.unit)
-        return None, None, grad
+def _each_tensor(value):
+    """The tensors in nested tuples, lists and dicts (ModelOutput included), in order."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _each_tensor(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _each_tensor(v)
+    elif isinstance(value, torch.Tensor):
+        yield value
 
 
 def _map_tensors(value, fn):
-    """`fn` on every tensor in nested tuples, lists and dicts (a module's inputs or outputs)."""
+    """`fn` on every tensor in nested tuples, lists and dicts (a module's inputs), each
+    container rebuilt as its own type where it can be (a ModelOutput stays one)."""
     if isinstance(value, (tuple, list)):
-        return type(value)(_map_tensors(v, fn) for v in value)
+        mapped = [_map_tensors(v, fn) for v in value]
+        return type(value)(mapped) if type(value) in (tuple, list) else _rebuilt(value, mapped)
     if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
+        mapped = {k: _map_tensors(v, fn) for k, v in value.items()}
+        return mapped if type(value) is dict else _rebuilt(value, mapped)
     return fn(value) if isinstance(value, torch.Tensor) else value
+
+
+def _rebuilt(value, mapped):
+    """A tuple/list/dict subclass (namedtuple, ModelOutput) with `mapped` as its items."""
+    try:
+        return type(value)(*mapped) if isinstance(mapped, list) else type(value)(**mapped)
+    except TypeError:
+        return type(value)(mapped)
