@@ -262,7 +262,9 @@ def _number_exercises():
             (cache * 2, "fp32"), (cache / 8, "one request"), (cache / 1e9, "GB, not bytes")]),
         "10-3": (serving_systems.check_requests_that_fit, [
             (16384 // 300, "no rounding up"), (16384 // 4096, "contiguous"),
-            (16384 // 16 // (300 // 16), "blocks rounded down")]),
+            (16384 // 16 // (300 // 16), "blocks rounded down"),
+            (math.ceil(16384 / 16 / math.ceil(300 / 16)), "count rounded up"),
+            (16384 / 16 / math.ceil(300 / 16), "not whole")]),
         "09-3": (serving.check_tpot_floor, [
             (2 * psi8 / h100.bf16_flops * 1e3, "compute, not memory"), (tpot / 2,
                                                                       "1 byte per weight"),
@@ -293,7 +295,7 @@ def test_each_likely_wrong_answer_is_named_for_its_mistake(exercise, answer, pro
 def test_different_mistakes_never_share_a_diagnosis_and_equal_ones_name_each_other(exercise):
     checker, catalog_ = _number_exercises()[exercise]
     said = [(answer, problem, checker(answer, verbose=False)) for answer, problem in catalog_]
-    tolerance = 0 if exercise in ("00-3", "05-2") else 0.01     # counts are exact
+    tolerance = 0 if exercise in ("00-3", "05-2", "10-3") else 0.01     # counts are exact
     for i, (a, pa, ca) in enumerate(said):
         for b, pb, cb in said[i + 1:]:
             if abs(a - b) <= tolerance * max(abs(a), abs(b)):    # one number, two mistakes
@@ -344,6 +346,59 @@ def test_a_number_checker_answers_any_input_in_one_line(exercise):
                    float("inf"), True, {"a": 1}, torch.tensor(3.0, requires_grad=True)):
         check = checker(answer, verbose=False)
         assert not check.ok and check.message and "\n" not in check.message, (answer, check)
+
+
+def _kv_waste_answers():
+    """Exercise 10-2's two numbers as a learner works them out (Llama 3 8B: 32 layers, 8 KV
+    heads of 128 of its 32 heads, bf16), right and with each slip made on purpose."""
+    lengths, per_value = (37, 120, 301, 64), 2 * 32 * 8 * 128        # k and v, every layer
+    unused = {"contiguous": sum(512 - n for n in lengths),
+              "paged": sum(-(-n // 16) * 16 - n for n in lengths)}
+    reserved = {"contiguous": 4 * 512, "paged": sum(-(-n // 16) * 16 for n in lengths)}
+    right = {k: 2 * per_value * u for k, u in unused.items()}
+    return right, {
+        "values, not bytes": {k: per_value * u for k, u in unused.items()},
+        "no GQA": {k: 2 * 2 * 32 * 32 * 128 * u for k, u in unused.items()},
+        "GiB, not bytes": {k: v / 2 ** 30 for k, v in right.items()},
+        "reserved, not wasted": {k: 2 * per_value * r for k, r in reserved.items()}}
+
+
+@pytest.mark.parametrize("slip", list(_kv_waste_answers()[1]))
+@pytest.mark.parametrize("number", ["contiguous", "paged"])
+def test_each_kv_waste_slip_is_named_on_its_own_number(slip, number):
+    from labkit.exercises import reset_hints, serving_systems
+    reset_hints()
+    right, slips = _kv_waste_answers()
+    answers = dict(right, **{number: slips[slip][number]})
+    check = serving_systems.check_wasted_bytes(answers["contiguous"], answers["paged"],
+                                               verbose=False)
+    assert not check.ok and f"{number}: {slip}" in check.problems, check.message
+    assert all(p.startswith(number) for p in check.problems), check.problems
+    assert "\n" not in check.message
+
+
+def test_kv_waste_numbers_keep_their_own_hint_counters():
+    from labkit.exercises import reset_hints, serving_systems
+    reset_hints()
+    right, slips = _kv_waste_answers()
+    both_wrong = (3 * right["contiguous"], 3 * right["paged"])
+    first = serving_systems.check_wasted_bytes(*both_wrong, verbose=False)
+    assert first.message.count("Hint:") == 2 and "The formula" not in first.message, \
+        first.message
+    assert "512 - length" in first.message and "last block" in first.message
+    second = serving_systems.check_wasted_bytes(*both_wrong, verbose=False)
+    assert second.message.count("The formula") == 2 and "Hint:" not in second.message
+    bytes_forgotten = serving_systems.check_wasted_bytes(
+        slips["values, not bytes"]["contiguous"], right["paged"], verbose=False)
+    assert "each bf16 value is 2 bytes" in bytes_forgotten.message     # named, not only k/v
+
+
+def test_a_count_of_requests_near_the_true_division_is_told_to_round_down():
+    from labkit.exercises import serving_systems
+    check = serving_systems.check_requests_that_fit(53.9, verbose=False)
+    assert check.problem == "not whole" and "53.9 " in check.message, check.message
+    up = serving_systems.check_requests_that_fit(math.ceil(1024 / 19), verbose=False)
+    assert "round the count down" in up.message and "count rounded up" in up.problems
 
 
 def test_a_one_element_tensor_is_read_as_its_number():

@@ -3,9 +3,12 @@ with `PagedKVCache.read` on a pool whose blocks interleave and names the usual s
 bytes a contiguous cache wastes against a paged one, and how many requests a paged cache fits
 (`check_gather_blocks`, `check_wasted_bytes`, `check_requests_that_fit`, against
 `labkit.theory.serving_stream`)."""
+import math
+
 import torch
 
-from . import Check, Hints, Mistake, check_number, not_a_function, say, show
+from . import (Check, Hints, Mistake, _answer_value, check_number, not_a_function, say,
+               show)
 from ..parallel.paged_kv import PagedKVCache
 from ..theory import serving_stream as theory
 
@@ -17,12 +20,24 @@ GATHER_HINTS = Hints(
          "return pool[blocks, pos % block_size]")
 
 
-WASTE_HINTS = Hints(
+WASTE_FORMULA = ("unused token slots x (2 x layers x kv_width x 2 bytes); contiguous: 512 - "
+                 "length per request; paged: the tail of each request's last block of 16.")
+WASTE_HINTS = Hints(   # what show_solution(2) prints: the formula of both numbers
     concept="a cache wastes the token slots it reserved but does not use; each slot holds a key "
             "and a value in every layer.",
-    code="unused token slots x (2 x layers x kv_width x 2 bytes); contiguous: 512 - length per "
-         "request; paged: the tail of each request's last block of 16.",
-    exercise=2, kind="formula")
+    code=WASTE_FORMULA, exercise=2, kind="formula")
+# one hint counter per number: a learner with both wrong gets each one's concept first
+WASTE_NUMBER_HINTS = {
+    "contiguous": Hints(
+        concept="the contiguous cache reserves 512 token slots per request whatever its "
+                "length, so each request leaves 512 - length of them unused; each slot holds "
+                "a key and a value in every layer.",
+        code=WASTE_FORMULA, exercise=2, kind="formula"),
+    "paged": Hints(
+        concept="the paged cache hands out whole blocks of 16 slots, so only the tail of each "
+                "request's last block is unused; each slot holds a key and a value in every "
+                "layer.",
+        code=WASTE_FORMULA, exercise=2, kind="formula")}
 FIT_HINTS = Hints(
     concept="a paged cache hands out whole blocks, so a request holds its length rounded up "
             "to a block.",
@@ -93,23 +108,49 @@ WASTE_CASE = dict(lengths=(37, 120, 301, 64), max_len=512, block_size=16, layers
                   kv_width=1024, bytes_per_value=2)     # Llama 3 8B's KV: 8 heads x 128
 
 
+def _waste_mistakes(want, reserved, c):
+    """The likely wrong answers to one of exercise 2's numbers, each named for its slip."""
+    heads, kv_heads = 32, c["kv_width"] // 128           # Llama 3 8B: 32 query heads of 128
+    return [Mistake(want / 2, "forgot k or v", "keys AND values: a factor 2"),
+            Mistake(want / c["bytes_per_value"], "values, not bytes",
+                    "that counts values; each bf16 value is 2 bytes"),
+            Mistake(want * heads / kv_heads, "no GQA",
+                    f"that keeps all {heads} heads' keys and values ({heads * 128:,} values "
+                    f"per layer); Llama 3 8B keeps {kv_heads} KV heads (GQA): "
+                    f"{c['kv_width']:,} values per layer"),
+            Mistake(want / c["layers"], "one layer", "every layer keeps its own"),
+            Mistake(want / 2 ** 30, "units", "the right number in GiB (2^30 bytes); give it "
+                                             "in bytes", "GiB, not bytes"),
+            Mistake(want / 2 ** 20, "units", "the right number in MiB (2^20 bytes); give it "
+                                             "in bytes", "MiB, not bytes"),
+            Mistake(reserved, "reserved, not wasted",
+                    "that is every slot the cache reserved; the question asks for the slots "
+                    "reserved but unused: take away the tokens each request holds")]
+
+
 def check_wasted_bytes(contiguous, paged, verbose=True):
     """Bytes reserved but unused by 4 requests: a cache reserving max_len each, and a paged
-    cache with blocks of 16 (Llama 3 8B's KV per token, bf16)."""
+    cache with blocks of 16 (Llama 3 8B's KV per token, bf16). Each number has its own
+    hint counter; the Check's `problems` name each number's slips ("paged: no GQA")."""
     c = WASTE_CASE
     per_token = theory.kv_bytes_per_token(c["layers"], c["kv_width"], c["bytes_per_value"])
     want_c = theory.contiguous_waste_tokens(c["lengths"], c["max_len"]) * per_token
     want_p = theory.paged_waste_tokens(c["lengths"], c["block_size"]) * per_token
+    reserved_c = len(c["lengths"]) * c["max_len"] * per_token
+    reserved_p = sum(theory.blocks_needed(n, c["block_size"]) * c["block_size"]
+                     for n in c["lengths"]) * per_token
     checks = []
-    for answer, want, name in ((contiguous, want_c, "contiguous"), (paged, want_p, "paged")):
-        checks.append(check_number(
+    for answer, want, reserved, name in ((contiguous, want_c, reserved_c, "contiguous"),
+                                         (paged, want_p, reserved_p, "paged")):
+        checks.append((name, check_number(
             answer, want, unit="bytes", verbose=verbose,
-            what=f"the bytes the {name} cache wastes",
-            hints=WASTE_HINTS,
-            mistakes=[Mistake(want / 2, "forgot k or v", "keys AND values: a factor 2"),
-                      Mistake(want / c["layers"], "one layer", "every layer keeps its own")]))
-    ok = all(checks)
-    return Check(ok, "" if ok else "wrong", "; ".join(ch.message for ch in checks))
+            what=f"the bytes the {name} cache wastes", hints=WASTE_NUMBER_HINTS[name],
+            mistakes=_waste_mistakes(want, reserved, c))))
+    ok = all(ch for _, ch in checks)
+    problems = tuple(f"{name}: {p}" for name, ch in checks if not ch
+                     for p in (ch.problems or (ch.problem,)))
+    first = next((ch.problem for _, ch in checks if not ch), "")
+    return Check(ok, first, "; ".join(ch.message for _, ch in checks), problems)
 
 
 FIT_CASE = dict(budget_tokens=16384, length=300, max_len=4096, block_size=16)
@@ -121,12 +162,26 @@ def check_requests_that_fit(answer, verbose=True):
     want = theory.requests_that_fit(c["budget_tokens"], c["length"],
                                     block_size=c["block_size"])
     contiguous = theory.requests_that_fit(c["budget_tokens"], c["length"], max_len=c["max_len"])
+    blocks, per_request = c["budget_tokens"] // c["block_size"], theory.blocks_needed(
+        c["length"], c["block_size"])
+    unrounded = blocks / per_request                   # 1,024 blocks / 19 = 53.89 requests
+    value = _answer_value(answer)
+    # an answer near 53.89 but not whole (53.9) is the same slip as 53.89 itself
+    near = value is not None and math.isfinite(value) and not float(value).is_integer() \
+        and abs(value - unrounded) <= 0.01 * unrounded
     return check_number(
         answer, want, exact=True, verbose=verbose,
         what="requests of 300 tokens in 16,384 slots, blocks of 16",
         hints=FIT_HINTS,
         mistakes=[Mistake(c["budget_tokens"] // c["length"], "no rounding up",
                           "a request holds whole blocks: ceil(300 / 16) = 19, not 18.75"),
+                  Mistake(math.ceil(unrounded), "count rounded up",
+                          f"{blocks:,} blocks / {per_request} per request = {unrounded:.2f} "
+                          f"requests, rounded up: the {math.ceil(unrounded)}th would not get "
+                          "its 19 blocks; round the count down"),
+                  Mistake(value if near else unrounded, "not whole",
+                          f"{blocks:,} / {per_request} = {unrounded:.2f} is not a number of "
+                          "requests: a request fits whole or waits, so round down (//)"),
                   Mistake(c["budget_tokens"] // c["block_size"]
                           // (c["length"] // c["block_size"]), "blocks rounded down",
                           "18 blocks of 16 hold 288 tokens: a request of 300 needs 19"),
