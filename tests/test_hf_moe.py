@@ -3,9 +3,10 @@ downloaded): `ExpertParallel` takes transformers' current Mixtral and Qwen2-MoE 
 stacked in 3-D tensors, a router returning a tuple; Qwen2-MoE with its shared expert and
 norm_topk_prob=False) and the older format (an nn.ModuleList of expert MLPs and an nn.Linear
 gate; `LegacyMixtralBlock` below is transformers 4.46's MixtralSparseMoeBlock, written out
-because the installed version no longer has it). On 2 ranks, each with half the batch, 2 SGD
-steps leave the gathered parameters within rounding of the unwrapped model trained on the whole
-batch on one device (labkit.numerics); greedy `generate` through the EP model gives the
+because the installed version no longer has it), and DeepSeek-V2's (its `shared_experts`
+ungated, the top-k not renormalised (norm_topk_prob=False), a routed_scaling_factor). On 2
+ranks, each with half the batch, 2 SGD steps leave the gathered parameters within rounding of
+the unwrapped model trained on the whole batch on one device (labkit.numerics); greedy `generate` through the EP model gives the
 single-device tokens. A block the adaptation does not reproduce is refused in one line.
 """
 import pytest
@@ -20,7 +21,7 @@ from labkit.parallel.moe import ExpertParallel, average_moe_gradients, full_para
 
 transformers = pytest.importorskip("transformers")
 
-KINDS = ("mixtral", "qwen2_moe", "mixtral_legacy")
+KINDS = ("mixtral", "qwen2_moe", "mixtral_legacy", "deepseek_v2")
 AUX = ("mixtral", "qwen2_moe")   # current routers: transformers records their logits
 VOCAB, SEQ, BATCH, STEPS, LR = 128, 8, 4, 2, 0.5
 
@@ -79,7 +80,16 @@ def build(kind, experts=None):
     common = dict(experts_implementation=experts, vocab_size=VOCAB, hidden_size=32,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   num_experts_per_tok=2)
-    if kind == "qwen2_moe":
+    if kind.startswith("deepseek_v2"):   # "deepseek_v2 grouped": group-limited top-k
+        grouped = dict(topk_method="group_limited_greedy", n_group=2, topk_group=1) \
+            if kind.endswith("grouped") else {}
+        cfg = t.DeepseekV2Config(intermediate_size=64, moe_intermediate_size=16,
+                                 n_routed_experts=4, n_shared_experts=1, norm_topk_prob=False,
+                                 routed_scaling_factor=1.5, first_k_dense_replace=0,
+                                 kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+                                 qk_rope_head_dim=8, v_head_dim=8, **grouped,
+                                 **{**common, "num_key_value_heads": 4})   # MLA: kv = q heads
+    elif kind == "qwen2_moe":
         cfg = t.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=4,
                                shared_expert_intermediate_size=48, norm_topk_prob=False,
                                **common)
@@ -197,3 +207,12 @@ def test_block_it_cannot_reproduce_refused_in_one_line():
     block.jitter_noise = 0.01
     with pytest.raises(ValueError, match="MixtralSparseMoeBlock multiplies its input by random"):
         ExpertParallel(block)
+
+
+def test_routing_option_it_does_not_compute_refused_by_name():
+    """DeepSeek-V2's group-limited top-k: named in one line, before any process group."""
+    block = build("deepseek_v2 grouped").model.layers[0].mlp
+    with pytest.raises(ValueError, match="DeepseekV2Moe routes with topk_method="
+                                         "'group_limited_greedy'") as err:
+        ExpertParallel(block)
+    assert "\n" not in str(err.value)

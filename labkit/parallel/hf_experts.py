@@ -10,10 +10,14 @@ hand out E/N to a rank. transformers has written its sparse MoE blocks (Mixtral'
 `as_expert_layer(block)` gives both the same shape: `gate` (the block's own router; of a tuple
 the logits are taken, so `output_router_logits` still records them), `experts` (a ModuleList;
 the stacked format sliced into one module per expert, copies of the slices), `top_k`,
-`norm_topk_prob`, `capacity_factor = None` (transformers drops no token) and the shared
-expert, gated by sigmoid(shared_expert_gate(x)) as Qwen2-MoE does.
-Routing (both models): softmax over the E logits, the top-k, renormalised to sum 1 when
-`norm_topk_prob` (Mixtral always; Qwen2-MoE by its config). Before it is used the adapted layer
+`norm_topk_prob`, `routed_scaling_factor`, `capacity_factor = None` (transformers drops no
+token) and the shared expert: Qwen2-MoE's `shared_expert` gated by sigmoid(shared_expert_gate(x)),
+DeepSeek-V2's `shared_experts` ungated.
+Routing: softmax over the E logits, the top-k, renormalised to sum 1 when `norm_topk_prob`
+(Mixtral always; Qwen2-MoE by its config; DeepSeek-V2 never in transformers 5), times
+`routed_scaling_factor` (DeepSeek-V2). A routing option the adaptation does not compute
+(group-limited top-k, a score-correction bias, sigmoid scores) is refused in one line naming
+it; anything else it missed, the probe finds. Before it is used the adapted layer
 is run beside the block on a probe batch; a block it cannot reproduce is refused in one line
 naming the block, never run silently wrong. Parameter names: `experts.{e}.gate_up_proj`;
 `stack_experts` turns a gathered state back into transformers' stacked names.
@@ -58,17 +62,23 @@ class HFExpertLayer(nn.Module):
     """The duck-typed MoE layer (see the module docstring); forward is the single-device
     computation, used only to check the adaptation against the block."""
 
-    def __init__(self, gate, experts, top_k, norm_topk_prob, shared=None, shared_gate=None):
+    def __init__(self, gate, experts, top_k, norm_topk_prob, shared=None, shared_gate=None,
+                 routed_scaling_factor=1.0, shared_name="shared_expert"):
         super().__init__()
         self.gate, self.experts, self.top_k = gate, experts, top_k
         self.norm_topk_prob, self.capacity_factor = norm_topk_prob, None
-        self.shared_expert, self.shared_expert_gate = shared, shared_gate
+        self.routed_scaling_factor = routed_scaling_factor
+        # under the block's own attribute name, so parameter names stay the model's
+        self.shared_name = shared_name
+        setattr(self, shared_name, shared)
+        self.shared_expert_gate = shared_gate
 
     def shared_forward(self, tokens):
         """The dense part added to the routed experts' output (zero without a shared expert)."""
-        if self.shared_expert is None:
+        shared = getattr(self, self.shared_name)
+        if shared is None:
             return torch.zeros_like(tokens)
-        out = self.shared_expert(tokens)
+        out = shared(tokens)
         return out if self.shared_expert_gate is None else \
             torch.sigmoid(self.shared_expert_gate(tokens)) * out
 
@@ -78,6 +88,7 @@ class HFExpertLayer(nn.Module):
         weight, expert = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weight = weight / weight.sum(dim=-1, keepdim=True)
+        weight = weight * self.routed_scaling_factor
         out = self.shared_forward(tokens)
         for e, module in enumerate(self.experts):
             tok, slot = (expert == e).nonzero(as_tuple=True)
@@ -99,7 +110,8 @@ def as_expert_layer(block):
     if top_k is None or gate is None or not hasattr(gate, "weight"):
         raise ValueError(f"ExpertParallel: {name} is neither labkit's MoE layer (it names no "
                          "capacity_factor) nor a transformers block with a top-k gate it knows")
-    norm = getattr(block, "norm_topk_prob", getattr(gate, "norm_topk_prob", True))
+    _refuse_routing_it_cannot_compute(block, gate, name)
+    norm = _first_setting("norm_topk_prob", True, block, gate, getattr(block, "config", None))
     if isinstance(experts, nn.ModuleList):
         expert_list = experts                        # the older format: used as they are
     elif {n for n, _ in experts.named_parameters()} == {"gate_up_proj", "down_proj"} \
@@ -109,11 +121,39 @@ def as_expert_layer(block):
     else:
         raise ValueError(f"ExpertParallel: {name}'s experts ({type(experts).__name__}) are "
                          "neither a ModuleList nor stacked gate_up_proj/down_proj tensors")
+    shared_name = "shared_experts" if hasattr(block, "shared_experts") else "shared_expert"
+    scale = _first_setting("routed_scaling_factor", 1.0, gate, block)
     layer = HFExpertLayer(gate, expert_list, int(top_k), bool(norm),
-                          getattr(block, "shared_expert", None),
-                          getattr(block, "shared_expert_gate", None))
+                          getattr(block, shared_name, None),
+                          getattr(block, "shared_expert_gate", None), float(scale), shared_name)
     _check_against(block, layer, name)
     return layer
+
+
+def _first_setting(name, default, *holders):
+    """`name` from the first of `holders` (block, router, config) that has it set."""
+    for holder in holders:
+        value = getattr(holder, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _refuse_routing_it_cannot_compute(block, gate, name):
+    """Routing options of transformers' routers that the adaptation (softmax, top-k,
+    renormalise or not, scale) does not compute: refused by name, not left to the probe."""
+    method = getattr(gate, "topk_method", None) or getattr(block, "topk_method", None)
+    if method not in (None, "greedy"):
+        raise ValueError(f"ExpertParallel: {name} routes with topk_method={method!r} (top-k "
+                         "within the best expert groups); it computes only plain top-k "
+                         "(topk_method='greedy')")
+    if getattr(gate, "e_score_correction_bias", None) is not None:
+        raise ValueError(f"ExpertParallel: {name}'s router adds a score-correction bias "
+                         "(e_score_correction_bias, DeepSeek-V3's aux-free balancing) before "
+                         "its top-k; it computes only softmax top-k")
+    if getattr(getattr(block, "config", None), "scoring_func", "softmax") != "softmax":
+        raise ValueError(f"ExpertParallel: {name} scores experts with "
+                         f"{block.config.scoring_func}; it computes only softmax top-k")
 
 
 @torch.no_grad()

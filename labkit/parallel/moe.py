@@ -64,7 +64,6 @@ from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from . import expert_tp
 from .flat import FlatBuffer, average_gradients
-from .fully_shard import FullyShard
 from .hf_experts import as_expert_layer, is_hf_module, router_logits
 from .mappings import all_to_all_rows
 from .moe_routing import (capacity, choice_counts, kept_per_rank,  # noqa: F401
@@ -106,6 +105,8 @@ class ExpertParallel(nn.Module):
         self.top_k = int(_setting(moe_layer, "top_k"))
         self.capacity_factor = _setting(moe_layer, "capacity_factor")
         self.norm_topk_prob = _setting(moe_layer, "norm_topk_prob", None)
+        # DeepSeek-V2 scales the routed experts' gate weights (hf_experts reads it)
+        self.routed_scaling_factor = _setting(moe_layer, "routed_scaling_factor", 1.0)
         check_expert_parallel(self.num_experts, self.top_k, self.capacity_factor, n)
         if _setting(moe_layer, "dense", False):
             raise ValueError("ExpertParallel: a dense-dispatch layer runs every expert on "
@@ -142,6 +143,8 @@ class ExpertParallel(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         logits = router_logits(getattr(self.module, self._router_name), tokens)
         probs, expert, weight = top_k_gates(logits, k, self.norm_topk_prob)
+        if self.routed_scaling_factor != 1.0:
+            weight = weight * self.routed_scaling_factor
         # 1. every rank's routing counts: the group's queue, the same on every rank
         mine = torch.cat([choice_counts(expert, E).flatten(),
                           torch.tensor([tokens.shape[0]], device=tokens.device)])
@@ -190,21 +193,16 @@ class ExpertParallel(nn.Module):
             if p.requires_grad:
                 p.register_hook(lambda grad: grad / n)
 
-    def shard_experts(self, group: GroupLike = None) -> FullyShard:
-        """ZeRO-3 of this rank's experts over `group`: the ranks holding the same experts
-        (their replicas, never ranks of this EP group, whose experts differ; torchtitan's
-        fully_shard of the experts over its dp_shard_mod_ep mesh). One FullyShard unit per
-        expert, in `experts`' place; the gradients are reduce-scattered and averaged over
-        `group`. Each local expert then runs on every forward, on no rows if none came: its
-        gathers and reduce-scatters are collectives every replica must join (its gradient is
-        then zero, not None). Wrap the enclosing block in FullyShard after this, not before."""
-        experts = self.module.experts
-        sharded = FullyShard(experts, group, units=lambda m: any(
-            m is e for e in experts.values()))
+    def use_sharded_experts(self, sharded: nn.Module, compute_parameters) -> None:
+        """Run this rank's experts through `sharded`, a module that now holds them (ZeRO-3 of
+        the experts over their replicas: the FullyShard hybrid.py's `shard_experts` builds),
+        its forward computing with `compute_parameters`, whose gradients are then divided by
+        N as the whole experts' were. Each local expert then runs on every forward, on no rows
+        if none came: a sharded expert's gathers and reduce-scatters are collectives every
+        replica must join (its gradient is then zero, not None)."""
         self.module.experts, self.run_every_expert = sharded, True
         if self.group.size > 1:   # the hooks on the whole parameters compute no more
-            self._mean_over_group(sharded.compute_parameters())
-        return sharded
+            self._mean_over_group(compute_parameters)
 
     def _run_experts(self, rows, row_expert):
         # rows * 0 keeps the arrived rows in the graph even when none is for a local expert
