@@ -7,7 +7,8 @@ because the installed version no longer has it), and DeepSeek-V2's (its `shared_
 ungated, the top-k not renormalised (norm_topk_prob=False), a routed_scaling_factor). On 2
 ranks, each with half the batch, 2 SGD steps leave the gathered parameters within rounding of
 the unwrapped model trained on the whole batch on one device (labkit.numerics); greedy
-`generate` through the EP model gives the single-device tokens. A block the adaptation does not reproduce is refused in one line.
+`generate` through the EP model gives the single-device tokens. A block the adaptation does
+not reproduce, and a routing option it does not compute, are refused in one line.
 """
 import pytest
 import torch
