@@ -32,8 +32,19 @@ WRONG = {  # name -> (plan, problem tag, words the message must say)
     "dense-as-vocab": ({**SOLUTION, "model.layers.*.self_attn.dense": "vocab"}, "vocab",
                        ["dense planned 'vocab'"]),
     "typo": ({**SOLUTION, "model.layers.*.mlp.fc3": "rowwise"}, "refused",
-             ["'model.layers.*.mlp.fc3' matches no module of PhiForCausalLM"]),
+             ["'model.layers.*.mlp.fc3' matches no module of PhiForCausalLM",
+              "model.layers.0.mlp.fc1)"]),     # labkit's refusal whole, its list not cut
+    "no-model-prefix": ({k.removeprefix("model."): v for k, v in SOLUTION.items()},
+                        "no model. prefix", ["sit under `model.`", "Nothing ran",
+                                             "labkit refuses", "model.layers.0.mlp.fc1)"]),
+    "head-rowwise": ({**SOLUTION, "lm_head": "rowwise"}, "head rowwise",
+                     ["lm_head planned 'rowwise'", "its input", "raised"]),
+    "head-colwise": ({**SOLUTION, "lm_head": "colwise"}, "head colwise",
+                     ["leaves the logits split", "needs the gathered logits", "raised"]),
 }
+NOT_SAID = {"no-model-prefix": ["right numbers", "no memory"],
+            "head-rowwise": ["reads right to the lab"],
+            "head-colwise": ["labkit refuses"]}   # the loss's error is the run's, not labkit's
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +71,8 @@ def test_each_wrong_plan_gets_its_own_diagnosis(checks, name):
     assert not check.ok and check.problem == problem, check.message
     for said in words:
         assert said in check.message, (said, check.message)
+    for wrong in NOT_SAID.get(name, ()):
+        assert wrong not in check.message, (wrong, check.message)
 
 
 def test_what_is_not_a_plan_is_answered_in_one_line():

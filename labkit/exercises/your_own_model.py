@@ -9,8 +9,10 @@ float32 and float64, judged by `labkit.numerics` (losses and gathered parameters
 plausible wrong plan gets its own message: column and row swapped, a layer missed (whole on
 every rank: right but not split, or a broken pair), the attention module planned as if it were
 one fused projection, another family's fused projections (Phi-3's qkv_proj, gate_up_proj:
-split part by part there, absent here), a key that names no layer; what the run gave (an
-error, numbers that differ from one device) is said with it.
+split part by part there, absent here), names without their `model.` prefix, lm_head rowwise
+(its input is whole) or colwise (the logits left split, which the loss cannot take), a key that
+names no layer; what the run gave (labkit's refusal, whole, before anything ran; an error of
+the run; numbers that differ from one device) is said with it.
 """
 import torch
 
@@ -74,13 +76,16 @@ def _run_plans(ctx, plans):
     out = []
     for plan in plans:
         model = build_phi()
+        stage = "refused"           # an error in parallelize is labkit refusing the plan
         try:
             tp.parallelize(model, plan)
+            stage = "raised"        # after it, the run itself failed (a shape, the loss)
             losses = _train(model)
             with ctx.off_the_record():
                 full = tp.gather_params(model)
         except Exception as error:  # noqa: BLE001 - the learner's plan: report, never crash
-            out.append(dict(error=f"{type(error).__name__}: {str(error).splitlines()[0]}"))
+            out.append(dict(error=f"{type(error).__name__}: {str(error).splitlines()[0]}",
+                            stage=stage))
             continue
         loss = numerics.compare_loss(losses, *reference)
         agree = numerics.compare(full, *params)
@@ -121,6 +126,14 @@ def _read_plan(model, plan):
     """The first mistake a reading of the plan finds, as (problem, message), or None."""
     from ..parallel.tensor_parallel_plan import _matches
     modules = dict(model.named_modules())
+    unprefixed = [p for p in plan if not any(_matches(p, n) for n in modules)
+                  and any(_matches("model." + p, n) for n in modules)]
+    if unprefixed:
+        return "no model. prefix", (
+            f"{', '.join(repr(p) for p in unprefixed)} name{'s' if len(unprefixed) == 1 else ''}"
+            " no module: Phi's embedding and layers sit under `model.` (print(model) shows "
+            "model.layers.0.self_attn.q_proj; only lm_head is at the top), so write "
+            f"{'model.' + unprefixed[0]!r}. Nothing ran: no step was trained or compared.")
     fused = sorted({p.rsplit(".", 1)[-1] for p in plan if p.rsplit(".", 1)[-1] in FUSED_ELSEWHERE
                     and not any(_matches(p, n) for n in modules)})
     if fused:
@@ -153,6 +166,22 @@ def _read_plan(model, plan):
         return "vocab", (f"{', '.join(vocab_misused)} planned 'vocab': only the embedding "
                          "and lm_head have a vocabulary to split; the others are colwise "
                          "or rowwise.")
+    head = {s for n, s in planned.items() if leaves[n] == "lm_head"}
+    if "rowwise" in head:
+        return "head rowwise", (
+            "lm_head planned 'rowwise': a rowwise layer takes its input already split by "
+            "features (the output of its colwise partner, as dense takes the attention's "
+            "heads), but lm_head's input is the final layer norm's whole hidden state and it "
+            "has no partner, so its input does not match its split weight. Split it by "
+            "vocabulary: 'vocab' (each rank the logits of its share of the vocabulary, then "
+            "gathered for the loss).")
+    if "colwise" in head:
+        return "head colwise", (
+            "lm_head planned 'colwise' (Megatron's own choice) leaves the logits split: each "
+            "rank holds the logits of its half of the vocabulary, but the model's loss "
+            "(cross-entropy over the whole vocabulary) needs the gathered logits. Megatron "
+            "pairs its colwise head with a vocab-parallel cross-entropy, which an HF model's "
+            "loss is not: plan lm_head 'vocab', which gathers the logits for the loss.")
     missed = sorted({leaves[n] for n in leaves if n not in planned
                      and leaves[n] in COLWISE + ROWWISE})
     if missed:
@@ -171,8 +200,10 @@ def _read_plan(model, plan):
 
 
 def _ran(result):
+    if result.get("stage") == "refused":
+        return f"labkit refused it before any step ran: {result['error']}"
     if "error" in result:
-        return f"On 2 ranks it raised {result['error'][:160]}"
+        return f"On 2 ranks it raised {result['error']}"
     if not result["ok"]:
         return (f"On 2 ranks it differs from one device: loss {result['loss']}; parameters "
                 f"{result['params']}")
@@ -180,15 +211,15 @@ def _ran(result):
 
 
 def _judge(model, plan, result):
-    if "error" in result and result["error"].startswith("ValueError"):   # labkit refused it
-        found = _read_plan(model, plan)
-        if found:
-            return Check(False, found[0], f"Not yet: {found[1]} (labkit refuses: "
-                         f"{result['error'][12:][:160]})")
-        return Check(False, "refused", f"labkit refuses the plan: {result['error'][12:]}")
+    refusal = result["error"].removeprefix("ValueError: ") \
+        if result.get("stage") == "refused" else None
     found = _read_plan(model, plan)
+    if refusal is not None:      # labkit refused it in parallelize: nothing ran
+        if found:
+            return Check(False, found[0], f"Not yet: {found[1]} (labkit refuses: {refusal})")
+        return Check(False, "refused", f"labkit refuses the plan: {refusal}")
     if found:
-        return Check(False, found[0], f"Not yet: {found[1]} {_ran(result)}.")
+        return Check(False, found[0], f"Not yet: {found[1]} {_ran(result).rstrip('.')}.")
     if not result.get("ok"):
         return Check(False, "wrong", f"{_ran(result)}, and the plan reads right to the lab: "
                      "compare each style with print(model).")
