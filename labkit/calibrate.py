@@ -15,7 +15,6 @@ roofline, theory/transformer.py's 6N + 12Lhs FLOPs at the MAMF ceiling, theory/k
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from .theory import plan_cluster, serving, transformer
 from .theory.error_band import LLAMA_1B, model_shape
 from .theory.profile import catalog_gpu, check_profile, peak_tflops
+from .runtime.atomic import write_json
 
 # LLAMA_1B: the measured model's shape (theory/error_band.py keeps it: its check rows model the
 # same shape); the quick run keeps the same shape, fewer repetitions.
@@ -293,6 +293,9 @@ def side_by_side(profile):
 
 def calibrate_command(out=None, quick=False):
     """The CLI: 1 (one line, no traceback) without a GPU, else measure, print, write."""
+    if out:   # before minutes of measuring: a folder, a missing folder, a read-only place
+        from .cli_output import check_writable
+        check_writable(out, "--out")
     reason = no_gpu_reason()
     if reason:
         print(f"calibrate: {reason}; it measures a CUDA GPU, nothing to do", file=sys.stderr)
@@ -302,7 +305,6 @@ def calibrate_command(out=None, quick=False):
     for line in side_by_side(profile):
         print(line, flush=True)
     if out:
-        with open(out, "w", encoding="utf-8") as f:
-            json.dump(profile, f, indent=1)
+        write_json(out, profile, indent=1)   # atomic: a failed write keeps the old profile
         print(f"calibrate: profile written to {out} ({time.perf_counter() - start:.0f} s)")
     return 0

@@ -4,7 +4,10 @@ torch, so each answers in well under a second on a laptop. `--gpu-profile FILE` 
 that `python -m labkit calibrate` measured on a real GPU) replaces the datasheet's peak and HBM
 bandwidth in both planners."""
 import argparse
+import math
 import sys
+
+from .cli_output import finish
 
 
 def plan_arguments(parser):
@@ -69,6 +72,7 @@ def plan_command(args):
                              "--gpu-hbm-tbps together")
         gpu = hardware.custom_gpu(*custom, link_name=args.intra_link or "NVLink 4",
                                   fp8_tflops=args.gpu_fp8_tflops)
+    check_fix(args.fix)
     header = None
     if getattr(args, "gpu_profile", None):
         from .theory import profile
@@ -106,8 +110,33 @@ def plan_command(args):
     return family + miniature.format_rows(run_miniature(best))
 
 
+def check_fix(text):
+    """--fix gives each field once: `tp=8,tp=4` once served tp=4 without a word."""
+    seen = {}
+    for part in filter(None, (p.strip() for p in str(text or "").split(","))):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key in seen:
+            raise ValueError(f"--fix {text}: {key} is given twice ({seen[key]} and "
+                             f"{value.strip()}); give each field once")
+        seen[key] = value.strip()
+
+
+def check_serving_rate(out, args):
+    """A best plan that serves under half a token per second per GPU (--gpus 1000000000 at
+    batch 1: every replica but one idle) prints as 0: say so instead of ranking it."""
+    best = out["plans"][0]
+    if best["fits"] and not best["reason"] and best["tokens_per_s_per_gpu"] < 0.5:
+        raise ValueError(
+            f"--gpus {args.gpus}: the best plan serves {best['tokens_per_s_per_gpu']:.2g} "
+            f"output tokens/s per GPU ({args.batch or 1:,} request(s) at once on "
+            f"{args.gpus:,} GPUs: nearly every GPU idle); give fewer --gpus or a larger "
+            "--batch")
+
+
 def format_plans(out):
-    """The training planner's ranking as text (what `python -m labkit plan` prints); all times are modelled."""
+    """The training planner's ranking as text (what `python -m labkit plan` prints); all times
+    are modelled."""
     from .theory import planner
     c, m = out["cluster"], out["model"]
     lines = [f"{m['display_name']} ({m['params'] / 1e9:.1f}B params) on {c['gpus']} x "
@@ -207,8 +236,10 @@ def serve_plan_main(argv):
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
                                  f"got {value}")
-        if args.max_tpot_ms is not None and not args.max_tpot_ms > 0:
-            raise ValueError(f"--max-tpot-ms must be positive, got {args.max_tpot_ms}")
+        if args.max_tpot_ms is not None and not 0 < args.max_tpot_ms < math.inf:
+            raise ValueError(f"--max-tpot-ms must be a positive finite number, got "
+                             f"{args.max_tpot_ms}")
+        check_fix(args.fix)
         gpu, header = args.gpu, None
         if args.gpu_profile:
             from .theory import profile
@@ -216,12 +247,18 @@ def serve_plan_main(argv):
                                            args.gpu if "--gpu" in argv else None)
         if args.rate is not None or args.ttft_ms is not None or args.tpot_ms is not None:
             return _stream_plan(args, argv, gpu, header)
+        stream_only = [f for f in ("--requests", "--chunk", "--seed")
+                       if any(a == f or a.startswith(f + "=") for a in argv)]
+        if stream_only:
+            raise ValueError(f"{stream_only[0]} shapes a request stream (--rate R); without "
+                             "--rate it does not apply: drop it or give --rate")
         out = serving.plan_serving(
             args.model, args.gpus, gpu, prompt_len=args.prompt_len or args.context or 1024,
             new_tokens=args.new_tokens, batch=args.batch or 1, weights=args.weights,
             kv_dtype=args.kv_dtype, max_tpot_ms=args.max_tpot_ms, fix=args.fix,
             gpus_per_node=args.gpus_per_node, intra_link=args.intra_link,
             inter_link=args.inter_link, top=args.top)
+        check_serving_rate(out, args)
         from .theory import error_band
         # the published rows ran on their own H100s, so a profile changes only the H200 rows
         out["error_band"] = error_band.serving_band(profiled=bool(header))
@@ -230,15 +267,14 @@ def serve_plan_main(argv):
         print(f"error: {message}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        best = out["plans"][0]
-        band = error_band.format_band(out["error_band"], best["tokens_per_s_per_gpu"]
-                                      if best["fits"] and not best["reason"] else None,
-                                      unit="output tokens/s per GPU")
-        print("\n".join(([header] if header else []) + [serving.format_serving_plans(out)]
-                        + band))
-    return 0
+        return finish(json.dumps(out, indent=2))
+    best = out["plans"][0]
+    band = error_band.format_band(out["error_band"], best["tokens_per_s_per_gpu"]
+                                  if best["fits"] and not best["reason"] else None,
+                                  unit="output tokens/s per GPU")
+    # finish: a stdout that refuses the text (> /dev/full) is one line and exit 1
+    return finish("\n".join(([header] if header else []) + [serving.format_serving_plans(out)]
+                             + band))
 
 
 def _stream_plan(args, argv, gpu, header):
@@ -257,7 +293,5 @@ def _stream_plan(args, argv, gpu, header):
         max_batch=args.batch or 64, chunk=args.chunk, ttft_ms=args.ttft_ms,
         tpot_ms=args.tpot_ms, kv_dtype=args.kv_dtype, seed=args.seed)
     if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        print((header + "\n" if header else "") + stream_sim.format_stream_plan(out))
-    return 0
+        return finish(json.dumps(out, indent=2))
+    return finish((header + "\n" if header else "") + stream_sim.format_stream_plan(out))

@@ -16,8 +16,9 @@ checks run on CPU with gloo (tests/test_gpu_check.py), all but the CUDA timing.
 from __future__ import annotations
 
 import copy
-import json
+import math
 import os
+import tempfile
 import time
 
 import torch
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from . import numerics
 from .models import GPTConfig, MoEConfig, TinyGPT, build_moe
+from .runtime.atomic import write_json, write_text
 
 SMALL = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64)
 BATCH, STEPS, LR = 4, 3, 1e-2
@@ -340,18 +342,38 @@ def gpu_check(out_dir, budget_s=280.0, device=None, backend=None, calibrate=True
     rows += block_rows(backend, budget)
     text = table(rows)
     print(text, flush=True)
-    with open(os.path.join(out_dir, "table.md"), "w", encoding="utf-8") as f:
-        f.write(text + "\n")
-    with open(os.path.join(out_dir, "rows.json"), "w", encoding="utf-8") as f:
-        json.dump(dict(torch=torch.__version__, backend=backend, rows=rows), f, indent=1)
+    # each file whole or not at all (a full disk once left an empty rows.json)
+    write_text(os.path.join(out_dir, "table.md"), text + "\n")
+    write_json(os.path.join(out_dir, "rows.json"),
+               dict(torch=torch.__version__, backend=backend, rows=rows), indent=1)
     if profile is not None:
-        with open(os.path.join(out_dir, "profile.json"), "w", encoding="utf-8") as f:
-            json.dump(profile, f, indent=1)
+        write_json(os.path.join(out_dir, "profile.json"), profile, indent=1)
     return rows
+
+
+def check_arguments(out_dir, budget_s):
+    """Refuse, in one line before anything is measured, a budget that checks nothing (0,
+    negative, NaN) and an --out-dir that cannot take the files (a file, a place that refuses
+    them): the check once ran and exited 0 having checked nothing, or ended in a traceback."""
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) \
+            or not 0 < budget_s < math.inf:
+        raise ValueError(f"--budget-s must be a positive finite number of seconds, got "
+                         f"{budget_s!r}")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"--out-dir {out_dir}: is a file, not a folder; give a folder name")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe, name = tempfile.mkstemp(dir=out_dir, prefix=".gpu-check-probe-")
+        os.close(probe)
+        os.remove(name)
+    except OSError as error:
+        raise ValueError(f"--out-dir {out_dir}: cannot write there "
+                         f"({error.strerror or error})") from None
 
 
 def gpu_check_command(out_dir="build/gpu-check", budget_s=280.0):
     """The CLI: exit 0 when no check FAILed (1 otherwise); runs on CPU too, saying so."""
+    check_arguments(out_dir, budget_s)
     start = time.perf_counter()
     rows = gpu_check(out_dir, budget_s)
     failed = [r["check"] for r in rows if r["result"] == "FAIL"]

@@ -13,6 +13,8 @@ microseconds (the format's unit; modelled times of a tiny model are fractions of
 """
 import json
 
+from . import atomic
+
 THREADS = ("compute", "comm", "send", "recv")   # tids 0-3 of every trace process
 US = 1e6
 
@@ -59,8 +61,7 @@ def to_trace(timeline, path=None, cluster=None, **metadata):
                  otherData=dict(_plain(metadata), units="microseconds",
                                 note="modelled and measured times are separate processes"))
     if path is not None:
-        with open(path, "w") as f:
-            json.dump(trace, f)
+        atomic.write_json(path, trace)   # whole or not at all: never half a trace
     return trace
 
 

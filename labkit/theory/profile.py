@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
+import unicodedata
 
 from . import hardware
 
@@ -29,6 +32,16 @@ LISTS = {"gemm": {"m": int, "n": int, "k": int, "dtype": str, "tflops": float},
          "train_step_s": {"model": str, "batch": int, "seq": int, "seconds": float},
          "all_reduce": {"bytes": int, "seconds": float}}
 LARGE_GEMM = 4096   # a GEMM counts toward the peak when m, n and k are all at least this
+# What a measurement can be, so that a typo or a forged file cannot plan a 1e303 s step. GEMM:
+# a batch-1 GEMV on a V100 runs ~0.3 TFLOP/s; the fastest catalog GPU (GB200, 2,500 dense bf16,
+# its datasheet in labkit/tables/hardware.csv) is 40x below the top. HBM: the catalog spans
+# 900 GB/s (V100) to 8,000 GB/s (B200). Times: nothing on a GPU ends in under 100 ns (a kernel
+# launch takes microseconds), and calibrate measures nothing that takes a day.
+BOUNDS = {"tflops": (0.01, 100_000.0, "TFLOP/s"), "hbm_gbps": (10.0, 100_000.0, "GB/s"),
+          "seconds": (1e-7, 86_400.0, "s")}
+MAX_INT = 2 ** 40      # shapes, batches and bytes: beyond it a field is a typo
+MAX_BYTES = 1 << 20    # a profile is a few kilobytes
+MAX_NAME = 200         # characters of the "gpu" and "torch" strings
 
 
 def check_profile(data, where="profile"):
@@ -38,7 +51,10 @@ def check_profile(data, where="profile"):
     for key in ("gpu", "torch"):
         if not isinstance(data.get(key), str):
             raise ValueError(f"{where}: '{key}' must be a string, got {data.get(key)!r}")
-    _positive(data.get("hbm_gbps"), f"{where}: 'hbm_gbps'")
+        if not 0 < len(data[key]) <= MAX_NAME:
+            raise ValueError(f"{where}: '{key}' must be 1 to {MAX_NAME} characters, got "
+                             f"{len(data[key])}")
+    _positive(data.get("hbm_gbps"), f"{where}: 'hbm_gbps'", BOUNDS["hbm_gbps"])
     for key, fields in LISTS.items():
         rows = data.get(key)
         if not isinstance(rows, list):
@@ -53,32 +69,65 @@ def check_profile(data, where="profile"):
                     if not isinstance(value, str):
                         raise ValueError(f"{label} must be a string, got {value!r}")
                 elif kind is int:
-                    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                        raise ValueError(f"{label} must be a positive integer, got {value!r}")
+                    if not isinstance(value, int) or isinstance(value, bool) or \
+                            not 1 <= value <= MAX_INT:
+                        raise ValueError(f"{label} must be a positive integer (at most "
+                                         f"2^40), got {value!r}")
                 else:
-                    _positive(value, label)
+                    _positive(value, label, BOUNDS[name])
     if not data["gemm"]:
         raise ValueError(f"{where}: 'gemm' has no measurement")
     return data
 
 
-def _positive(value, label):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
-        raise ValueError(f"{label} must be a positive number, got {value!r}")
+def _positive(value, label, bounds):
+    low, high, unit = bounds
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not low <= value <= high:
+        raise ValueError(f"{label} must be a positive number, {low:g} to {high:,g} {unit} "
+                         f"(what a GPU can measure), got {value!r}")
+
+
+def printable(text):
+    """`text` with its control and format characters escaped (\\n, \\x1b, \\u202e): a
+    name read from a file can then neither forge a line of output nor move the terminal."""
+    return "".join(c.encode("unicode_escape").decode("ascii")
+                   if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")
+                   else c for c in text)
 
 
 def load_profile(path):
-    """Read and check a profile file; a missing, unreadable or malformed one: one-line
-    ValueError naming the file and what is wrong."""
+    """Read and check a profile file; a missing, unreadable, non-regular (a FIFO would block
+    forever), oversized, non-UTF-8, too deeply nested or malformed one: one-line ValueError
+    naming the file and what is wrong. Its "gpu" and "torch" names come back printable."""
+    where = f"--gpu-profile {printable(str(path))}"
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb", opener=_open_nonblocking) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError(f"{where}: not a regular file (a folder, FIFO or device); "
+                                 "give the JSON file `calibrate --out` wrote")
+            raw = f.read(MAX_BYTES + 1)
     except OSError as error:
-        raise ValueError(f"--gpu-profile {path}: cannot read it ({error.strerror})") from None
+        raise ValueError(f"{where}: cannot read it ({error.strerror or error})") from None
+    if len(raw) > MAX_BYTES:
+        raise ValueError(f"{where}: larger than {MAX_BYTES // 1024} KiB; a profile is a few KiB")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{where}: not UTF-8 text (byte {error.start}); a profile must be "
+                         "UTF-8 JSON") from None
     except json.JSONDecodeError as error:
-        raise ValueError(f"--gpu-profile {path}: not JSON ({error.msg}, line {error.lineno})") \
-            from None
-    return check_profile(data, where=f"--gpu-profile {path}")
+        raise ValueError(f"{where}: not JSON ({error.msg}, line {error.lineno})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply to be a profile") from None
+    check_profile(data, where=where)
+    return dict(data, gpu=printable(data["gpu"]), torch=printable(data["torch"]))
+
+
+def _open_nonblocking(path, flags):
+    """open(2) that cannot block on a FIFO with no writer (the check for a regular file
+    follows)."""
+    return os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
 
 
 def peak_tflops(profile):
@@ -107,10 +156,10 @@ def profiled_gpu(profile, gpu=None):
     measured peak bf16 FLOP/s (also as its MAMF) and HBM bandwidth in place of the catalog's."""
     base = hardware.gpu(gpu) if gpu is not None else catalog_gpu(profile["gpu"])
     if base is None:
-        raise ValueError(f"the profile's GPU {profile['gpu']!r} is not in the catalog: "
-                         "give --gpu too")
+        raise ValueError(f"the profile's GPU '{printable(profile['gpu'])}' is not in the "
+                         "catalog: give --gpu too")
     peak = peak_tflops(profile) * 1e12
-    return dataclasses.replace(base, name=f"{base.name} (measured: {profile['gpu']})",
+    return dataclasses.replace(base, name=f"{base.name} (measured: {printable(profile['gpu'])})",
                                bf16_flops=peak, mamf_bf16_flops=peak,
                                memory_bw=profile["hbm_gbps"] * 1e9, hbm_fraction=1.0)
 
@@ -119,7 +168,7 @@ def plan_gpu(path, gpu=None):
     """`plan --gpu-profile PATH`: (the profiled GPU, the plan's first line saying so)."""
     measured = load_profile(path)
     g = profiled_gpu(measured, gpu)
-    return g, (f"GPU numbers from the profile {path} (measured on {measured['gpu']}): peak "
-               f"bf16 {g.bf16_flops / 1e12:.1f} TFLOP/s (best large GEMM), HBM "
-               f"{g.memory_bw / 1e9:.0f} GB/s; the rest: the catalog's "
+    return g, (f"GPU numbers from the profile {printable(str(path))} (measured on "
+               f"{printable(measured['gpu'])}): peak bf16 {g.bf16_flops / 1e12:.1f} TFLOP/s "
+               f"(best large GEMM), HBM {g.memory_bw / 1e9:.0f} GB/s; the rest: the catalog's "
                f"{g.name.split(' (measured')[0]}; MFU below is of the measured peak")

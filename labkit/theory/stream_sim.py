@@ -10,6 +10,7 @@ meeting --ttft-ms and --tpot-ms, DistServe's measure, Zhong et al. OSDI'24, arXi
 2401.09670) of each policy, for a catalog model whose weights fit one GPU, one replica per GPU,
 the stream dealt round robin. All modelled. Plain Python: no torch.
 """
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,6 +22,9 @@ BLOCK_SIZE = 16         # tokens per KV block: vLLM's default block size (vLLM d
 CHUNK = 512             # prefill tokens per step: the token budget Sarathi-Serve (arXiv
                         # 2403.02310) runs under strict latency SLOs
 POLICIES = (("static", None), ("continuous", None), ("continuous", CHUNK))
+MAX_REQUESTS = 10_000   # a longer stream simulates for minutes (its percentiles settle sooner)
+MAX_STREAM_S = 3.2e7    # a year of arrivals: beyond it, float64 seconds lose the microseconds
+                        # a step takes (1e300 + 0.005 == 1e300: every latency would read 0)
 
 
 @dataclass
@@ -82,6 +86,7 @@ def simulate(stream, step_time, policy="continuous", max_batch=8, chunk=None,
     """stream: [{id, prompt, output, arrival_s}]; step_time([(new, cached)]) -> seconds.
     Returns the SimRequests, finished, with token_times (seconds), in the order of the
     Engine's steps (admit, pieces with decodes first, grow or preempt the newest, step)."""
+    check_stream(stream, num_blocks * block_size)
     cache = BlockCounts(num_blocks, block_size)
     waiting = deque(SimRequest(r["id"], r["prompt"], r["output"], r["arrival_s"])
                     for r in sorted(stream, key=lambda r: r["arrival_s"]))
@@ -115,6 +120,44 @@ def simulate(stream, step_time, policy="continuous", max_batch=8, chunk=None,
     return sorted(finished, key=lambda r: r.id)
 
 
+def check_stream(stream, pool_tokens):
+    """Refuse, before the loop, a stream `simulate` could not finish: a request larger than
+    the whole KV pool would wait for blocks forever, an arrival that is not a finite number of
+    seconds >= 0 would never come (or come before the start)."""
+    for r in stream:
+        if not (isinstance(r["arrival_s"], (int, float)) and 0 <= r["arrival_s"] < math.inf):
+            raise ValueError(f"request {r['id']}: arrival_s must be a finite number of seconds "
+                             f">= 0, got {r['arrival_s']!r}")
+        for name in ("prompt", "output"):
+            if isinstance(r[name], bool) or not isinstance(r[name], int) or r[name] < 1:
+                raise ValueError(f"request {r['id']}: {name} must be a positive integer, got "
+                                 f"{r[name]!r}")
+        if r["prompt"] + r["output"] > pool_tokens:
+            raise ValueError(f"request {r['id']}: prompt {r['prompt']} + output {r['output']} "
+                             f"tokens exceed the whole KV pool ({pool_tokens:,} token slots), "
+                             "so it could never be admitted")
+
+
+def check_plan_inputs(rate, requests, ttft_ms, tpot_ms):
+    """`plan --serve --rate`'s numbers, one line each before anything is simulated."""
+    if isinstance(requests, bool) or not isinstance(requests, int) or not \
+            1 <= requests <= MAX_REQUESTS:
+        raise ValueError(f"--requests must be an integer from 1 to {MAX_REQUESTS:,} (a longer "
+                         f"stream simulates for minutes), got {requests!r}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+        raise ValueError(f"--rate must be a positive finite number of requests per second, "
+                         f"got {rate!r}")
+    if requests / rate > MAX_STREAM_S:
+        raise ValueError(f"--rate {rate:g}: {requests} requests would arrive over "
+                         f"{requests / rate:.3g} s, more than a year ({MAX_STREAM_S:.2g} s); "
+                         "give a larger --rate")
+    for flag, value in (("--ttft-ms", ttft_ms), ("--tpot-ms", tpot_ms)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise ValueError(f"{flag} must be a positive finite number of milliseconds, got "
+                             f"{value!r}")
+
+
 def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
                 new_tokens=128, max_batch=64, chunk=CHUNK, ttft_ms=None, tpot_ms=None,
                 kv_dtype="bf16", seed=0):
@@ -122,6 +165,7 @@ def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
     one GPU each, modelled: {model, cluster, workload, modelled, policies[{policy, chunk,
     latency, throughput_tokens_per_s, goodput, preemptions, steps}]}. Prompt and output
     lengths are uniform within +-50 % of prompt_len and new_tokens (seeded)."""
+    check_plan_inputs(rate, requests, ttft_ms, tpot_ms)
     m, g = parse_model(model), hardware.gpu(gpu)
     usable, weights = g.memory_bytes - RESERVED_BYTES, m.param_count() * 2
     if weights >= usable:
@@ -134,6 +178,12 @@ def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
                              f"got {value!r}")
     slots = (usable - weights) / model_serving.kv_bytes_per_token(m, kv_dtype)
     lengths = [(max(1, n // 2), max(1, n * 3 // 2)) for n in (prompt_len, new_tokens)]
+    pool = int(slots // BLOCK_SIZE) * BLOCK_SIZE
+    if lengths[0][1] + lengths[1][1] > pool:
+        raise ValueError(f"--prompt-len {prompt_len} and --new-tokens {new_tokens}: the "
+                         f"longest request (+50%: {lengths[0][1]:,} + {lengths[1][1]:,} tokens) "
+                         f"exceeds the KV pool one {g.name} holds beside the weights "
+                         f"({pool:,} token slots)")
     stream = stream_theory.poisson_stream(requests, rate, *lengths, seed=seed)
     step = partial(stream_theory.modelled_step_s, m, g, kv_dtype=kv_dtype)
     rows = []
