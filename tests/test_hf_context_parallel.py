@@ -12,7 +12,9 @@ The refusals, each on every rank: eager attention (no scaled_dot_product_attenti
 route) and a hand-written attention name their module; a sliding window shorter than the
 sequence (the cores mask causally only); transformers' packed-sequence mask
 path (zigzag positions with use_cache=False: a 4-D mask on one rank only) is refused on both
-ranks before either enters the ring, so none waits forever.
+ranks before either enters the ring, so none waits forever. Falcon builds its own causal mask
+on every call: refused naming that cause, and built with `causal_sdpa()` (the advice) its
+gradients and loss equal one device.
 """
 import pytest
 import torch
@@ -20,6 +22,7 @@ import torch.nn as nn
 
 import labkit
 from labkit import numerics
+from labkit.parallel.context_batch import causal_sdpa
 from labkit.parallel.context_parallel import ContextParallel, context_parallel_batch
 from labkit.parallel.flat import average_gradients
 
@@ -37,6 +40,22 @@ def build(attn="sdpa"):
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2)
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+
+
+def build_falcon(attn="sdpa"):
+    import hf_tiny
+    model = hf_tiny.build_falcon()
+    if attn != "sdpa":
+        model.set_attn_implementation(attn)
+    return model.train()
+
+
+def falcon_one_device(dtype):
+    model = build_falcon(causal_sdpa()).to(dtype)
+    ids, labels = data()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.double() for n, p in model.named_parameters()}
 
 
 def data():
@@ -109,6 +128,13 @@ def on_ranks(ctx):
     packed = context_parallel_batch(ids, labels, layout="zigzag")
     out["packed"] = refusal(lambda: ContextParallel(build(), layout="zigzag")(
         **packed.inputs, use_cache=False))
+    out["falcon"] = refusal(lambda: ContextParallel(build_falcon(), layout="zigzag")(
+        **packed.inputs))
+    falcon = ContextParallel(build_falcon(causal_sdpa()), layout="zigzag")
+    loss = packed.loss(falcon(**packed.inputs).logits)
+    loss.backward()
+    average_gradients(falcon.parameters(), tag="cp grads")
+    out["falcon causal_sdpa"] = dict(loss=loss.item(), grads=grads(falcon))
     return out
 
 
@@ -161,3 +187,19 @@ def test_sliding_window_shorter_than_the_sequence_refused_on_every_rank(runs):
     transformers builds no mask and the cores would attend causally over all 16: refused."""
     for rank in range(2):
         assert "sliding window of 8 tokens, shorter than the 16-token" in runs[rank]["window"]
+
+
+def test_falcon_refusal_names_its_own_mask_and_its_advice_works(runs):
+    """Falcon materialises its causal mask on every call (to add ALiBi to it): the refusal says
+    so (not padding), and the model built as it advises equals one device."""
+    for rank in range(2):
+        message = runs[rank]["falcon"]
+        assert "the model built its own causal attn_mask" in message and "\n" not in message
+        assert "causal_sdpa()" in message and "padding" not in message
+    single_loss, single = falcon_one_device(torch.float32)
+    exact_loss, exact = falcon_one_device(torch.float64)
+    for rank in range(2):
+        mine = runs[rank]["falcon causal_sdpa"]
+        agreement = numerics.compare(mine["grads"], single, exact)
+        assert agreement, f"rank {rank}: {agreement}"
+        assert numerics.compare_loss([mine["loss"]], [single_loss], [exact_loss])

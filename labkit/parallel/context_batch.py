@@ -64,6 +64,45 @@ class ContextParallelBatch:
         return term + (mean - term.detach())
 
 
+CAUSAL_SDPA = "labkit_causal_sdpa"
+
+
+def causal_sdpa():
+    """The name of an attention implementation for transformers' `attn_implementation=`:
+    its SDPA, with a mask function that builds no mask, so every layer calls SDPA with
+    is_causal=True (right without padding: context-parallel batches have none). Registered
+    on first call."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(CAUSAL_SDPA, lambda *args, **kwargs: None)
+    return CAUSAL_SDPA
+
+
+def attn_mask_refusal(mask):
+    """ContextParallel's one-line refusal of an SDPA call with `mask` (b|1, h|1, q, k), naming
+    what the mask holds: the plain causal mask of the shard (a model that always builds one),
+    a position bias (ALiBi), or padding / packed sequences."""
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    q, k = mask.shape[-2:]
+    causal = torch.ones(q, k, dtype=torch.bool, device=mask.device).tril(k - q)
+    biased = mask.dtype != torch.bool and bool(mask.masked_select(allowed).ne(0).any())
+    if biased:
+        return ("ContextParallel: scaled_dot_product_attention got an attn_mask holding a "
+                "position bias (ALiBi, added to the mask by the model), which the cores do not "
+                "add: a model with ALiBi cannot run context-parallel here")
+    if bool((allowed == causal).all()):
+        return ("ContextParallel: the model built its own causal attn_mask of this rank's "
+                "tokens (it materialises one on every call, as Falcon does), which the cores "
+                "cannot take: build it with attn_implementation=causal_sdpa() (from "
+                "labkit.parallel.context_batch: SDPA's is_causal, no mask)")
+    return (f"ContextParallel: scaled_dot_product_attention got a {mask.dim()}-D attn_mask "
+            "that is not the causal one (padding, or packed sequences: position_ids that "
+            "jump with use_cache=False); the cores apply only the causal mask of the layout: "
+            "pass no attention_mask and keep use_cache on, see context_parallel_batch")
+
+
 def shift_labels(labels, ignore_index=IGNORE_INDEX):
     """target[t] = labels[t+1] on the whole sequence, the last position ignored."""
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], 1)

@@ -54,7 +54,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
-from .context_batch import ContextParallelBatch, context_parallel_batch
+from .context_batch import ContextParallelBatch, attn_mask_refusal, context_parallel_batch
 from .head_attention import all_gather_attention, check_ulysses_heads, ulysses_attention
 from .ring_attention import (LAYOUTS, SEQ_DIM, _check_layout, _sdpa, check_sequence,
                              gather_sequence, merge_partials, ring_attention,
@@ -209,12 +209,8 @@ class ContextParallel(nn.Module):
             problem = (f"ContextParallel: the model attends within a sliding window of "
                        f"{self._window} tokens, shorter than the {seq}-token sequence; the "
                        "cores apply a full causal mask")
-        elif attn_mask is not None:
-            problem = (f"ContextParallel: scaled_dot_product_attention got a "
-                       f"{attn_mask.dim()}-D attn_mask (transformers builds one for padding or "
-                       "packed sequences: position_ids that jump, with use_cache=False); the "
-                       "cores apply only the causal mask of the layout: pass no attention_mask "
-                       "and keep use_cache on, see context_parallel_batch")
+        elif attn_mask is not None:   # what the mask holds names the cause (context_batch)
+            problem = attn_mask_refusal(attn_mask)
         elif dropout_p:
             problem = "ContextParallel: attention dropout is not supported (dropout_p=0)"
         elif q.shape[1] != k.shape[1] and not extra.get("enable_gqa"):
