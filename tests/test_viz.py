@@ -523,11 +523,51 @@ def test_serving_tpot_bars_add_up_to_the_modelled_tpot():
     """Lesson 09's TPOT bars: the step, the TP and EP communication and the pipeline hand-offs
     stack to the modelled TPOT for every layout (no unexplained remainder)."""
     from labkit.theory.serving import serving_time
-    from labkit.viz.serving_widgets import _tpot_parts
+    from labkit.viz.serving_widgets import tpot_terms
     for model, layout in [("llama-3-70b", dict(tp=8)), ("llama-3-70b", dict(tp=4, pp=2)),
                           ("llama-3-70b", dict(pp=8)), ("mixtral-8x7b", dict(ep=8)),
                           ("llama-3-8b", dict(replicas=8))]:
         for batch in (1, 64):
             t = serving_time(model, gpu="H100", batch=batch, **layout)
-            assert abs(sum(_tpot_parts(t).values()) - t["tpot_s"]) <= 1e-9 * t["tpot_s"], \
+            assert abs(sum(tpot_terms(t).values()) - t["tpot_s"]) <= 1e-9 * t["tpot_s"], \
                 (model, layout, batch)
+
+
+def _extents(fig, artists):
+    renderer = fig.canvas.get_renderer()
+    return [a.get_window_extent(renderer) for a in artists]
+
+
+def test_memory_totals_never_overlap_and_titles_stay_inside_the_figure():
+    """Lesson 06's best plans (four totals near 65 GB on a narrow panel) and lesson 11's
+    explorer (a long title): each total clears its neighbours, each title the figure's edge."""
+    import transformers
+    from labkit.theory import planner
+    from labkit.viz.own_model_widgets import draw_own_model
+    from labkit.viz.planner_widgets import plan_figure
+    out = planner.plan("llama-3-70b", 64, "H100", global_batch=256, seq=4096, top=4)
+    fig = plan_figure(out)
+    totals = _extents(fig, fig.axes[0].labkit_stack["totals"])
+    assert len(totals) == 4
+    for a, b in zip(totals, totals[1:]):
+        assert a.x1 <= b.x0, (a, b)
+    fig11 = plt.figure(figsize=(9, 4.6))
+    draw_own_model(fig11.add_subplot(), {"Llama 3 8B": transformers.LlamaConfig()}, "Llama 3 8B",
+                   "FullyShard (ZeRO-3)", 64, 4096)
+    for f in (fig, fig11):
+        title = _extents(f, [f.axes[0].title])[0]
+        assert 0 <= title.x0 and title.x1 <= f.bbox.width and title.y1 <= f.bbox.height, title
+    assert "scores not kept" in fig11.axes[0].get_title().replace("\n", " ")
+
+
+def test_own_model_explorer_keeps_no_attention_scores_by_default():
+    """As SDPA / FlashAttention: the 5as/h score term is only there when asked ("eager")."""
+    from labkit.theory import memory
+    from labkit.viz.own_model_widgets import own_model_bytes
+    m = catalog.model("llama-3-8b")
+    flash = own_model_bytes("llama-3-8b", "FullyShard (ZeRO-3)", 64, 4096)
+    eager = own_model_bytes("llama-3-8b", "FullyShard (ZeRO-3)", 64, 4096, attention="eager")
+    scores = 5 * m.heads * 4096 / m.hidden * 4096 * m.hidden * m.layers   # Korthikanti's term
+    assert eager["activations"] - flash["activations"] == pytest.approx(scores)
+    assert flash["activations"] == memory.training_memory(
+        m, batch=1, seq=4096, dp=64, zero_stage=3, recompute="selective")["activations"]

@@ -159,7 +159,7 @@ def training_band(rows=None, measured="default", profiled=False):
     profile dict, None for none, default the lab's file)."""
     out = band(published_rows(rows))
     out.update(kind="training", quantity="modelled / published - 1 in TFLOP/s per GPU",
-               basis="published runs never fitted to (published_runs.csv, use=check)")
+               basis="published runs (published_runs.csv, use=check)")
     measured = load_measured() if measured == "default" else measured
     out["measured"] = band(measured_training_rows(measured, profiled)) \
         if measured and measured["train_step_s"] else None
@@ -174,7 +174,7 @@ def serving_band(rows=None, measured="default", profiled=False):
     out = band(published_serving_rows(rows))
     out.update(kind="serving", quantity="modelled / published - 1 in output tokens/s per GPU, "
                                         "TTFT rows in 1 / TTFT",
-               basis="published serving runs never fitted to (published_serving.csv)")
+               basis="published serving runs (published_serving.csv)")
     measured = load_measured() if measured == "default" else measured
     out["measured"] = band(measured_decode_rows(measured, profiled)) \
         if measured and measured["decode_step_s"] else None
@@ -189,7 +189,8 @@ def format_band(b, modelled=None, unit="tokens/s/GPU"):
     """The band as text lines (what `plan` prints under its table); `modelled`: the best plan's
     number in `unit`, turned into the range a real run is expected in."""
     lines = [f"expected error {_pct(b['low'])}/{_pct(b['high'])} ({b['quantity']}; "
-             f"{b['inside']} of {b['n']} {b['basis']}; all: {_pct(b['min'])}/"
+             f"{b['inside']} of the {b['n']} {b['basis']} lie inside the band, none was fitted "
+             f"to; all: {_pct(b['min'])}/"
              f"{_pct(b['max'])}, mean |error| {b['mean_abs']:.1%})"]
     if modelled:
         lines.append(f"  so the best plan's {modelled:,.0f} {unit} (modelled) would measure "

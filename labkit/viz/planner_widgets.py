@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt
 
 from ..theory import catalog, error_band, planner
 from .live import Drawing, neighbours, prefetch
-from .plots import memory_stack, restack, retime, stack_shape, time_shape, time_split
+from .plots import (fit_labels, memory_stack, restack, retime, stack_shape, time_shape,
+                    time_split)
 
 BREAKDOWN_LABELS = {"compute": "compute", "recompute": "recompute (incl. FlashAttention's)",
                     "tp_comm": "TP comm", "cp_comm": "CP ring (exposed)",
@@ -83,6 +84,8 @@ def plan_figure(out, k=4, fig=None):
     memory_stack(ax=left, **stack)
     time_split(ax=right, colors=BREAKDOWN_COLORS, **split)
     right.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    fit_labels(left)        # the memory panel's totals, at its width after the layout
     fig.tight_layout()
     return fig
 
@@ -234,7 +237,7 @@ def error_band_figure(band, calibration=(), ax=None, *, group="source",
     edges = [[x * (1 + band[k]) for x in line] for k in ("low", "high")]
     ax.fill_between(line, *edges, color="#1f77b4", alpha=0.12,
                     label=f"expected band {band['low']:+.0%}/{band['high']:+.0%} "
-                          f"({band['inside']} of {band['n']} check rows)")
+                          f"({band['inside']} of the {band['n']} check rows inside)")
     for edge in edges:
         ax.plot(line, edge, color="#1f77b4", lw=0.8, ls="--")
     ax.plot(line, line, color="0.3", lw=1, label="modelled = published")
@@ -245,7 +248,7 @@ def error_band_figure(band, calibration=(), ax=None, *, group="source",
                                "band)")
     ax.set(xscale="log", yscale="log", xlim=line, ylim=line, xlabel=f"published {unit}",
            ylabel=f"{model}, modelled {unit}",
-           title=f"modelled vs published: {band['n']} runs never fitted to, mean |error| "
+           title=f"modelled vs published: {band['n']} runs, none fitted to, mean |error| "
                  f"{band['mean_abs']:.1%} (X, *: outside the band)")
     fig.subplots_adjust(left=0.07, right=0.57)     # before the numbers are placed in pixels
     groups = sorted({r[group] for r in rows})

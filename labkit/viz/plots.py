@@ -160,7 +160,42 @@ def memory_stack(bars, capacity=None, title="", unit="GB", ax=None, keep=()):
     ax.labkit_stack = drawn
     restack(ax, bars, capacity, title, unit, keep)
     fig.tight_layout()
+    fit_labels(ax)      # the axes' final width decides whether totals and title fit
+    fig.tight_layout()  # room for a title wrapped onto more lines
     return fig
+
+
+def _points_wide(text, fontsize):
+    """About how wide `text` is in points (DejaVu Sans: ~0.6 em a character)."""
+    return 0.6 * fontsize * max((len(line) for line in text.split("\n")), default=0)
+
+
+def fit_labels(ax):
+    """Make memory_stack's totals and title fit the axes as drawn now: a total wider than its
+    bar's slot puts its unit on a second line ("65.4\nGB"), and a title wider than the axes
+    is wrapped where it would pass the figure's edge (it is centred on the axes).
+    `restack` keeps the choice; call again after the figure's layout changes."""
+    drawn = ax.labkit_stack
+    width_pt = ax.get_window_extent().width * 72 / ax.figure.dpi
+    left, right = ax.get_xlim()
+    slot_pt = width_pt / max(right - left, 1e-9)
+    one_line = [t.get_text().replace("\n", " ") for t in drawn["totals"]]
+    drawn["wrap_totals"] = any(_points_wide(t, 9) > 0.9 * slot_pt for t in one_line)
+    for text, words in zip(drawn["totals"], one_line):
+        text.set_text(words.replace(" ", "\n", 1) if drawn["wrap_totals"] else words)
+    # a title is centred on the axes: it may pass their edges, not the figure's
+    box, fig_width = ax.get_window_extent(), ax.figure.bbox.width
+    room_pt = 2 * min(box.x0 + box.width / 2, fig_width - box.x0 - box.width / 2) \
+        * 72 / ax.figure.dpi
+    drawn["title_chars"] = max(20, int(0.95 * room_pt / (0.6 * ax.title.get_fontsize())))
+    ax.set_title(_wrapped(ax.get_title(), drawn["title_chars"]))
+
+
+def _wrapped(title, chars):
+    """Each line of `title` longer than `chars` characters wrapped; shorter ones kept."""
+    import textwrap
+    return "\n".join(textwrap.fill(line, chars) if len(line) > chars else line
+                     for line in title.split("\n"))
 
 
 def restack(ax, bars, capacity=None, title="", unit="GB", keep=()):
@@ -180,7 +215,7 @@ def restack(ax, bars, capacity=None, title="", unit="GB", keep=()):
         show_legend_entries(ax, shown)
     for text, total in zip(drawn["totals"], lay["totals"]):
         text.set_y(total)
-        text.set_text(f"{fmt(total)} {unit}")
+        text.set_text(f"{fmt(total)}{chr(10) if drawn.get('wrap_totals') else ' '}{unit}")
     if drawn["peaks"] is not None:
         drawn["peaks"].set_data([p[0] + 0.36 for p in lay["peaks"]], [p[1] for p in lay["peaks"]])
     for (line, link, name), (y, ty, words) in zip(drawn["lines"], lay["lines"]):
@@ -191,7 +226,8 @@ def restack(ax, bars, capacity=None, title="", unit="GB", keep=()):
     top = lay["top"]
     ax.set_ylim(0, top * 1.12 if top > 0 else 1)
     ax.set_xticks(range(len(lay["labels"])), lay["labels"])
-    ax.set_title(title)
+    wrap = drawn.get("title_chars")          # set by fit_labels once the axes were laid out
+    ax.set_title(_wrapped(title, wrap) if wrap else title)
 
 
 # -------------------------------------------------------------------------------- speedup_curve

@@ -59,7 +59,9 @@ def _label(name, t, gpus):
             "EP": f"EP {gpus}"}[name]
 
 
-def _tpot_parts(t):
+def tpot_terms(t):
+    """serving_time's TPOT as the terms that add up to it ({name: seconds}): the step is the
+    larger of its compute and memory times, then the launches and the communication."""
     if t is None:
         return {k: 0.0 for k in TPOT_COLORS}
     d = t["decode_breakdown_s"]
@@ -75,7 +77,7 @@ def _tpot_parts(t):
 def _panels(model, gpus, gpu, batch, context, weights):
     results = compare(model, gpus, gpu, batch, context, weights)
     labels = {name: _label(name, results[name], gpus) for name in LAYOUTS}
-    tpot = {labels[n]: _tpot_parts(results[n]) for n in LAYOUTS}
+    tpot = {labels[n]: tpot_terms(results[n]) for n in LAYOUTS}
     memory = {SHORT[n].format(g=gpus if results[n] else "n/a"): (
         {k: results[n]["memory_bytes"][k] for k in MEMORY_KEEP} if results[n]
         else {k: 0.0 for k in MEMORY_KEEP}) for n in LAYOUTS}
