@@ -28,7 +28,7 @@ import labkit
 from labkit import models, numerics
 from labkit.exercises import context_parallel as exercise
 from labkit.parallel import context_parallel as cp
-from labkit.parallel.attention_check import attention_check
+from labkit.runs.attention_check import attention_check
 from labkit.theory import context_parallel as theory
 from spawn_helpers import spawn
 

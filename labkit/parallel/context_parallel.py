@@ -44,13 +44,14 @@ The cores live in `ring_attention.py` (ring, layouts, shards) and `head_attentio
 (all-gather, Ulysses); this module applies them to a model (`ContextParallel`), and
 `context_batch.py` shards a language model's batch (positions, labels shifted before sharding,
 the batch's mean loss). An attention module that never reaches the core (eager, hand-written)
-and a call the cores cannot run (an attn_mask) are refused in one line, on every rank at once.
+and a call the cores cannot run (an attn_mask) are refused in one line; on a wrapper's first
+attention call on every rank at once (one all-reduce, once; a later call is refused by the
+rank that meets the problem, and `launch` stops the others).
 """
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
 
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
@@ -59,6 +60,7 @@ from .head_attention import all_gather_attention, check_ulysses_heads, ulysses_a
 from .ring_attention import (LAYOUTS, SEQ_DIM, _check_layout, _sdpa, check_sequence,
                              gather_sequence, merge_partials, ring_attention,
                              sequence_positions, shard_sequence)
+from .scoped_mode import ModuleScopedMode
 
 __all__ = ["LAYOUTS", "METHODS", "SEQ_DIM", "CORES", "ContextParallel", "ContextParallelBatch",
            "all_gather_attention", "context_parallel_batch",
@@ -80,23 +82,6 @@ def _heads_last(core):
         q, k, v = (t.view(b, s, heads, width // heads).transpose(1, 2) for t in (q, k, v))
         return core(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, width)
     return causal_attention
-
-
-class ModuleScopedMode(TorchFunctionMode):
-    """A TorchFunctionMode switched on by a module's forward pre-hook (`enter`) and off by its
-    forward hook (`exit`); nested hooked modules enter it once (`depth`)."""
-
-    depth = 0
-
-    def enter(self, *_):
-        self.depth += 1
-        if self.depth == 1:
-            self.__enter__()
-
-    def exit(self, *_):
-        self.depth -= 1
-        if self.depth == 0:
-            self.__exit__(None, None, None)
 
 
 class _RouteAttention(ModuleScopedMode):
@@ -134,9 +119,11 @@ class ContextParallel(nn.Module):
     replacement, `core(q, k, v, is_causal=...)` on (b, h, s_local, d). The other layers must be
     position-wise; shard the inputs with `shard_sequence` (a causal LM: `context_parallel_batch`,
     which also gives its positions, shifted labels and loss); average the replicated weights'
-    gradients over the group (e.g. DataParallel). Refused in one line, on every rank before
-    any enters the ring: an attention module that ran without a routed call (eager or
-    hand-written attention), an attn_mask, dropout, a sliding window shorter than the sequence.
+    gradients over the group (e.g. DataParallel). Refused in one line (on the first attention
+    call on every rank before any enters the ring; later, by the rank that meets it, whose
+    error `launch` reports while it stops the others): an attention module that ran without
+    a routed call (eager or hand-written attention), an attn_mask, dropout, a sliding window
+    shorter than the sequence.
     """
 
     def __init__(self, module: nn.Module, group: GroupLike = None, layout: str = "contiguous",
@@ -151,6 +138,7 @@ class ContextParallel(nn.Module):
         self.group = context().group(group)
         cores = {"causal_attention": _heads_last} if cores is None else dict(cores)
         self._router = _RouteAttention(self.core, cores)
+        self._agreed = False        # whether the first call's all-reduce (`_agree`) has run
         self._window = _sliding_window(getattr(module, "config", None))
         self.attention = self._attention_modules(attention)
         self._hooks = [h for m in self.attention for h in (
@@ -215,15 +203,20 @@ class ContextParallel(nn.Module):
             problem = "ContextParallel: attention dropout is not supported (dropout_p=0)"
         elif q.shape[1] != k.shape[1] and not extra.get("enable_gqa"):
             problem = "q and k have different head counts: pass enable_gqa=True"
-        self._agree(problem)
+        if not self._agreed:
+            self._agree(problem)
+            self._agreed = True
+        elif problem is not None:
+            raise ValueError(problem)
         return CORES[self.method](q, k, v, self.group, causal=is_causal, layout=self.layout,
                                   scale=scale)
 
     def _agree(self, problem):
-        """Every rank learns whether any rank cannot run this call, before any enters the ring,
-        so all refuse together instead of some waiting for a peer that raised. A one-int
-        all_reduce per attention call, off the record (a guard, not the technique's traffic;
-        its latency shows in wall time)."""
+        """Every rank learns whether any rank cannot run this first call, before any enters
+        the ring, so all refuse together instead of some waiting for a peer that raised (a
+        packed batch's mask on one rank only, a model's sliding window). A one-int all_reduce,
+        off the record (a guard, not the technique's traffic), once per wrapper: its latency
+        on every attention call would only repeat the answer for the same shapes and model."""
         if self.group.size > 1:
             ctx = context()
             flag = torch.tensor([int(problem is not None)], device=ctx.device)

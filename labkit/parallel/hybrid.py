@@ -31,7 +31,7 @@ parallelism a replicated weight's gradient, which SP sums over TP by a hook on t
 the pipeline: one all-reduce of those shards per step.
 
 ZeRO-3 with experts (torchtitan's order: the experts sharded first, then the block): each
-MoE layer's experts are sharded by a FullyShard of their own (`ExpertParallel.shard_experts`)
+MoE layer's experts are sharded by a FullyShard of their own (`shard_experts` below)
 over `ep_shard`, the ranks holding the same experts: their dp x cp / ep replicas (`ep_dp`;
 under HSDP those within one dp_shard group, ep | dp_shard, so the dp_replicate group holds the
 same experts and averages dense and expert shards in one all-reduce); the stage's FullyShard
@@ -129,6 +129,18 @@ def attention_layers(module):
                     layer is inner for _, _, outer in found for inner in outer.modules()):
                 found.append((child, attr, layer))
     return found
+
+
+def shard_experts(expert_parallel: ExpertParallel, group) -> FullyShard:
+    """ZeRO-3 of one ExpertParallel's local experts over `group`: the ranks holding the same
+    experts (their replicas, never ranks of its EP group, whose experts differ; torchtitan's
+    fully_shard of the experts over its dp_shard_mod_ep mesh). One FullyShard unit per
+    expert, in `experts`' place; the gradients are reduce-scattered and averaged over `group`.
+    Wrap the enclosing block in FullyShard after this, not before."""
+    experts = expert_parallel.module.experts
+    sharded = FullyShard(experts, group, units=lambda m: any(m is e for e in experts.values()))
+    expert_parallel.use_sharded_experts(sharded, sharded.compute_parameters())
+    return sharded
 
 
 def check_recompute(recompute, k=None, virtual=1, zero_stage=0):
@@ -247,7 +259,7 @@ class HybridParallel:
                 # the experts first, over their own replicas; then the stage over dp_shard
                 for wrapper in modules[s].modules():
                     if isinstance(wrapper, ExpertParallel):
-                        wrapper.shard_experts(self.ep_shard)
+                        shard_experts(wrapper, self.ep_shard)
                 named = dict(modules[s].named_parameters())
                 modules[s] = FullyShard(modules[s], group=self.dp_shard,
                                         units=one_unit_per_layer(modules[s]))

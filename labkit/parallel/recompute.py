@@ -14,9 +14,9 @@ where full recompute keeps only the layer's input, 2 sbh, and runs its whole for
 (`PipelineSchedule(recompute=True)`, Megatron-LM's `--recompute-granularity full`; this is
 `--recompute-granularity selective`). theory/recompute.py prices both for the planner.
 
-How. While a given attention layer runs (forward hooks enter a TorchFunctionMode, as
-ContextParallel routes its core: nothing is patched), each call of its core, labkit's
-overridable `models.causal_attention` or F.scaled_dot_product_attention, runs as
+How. While a given attention layer runs (its hooks enter a ModuleScopedMode, scoped_mode.py,
+the switch ContextParallel's router uses too: nothing is patched), each call of its core,
+labkit's overridable `models.causal_attention` or F.scaled_dot_product_attention, runs as
 torch.utils.checkpoint.checkpoint(core, q, k, v, use_reentrant=False): autograd keeps q, k and v
 (the checkpoint's inputs, saved through the saved-tensor hooks that labkit's memory tracker
 counts), none of the core's own saved tensors; backward runs the core again first.
@@ -53,7 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from .context_parallel import ModuleScopedMode
+from .scoped_mode import ModuleScopedMode
 
 CORE_NAMES = ("causal_attention",)   # overridable cores found by name (labkit.models')
 

@@ -1,13 +1,15 @@
 """One distributed attention call checked against one device: the values, the work, the bytes.
 
 `attention_check` runs one forward and backward of a context-parallel attention core (ring,
-all-gather or Ulysses, from `context_parallel.CORES`) on random (b, h, s, d) q, k, v, with this
-rank holding its shard of the sequence (`shard_sequence`), and compares its output and q, k, v
-gradients with single-device fp64 attention, judged by fp32 single-device attention's own error
-(labkit.numerics). It also returns what this rank's instruments counted for that one call: the
-FLOPs on the clock (contiguous causal: the last rank ~2x the mean; zigzag: balanced), the wire
-bytes of the attention's collectives, the activation bytes saved for backward and the modelled
-seconds with their timeline, for comparison with labkit.theory.context_parallel.
+all-gather or Ulysses, from parallel/context_parallel's `CORES`) on random (b, h, s, d) q, k,
+v, with this rank holding its shard of the sequence (`shard_sequence`), and compares its output
+and q, k, v gradients with single-device fp64 attention, judged by fp32 single-device
+attention's own error (labkit.numerics). It also returns what this rank's instruments counted
+for that one call: the FLOPs on the clock (contiguous causal: the last rank ~2x the mean;
+zigzag: balanced), the wire bytes of the attention's collectives, the activation bytes saved
+for backward and the modelled seconds with their timeline, for comparison with
+labkit.theory.context_parallel. It is a run, not a block: it drives a block's cores under the
+rank's instruments, so it lives in runs/ beside the CP driver that reports it.
 `merge_attention_checks` folds every rank's check into one measured summary.
 """
 import torch
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 from .. import numerics
 from ..runtime.memory import MemoryTracker
-from .context_parallel import CORES, shard_sequence
+from ..parallel.context_parallel import CORES, shard_sequence
 
 ATTENTION_TAGS = {"ring": "ring attention", "all_gather": "all-gather attention",
                   "ulysses": "ulysses attention"}   # the cores' comm tags and clock regions

@@ -7,7 +7,7 @@ batch but only its shard of each sequence (`shard_sequence`, global positions fo
 embedding); each block's attention is wrapped in `ContextParallel` (Ulysses: N <= heads, refused
 before ranks start); the replicated weights' gradients are averaged with one all-reduce per
 step. The parameters are compared with the single-device run. Then an attention check
-(labkit.parallel.attention_check): one forward and backward of the method's attention on
+(runs/attention_check.py): one forward and backward of the method's attention on
 random q, k, v (causal or not, as asked), its output and q, k, v gradients against
 single-device fp64 attention, the FLOPs each rank's clock counted (contiguous causal: the last
 rank ~2x the mean; zigzag: balanced), its comm bytes and saved activation bytes against
@@ -15,11 +15,11 @@ labkit.theory.context_parallel.
 """
 import argparse
 
-from ..parallel.attention_check import attention_check, merge_attention_checks
 from ..parallel.context_parallel import (CORES, LAYOUTS, ContextParallel, check_sequence,
                                          check_ulysses_heads, sequence_positions, shard_sequence)
 from ..parallel.flat import average_gradients, unwrapped_name
 from ..theory import context_parallel as theory_cp
+from .attention_check import attention_check, merge_attention_checks
 from .reference import RunConfig, batch as global_batch, build_model, build_optimizer
 from .reference import gpt_config as reference_gpt_config, token_loss
 from .report import build_report, launch_checked, single_device
