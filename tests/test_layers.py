@@ -54,6 +54,7 @@ SHARED = {
     "tensor_parallel_plan",  # reading a TP plan: which Linear splits how (TP and expert TP)
     "tp_shards",             # a weight's TP shard and its gathering back (TP and expert TP)
     "paged_kv",              # the paged KV cache and its ragged forward (the serving systems)
+    "self_check",            # a block's check of itself on a miniature, against one device
 }
 COMPOSER = {"__init__", "hybrid", "mesh_dims"}
 
