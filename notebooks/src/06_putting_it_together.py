@@ -191,9 +191,28 @@ mem
 # %% [markdown]
 # ### The plan, run in miniature: FSDP × TP × PP
 #
-# On the fsdp2 stack the planner proposes layouts such as ZeRO-3 (FSDP) with TP and PP.
-# `labkit.runs.miniature` runs any plan's layout on a tiny GPT of the planner's GPT family (degrees kept; layers, hidden,
-# heads, ffn, vocab, sequence and batch shrunk so that each still divides by tp and pp) and sets
+# The fsdp2 stack is PyTorch's FSDP2 (ZeRO-3) beside TP and PP, but whether the planner ranks
+# ZeRO-3 first depends on the case: for the one section 4 plans (Llama 3 70B, 64 H100s), the cell
+# below prints the ZeRO stages of the plans `python -m labkit plan --stack fsdp2` ranks first, and
+# where the best ZeRO-3 layout that really shards (dp > 1) stands among them (modelled).
+
+# %%
+fsdp2 = planner.plan("llama-3-70b", 64, "H100", global_batch=256, seq=4096, stack="fsdp2")
+ranked = [p for p in fsdp2["plans"] if p["fits"]]
+top_stages = sorted({p["zero_stage"] for p in ranked[:8]})
+rank3, best3 = next((i, p) for i, p in enumerate(ranked, 1)
+                    if p["zero_stage"] == 3 and p["dp"] > 1)
+print(f"plan --stack fsdp2, Llama 3 70B on 64 H100s (modelled): its top 8 use ZeRO-"
+      f"{', '.join(map(str, top_stages))}; best: {plan_label(ranked[0], ' · ')}, step "
+      f"{ranked[0]['step_s']:.2f} s")
+print(f"the best ZeRO-3 with dp > 1 ranks #{rank3} of {len(ranked)} that fit: "
+      f"{plan_label(best3, ' · ')}, step {best3['step_s']:.2f} s")
+
+# %% [markdown]
+# Whatever it ranks first, a ZeRO-3 × TP × PP layout is one the planner prices, and the one with
+# the most to check. `labkit.runs.miniature` runs any plan's layout on a tiny GPT of the
+# planner's GPT family (degrees kept; layers, hidden, heads, ffn, vocab, sequence and batch
+# shrunk so that each still divides by tp and pp) and sets
 # what the ranks **measured** beside what **the planner's own functions** say for that tiny shape:
 # memory of the worst stage by category, and ring-model bytes per rank and step by mesh dimension.
 # Where the mesh legitimately differs from the planner's accounting (row-parallel biases and
@@ -332,9 +351,10 @@ plan_table(out70, 4)
 # launch cost per kernel (`data/kernels.csv`, each constant with its source). Element-wise
 # kernels (norms, rotary, activations, residual adds, dropout, the fp32 loss over the logits)
 # move their own bytes, forward and backward; backward GEMMs run at their own (dgrad, wgrad)
-# shapes. **Nothing is fitted to a run.** One published table (Narayanan et al. 2021, Table 1: GPT models from 1.7B to 1T
-# parameters on 32 to 3,072 A100s, with their layouts) once was, and its rows were looked at
-# while the model was designed, so they are shown apart (`calibration`). The rest are
+# shapes. **Nothing is fitted to a run.** One published table (Narayanan et al. 2021, Table 1:
+# GPT models from 1.7B to 1T parameters on 32 to 3,072 A100s, with their layouts) once was,
+# and its rows were looked at while the model was designed, so they are shown apart
+# (`calibration`). The rest are
 # datasheets (FLOP/s, HBM, links) and named assumptions, printed below: link efficiency,
 # latencies, the allocator's reserve and the SMs overlapped communication takes from compute.
 # Then it predicts runs it never looked at while it was designed
