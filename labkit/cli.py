@@ -270,13 +270,21 @@ def serve_command(args):
     for name, value in shape.items():
         if value < 1:
             raise ValueError(f"--{name} must be a positive integer, got {value}")
-    from .runs import serve_modes
+    from .runs import serve_modes, stream_inputs
+    # one rule for the stream's options (runs/stream_inputs.py): an option that does not apply
+    # is refused, never ignored
+    is_stream = stream_inputs.check_options(args, getattr(args, "explicit", ()))
     if serve_modes.mode(args):        # a draft model or a prefill rank: runs/serve_modes.py
         report = serve_modes.report(args, shape)
         return (to_json(report) if args.json else serve_modes.format_report(report)), ()
-    if args.requests is not None:     # a request stream: runs/stream.py (lesson 10)
+    if is_stream:                     # a request stream: runs/stream.py (lesson 10)
         from .runs import stream
-        report = stream.report(stream.config_from_args(args, shape))
+        cfg = stream.config_from_args(args, shape)
+        if args.world_size not in (None, cfg.world_size):
+            raise ValueError(f"--world-size {args.world_size}: a stream runs on tp x replicas "
+                             f"= {cfg.tp} x {cfg.replicas} = {cfg.world_size} rank(s); give "
+                             f"--tp or --replicas (or drop --world-size)")
+        report = stream.report(cfg)
         return (to_json(report) if args.json else stream.format_report(report)), ()
     cfg = serve.config_from_args(args, shape)
     serve.check_config(cfg, args.world_size)

@@ -23,16 +23,16 @@ from .serve import timed_launch, tokens_differing
 
 # the stream options each mode takes; any other given explicitly is refused in one line
 COMMON = {"requests", "rate", "trace", "stream_prompt_len", "stream_output_len", "seed",
-          "json", "layers", "hidden", "heads", "ffn", "vocab"}
-ACCEPTS = dict(speculative=COMMON | {"draft_layers", "draft_len", "replicas", "world_size"},
-               disaggregated=COMMON | {"prefill_ranks", "block_size", "world_size"})
+          "json", "layers", "hidden", "heads", "ffn", "vocab", "world_size"}
+ACCEPTS = dict(speculative=COMMON | {"draft_layers", "draft_len", "replicas"},
+               disaggregated=COMMON | {"prefill_ranks", "block_size"})
 
 
 def add_arguments(group):
     """--draft-layers, --draft-len and --prefill-ranks, in the stream's option group."""
     group.add_argument("--draft-layers", type=int, default=None, metavar="K",
                        help="speculative decoding, drafted by the model's own first K blocks "
-                            "(DESIGN.md's --draft MODEL: the lab's random models have no "
+                            "(not a separate draft model: the lab's random models have no "
                             "trained small sibling)")
     group.add_argument("--draft-len", type=int, default=None, metavar="K",
                        help="tokens the draft proposes per round (default 4)")
@@ -49,9 +49,9 @@ def mode(args):
                          "--draft-layers K too")
     if not (spec or disagg):
         return None
-    if args.requests is None:
+    if args.requests is None and args.trace is None:
         raise ValueError("--draft-layers and --prefill-ranks serve a request stream: give "
-                         "--requests N")
+                         "--requests N (or --trace FILE)")
     if spec and disagg:
         raise ValueError("--draft-layers and --prefill-ranks: one at a time (the decode rank "
                          "here decodes without a draft)")
@@ -81,6 +81,10 @@ def report(args, shape):
             raise ValueError(f"--draft-layers keeps 1 to {layers - 1} of the model's {layers} "
                              f"blocks, got {args.draft_layers}")
         # the draft runs up to k positions past a request's end: the model has room for them
+        if args.world_size not in (None, cfg.replicas):
+            raise ValueError(f"speculative serving runs on --replicas {cfg.replicas} rank(s), "
+                             f"not --world-size {args.world_size}: give --replicas "
+                             f"{args.world_size} (or drop --world-size)")
         longest = max(r["prompt"] + r["output"] for r in cfg.stream())
         cfg.model_kwargs = dict(cfg.model_kwargs, seq=longest + k)
         return speculative_report(cfg, args.draft_layers, k)

@@ -26,6 +26,7 @@ from ..parallel.serving import generate
 from ..parallel.tensor_parallel import parallelize
 from ..parallel.tensor_parallel_plan import gpt_plan
 from ..theory import catalog, hardware, serving_stream as theory
+from . import stream_inputs
 from .serve import gpt_shape, timed_launch, tokens_differing
 
 
@@ -58,7 +59,7 @@ class StreamConfig:
 
     def stream(self):
         if self.trace:
-            return theory.read_trace(self.trace)
+            return stream_inputs.read_trace(self.trace)   # every row checked
         return theory.poisson_stream(self.requests, self.rate, self.prompt_len,
                                      self.output_len, self.seed)
 
@@ -77,16 +78,40 @@ def check_config(cfg):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
     if cfg.chunk is not None and cfg.chunk < 1:
         raise ValueError(f"--chunk must be a positive number of prompt tokens, got {cfg.chunk}")
+    if cfg.kv_tokens is not None and cfg.kv_tokens < 1:
+        raise ValueError(f"--kv-tokens must be a positive integer, got {cfg.kv_tokens}")
+    stream_inputs.check_limits(cfg.ttft_ms, cfg.tpot_ms, *((None, None) if cfg.trace
+                                                          else (cfg.rate, cfg.requests)))
     if cfg.time_model:
         step_time(cfg)          # names an unknown model or GPU before ranks start
-    stream = cfg.stream()       # checks --requests, --rate and the lengths
+    stream = cfg.stream()       # checks --requests, --rate and the lengths, or each trace row
+    source = f"--trace {cfg.trace}" if cfg.trace else f"--requests {cfg.requests} --rate " \
+        f"{cfg.rate:g}"
+    stream_inputs.check_arrivals(stream, cfg.time_model is not None, source)
     c = cfg.gpt_config(stream)
     if c.heads % cfg.tp:
         raise ValueError(f"--tp {cfg.tp} must divide the {c.heads} heads")
-    need = max(r["prompt"] + r["output"] for r in stream)
-    if cfg.kv_tokens is not None and cfg.kv_tokens < (need if cfg.paged else c.seq):
-        raise ValueError(f"--kv-tokens {cfg.kv_tokens} holds not even one request "
-                         f"({need if cfg.paged else c.seq} slots)")
+    check_pool(cfg, c, stream)
+
+
+def check_pool(cfg, gpt, stream):
+    """The KV pool the ranks will build (make_cache) holds at least one block and the largest
+    request whole: else a rank would raise, or the request wait for blocks forever."""
+    slots = cfg.kv_tokens or cfg.max_batch * gpt.seq
+    flag = f"--kv-tokens {slots}" if cfg.kv_tokens else \
+        f"the pool of --max-batch {cfg.max_batch} x {gpt.seq} positions ({slots:,} slots)"
+    block = cfg.block_size if cfg.paged else gpt.seq
+    if block > slots:
+        what = f"--block-size {cfg.block_size}" if cfg.paged else \
+            f"one request's maximum length ({gpt.seq} slots, the contiguous cache's block)"
+        raise ValueError(f"{what} is larger than {flag}: the pool would hold no block")
+    pool = slots // block * block
+    largest = max(stream, key=lambda r: r["prompt"] + r["output"])
+    need = largest["prompt"] + largest["output"]
+    if need > pool:
+        raise ValueError(f"request {largest['id']} (prompt {largest['prompt']} + output "
+                         f"{largest['output']} = {need} tokens) is larger than the whole KV "
+                         f"cache: {flag} makes {pool:,} token slots in blocks of {block}")
 
 
 def step_time(cfg):

@@ -1,0 +1,219 @@
+"""The inputs of `run serve`'s request streams, checked before any rank starts.
+
+A stream comes from `--requests N --rate R` (Poisson) or from `--trace FILE`, a CSV with the
+columns arrival_s, prompt, output or a JSON list of such objects. Every row is checked here, and
+a mistake is one ValueError naming the file, the row and the field: a prompt or output that is
+not a positive whole number (0, -8, 8.5 are refused, not truncated), an arrival that is not a
+finite number of seconds >= 0 (NaN or inf never comes; -5 would count a wait that never
+happened), an empty trace, a ragged CSV row, a file that is missing, not a regular file (a FIFO
+would block), too large or not UTF-8. On CPU ranks the engine waits for arrivals in wall time,
+so a stream whose last request arrives after `MAX_WALL_ARRIVAL_S` (a rate of 1e-6, an arrival
+far in the future) is refused instead of running into the launch's timeout; under
+`--time-model` the clock is modelled and waiting costs nothing.
+
+`check_options` holds the one rule of the options: a stream is `--requests N` (Poisson) or
+`--trace FILE` (its rows are the requests, so `--requests`, `--rate` and the length ranges do
+not apply beside it); the stream's options need a stream, the fixed batch's options
+(--batch, --prompt-len, --new-tokens) do not apply to one, `--block-size` needs `--paged`, and
+`--world-size` must be the ranks the layout runs on. Plain Python: no torch.
+"""
+import csv
+import io
+import json
+import math
+import os
+import stat
+
+FIELDS = ("arrival_s", "prompt", "output")
+MAX_TRACE_BYTES = 16 << 20       # 16 MiB: about 500,000 rows, far beyond what CPU ranks serve
+MAX_ROWS = 10_000                # requests a trace may hold (the tiny GPT serves ~100/minute)
+MAX_WALL_ARRIVAL_S = 150.0       # half the ranks' 300 s timeout (runs/serve.TIMEOUT_S)
+MAX_LENGTH = 1 << 20             # tokens of a prompt or an output: beyond it, a typo
+
+# run serve's option groups (argparse dests); what each mode takes is decided in check_options
+STREAM_OPTIONS = ("rate", "policy", "max_batch", "paged", "block_size", "kv_tokens", "chunk",
+                  "stream_prompt_len", "stream_output_len", "time_model", "time_gpu",
+                  "ttft_ms", "tpot_ms")
+POISSON_OPTIONS = ("rate", "stream_prompt_len", "stream_output_len")
+FIXED_BATCH_OPTIONS = ("batch", "prompt_len", "new_tokens", "ep", "top_k")
+
+
+def read_trace(path):
+    """The trace at `path` as [{id, prompt, output, arrival_s}], sorted by arrival and numbered
+    in that order; a bad file or row: one-line ValueError (see the module docstring)."""
+    where = f"--trace {path}"
+    text = _read_text(path, where)
+    if str(path).lower().endswith(".json"):
+        rows = _json_rows(text, where)
+    else:
+        rows = _csv_rows(text, where)
+    if not rows:
+        raise ValueError(f"{where}: holds no request; give at least one row of "
+                         "arrival_s, prompt, output")
+    if len(rows) > MAX_ROWS:
+        raise ValueError(f"{where}: {len(rows):,} requests, more than the {MAX_ROWS:,} a "
+                         "trace may hold here")
+    out = [check_row(row, label) for label, row in rows]
+    order = sorted(range(len(out)), key=lambda i: out[i]["arrival_s"])
+    return [dict(out[i], id=n) for n, i in enumerate(order)]
+
+
+def _read_text(path, where):
+    try:
+        with open(path, "rb", opener=_open_nonblocking) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError(f"{where}: not a regular file (a folder, FIFO or device)")
+            raw = f.read(MAX_TRACE_BYTES + 1)
+    except OSError as error:
+        raise ValueError(f"{where}: cannot read it ({error.strerror or error})") from None
+    if len(raw) > MAX_TRACE_BYTES:
+        raise ValueError(f"{where}: larger than {MAX_TRACE_BYTES >> 20} MiB")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{where}: not UTF-8 text (byte {error.start}); a trace is UTF-8 CSV "
+                         "or JSON") from None
+
+
+def _open_nonblocking(path, flags):
+    """open(2) that cannot block on a FIFO with no writer (the regular-file check follows)."""
+    return os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+
+
+def _json_rows(text, where):
+    """[(label, row)] of a JSON trace: a list of objects."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not JSON ({error.msg}, line {error.lineno})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply to be a trace") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{where}: a JSON trace is a list of objects "
+                         f"{{arrival_s, prompt, output}}, got {type(data).__name__}")
+    rows = []
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: item {i} must be an object {{arrival_s, prompt, "
+                             f"output}}, got {_show(row)}")
+        rows.append((f"{where}: item {i}", row))
+    return rows
+
+
+def _csv_rows(text, where):
+    """[(label, row)] of a CSV trace: a header naming the fields, one request per line."""
+    reader = csv.reader(io.StringIO(text))
+    try:
+        lines = [(reader.line_num, line) for line in reader if line]
+    except csv.Error as error:
+        raise ValueError(f"{where}: not CSV ({error})") from None
+    if not lines:
+        return []
+    header = [h.strip() for h in lines[0][1]]
+    missing = [f for f in FIELDS if f not in header]
+    if missing or len(set(header)) != len(header):
+        raise ValueError(f"{where}: the header must name the columns arrival_s, prompt, output "
+                         f"once each, got {','.join(header)[:80]!r}")
+    rows = []
+    for number, line in lines[1:]:
+        if len(line) != len(header):
+            raise ValueError(f"{where}: line {number} has {len(line)} field(s), the header "
+                             f"{len(header)}")
+        rows.append((f"{where}: line {number}", dict(zip(header, line))))
+    return rows
+
+
+def check_row(row, label):
+    """{prompt, output, arrival_s} of one trace row, each checked (see the module docstring)."""
+    for name in FIELDS:
+        if name not in row:
+            raise ValueError(f"{label} lacks {name}")
+    prompt, output = (_length(row[name], f"{label}: {name}") for name in ("prompt", "output"))
+    arrival = _number(row["arrival_s"], f"{label}: arrival_s")
+    if not 0 <= arrival < math.inf:
+        raise ValueError(f"{label}: arrival_s must be a finite number of seconds >= 0 (since "
+                         f"the stream starts), got {_show(row['arrival_s'])}")
+    return dict(prompt=prompt, output=output, arrival_s=arrival)
+
+
+def _number(value, label):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{label} must be a number, got {_show(value)}")
+    try:
+        return float(value)
+    except (ValueError, OverflowError):
+        raise ValueError(f"{label} must be a number, got {_show(value)}") from None
+
+
+def _length(value, label):
+    """A positive whole number of tokens (8, 8.0 or "8"; not 0, -8, 8.5 or "eight")."""
+    number = _number(value, label)
+    if not (math.isfinite(number) and number == int(number) and 1 <= number <= MAX_LENGTH):
+        raise ValueError(f"{label} must be a whole number of tokens from 1 to {MAX_LENGTH:,}, "
+                         f"got {_show(value)}")
+    return int(number)
+
+
+def _show(value):
+    """A value as a message shows it: its repr, cut to 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_arrivals(stream, modelled_clock, source):
+    """Refuse a stream the ranks would wait for past their timeout (wall clock only)."""
+    last = max(r["arrival_s"] for r in stream)
+    if not modelled_clock and last > MAX_WALL_ARRIVAL_S:
+        raise ValueError(f"{source}: the last request arrives at {last:.3g} s; the ranks wait "
+                         f"for arrivals in wall time and stop at 300 s, so keep arrivals under "
+                         f"{MAX_WALL_ARRIVAL_S:.0f} s (a larger --rate), or model the clock "
+                         "with --time-model")
+
+
+def check_limits(ttft_ms, tpot_ms, rate=None, requests=None):
+    """Goodput's limits and the Poisson rate: positive finite numbers; at most MAX_ROWS
+    requests."""
+    if requests is not None and not 1 <= requests <= MAX_ROWS:
+        raise ValueError(f"--requests must be an integer from 1 to {MAX_ROWS:,}, got "
+                         f"{requests}")
+    for flag, value in (("--ttft-ms", ttft_ms), ("--tpot-ms", tpot_ms), ("--rate", rate)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise ValueError(f"{flag} must be a positive finite number, got {value!r}")
+
+
+def check_options(args, explicit):
+    """The options of `run serve` that do not apply together, refused in one line (see the
+    module docstring); returns True when the arguments ask for a stream."""
+    given = set(explicit)
+    stream = args.requests is not None or args.trace is not None
+    if args.trace is not None and "requests" in given:
+        raise ValueError("--trace serves the trace's rows as the requests: drop --requests "
+                         "(or drop --trace for a Poisson stream of N requests)")
+    if not stream:
+        extra = [o for o in STREAM_OPTIONS if o in given]
+        if extra:
+            raise ValueError(f"{_flag(extra[0])} shapes a request stream: give --requests N "
+                             "(a Poisson stream) or --trace FILE, or drop it")
+        return False
+    if args.trace is not None:
+        extra = [o for o in POISSON_OPTIONS if o in given]
+        if extra:
+            raise ValueError(f"{_flag(extra[0])} shapes the Poisson stream; the trace "
+                             f"{args.trace} sets the arrivals and lengths: drop it")
+    extra = [o for o in FIXED_BATCH_OPTIONS if o in given]
+    if extra:
+        raise ValueError(f"{_flag(extra[0])} applies to `run serve`'s fixed batch, not to a "
+                         "stream (its requests come from --requests or --trace, their lengths "
+                         "from --stream-prompt-len, --stream-output-len): drop it")
+    if "time_gpu" in given and args.time_model is None:
+        raise ValueError("--time-gpu is the GPU of --time-model: give --time-model too")
+    # (disaggregated prefill sends its keys and values in blocks of --block-size: no --paged)
+    if "block_size" in given and not args.paged and getattr(args, "prefill_ranks", None) is None:
+        raise ValueError("--block-size sets the blocks of a paged KV cache: give --paged too "
+                         "(the contiguous cache reserves each request's maximum length)")
+    return True
+
+
+def _flag(dest):
+    return "--" + dest.replace("_", "-")
