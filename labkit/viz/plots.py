@@ -8,6 +8,7 @@ which, and the axes always carry units.
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.artist import Artist
 from matplotlib.ticker import FuncFormatter
 
 from .live import show_legend_entries
@@ -158,6 +159,7 @@ def memory_stack(bars, capacity=None, title="", unit="GB", ax=None, keep=()):
                   frameon=False)
     ax.grid(axis="y", alpha=0.3)
     ax.labkit_stack = drawn
+    ax.add_artist(_TotalsFitter(ax))
     restack(ax, bars, capacity, title, unit, keep)
     fig.tight_layout()
     fit_labels(ax)      # the axes' final width decides whether totals and title fit
@@ -170,11 +172,9 @@ def _points_wide(text, fontsize):
     return 0.6 * fontsize * max((len(line) for line in text.split("\n")), default=0)
 
 
-def fit_labels(ax):
-    """Make memory_stack's totals and title fit the axes as drawn now: a total wider than its
-    bar's slot puts its unit on a second line ("65.4\nGB"), and a title wider than the axes
-    is wrapped where it would pass the figure's edge (it is centred on the axes).
-    `restack` keeps the choice; call again after the figure's layout changes."""
+def _fit_totals(ax):
+    """A total wider than its bar's slot (at the axes' width now) puts its unit on a second
+    line ("65.4\nGB"); `restack` keeps the choice until the next fit."""
     drawn = ax.labkit_stack
     width_pt = ax.get_window_extent().width * 72 / ax.figure.dpi
     left, right = ax.get_xlim()
@@ -182,7 +182,41 @@ def fit_labels(ax):
     one_line = [t.get_text().replace("\n", " ") for t in drawn["totals"]]
     drawn["wrap_totals"] = any(_points_wide(t, 9) > 0.9 * slot_pt for t in one_line)
     for text, words in zip(drawn["totals"], one_line):
-        text.set_text(words.replace(" ", "\n", 1) if drawn["wrap_totals"] else words)
+        wanted = words.replace(" ", "\n", 1) if drawn["wrap_totals"] else words
+        if text.get_text() != wanted:
+            text.set_text(wanted)
+    _set_top(ax)
+
+
+def _set_top(ax):
+    """The y limit: room above the tallest bar for its total, two lines of it if wrapped."""
+    drawn = ax.labkit_stack
+    top = drawn.get("top", 0)
+    wanted = (0, top * (1.24 if drawn.get("wrap_totals") else 1.12) if top > 0 else 1)
+    if tuple(ax.get_ylim()) != wanted:
+        ax.set_ylim(*wanted)
+
+
+class _TotalsFitter(Artist):
+    """Drawn first on memory_stack's axes: fits the totals to the width the axes have when
+    painted, whatever layout ran after memory_stack (an explorer lays out once, at the end)."""
+
+    def __init__(self, ax):
+        super().__init__()
+        self.stack_ax = ax
+        self.set_zorder(-1e9)
+        self.set_in_layout(False)
+
+    def draw(self, renderer):
+        _fit_totals(self.stack_ax)
+
+
+def fit_labels(ax):
+    """Make memory_stack's totals and title fit the axes as laid out now: a total wider than
+    its bar's slot puts its unit on a second line ("65.4\nGB") (again at each paint), and a
+    title is wrapped where it would pass the figure's edge (it is centred on the axes)."""
+    drawn = ax.labkit_stack
+    _fit_totals(ax)
     # a title is centred on the axes: it may pass their edges, not the figure's
     box, fig_width = ax.get_window_extent(), ax.figure.bbox.width
     room_pt = 2 * min(box.x0 + box.width / 2, fig_width - box.x0 - box.width / 2) \
@@ -223,8 +257,8 @@ def restack(ax, bars, capacity=None, title="", unit="GB", keep=()):
         link.set_ydata([y, ty])
         name.set_y(ty)
         name.set_text(words)
-    top = lay["top"]
-    ax.set_ylim(0, top * 1.12 if top > 0 else 1)
+    drawn["top"] = lay["top"]
+    _set_top(ax)
     ax.set_xticks(range(len(lay["labels"])), lay["labels"])
     wrap = drawn.get("title_chars")          # set by fit_labels once the axes were laid out
     ax.set_title(_wrapped(title, wrap) if wrap else title)
