@@ -124,7 +124,7 @@ def ep_bytes_match_plan_terms(rep):
     rank's s / cp tokens of its micro-batch (4 all-to-alls per MoE layer and micro-batch:
     dispatch and combine, forward and backward) plus the miniature's derived extra: before
     each dispatch the mesh all-gathers every rank's top_k x experts + 1 int64 routing counts
-    (runs/miniature_terms.py); for each layer, micro-batch, step and dp x tp x cp rank."""
+    (theory/miniature_terms.py); for each layer, micro-batch, step and dp x tp x cp rank."""
     c = rep["config"]
     m = ModelShape(name="tiny", display_name="tiny", arch="mixtral", layers=SHAPE.layers,
                    hidden=SHAPE.hidden, heads=SHAPE.heads, kv_heads=SHAPE.heads, ffn=SHAPE.ffn,

@@ -103,7 +103,7 @@ def add_arguments(parser):
 
 def report(world_size=2, cfg=None, cluster="8xH100-NVLink", bucket_mb=DEFAULT_BUCKET_MB,
            no_overlap=False, accumulate=1, mode="bucketed", **_):
-    """Run data-parallel training and return the run report of DESIGN.md."""
+    """Run data-parallel training and return the run report (runs/report.py)."""
     cfg = cfg or RunConfig()
     options = dict(mode=mode, bucket_mb=bucket_mb, overlap=not no_overlap, accumulate=accumulate)
     results = launch_checked("dp", train, world_size, cfg, options, cluster=cluster,

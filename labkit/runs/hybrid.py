@@ -5,10 +5,11 @@ device.
 [--zero 1|2|3 [--dp-replicate R]] [--schedule 1f1b] [--sequence-parallel] [--experts 4 --ep 2]
 [--order tp,pp,dp,cp] --json` trains the tiny GPT
 (or its MoE variant) on dp x tp x pp x cp CPU ranks with `labkit.parallel.hybrid.HybridParallel`
-and reports DESIGN.md's contract: loss and parameters against the single-device run, memory
-per rank, the comm log split by the mesh's groups (dp / tp / pp / ep; under --zero 3
-dp_shard / dp_replicate), the modelled step. `--zero 3` is FSDP (HSDP with --dp-replicate):
-the report adds `predicted_comm_by_dim` (theory/hybrid.fsdp_wire_bytes for each rank's stage).
+and returns the run report (docs/architecture.md, Contracts): loss and parameters against
+the single-device run, memory per rank, the comm log split by the mesh's groups (dp / tp / pp
+/ ep; under --zero 3 dp_shard / dp_replicate), the modelled step. `--zero 3` is FSDP (HSDP
+with --dp-replicate): the report adds `predicted_comm_by_dim` (theory/hybrid.fsdp_wire_bytes
+for each rank's stage).
 With --cp each rank trains on its shard of every sequence (the embedding given the shard's
 global positions); the gradients are averaged over dp x cp (`dp_cp`; under --zero 3 FullyShard
 shards over dp_shard x cp) and the report adds `predicted_cp_wire_bytes`
@@ -231,7 +232,7 @@ def report(world_size=None, cfg=None, cluster="8xH100-NVLink", dp=2, tp=2, pp=2,
            schedule="1f1b", microbatches=2, virtual=2, sequence_parallel=False, experts=0,
            top_k=2, order=",".join(DIMS), dp_replicate=1, timeout_s=180, cp=1,
            cp_layout="zigzag", recompute=False, recompute_layers=None, **_):
-    """Run the hybrid and return the run report of DESIGN.md (+ mesh table, comm by group;
+    """Run the hybrid and return the run report (runs/report.py; + mesh table, comm by group;
     cp > 1: `predicted_cp_wire_bytes`, the ring's bytes over the run summed over ranks)."""
     cfg = cfg or reference.RunConfig(model_kwargs=dict(layers=2))
     check_config(cfg, dp, tp, pp, ep, zero, schedule, microbatches, virtual, sequence_parallel,

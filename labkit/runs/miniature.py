@@ -11,7 +11,7 @@ fsdp_traffic_bytes, time's ring model) say for that tiny shape and layout, on up
 16 CPU ranks (dp2 x tp2 x pp2 x cp2).
 
 The tiny shape, the planner's numbers for it and the differences between the planner's layout
-and the mesh's, each derived and named (never fitted), are in runs/miniature_terms.py: the
+and the mesh's, each derived and named (never fitted), are in theory/miniature_terms.py: the
 planner's number, `adjusted` (+ the derived differences) and `measured` stand in a row.
 Comparisons of bytes are per rank and step, averaged over the ranks (comm_by_dim sums them);
 memory is the worst rank against the planner's worst stage. Activations are compared as a
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import math
 
-from .miniature_terms import (miniature_shape, planner_side,   # noqa: F401 (the API)
-                              recompute_share)
+from ..theory.miniature_terms import (miniature_shape, planner_side,  # noqa: F401 (API)
+                                      recompute_share)
 
 MAX_RANKS = 16           # dp2 x tp2 x pp2 x cp2: the largest mesh the lab's tests run
 EQUAL = 1e-9             # relative: exact integer arithmetic on both sides

@@ -1,4 +1,5 @@
-"""The run report (DESIGN.md): one dict per run, the same for the CLI, tests and notebooks.
+"""The run report: one dict per run, the same for the CLI, tests and notebooks
+(docs/architecture.md, Contracts).
 
 Each rank's `fn` returns `rank_result(ctx, ...)`; `build_report` puts the ranks together with
 the single-device reference's result it is handed (`reference.train(cfg)`, or a technique's

@@ -141,7 +141,7 @@ def add_arguments(parser):
 
 def report(world_size=2, cfg=None, cluster="8xH100-NVLink", stage=1, mixed_precision=False,
            offload=False, no_prefetch=False, **_):
-    """Run ZeRO training and return the run report of DESIGN.md."""
+    """Run ZeRO training and return the run report (runs/report.py)."""
     cfg = cfg or RunConfig()
     options = dict(stage=stage, mixed_precision=mixed_precision, offload=offload,
                    prefetch=not no_prefetch)

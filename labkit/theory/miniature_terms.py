@@ -64,11 +64,11 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from ..theory import plan_terms as terms, planner, recompute as rc
-from ..theory.catalog import ModelShape
-from ..theory.pipeline import balanced_split
-from ..theory.plan_cluster import make_cluster
-from ..theory.time import wire_bytes_per_rank
+from . import plan_terms as terms, planner, recompute as rc
+from .catalog import ModelShape
+from .pipeline import balanced_split
+from .plan_cluster import make_cluster
+from .time import wire_bytes_per_rank
 
 
 def recompute_share(p):

@@ -106,7 +106,7 @@ def memory_terms(m, c, batch, seq, p):
 
 
 def evaluate(m, c, batch, seq, p):
-    """Memory per GPU and modelled step time of one legal plan (the DESIGN.md plan dict)."""
+    """Memory per GPU and modelled step time of one legal plan (a plan dict, as in `plan`)."""
     return finish(m, c, batch, seq, *memory_terms(m, c, batch, seq, p))
 
 
@@ -260,7 +260,7 @@ def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_lin
          global_batch=None, global_batch_tokens=None, seq=4096, fix=None, top=None,
          achievable=None, flash_attention=True, precision="bf16",
          dropout=None, stack=None, causal=True, fp8_recipe="delayed"):
-    """Rank every legal plan; returns DESIGN.md's {"model", "cluster", "considered", "plans"}.
+    """Rank every legal plan; returns {"model", "cluster", "considered", "plans"}.
 
     flash_attention=False models a stack that stores the softmax (Megatron-LM in 2021);
     precision "fp8" runs the linear layers in fp8 (Transformer Engine), "fp32" is all fp32 (4 +
