@@ -58,7 +58,8 @@ from labkit.exercises.serving import (check_kv_bytes, check_tp_decode_step, chec
 from labkit.parallel.serving import KVCache, generate, generate_without_cache
 from labkit.runs import serve
 from labkit.theory import catalog, moe as tmoe, serving as theory
-from labkit.viz.serving_widgets import roofline_figure, serving_explorer, serving_figure
+from labkit.viz.serving_widgets import (roofline_figure, serving_explorer, serving_figure,
+                                       tpot_terms)
 
 pd.set_option("display.precision", 3)
 torch.set_num_threads(1)   # tiny models: one thread beats two here
@@ -268,16 +269,18 @@ for batch in (1, 64):
 # PP divides memory, not latency: a token still passes every layer, one stage after the other,
 # and hands off between stages. Each GPU of TP 8 reads 1/8 of the weights per token; a token
 # through TP 4 × PP 2 reads 1/8 on each of its two stages in turn, with half the all-reduces per
-# stage and two hand-offs. The terms of one token at batch 1 (modelled):
+# stage and two hand-offs. The terms of one token at batch 1 (modelled), every term that adds
+# to TPOT: the step (the larger of its compute and its weight and cache reads), the kernel
+# launches (at batch 1 a visible share), the all-reduces and the hand-offs:
 
 # %%
 for name, kw in {"TP 8": dict(tp=8), "TP 4 x PP 2": dict(tp=4, pp=2)}.items():
     t = theory.serving_time("llama-3-70b", gpu="H100", batch=1, prompt_len=1024,
                             new_tokens=256, **kw)
-    d = t["decode_breakdown_s"]
-    print(f"{name:>12}: TPOT {t['tpot_s'] * 1e3:.2f} ms = weights and cache read "
-          f"{d['memory'] * 1e3:.2f} ms + all-reduces {d['tp_comm'] * 1e3:.2f} ms + stage "
-          f"hand-offs {d['pp_hops'] * 1e3:.3f} ms (modelled)")
+    terms = {k: v for k, v in tpot_terms(t).items() if v}
+    print(f"{name:>12}: TPOT {t['tpot_s'] * 1e3:.2f} ms = "
+          + " + ".join(f"{k} {v * 1e3:.3f}" for k, v in terms.items())
+          + f" ms (sum {sum(terms.values()) * 1e3:.2f} ms, modelled)")
 
 # %% [markdown]
 # The same comparison drawn (what the explorer in section 8 redraws): TP gives the lowest time
