@@ -5,13 +5,15 @@ computes the rotary position embeddings and the causal mask once and hands them 
 decoder layer, and the loss head shares the embedding's weight when the config ties them.
 `hf_as_sequential(model)` re-expresses the same modules (shared, not copied) as units that
 each rebuild what they need from the activation alone, so any contiguous run of them is a stage:
-  - embedding: Llama/Mistral/Qwen2 `embed_tokens`; GPT-2 `wte` + `wpe` (its positions here);
+  - embedding: the base model's input embedding; GPT-2 `wte` + `wpe` (its positions here);
   - one unit per decoder layer: its position ids (arange over the activation's length, after
     what its cache holds), its rotary (cos, sin) from the model's `rotary_emb` (a buffer, no
     parameter, so every stage may use it) and its layer type's causal mask, all per stage;
-  - the head: the final norm and `lm_head`.
-Only model types whose forward is exactly that are taken (KNOWN_TYPES), and before use the
-sequence is run beside the model's own forward on a probe; any other is refused in one line.
+  - the head: the final norm (`norm`, `final_layernorm`, `ln_f`, ...) and `lm_head`.
+No family list: before use the units of a miniature of the same class (the blocks' self-check
+builds it from the model's own config) run beside its own forward on a probe, unit by unit;
+a family whose forward does more (Gemma-2's logit soft-capping, a residual scale in the model's
+loop) is refused in one line naming the first unit that differs (`probe`).
 With a labkit `KVCache` (`PipelineGenerator`) each unit keeps transformers' own DynamicCache on
 it (`kv_cache.hf_cache`), so the stages generate as the whole model does.
 
@@ -21,14 +23,17 @@ weight, equal at the start; `tied` on every stage names it, and the pipeline all
 gradients so both copies take the same step (Megatron-LM's embedding group, Shoeybi et al.
 2019, arXiv 1909.08053): one vocab x hidden all-reduce per step between first and last stage.
 """
+import inspect
+
 import torch
 import torch.nn as nn
 
-FAMILIES = "Llama/Mistral/Qwen2-style (model.embed_tokens, model.layers, model.norm) or GPT-2"
+from .. import numerics
+
+FAMILIES = "Llama-style (embedding, decoder layers given rotary positions, final norm) or GPT-2"
 PROBE_TOKENS = 8    # the check against the model's own forward
-# models whose forward is embedding, layers (rotary, causal mask), norm, head and nothing more,
-# read in transformers' modeling files (Gemma's logit soft-capping, Cohere's logit scale are not)
-KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt2")
+DECODED = 2         # of them, the last decoded one at a time through the units' cache
+CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def is_hf_model(model):
@@ -95,14 +100,21 @@ class _Decoder(nn.Module):
             y = self.layer(x, cache, mask, use_cache=cache is not None,
                            position_ids=position_ids)
         else:
-            y = self.layer(x, attention_mask=mask, position_ids=position_ids, cache=cache,
-                           use_cache=cache is not None,
+            y = self.layer(x, attention_mask=mask, position_ids=position_ids,
+                           use_cache=cache is not None, **{_cache_keyword(self.layer): cache},
                            position_embeddings=self.rotary(x, position_ids=position_ids))
+        y = y[0] if isinstance(y, tuple) else y   # (hidden, attention weights): Falcon
         if cache is not None:   # labkit's KVCache sees the same tensors (its bytes, its length)
             held = cache.layers[self.layer_idx]
             kv_cache.keys[id(self)] = held.keys.transpose(1, 2)      # (b, s, heads, d) views
             kv_cache.values[id(self)] = held.values.transpose(1, 2)
         return y
+
+
+def _cache_keyword(layer):
+    """The name a decoder layer takes its cache by (`cache`; Falcon's `layer_past`; ...)."""
+    names = inspect.signature(layer.forward).parameters
+    return next((n for n in CACHE_KEYWORDS if n in names), "cache")
 
 
 class _Head(nn.Module):
@@ -116,54 +128,150 @@ class _Head(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def hf_as_sequential(model):
-    """`model` (a transformers causal LM) as nn.Sequential(embedding, decoder layers..., head),
-    its own modules; a one-line TypeError naming the model when its layout is not known."""
+NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f")   # the final norm
+LAYER_LISTS = ("layers", "h", "blocks")
+
+
+def _units(model):
+    """`model`'s own modules as (embedding, decoder units..., head), or a one-line reason why
+    its layout is not one this module knows (a str)."""
     name = type(model).__name__
     lm_head = getattr(model, "lm_head", None)
     body = getattr(model, getattr(model, "base_model_prefix", ""), None)
     if lm_head is None or body is None:
-        raise TypeError(f"split_into_stages: {name} is a transformers model without a language-"
-                        f"model head (lm_head) over a base model; it cuts {FAMILIES} causal LMs")
+        return (f"split_into_stages: {name} is a transformers model without a language-"
+                f"model head (lm_head) over a base model; it cuts {FAMILIES} causal LMs")
     config = model.config
-    if getattr(config, "model_type", None) not in KNOWN_TYPES:
-        raise TypeError(f"split_into_stages: {name} (model_type {config.model_type!r}) is not "
-                        f"one it knows how to cut ({', '.join(KNOWN_TYPES)})")
-    if config.model_type == "gpt2" and hasattr(body, "h"):
-        embed = _Embedding(body.wte, body.wpe, body.drop)
-        layers = [_Decoder(b, i, config, gpt2=True) for i, b in enumerate(body.h)]
-        head = _Head(body.ln_f, lm_head)
-    elif all(hasattr(body, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        embed = _Embedding(body.embed_tokens)
-        layers = [_Decoder(b, i, config, rotary=body.rotary_emb)
-                  for i, b in enumerate(body.layers[:config.num_hidden_layers])]
-        head = _Head(body.norm, lm_head)
-    else:
-        raise TypeError(f"split_into_stages: {name} ({config.model_type}) has a layout it does "
-                        f"not know; it cuts {FAMILIES} causal LMs")
-    sequential = nn.Sequential(embed, *layers, head)
-    _check_against(model, sequential, name)
-    return sequential
+    layers = next((getattr(body, n) for n in LAYER_LISTS
+                   if isinstance(getattr(body, n, None), nn.ModuleList)), None)
+    norm = next((getattr(body, n) for n in NORMS if getattr(body, n, None) is not None), None)
+    if layers is None or norm is None:
+        return (f"split_into_stages: {name} ({config.model_type}) has no list of decoder "
+                f"layers ({', '.join(LAYER_LISTS)}) and final norm ({', '.join(NORMS)}) on its "
+                f"{type(body).__name__}; it cuts {FAMILIES} causal LMs")
+    layers = layers[:config.num_hidden_layers]
+    if hasattr(body, "wte") and hasattr(body, "wpe"):   # GPT-2: learned positions, no rotary
+        return [_Embedding(body.wte, body.wpe, body.drop),
+                *[_Decoder(b, i, config, gpt2=True) for i, b in enumerate(layers)],
+                _Head(norm, lm_head)]
+    rotary = getattr(body, "rotary_emb", None)
+    if rotary is None:
+        return (f"split_into_stages: {name} ({config.model_type}) has no rotary_emb to give "
+                f"each stage its positions; it cuts {FAMILIES} causal LMs")
+    return [_Embedding(body.get_input_embeddings()),
+            *[_Decoder(b, i, config, rotary=rotary) for i, b in enumerate(layers)],
+            _Head(norm, lm_head)]
+
+
+def hf_as_sequential(model, verify=True):
+    """`model` (a transformers causal LM) as nn.Sequential(embedding, decoder layers..., head),
+    its own modules. Checked first on a miniature of the same class (`probe`; verify=False
+    skips it); a one-line TypeError naming the model, and where it differs, otherwise."""
+    units = _units(model)
+    if isinstance(units, str):
+        raise TypeError(units)
+    if verify:
+        probe(model)
+    return nn.Sequential(*units)
+
+
+class _OwnForwardFailed(Exception):
+    """The model's own forward (not the units) raised on the probe."""
+
+
+def _miniature(model):
+    """A small model of `model`'s class (the blocks' self-check's, when it can build one),
+    else `model` itself, in eval mode (no dropout: both runs must compute one function)."""
+    from .self_check import SelfCheckError, miniature
+    try:
+        return miniature(model, seed=0).eval()
+    except SelfCheckError:
+        return model.eval()
 
 
 @torch.no_grad()
-def _check_against(model, sequential, name):
-    """The layers on a probe of PROBE_TOKENS ids against the model's own forward (dropout
-    off for the probe, the caller's train/eval state restored): a model whose forward does
-    more than its layers (logit soft-capping, a logit scale, ...) is refused, not cut wrong."""
+def probe(model):
+    """The stages' units against the model's own forward, on a miniature of its class (the
+    whole sequence, PROBE_TOKENS ids, in float32 and float64: labkit.numerics' rule): the
+    embedding, each decoder layer (the model's hidden states) and the logits. A family whose
+    forward does more than its units (logit soft-capping, a logit scale, a residual scale
+    in the model's loop) is refused in one line naming the first unit that differs. Returns
+    {unit: Agreement}. Cost: two forwards of the miniature and of its units (~0.1 s)."""
+    name = type(model).__name__
     was = model.training
-    model.eval()
+    mini = _miniature(model)
     try:
-        ids = torch.arange(PROBE_TOKENS, device=model.device).unsqueeze(0) % \
-            model.config.vocab_size
-        expected = model(input_ids=ids, use_cache=False).logits
-        got = sequential(ids)
+        try:
+            runs = [_unit_outputs(m, name) for m in (mini, numerics.exact_copy(mini))]
+        except _OwnForwardFailed:
+            if mini is model:
+                raise
+            # a miniature the model's own code cannot run (a config that does not shrink so)
+            runs = [_unit_outputs(m, name) for m in (model, numerics.exact_copy(model))]
+    except _OwnForwardFailed as error:
+        raise TypeError(f"split_into_stages: {name}'s own forward fails on a probe "
+                        f"({error}); it cannot be checked, so it is not cut") from None
     finally:
         model.train(was)
-    tol = 1e-4 if expected.dtype in (torch.float32, torch.float64) else 3e-2
-    if not (got - expected).abs().max().item() <= tol * (expected.abs().max().item() + 1e-12):
-        raise TypeError(f"split_into_stages: {name}'s forward does more than its embedding, "
-                        "layers and head (a logit scale or soft-capping?): it cannot be cut")
+    (own, units), (exact, _) = runs   # the float64 model's own forward: the exact answer
+    found = {}
+    for unit in exact:
+        if unit not in own or unit not in units:
+            continue
+        agreement = numerics.compare(units[unit], own[unit], exact[unit])
+        found[unit] = agreement
+        if not agreement:
+            raise TypeError(f"split_into_stages: cut into its units, {name} differs from its "
+                            f"own forward at {unit} ({agreement.error:.1e} vs float32's own "
+                            f"{agreement.own_error:.1e}): its forward does more than its "
+                            "embedding, layers and head, so it cannot be cut")
+    return found
+
+
+def _unit_outputs(model, name):
+    """({unit: the model's own output there}, {unit: the units' output there}) on a probe."""
+    units = _units(model)
+    if isinstance(units, str):
+        raise TypeError(units)
+    ids = torch.arange(PROBE_TOKENS, device=model.device).unsqueeze(0) % model.config.vocab_size
+    try:
+        own = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+    except Exception as error:   # noqa: BLE001 - told apart from the units' failures
+        raise _OwnForwardFailed(f"{type(error).__name__}: "
+                                f"{str(error).splitlines()[0][:100]}") from None
+    hidden = getattr(own, "hidden_states", None) or ()
+    expected = {f"the logits (after decoder layer {len(units) - 3}, the final norm and "
+                "lm_head)": own.logits}
+    layers = len(units) - 2
+    if len(hidden) == layers + 1:   # the embedding, each layer but the last (then the norm)
+        expected["the embedding"] = hidden[0]
+        expected.update({f"decoder layer {i}": hidden[i + 1] for i in range(layers - 1)})
+    expected["the logits decoded through the stages' cache"] = own.logits[:, -DECODED:]
+    got = _run_units(units, ids, name, record=True)
+    from .serving import KVCache   # labkit's cache, as PipelineGenerator hands it over
+    cache, start = KVCache(), PROBE_TOKENS - DECODED
+    _run_units(units, ids[:, :start], name, cache)
+    got["the logits decoded through the stages' cache"] = torch.cat(
+        [_run_units(units, ids[:, i:i + 1], name, cache) for i in range(start, PROBE_TOKENS)],
+        dim=1)
+    return expected, got
+
+
+def _run_units(units, ids, name, kv_cache=None, record=False):
+    """The units in turn on `ids`: the logits, or ({unit: its output}) when `record`."""
+    got, x, layers = {}, ids, len(units) - 2
+    for index, unit in enumerate(units):
+        where = ("the embedding" if index == 0 else "the head" if index == layers + 1
+                 else f"decoder layer {index - 1}")
+        try:
+            x = unit(x) if kv_cache is None else unit(x, kv_cache=kv_cache)
+        except Exception as error:   # noqa: BLE001 - any failure of a unit alone: refused
+            raise TypeError(f"split_into_stages: {name}'s {where} does not run on its own "
+                            f"({type(error).__name__}: {str(error).splitlines()[0][:100]}); "
+                            "it cannot be cut") from None
+        got[f"the logits (after decoder layer {layers - 1}, the final norm and lm_head)"
+            if index == layers + 1 else where] = x
+    return got if record else x
 
 
 def untie_across_stages(stages):

@@ -37,19 +37,20 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
 HEADER_SLOTS = 8  # a shape header: dtype code, number of dims, up to 6 dims (int64)
 
 
-def split_into_stages(model, num_stages, balance="params"):
+def split_into_stages(model, num_stages, balance="params", verify=True):
     """Cut `model` into `num_stages` contiguous nn.Sequential stages (modules shared, not copied).
 
     model: an nn.Sequential (its children are the layers), a model with `as_sequential()`
     (labkit's TinyGPT: embeddings, each block, norm + head), or a transformers causal LM
-    (Llama/Mistral/Qwen2, GPT-2: see hf_stages; a tied embedding and head on two stages get
-    two copies whose gradients the schedule sums). balance: "params" (the heaviest
+    (Llama-style or GPT-2, checked first: see hf_stages; a tied embedding and head on two
+    stages get two copies whose gradients the schedule sums). balance: "params" (the heaviest
     stage as light as possible by parameter count), "layers" (equal numbers of layers), or a
     list of layers per stage. Stage s runs on group rank s % P; a parameter shared by two stages
     (tied weights) is refused, since its two gradients would need an extra all-reduce.
+    verify=False skips the check of a transformers model's units on a miniature (hf_stages).
     """
     hf = is_hf_model(model)
-    layers = (hf_as_sequential(model) if hf else
+    layers = (hf_as_sequential(model, verify=verify) if hf else
               model.as_sequential() if hasattr(model, "as_sequential") else model)
     if not isinstance(layers, nn.Sequential):
         raise TypeError(f"split_into_stages cuts an nn.Sequential (or a model with "
