@@ -9,7 +9,8 @@ NO_TOKENS = dict(bos_token_id=0, eos_token_id=None, pad_token_id=0)   # ids insi
 
 
 def build(family, attn="sdpa", tied=False, heads=4, kv_heads=2, hidden=HIDDEN, seed=0):
-    """A 2-layer model of `family` (llama, mistral, qwen2, phi3, gpt2, gpt_neox), seeded."""
+    """A 2-layer model of `family` (llama, mistral, qwen2, phi3, gpt2, gpt_neox, and the
+    families below; gemma2 and bloom need attn="eager"), seeded."""
     import transformers as hf
     common = dict(vocab_size=VOCAB, num_hidden_layers=LAYERS, attn_implementation=attn,
                   tie_word_embeddings=tied, **NO_TOKENS)
@@ -28,6 +29,32 @@ def build(family, attn="sdpa", tied=False, heads=4, kv_heads=2, hidden=HIDDEN, s
                                              num_attention_heads=heads,
                                              max_position_embeddings=64, hidden_dropout=0.0,
                                              attention_dropout=0.0, **common),
+        # more families (issue 39): per-head q/k norms, scaled embeddings, ALiBi, ...
+        "qwen3": lambda: hf.Qwen3Config(head_dim=hidden // heads, **llama_like),
+        "qwen3_moe": lambda: hf.Qwen3MoeConfig(head_dim=hidden // heads, num_experts=4,
+                                               num_experts_per_tok=2,
+                                               moe_intermediate_size=hidden, **llama_like),
+        "gemma2": lambda: hf.Gemma2Config(head_dim=hidden // heads,
+                                          query_pre_attn_scalar=hidden // heads, **llama_like),
+        "gemma3": lambda: hf.Gemma3TextConfig(head_dim=hidden // heads,
+                                              query_pre_attn_scalar=hidden // heads,
+                                              **llama_like),
+        "stablelm": lambda: hf.StableLmConfig(qk_layernorm=True, **llama_like),
+        "olmo2": lambda: hf.Olmo2Config(**llama_like),
+        "starcoder2": lambda: hf.Starcoder2Config(residual_dropout=0.0, embedding_dropout=0.0,
+                                                  **llama_like),
+        "phi": lambda: hf.PhiConfig(resid_pdrop=0.0, embd_pdrop=0.0, **llama_like),
+        "bloom": lambda: hf.BloomConfig(hidden_size=hidden, n_head=heads, hidden_dropout=0.0,
+                                        attention_dropout=0.0, **common),
+        "falcon": lambda: hf.FalconConfig(hidden_size=hidden, num_attention_heads=heads,
+                                          alibi=True, new_decoder_architecture=False,
+                                          multi_query=False, hidden_dropout=0.0,
+                                          attention_dropout=0.0, **common),
+        "deepseek_v2": lambda: hf.DeepseekV2Config(   # MLA: q, kv low-rank; 1 dense + 1 MoE layer
+            moe_intermediate_size=hidden, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+            **llama_like),
     }
     config = configs[family]()
     torch.manual_seed(seed)

@@ -1,9 +1,11 @@
 """`parallelize` on Hugging Face models (tiny, from configs, random weights): the presets as data
 (`tp_plan_for`) and a plan of one's own; training steps on 2 ranks equal one device (Llama
 with GQA, Qwen2 with q/k/v biases, GPT-2's Conv1D and fused c_attn with a tied head, GPT-NeoX's
-per-head fused query_key_value, Phi-3's fused GQA qkv_proj and gate_up_proj), judged by
-labkit.numerics against a float64 run; torch's parallelize_module bit for bit; a bf16 forward;
-and one test per refusal."""
+per-head fused query_key_value, Phi-3's fused GQA qkv_proj and gate_up_proj, Qwen3's per-head
+q/k norms with their gradients summed, Gemma3's scaled embedding under transformers' own plan,
+OLMo2's gathered q/k/v, Bloom's MLP with its model's head count untouched), judged by
+labkit.numerics against a float64 run, the replicated parameters identical on every rank;
+torch's parallelize_module bit for bit; a bf16 forward; and one test per refusal."""
 import types
 
 import pytest
@@ -23,7 +25,9 @@ import hf_tiny  # noqa: E402
 STEPS = 2
 MLP_ONLY = {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
             "model.layers.*.mlp.down_proj": "rowwise"}
-TRAIN_CASES = {  # name -> (family, attn, tied, plan: None = the preset)
+BLOOM_MLP = {"transformer.word_embeddings": "vocab", "transformer.h.*.mlp.dense_h_to_4h": "colwise",
+             "transformer.h.*.mlp.dense_4h_to_h": "rowwise", "lm_head": "vocab"}
+TRAIN_CASES = {  # name -> (family, attn, tied, plan: None = the preset or transformers' own)
     "llama-gqa": ("llama", "sdpa", False, None),
     "llama-eager-tied": ("llama", "eager", True, None),
     "qwen2-bias": ("qwen2", "sdpa", False, None),
@@ -31,6 +35,10 @@ TRAIN_CASES = {  # name -> (family, attn, tied, plan: None = the preset)
     "gpt_neox-per-head": ("gpt_neox", "sdpa", False, None),
     "phi3-fused-gqa": ("phi3", "eager", False, None),   # qkv_proj (4|2|2 heads), gate_up_proj
     "llama-own-plan": ("llama", "sdpa", False, MLP_ONLY),
+    "qwen3-qk-norms": ("qwen3", "sdpa", False, None),   # the preset: q/k norms grad-summed
+    "gemma3-hf-plan-tied": ("gemma3", "sdpa", True, None),   # scaled embedding kept, split
+    "olmo2-hf-plan": ("olmo2", "sdpa", False, None),   # q/k/v gathered, o_proj split input
+    "bloom-mlp-vocab": ("bloom", "eager", False, BLOOM_MLP),   # BloomModel keeps its heads
 }
 
 
@@ -49,9 +57,9 @@ def _train(model, opt):
 def train_on_ranks(ctx, cases):
     out = {}
     for name, (family, attn, tied, plan) in cases.items():
-        runs = [hf_tiny.build(family, attn, tied).train() for _ in range(3)]
+        runs = [perturbed(hf_tiny.build(family, attn, tied).train()) for _ in range(3)]
         runs[1] = numerics.exact_copy(runs[1])
-        tp.parallelize(runs[2], plan)
+        tp.parallelize(runs[2], plan, verify=False)   # the split itself (self-check: its tests)
         losses = [_train(m, torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6,
                                               foreach=False)) for m in runs]
         with ctx.off_the_record():
@@ -59,8 +67,22 @@ def train_on_ranks(ctx, cases):
         named = [dict(m.named_parameters()) for m in runs[:2]]
         out[name] = dict(loss=numerics.compare_loss(losses[2], losses[0], losses[1]),
                          params=numerics.compare(full, *named),
-                         split=sum(p.tp_split is not None for p in runs[2].parameters()))
+                         split=sum(p.tp_split is not None for p in runs[2].parameters()),
+                         replicated={n: p.detach() for n, p in runs[2].named_parameters()
+                                     if p.tp_split is None},
+                         heads=getattr(getattr(runs[2], "transformer", None), "num_heads", None))
     return out
+
+
+def perturbed(model):
+    """Norm weights and biases start constant (1, 0): noise, so that a norm applied to the
+    wrong head, or a gradient summed over the wrong ranks, shows."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            if bool((p == p.reshape(-1)[0]).all()):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +97,21 @@ def test_tp_training_equals_one_device(trained, name):
         assert r["loss"], (name, str(r["loss"]))
         assert r["params"], (name, str(r["params"]))
         assert r["split"] > 0
+
+
+@pytest.mark.parametrize("name", list(TRAIN_CASES))
+def test_replicated_parameters_stay_identical_on_every_rank(trained, name):
+    """Qwen3's q/k norms: each rank's gradient covers its own heads; summed over the group, the
+    ranks' copies step alike (without the sum they drift apart, 0.05 after 3 steps)."""
+    first, second = (result[name]["replicated"] for result in trained)
+    assert first.keys() == second.keys() and first
+    different = [n for n in first if not torch.equal(first[n], second[n])]
+    assert not different, different
+
+
+def test_bloom_keeps_its_models_head_count_for_alibi(trained):
+    for result in trained:   # BloomModel, the vocab split's parent, is no attention module
+        assert result["bloom-mlp-vocab"]["heads"] == 4   # not halved: ALiBi's slopes use it
 
 
 def against_torch(ctx):
@@ -124,7 +161,8 @@ def test_tp_bf16_forward_within_bf16_rounding():
 
 # ------------------------------------------------------------------------- plans as data
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "phi3", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2",
+                                    "gpt_neox"])
 def test_the_preset_is_a_plan_that_names_every_projection(family):
     model = hf_tiny.build(family)
     plan = tp_plan_for(model)
@@ -208,3 +246,48 @@ def test_refuses_a_config_whose_head_dim_is_derived():
                                     num_attention_heads=4, new_decoder_architecture=False)
     with pytest.raises(ValueError, match="FalconConfig computes head_dim from hidden_size"):
         _local_config(cfg, 2)
+
+
+# ------------------------------------------------- transformers' own plans, and what they miss
+
+def test_transformers_own_plan_in_labkit_styles():
+    """No preset for OLMo2 and Gemma3: transformers' plan, each style mapped (the head's
+    gathered colwise is labkit's vocab split, the embedding's rowwise too)."""
+    olmo2 = tp_plan_for(hf_tiny.build("olmo2"))
+    assert olmo2["model.layers.*.self_attn.q_proj"] == "colwise_gather"
+    assert olmo2["model.layers.*.self_attn.o_proj"] == "rowwise_split"
+    assert olmo2["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert olmo2["lm_head"] == olmo2["model.embed_tokens"] == "vocab"
+    gemma3 = tp_plan_for(hf_tiny.build("gemma3"))
+    assert gemma3["model.layers.*.self_attn.k_norm"] == "replicated_grad_sum"
+    assert "qwen3" in PRESETS and PRESETS["qwen3"]["model.layers.*.self_attn.q_norm"] == \
+        "replicated_grad_sum"
+
+
+def test_refuses_a_transformers_style_labkit_does_not_know():
+    model = hf_tiny.build("deepseek_v2", kv_heads=4)
+    with pytest.raises(ValueError, match=r"gives model\.layers\.\*\.self_attn\.kv_a_proj_with_mqa "
+                                         "the style 'mla_kv_a_proj', which labkit does not"):
+        tp_plan_for(model)
+
+
+def test_refuses_per_head_norm_lists():
+    """StableLM pairs its per-head q/k LayerNorms with the heads by position (zip): after a
+    split rank 1 would normalise heads 2, 3 with norms 0, 1."""
+    model = hf_tiny.build("stablelm")
+    with pytest.raises(ValueError, match=r"q_layernorm\.norms is a list of 4 per-head modules"):
+        resolve_plan(model, PRESETS["llama"], 2)
+
+
+def test_refuses_alibi_attention_split_by_heads():
+    model = hf_tiny.build("bloom", "eager")
+    plan = {**BLOOM_MLP, "transformer.h.*.self_attention.query_key_value": "colwise"}
+    with pytest.raises(ValueError, match="BloomForCausalLM uses ALiBi, whose per-head slopes"):
+        resolve_plan(model, plan, 2)
+
+
+def test_refuses_a_linear_subclass_with_its_own_forward():
+    model = hf_tiny.build("falcon")
+    with pytest.raises(ValueError, match=r"dense_h_to_4h is a FalconLinear, an nn\.Linear "
+                                         "subclass with its own forward"):
+        resolve_plan(model, {"transformer.h.*.mlp.dense_h_to_4h": "colwise"}, 2)

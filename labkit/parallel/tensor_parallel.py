@@ -44,8 +44,9 @@ import torch.nn.functional as F
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from .async_tp import all_gather_linear, linear_reduce_scatter
+from .self_check import check_against_one_device, is_hugging_face
 from .tensor_parallel_plan import (features, fused_parts, is_conv1d, localize_attention,
-                                   refuse_sequence_parallel, resolve_plan)
+                                   plan_for, refuse_sequence_parallel, resolve_plan)
 from .tp_presets import tp_plan_for
 from .mappings import (SEQUENCE_DIM, all_gather_dim, all_reduce_copy, copy_to, gather_along,
                        gather_keep_slice, reduce_from, reduce_scatter_dim, scatter_along)
@@ -131,14 +132,16 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """nn.Linear split by input features over `group`: partial sums, g (all-reduce, or a
     reduce-scatter along the sequence with SP; `async_tp`: a ring under the chunk matmuls),
-    then the replicated bias, once."""
+    then the replicated bias, once. `split_input`: the input arrives whole (HF's
+    `rowwise_split_input`) and each rank takes its slice, behind f: the all-reduce of the
+    zero-padded slices' gradients is the all-gather of the input's gradient."""
 
     def __init__(self, linear, group=None, *, sequence_parallel=False, async_tp=False, tag="",
-                 shared=None):
+                 shared=None, split_input=False):
         super().__init__()
         self.group = context().group(group)
         self.in_features, self.out_features = features(linear)
-        self.sequence_parallel, self.tag = sequence_parallel, tag
+        self.sequence_parallel, self.tag, self.split_input = sequence_parallel, tag, split_input
         self.async_tp = async_tp and sequence_parallel
         self.transposed = is_conv1d(linear)
         self.weight = shard(linear.weight, self.group, 1 - self.transposed, 1, shared)
@@ -146,6 +149,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         weight = self.weight.t() if self.transposed else self.weight   # Conv1D: (in, out)
+        if self.split_input:
+            x = copy_to_tp(x, self.group, f"{self.tag} (split input)")
+            x = x.chunk(self.group.size, dim=-1)[self.group.rank]
         if self.async_tp:
             y = linear_reduce_scatter(x, weight, self.group, self.tag)
         else:
@@ -183,6 +189,52 @@ class VocabParallelEmbedding(nn.Module):
         rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
         combine = scatter_to_sp if self.sequence_parallel else reduce_from_tp
         return combine(rows, self.group, self.tag)
+
+
+def split_embedding_in_place(embedding, group=None, *, sequence_parallel=False, tag="",
+                             shared=None):
+    """`VocabParallelEmbedding` for an nn.Embedding subclass with its own forward (Gemma's
+    multiplies the rows by sqrt(hidden)): the module stays, with this rank's rows as its weight;
+    a forward pre-hook hands its own forward local ids (0 for ids outside the range) and a
+    forward hook zeroes those rows and sums the ranks' (g). Right for any forward that maps each
+    id to a vector of its own row. Its other parameters see only this rank's ids: their
+    gradients are summed over the group. (torch's parallelize_module hooks forward the same way.)"""
+    group = context().group(group)
+    embedding.weight = shard(embedding.weight, group, 0, 1, shared)
+    rows = embedding.weight.shape[0]
+    start = group.rank * rows
+    pad = embedding.padding_idx
+    embedding.padding_idx = pad - start if pad is not None and 0 <= pad - start < rows else None
+    embedding.num_embeddings = rows
+    combine = scatter_to_sp if sequence_parallel else reduce_from_tp
+    outside = {}   # the mask of the current call, from the pre-hook to the hook
+
+    def local_ids(module, args):
+        local = args[0] - start
+        outside["mask"] = (local < 0) | (local >= rows)
+        return (local.masked_fill(outside["mask"], 0),) + tuple(args[1:])
+
+    def sum_over_ranks(module, args, rows_out):
+        mine = rows_out.masked_fill(outside.pop("mask").unsqueeze(-1), 0.0)
+        return combine(mine, group, tag)
+
+    embedding.register_forward_pre_hook(local_ids)
+    embedding.register_forward_hook(sum_over_ranks)
+    sum_gradients(embedding, group, tag, skip=embedding.weight)
+    return embedding
+
+
+def sum_gradients(module, group, tag, skip=None):
+    """The "replicated_grad_sum" style: `module` stays whole on every rank, and each of its
+    parameters' gradients is summed over `group` (a hook; f's backward), for a parameter that
+    sees only this rank's part (Qwen3's q/k norms act on this rank's heads). Returns module."""
+    for name, param in module.named_parameters():
+        if param is skip or not param.requires_grad or getattr(param, "_tp_sum", False):
+            continue
+        param.register_hook(partial(all_reduce_copy, group=group,
+                                    tag=f"{tag}.{name} grad sum"))
+        param._tp_sum = True
+    return module
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -239,19 +291,26 @@ def vocab_parallel_argmax(logits, group=None, tag="greedy"):
 def _build(style, layer, name, group, shared, sequence_parallel, regather, gather_output,
            async_tp, root):
     options = dict(sequence_parallel=sequence_parallel, tag=name, shared=shared)
+    if style == "replicated_grad_sum":
+        return sum_gradients(layer, group, name)
     if isinstance(layer, nn.Embedding):
+        if type(layer).forward is not nn.Embedding.forward:   # keep the subclass's forward
+            return split_embedding_in_place(layer, group, **options)
         return VocabParallelEmbedding(layer, group, **options)
-    if style == "rowwise":
-        return RowParallelLinear(layer, group, async_tp=async_tp, **options)
+    if style in ("rowwise", "rowwise_split"):
+        return RowParallelLinear(layer, group, async_tp=async_tp,
+                                 split_input=style == "rowwise_split", **options)
     parts = fused_parts(name, layer, root) if style == "colwise" else 1
+    gather = style == "colwise_gather" or (gather_output and style == "vocab")
     return ColumnParallelLinear(layer, group, parts=parts, regather=regather, async_tp=async_tp,
-                                gather_output=gather_output and style == "vocab", **options)
+                                gather_output=gather, **options)
 
 
 def parallelize(module: nn.Module, plan: Mapping[str, str] | None = None,
                 group: GroupLike = None,
                 sequence_parallel: bool = False, *, regather: bool = True,
-                gather_output: bool = True, async_tp: bool = False) -> nn.Module:
+                gather_output: bool = True, async_tp: bool = False,
+                verify: bool | None = None) -> nn.Module:
     """Split the layers `plan` names ({glob: "colwise" | "rowwise" | "vocab"}) over `group`
     (None: the world), in place; returns `module`. Every rank of the group calls it on the
     same (identically initialised) module and feeds the same input (with sequence_parallel:
@@ -261,8 +320,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, str] | None = None,
     "vocab" Linear (the output layer) leaves its logits split by vocabulary, for
     `vocab_parallel_cross_entropy`. async_tp (needs SP): the Linears' sequence all-gather and
     reduce-scatter run as rings of sends under the chunk matmuls (async_tp.py).
-    plan=None: the preset for a Hugging Face model's `config.model_type` (tp_presets.py);
-    attention modules that store head counts get this rank's (`localize_attention`)."""
+    plan=None: the preset for a Hugging Face model's `config.model_type`, else transformers'
+    own plan (tp_presets.py); attention modules that store head counts get this rank's
+    (`localize_attention`). verify (default: on for Hugging Face models): before splitting,
+    the same plan on a miniature of the model must equal one device, logits and every gradient,
+    a replicated parameter's on each rank (self_check.py, ~0.3 s); False skips it."""
     if async_tp and not sequence_parallel:
         raise ValueError("async_tp=True needs sequence_parallel=True: it decomposes the "
                          "sequence all-gather / reduce-scatter around the matmuls")
@@ -272,6 +334,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, str] | None = None,
         refuse_sequence_parallel(module)
     group = context().group(group)
     targets = resolve_plan(module, plan, group.size)
+    if verify or (verify is None and is_hugging_face(module)):
+        _verify(module, plan, group, sequence_parallel, regather, async_tp)
     shared = {}
     for name, style in targets:
         parent_name, _, leaf = name.rpartition(".")
@@ -279,7 +343,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, str] | None = None,
         parent._modules[leaf] = _build(style, parent._modules[leaf], name, group, shared,
                                        sequence_parallel, regather, gather_output, async_tp,
                                        module)
-    localize_attention(module, [name for name, _ in targets], group.size)
+    localize_attention(module, targets, group.size)
     for name, param in module.named_parameters():
         if getattr(param, "tp_split", None) is not None:
             continue
@@ -290,3 +354,14 @@ def parallelize(module: nn.Module, plan: Mapping[str, str] | None = None,
                                         tag=f"sequence-parallel grad {name}"))
             param._tp_sum = True
     return module
+
+
+def _verify(module, plan, group, sequence_parallel, regather, async_tp):
+    """The self-check (self_check.py): the plan's entries that name a module of the miniature,
+    applied to it with the logits gathered, against one device."""
+    def apply(mini):
+        mini_plan = plan_for(mini, plan)
+        return parallelize(mini, mini_plan or plan, group, sequence_parallel,
+                           regather=regather, async_tp=async_tp, verify=False)
+    check_against_one_device(module, apply, group, what="parallelize(plan)",
+                             forward=lambda model, ids: model(ids), gradients=gather_grads)

@@ -15,6 +15,16 @@ so a contiguous split of whole heads is right; `gate_up_proj` is gate|up. Any ot
 looks fused is refused. After the split, an attention module that stores its head counts
 (GPT-2's `num_heads`, `split_size`) or reads its config in forward (Phi-3) gets this rank's
 (`localize_attention`: the module's attributes, a copy of its config).
+
+Beyond Megatron's three styles, those transformers' own plans use (`base_model_tp_plan`):
+"colwise_gather" (colwise, output all-gathered: every rank then runs what follows on the whole
+features, OLMo2's q/k/v before its full-width q/k norms), "rowwise_split" (rowwise on a whole
+input, each rank taking its slice) and "replicated_grad_sum" (a module kept whole whose
+gradient is partial: Qwen3's per-head q/k norms see only this rank's heads, so the group sums
+their gradients). Refused in one line, as they would train wrong: a Linear subclass with its
+own forward (a split would replace it), ALiBi attention split by heads (the slopes are built
+for all heads outside the attention), per-head module lists (StableLM's q/k norms: HF pairs
+them with the local heads by position).
 """
 import copy
 import fnmatch
@@ -23,7 +33,9 @@ import types
 
 import torch.nn as nn
 
-STYLES = ("colwise", "rowwise", "vocab")
+STYLES = ("colwise", "rowwise", "vocab", "colwise_gather", "rowwise_split", "replicated_grad_sum")
+HEAD_SPLITTING = ("colwise", "rowwise")   # each rank then computes its own heads
+ALIBI_FAMILIES = ("bloom",)   # ALiBi always, no config flag (Falcon, MPT: config.alibi)
 QKV_BLOCKS = ("qkv", "c_attn", "W_pack", "qkv_proj")   # q|k|v concatenated: split each part
 PER_HEAD = ("query_key_value",)   # (heads, 3, head_dim): contiguous whole heads are right
 PAIRS = ("gate_up_proj",)         # gate|up concatenated: split each half
@@ -95,10 +107,12 @@ def fused_parts(name, layer, root=None):
     return (out,)
 
 
-def localize_attention(module, names, tp):
+def localize_attention(module, targets, tp):
     """Divide the head counts an attention module stores (LOCAL_COUNTS) by `tp` in each
-    parent of the split layers `names`: its forward then reshapes to this rank's heads."""
-    parents = {name.rpartition(".")[0] for name in names}
+    parent of the layers `targets` ([(name, style)]) splits by heads: its forward then reshapes
+    to this rank's heads. Parents of other styles keep theirs: a vocab split's parent is the
+    model (Bloom's builds ALiBi from its num_heads), a gathered output's whole heads."""
+    parents = {name.rpartition(".")[0] for name, style in targets if style in HEAD_SPLITTING}
     for parent_name in parents:
         parent = module.get_submodule(parent_name)
         if not _is_attention(parent):
@@ -170,23 +184,60 @@ def resolve_plan(module, plan, tp):
     return list(chosen.items())
 
 
+def uses_alibi(root):
+    """Whether a Hugging Face model adds ALiBi slopes per head (Bloom always; Falcon, MPT when
+    their config says so)."""
+    config = getattr(root, "config", None)
+    return bool(getattr(config, "model_type", None) in ALIBI_FAMILIES
+                or getattr(config, "alibi", False)
+                or getattr(getattr(config, "attn_config", None), "alibi", False))
+
+
+def _check_heads(name, parent_name, parent, tp, root):
+    """The refusals of a split by heads: ALiBi, per-head module lists, heads tp does not
+    divide."""
+    counts = {a: getattr(parent, a) for a in HEAD_COUNTS
+              if isinstance(getattr(parent, a, None), int)}
+    if not _is_attention(parent):
+        return counts
+    if uses_alibi(root):
+        raise ValueError(f"{name}: {type(root).__name__} uses ALiBi, whose per-head slopes the "
+                         "model builds for all heads outside the attention, so a split by heads "
+                         "would bias rank i's heads with heads 0..h/tp's slopes; leave its "
+                         "attention out of the plan (split the MLP only)")
+    counts.update({f"config.{a}": v for a, v in _config_heads(root).items()})
+    for sub_name, sub in parent.named_modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) in set(counts.values()):
+            raise ValueError(f"{parent_name}.{sub_name} is a list of {len(sub)} per-head "
+                             f"modules ({type(sub[0]).__name__}): after a split by heads the "
+                             "model would pair this rank's heads with the list's first ones; "
+                             "leave its attention out of the plan")
+    return counts
+
+
 def _check_one(name, layer, style, tp, root):
+    if style == "replicated_grad_sum":
+        if not any(p.requires_grad for p in layer.parameters()):
+            raise ValueError(f"'replicated_grad_sum' on {name} ({type(layer).__name__}): it has "
+                             "no trainable parameter whose gradient to sum")
+        return
     kinds = (nn.Linear, nn.Embedding) if style == "vocab" else (nn.Linear,)
+    if isinstance(layer, nn.Linear) and type(layer).forward is not nn.Linear.forward:
+        raise ValueError(f"{name} is a {type(layer).__name__}, an nn.Linear subclass with its "
+                         f"own forward: a {style!r} split would replace that forward with a "
+                         "plain matmul; leave it out of the plan")
     if not (isinstance(layer, kinds) or (style != "vocab" and is_conv1d(layer))):
         allowed = " or ".join("nn." + k.__name__ for k in kinds)
         raise ValueError(f"{style!r} applies to {allowed}; {name} is of type "
                          f"{type(layer).__name__}" + ("" if style == "vocab" else
                                                       " (GPT-2's Conv1D works too)"))
     parent_name = name.rpartition(".")[0]
-    parent = root.get_submodule(parent_name)
-    counts = {a: getattr(parent, a) for a in HEAD_COUNTS
-              if isinstance(getattr(parent, a, None), int)}
-    if _is_attention(parent) and style != "vocab":   # and the model's config (HF Llama)
-        counts.update({f"config.{a}": v for a, v in _config_heads(root).items()})
-    for attr, heads in counts.items():   # an attention module: each rank must get whole heads
-        if heads % tp:
-            raise ValueError(f"TP degree {tp} does not divide {attr}={heads} of "
-                             f"{parent_name or 'the root'} (each rank computes whole heads)")
+    if style in HEAD_SPLITTING:
+        counts = _check_heads(name, parent_name, root.get_submodule(parent_name), tp, root)
+        for attr, heads in counts.items():   # an attention module: each rank gets whole heads
+            if heads % tp:
+                raise ValueError(f"TP degree {tp} does not divide {attr}={heads} of "
+                                 f"{parent_name or 'the root'} (each rank computes whole heads)")
     if isinstance(layer, nn.Embedding):
         if layer.max_norm is not None or layer.sparse or layer.scale_grad_by_freq:
             raise ValueError(f"'vocab' cannot split {name}: max_norm, sparse and "
@@ -194,8 +245,10 @@ def _check_one(name, layer, style, tp, root):
         size, what = layer.num_embeddings, "rows (vocabulary)"
     elif style == "vocab":
         size, what = layer.out_features, "output features (vocabulary)"
-    elif style == "rowwise":
+    elif style in ("rowwise", "rowwise_split"):
         size, what = features(layer)[0], "input features"
+    elif style == "colwise_gather":   # gathered whole: a fused layer needs no part-by-part cut
+        size, what = features(layer)[1], "output features"
     else:
         parts = fused_parts(name, layer, root)
         bad = [p for p in parts if p % tp]
