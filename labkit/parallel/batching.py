@@ -59,6 +59,32 @@ class Request:
         return len(self.generated) >= self.output
 
 
+def check_requests(requests):
+    """One-line ValueError for a request the engine cannot serve as asked: an output of 0 or
+    -2 tokens (it used to get 1), an empty or non-1-D prompt, an arrival that is not a finite
+    number of seconds >= 0, or an id given twice (the cache keys blocks by id)."""
+    seen = set()
+    for r in requests:
+        if not isinstance(r, Request):
+            raise TypeError(f"Engine.run takes Request objects, got {type(r).__name__}")
+        if isinstance(r.output, bool) or not isinstance(r.output, int) or r.output < 1:
+            raise ValueError(f"request {r.id}: output must be a positive number of tokens, got "
+                             f"{r.output!r}")
+        if not isinstance(r.prompt, torch.Tensor) or r.prompt.ndim != 1 or r.prompt.numel() < 1:
+            shape = tuple(r.prompt.shape) if isinstance(r.prompt, torch.Tensor) else \
+                type(r.prompt).__name__
+            raise ValueError(f"request {r.id}: prompt must be a non-empty 1-D tensor of token "
+                             f"ids, got {shape}")
+        if isinstance(r.arrival_s, bool) or not isinstance(r.arrival_s, (int, float)) or \
+                not 0 <= r.arrival_s < float("inf"):
+            raise ValueError(f"request {r.id}: arrival_s must be a finite number of seconds >= "
+                             f"0, got {r.arrival_s!r}")
+        if r.id in seen:
+            raise ValueError(f"request id {r.id!r} is given twice; each request needs its own "
+                             "id (the KV cache keys its blocks by id)")
+        seen.add(r.id)
+
+
 def synced_clock(group=None):
     """A clock every rank of `group` reads alike: rank 0's perf_counter, broadcast (off the
     record: it is bookkeeping, not serving traffic)."""
@@ -128,6 +154,7 @@ class Engine:
     def run(self, requests):
         """Serve `requests` (arrival_s relative to the start); returns them with their
         generated tokens and token times (seconds since the start)."""
+        check_requests(requests)
         for r in requests:
             if r.length + r.output - 1 > self.model.pos.num_embeddings:
                 raise ValueError(f"request {r.id}: prompt {r.prompt.numel()} + output "

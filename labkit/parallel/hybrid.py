@@ -193,6 +193,9 @@ class HybridParallel:
                  schedule="1f1b", n_microbatches=4, virtual=1, balance="layers",
                  expert_parallel=False, zero_stage=0, dp_replicate=1, cp_layout="zigzag",
                  cp_method="ring", recompute=False, recompute_layers=None):
+        if not hasattr(mesh, "sizes"):
+            raise TypeError(f"HybridParallel: mesh must be a labkit Mesh (ctx.mesh(dp=..., "
+                            f"tp=..., pp=...)), got {type(mesh).__name__} {mesh!r:.40}")
         cp = mesh.sizes["cp"]
         mode = check_recompute(recompute, recompute_layers, virtual, zero_stage)
         validate_dims(dp=mesh.sizes["dp"], tp=mesh.sizes["tp"], pp=mesh.sizes["pp"], cp=cp,

@@ -73,7 +73,11 @@ class PagedKVCache:
         return [i for i in range(have // self.block_size, len(table)) if self.refs[table[i]] > 1]
 
     def can_reserve(self, rid, tokens):
-        """Whether reserve(rid, tokens) would succeed (without doing it)."""
+        """Whether reserve(rid, tokens) would succeed (without doing it); a count of tokens
+        that is not a positive integer is refused (ValueError)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"reserve: tokens must be a positive integer (the request's first "
+                             f"tokens to hold), got {tokens!r} for request {rid!r}")
         if tokens > self.num_blocks * self.block_size or (
                 self.reserve_whole and tokens > self.block_size):
             return False

@@ -98,6 +98,17 @@ def cache_for(model, cache=None):
     return cache
 
 
+def model_positions(model):
+    """The positions `model` can embed (TinyGPT's `pos` table, also as an nn.Sequential; a
+    Hugging Face config's max_position_embeddings), or None when it does not say."""
+    first = model[0] if isinstance(model, nn.Sequential) and len(model) else model
+    pos = getattr(first, "pos", None)
+    if isinstance(pos, nn.Embedding):
+        return pos.num_embeddings
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) else None
+
+
 def _logits(out):
     return out.logits if hasattr(out, "logits") else out   # a Hugging Face ModelOutput
 
@@ -124,8 +135,18 @@ def generate(model, prompt, new_tokens, cache=None, return_logits=False, pick=No
     (b, new_tokens, vocab) logits each token was picked from (to compare with a reference
     within float tolerance). pick: (b, V) logits -> (b,) ids, default argmax (a head whose
     logits stay split by vocabulary passes `vocab_parallel_argmax`)."""
-    if new_tokens < 1:
-        raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"generate: new_tokens must be a positive integer, got {new_tokens!r}")
+    if not isinstance(prompt, torch.Tensor) or prompt.ndim != 2 or 0 in prompt.shape:
+        shape = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else \
+            type(prompt).__name__
+        raise ValueError(f"generate: prompt must be a (batch, length) tensor of token ids with "
+                         f"at least one token, got {shape}")
+    positions = model_positions(model)
+    if positions is not None and prompt.shape[1] + new_tokens - 1 > positions:
+        raise ValueError(f"generate: prompt {prompt.shape[1]} + new_tokens {new_tokens} - 1 "
+                         f"positions exceed the model's {positions} (its position embedding); "
+                         "ask for fewer new_tokens or build the model with a longer seq")
     cache = cache_for(model, cache)
     ids, tokens, logits = prompt, [], []
     for _ in range(new_tokens):

@@ -92,6 +92,11 @@ class Trainer:
         if forward_backward is not None and accumulate > 1:
             raise ValueError("accumulate splits the batch for the trainer's forward_backward; a "
                              "forward_backward hook (a pipeline) makes its own micro-batches")
+        if optimizer is None or not (hasattr(optimizer, "step") or callable(optimizer)):
+            raise TypeError(f"optimizer must be an optimizer (with .step()) or a factory "
+                            f"(params, cfg) -> optimizer, got {optimizer!r:.60}")
+        if not callable(batch):
+            raise TypeError(f"batch must be a function step -> (x, y), got {batch!r:.60}")
         self.ctx, self.cfg, self.model = ctx, cfg, model
         self.module = parallelize(model) if parallelize is not None else model
         self.memory = ctx.memory if ctx is not None else MemoryTracker()
@@ -112,7 +117,7 @@ class Trainer:
         """zero_grad, this rank's batch, forward and backward, after_backward, the optimizer
         step; returns the loss (a tensor or float; None where this rank has none)."""
         self.optimizer.zero_grad(set_to_none=True)
-        x, y = self.batch(step)
+        x, y = self.checked_batch(step)
         with self.activations():
             loss = (self.forward_backward(x, y) if self.accumulate == 1
                     else self.accumulate_gradients(x, y))
@@ -123,6 +128,21 @@ class Trainer:
         with self.region(self.optimizer_region):
             self.optimizer.step()
         return loss
+
+    def checked_batch(self, step):
+        """The batch hook's (x, y) for `step`, refused in one line when it is not a pair, or
+        when `accumulate` does not divide its rows (x.chunk would make fewer or unequal
+        micro-batches: 8 rows in 3 end 5.6e-4 away from accumulate=1, without a word)."""
+        got = self.batch(step)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            raise TypeError(f"batch(step) must return (x, y), got {type(got).__name__} "
+                            f"{got!r:.60} at step {step}")
+        x, y = got
+        rows = getattr(x, "shape", (None,))[0] if getattr(x, "ndim", 0) else None
+        if self.accumulate > 1 and (rows is None or rows % self.accumulate):
+            raise ValueError(f"accumulate={self.accumulate} must divide this rank's "
+                             f"{rows} rows of the batch (into equal micro-batches)")
+        return x, y
 
     def forward_backward(self, x, y, suffix=""):
         """Forward and backward on the clock; returns the loss (divided by `accumulate`, so
