@@ -4,9 +4,10 @@ downloaded): `split_into_stages` cuts Llama (tied embedding and head), Qwen2 (un
 last two outside any family list, and GPT-2 (tied, learned positions) into 2 stages; 2 steps
 of the 1F1B executor on 2 ranks (SGD, fp32) leave the parameters within rounding of the same
 model trained on one device (labkit.numerics: against the float64 run, a few times the float32
-single-device run's own error); the head's copy of a tied weight stays equal to the embedding. `PipelineGenerator` on the stages gives
-transformers' own greedy `generate(do_sample=False)` tokens. Dropout is set to 0 in the configs:
-a dropout mask is random, so no two runs would agree.
+single-device run's own error); the head's copy of a tied weight stays equal to the embedding.
+`PipelineGenerator` on the stages gives transformers' own greedy `generate(do_sample=False)`
+tokens. Dropout is set to 0 in the configs: a dropout mask is random, so no two runs would
+agree.
 """
 import pytest
 import torch
