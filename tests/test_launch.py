@@ -214,14 +214,18 @@ def test_a_launch_removes_the_store_folders_of_launches_killed_outright():
     # A launcher killed by SIGKILL runs no cleanup: its folder waits for the next launch.
     gone = subprocess.Popen(["true"])
     gone.wait()
+    from labkit.runtime.processes import mark_store_folder
     dead = tempfile.mkdtemp(prefix=f"labkit-store-{gone.pid}-")
+    mark_store_folder(dead, pid=gone.pid)     # what the killed launch wrote
     live = tempfile.mkdtemp(prefix=f"labkit-store-{os.getpid()}-")  # as if launching now
+    mark_store_folder(live)
+    unmarked = tempfile.mkdtemp(prefix=f"labkit-store-{gone.pid}-")  # not provably labkit's
     try:
         labkit.launch(rank_and_sum, 2)
-        assert not os.path.exists(dead) and os.path.isdir(live)
+        assert not os.path.exists(dead) and os.path.isdir(live) and os.path.isdir(unmarked)
     finally:
-        shutil.rmtree(dead, ignore_errors=True)
-        shutil.rmtree(live, ignore_errors=True)
+        for folder in (dead, live, unmarked):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ the CPUs a rank may use

@@ -5,15 +5,18 @@ fraction of a second; a fresh interpreter imports torch for seconds). The forkse
 process group of its own, so the Ctrl-C a terminal or a Jupyter interrupt sends to our group
 never reaches it (or the ranks it forks) mid-import, and it is warmed with a no-op process
 before any rank is asked for. Each launch's ranks meet through a FileStore in a folder of its
-own, named after the launching process so that a later launch can remove the folders of
-launches that were killed outright.
+own, marked with who made it (boot, pid namespace, host, user, pid and the pid's start time),
+so that a later launch removes the folders of launches killed outright, and only those: a
+folder it cannot prove a gone labkit launch made (another container's, a user's) stays.
 """
 import ast
 import inspect
+import json
 import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -22,7 +25,10 @@ from multiprocessing import forkserver, resource_tracker, util as mp_util
 
 import torch.multiprocessing as mp
 
+from . import atomic
+
 STORE_PREFIX = "labkit-store-"
+OWNER_FILE = "labkit-owner.json"   # in each store folder: who made it (process_identity)
 IFF_LOOPBACK = 0x8  # <net/if.h>: the interface flag of the loopback
 _warm_forkserver_pid = None  # the forkserver known to have finished its imports
 
@@ -148,13 +154,83 @@ def no_missing_main_file():
 
 
 def new_store_folder():
-    """A private folder for one launch's FileStore, after removing those of dead launches."""
+    """A private folder for one launch's FileStore, marked as ours (`mark_store_folder`),
+    after removing those of launches that are gone (`made_by_a_gone_launch`)."""
     root = tempfile.gettempdir()
     for name in os.listdir(root):
-        pid = name[len(STORE_PREFIX):].split("-", 1)[0]
-        if name.startswith(STORE_PREFIX) and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
+        path = os.path.join(root, name)
+        if name.startswith(STORE_PREFIX) and made_by_a_gone_launch(path):
+            shutil.rmtree(path, ignore_errors=True)
+    folder = tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
+    mark_store_folder(folder)
+    return folder
+
+
+def process_identity(pid=None):
+    """Who a process is, beyond its pid (which the system reuses): the machine's boot, its
+    pid namespace (a container's own), the host name, the user, the pid and the process's
+    start time since boot. Parts the system does not tell (no /proc) are None."""
+    pid = os.getpid() if pid is None else pid
+    return dict(labkit_store=1, boot_id=_read_line("/proc/sys/kernel/random/boot_id"),
+                pid_namespace=_namespace(), host=socket.gethostname(), uid=os.getuid(),
+                pid=pid, start_time=_start_time(pid))
+
+
+def mark_store_folder(folder, pid=None):
+    """Write the owner marker (`process_identity`) into a store folder labkit made."""
+    atomic.write_json(os.path.join(folder, OWNER_FILE), process_identity(pid))
+
+
+def made_by_a_gone_launch(path):
+    """True only when `path` is a real folder (not a link) of this user holding labkit's owner
+    marker, written on this boot, in this pid namespace, on this host, by a process that is no
+    longer running (its pid dead, or alive with another start time: reused). A folder without
+    the marker, another container's, another user's or a live launch's is never touched."""
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return False
+        with open(os.path.join(path, OWNER_FILE), encoding="utf-8") as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int) \
+            or isinstance(owner["pid"], bool) or owner["pid"] < 1:
+        return False
+    here = process_identity()
+    if any(owner.get(key) != here[key] for key in ("labkit_store", "boot_id", "pid_namespace",
+                                                    "host", "uid")):
+        return False
+    if not _alive(owner["pid"]):
+        return True
+    started = _start_time(owner["pid"])   # alive: the same process, or its pid reused
+    return started is not None and owner.get("start_time") is not None \
+        and started != owner["start_time"]
+
+
+def _read_line(path):
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip() or None
+    except (OSError, ValueError):
+        return None
+
+
+def _namespace():
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _start_time(pid):
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None.
+    The name field may hold spaces and parentheses: the fields are counted after its last ')'."""
+    line = _read_line(f"/proc/{pid}/stat")
+    if line is None or ")" not in line:
+        return None
+    fields = line.rsplit(")", 1)[1].split()
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
 
 
 def _alive(pid):
