@@ -44,6 +44,8 @@
 # `generate`.
 
 # %%
+import math
+
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
@@ -53,7 +55,8 @@ from labkit.exercises.serving_systems import (check_gather_blocks, check_request
                                               check_wasted_bytes, show_solution)
 from labkit.runs import stream
 from labkit.runs.stream import StreamConfig, serve_locally
-from labkit.theory import catalog
+from labkit.theory import catalog, hardware
+from labkit.theory import serving as model_serving
 from labkit.theory import serving_stream as theory
 from labkit.viz.stream_widgets import stream_explorer, stream_figure
 
@@ -103,17 +106,22 @@ pd.DataFrame({p: {"tokens differing from alone": r["tokens_differing"],
 # *modelled* clock instead: each step takes the roofline time of Llama 3 8B on one H100
 # (weights read once per step, plus the FLOPs of the step's tokens), while the tokens are still
 # computed here by the tiny model. The scheduling decisions are then those the server would
-# make on that GPU.
+# make on that GPU. Goodput counts the requests per second that meet both limits, here a TTFT
+# of at most `TTFT_MS` and a TPOT of at most `TPOT_MS` (set in the cell).
 
 # %%
+TTFT_MS, TPOT_MS = 200, 10          # the service's limits: first token, then each token
 base = dict(requests=24, rate=400, prompt_len=(16, 64), output_len=(4, 40),
             model_kwargs=dict(layers=2), time_model="llama-3-8b", paged=True, block_size=16)
-runs = {p: serve_locally(StreamConfig(policy=p, max_batch=8, **base))[:2]
+runs = {p: serve_locally(StreamConfig(policy=p, max_batch=8, ttft_ms=TTFT_MS, tpot_ms=TPOT_MS,
+                                      **base))[:2]
         for p in ("static", "continuous")}
 table = pd.DataFrame({p: {"TTFT p50 (ms)": s["latency"]["ttft_s"]["p50"] * 1e3,
                           "TTFT p99 (ms)": s["latency"]["ttft_s"]["p99"] * 1e3,
                           "E2E p99 (ms)": s["latency"]["e2e_s"]["p99"] * 1e3,
-                          "output tokens/s": s["throughput_tokens_per_s"]}
+                          "output tokens/s": s["throughput_tokens_per_s"],
+                          "goodput (req/s)": s["goodput"]["requests_per_s"],
+                          "within both limits (%)": 100 * s["goodput"]["fraction"]}
                       for p, (_, s) in runs.items()}).T.rename_axis("modelled: Llama 3 8B, H100")
 table
 
@@ -128,7 +136,26 @@ display(Markdown(
     f"{s['TTFT p99 (ms)']:.0f} ms against {c['TTFT p99 (ms)']:.0f} ms with continuous "
     f"batching ({s['TTFT p99 (ms)'] / c['TTFT p99 (ms)']:.1f}×, modelled), and "
     f"{c['output tokens/s'] / s['output tokens/s']:.2f}× the throughput, because a slot freed "
-    f"by a short answer is refilled at the next step instead of idling."))
+    f"by a short answer is refilled at the next step instead of idling. Goodput (TTFT ≤ "
+    f"{TTFT_MS} ms and TPOT ≤ {TPOT_MS} ms): {s['goodput (req/s)']:.1f} requests/s static "
+    f"({s['within both limits (%)']:.0f}% of them within both limits) against "
+    f"{c['goodput (req/s)']:.1f} continuous ({c['within both limits (%)']:.0f}%)."))
+
+
+def p99_between_last_two(n):
+    """Where the p99 of n values lies (linear interpolation, numpy's rule) between the
+    second-worst and the worst value: 0 at the second-worst, 1 at the worst."""
+    position = (n - 1) * 0.99
+    return position - math.floor(position) if n < 100 else float("nan")
+
+
+served = len(measured["continuous"]["requests"])
+display(Markdown(
+    f"A p99 needs 100 requests to have a tail: over fewer, it is in effect the worst request. "
+    f"With {served} requests (section 2) the p99 lies {p99_between_last_two(served):.0%} of "
+    f"the way from the second-worst request to the worst, with {base['requests']} (here) "
+    f"{p99_between_last_two(base['requests']):.0%}: these p99 columns read the slowest "
+    f"request or two, so one unlucky request moves them."))
 
 # %% [markdown]
 # ## 4 · A paged KV cache
@@ -141,7 +168,9 @@ display(Markdown(
 # nothing, averaged over the steps.
 
 # %%
-fit = dict(base, requests=24, rate=2000, max_batch=64, kv_tokens=384)
+# seed 3: a stream whose mean final length is no multiple of 16 (at a multiple, blocks of 16
+# and of 4 would waste the same in theory)
+fit = dict(base, requests=24, rate=2000, max_batch=64, kv_tokens=384, seed=3)
 caches = {}
 for name, kw in (("contiguous (max length)", dict(paged=False)),
                  ("paged, blocks of 16", dict(paged=True, block_size=16)),
@@ -157,13 +186,15 @@ caches
 
 # %%
 seq = StreamConfig(**fit).gpt_config().seq
-mean_len = sum(r["prompt"] + r["output"] for r in StreamConfig(**fit).stream()) / 24
+mean_len = round(sum(r["prompt"] + r["output"] for r in StreamConfig(**fit).stream()) / 24)
+held = {b: theory.blocks_needed(mean_len, b) * b for b in (16, 4)}   # slots a request holds
 display(Markdown(
-    f"Theory for requests of the mean final length {mean_len:.0f} tokens: the contiguous cache "
+    f"Theory for requests of the mean final length, {mean_len} tokens: the contiguous cache "
     f"reserves {seq} slots each (the model's maximum), so "
-    f"{theory.requests_that_fit(384, round(mean_len), max_len=seq)} fit in 384 slots; blocks of "
-    f"16 fit {theory.requests_that_fit(384, round(mean_len), block_size=16)} and blocks of 4 "
-    f"{theory.requests_that_fit(384, round(mean_len), block_size=4)}. Measured above: "
+    f"{theory.requests_that_fit(384, mean_len, max_len=seq)} fit in 384 slots; in blocks of 16 "
+    f"a request holds {held[16]} slots and {theory.requests_that_fit(384, mean_len, block_size=16)}"
+    f" fit, in blocks of 4 it holds {held[4]} and "
+    f"{theory.requests_that_fit(384, mean_len, block_size=4)} fit. Measured above: "
     f"{caches.iloc[0, 0]:.0f}, {caches.iloc[1, 0]:.0f} and {caches.iloc[2, 0]:.0f} at the peak "
     f"(requests are shorter while they grow, so more fit than at their final length; when the "
     f"blocks run out the newest request is preempted and recomputed later)."))
@@ -205,9 +236,19 @@ print(f"blocks saved: measured {sharing.iloc[0, 0] - sharing.iloc[1, 0]}, formul
 #
 # When a long prompt joins, its whole prefill runs in one step, and every running request waits
 # for it: their time between tokens jumps. Cutting the prompt into chunks of C tokens, one chunk
-# per step beside the decodes, bounds that stall. Prompts of 100 to 400 tokens here (modelled on
-# Llama 3 8B, H100, where a decode step reads 16 GB of weights in ~5 ms and a 400-token prefill
-# adds ~8 ms).
+# per step beside the decodes, bounds that stall. Prompts of 100 to 400 tokens here, modelled on
+# Llama 3 8B on an H100; the cell below prints what a decode step of 8 requests costs there and
+# what a 400-token prefill in the same step adds (the step takes the larger of its compute and
+# its memory time, so the prefill's FLOPs first fill the time the weights take to read).
+
+# %%
+h100 = hardware.gpu("H100")
+decodes = [(1, 250)] * 8                       # 8 requests decoding, 250 tokens cached each
+alone_s = theory.modelled_step_s(LLAMA, h100, decodes)
+with_prefill_s = theory.modelled_step_s(LLAMA, h100, decodes + [(400, 0)])
+print(f"decode step of 8 (reads {LLAMA.param_count() * 2 / 1e9:.1f} GB of bf16 weights): "
+      f"{alone_s * 1e3:.2f} ms; with a 400-token prefill in it: {with_prefill_s * 1e3:.2f} ms, "
+      f"+{(with_prefill_s - alone_s) * 1e3:.2f} ms (modelled)")
 
 # %%
 long = dict(base, requests=16, rate=200, prompt_len=(100, 400), output_len=(16, 32),
@@ -310,10 +351,15 @@ display(Markdown(
     f"{sum(c.layers * 2 * c.heads * (c.hidden // c.heads) * n * 4 for n in sizes):,}."))
 
 # %% [markdown]
-# For Llama 3 8B (bf16 cache, 8 KV heads) the transfer is 128 KB per prompt token. Modelled
-# against the prefill it follows, on one H100:
+# For Llama 3 8B (bf16 cache, 8 KV heads of 128, 32 layers) the cell below prints the transfer
+# per prompt token, then each prompt's transfer against the prefill it follows, on one H100
+# (modelled):
 
 # %%
+per_token = model_serving.kv_bytes_per_token(LLAMA, "bf16")
+print(f"KV per prompt token: 2 x {LLAMA.layers} x {LLAMA.kv_heads} x "
+      f"{LLAMA.head_dim} x 2 B = {per_token:,.0f} B = {per_token / 1e3:.1f} KB "
+      f"({per_token / 2 ** 10:.0f} KiB)")
 pd.DataFrame({f"{p:,}-token prompt": {
     "prefill (ms, modelled)": theory.modelled_step_s(LLAMA, hardware.gpu("H100"),
                                                      [(p, 0)]) * 1e3,
