@@ -34,8 +34,9 @@ def test_chunked_prefill_cuts_the_modelled_stall_and_keeps_the_tokens(small):
     assert any(r["prompt"] == bench.LONG for r in stream)
     whole = bench.serve_stream(model, stream, prompts, alone, "continuous", step_time=h100)
     chunked = bench.serve_stream(model, stream, prompts, alone, "chunked", step_time=h100)
-    # a 512-token prefill is compute-bound on an H100 (~12 ms), 128-token chunks are not
-    assert chunked["p99_tbt_s"] < 0.6 * whole["p99_tbt_s"]
+    # a 512-token prefill is compute-bound on an H100 (~14 ms with its launches), 128-token
+    # chunks are not: their step is the weights' read plus the launches (~9 ms)
+    assert chunked["p99_tbt_s"] < 0.7 * whole["p99_tbt_s"]
 
 
 def test_a_run_whose_tokens_differ_stops_the_bench(small):

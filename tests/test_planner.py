@@ -334,8 +334,8 @@ def test_fp8_cast_traffic_matches_the_hand_count():
     c = planner.make_cluster("H100", 8, precision="fp8")
     m = catalog.model("llama-3-8b")
     seconds = plan_terms.fp8_cast_time(c, m, 8192, 1, 1, 0, 1)
-    # at the achievable HBM bandwidth: 84% of the datasheet's 3.35 TB/s (data/kernels.csv)
-    assert seconds * 3.35e12 * 0.84 == pytest.approx(2 * 8192 * (3 * 4096 + 14336) * 4)
+    # at the sustained HBM bandwidth: 78% of the datasheet's 3.35 TB/s (data/kernels.csv)
+    assert seconds * 3.35e12 * 0.78 == pytest.approx(2 * 8192 * (3 * 4096 + 14336) * 4)
 
 
 def test_memory_refuses_huge_counts_in_one_line(capsys):

@@ -15,7 +15,7 @@ from labkit.parallel import serving
 from labkit.parallel.batching import Engine, Request
 from labkit.parallel.paged_kv import PagedKVCache, check_model, ragged_forward
 from labkit.runs import stream
-from labkit.theory import catalog, hardware
+from labkit.theory import catalog, hardware, kernels
 from labkit.theory import serving_stream as theory
 
 SEQ = 48
@@ -92,10 +92,12 @@ def test_chunked_prefill_formulas():
     assert whole / chunk == 16      # linear in the tokens of one step
     assert whole == 8192 * (2 * 14336 + 4096 * 1.5) * 2
     assert theory.decode_stall_tokens(2000) == 2000 and theory.decode_stall_tokens(2000, 256) == 256
-    # a decode step is bandwidth-bound (weights read once), a long prefill compute-bound
+    # a decode step is bandwidth-bound (weights read once, at the sustained bandwidth, plus a
+    # launch per kernel: 11 per Llama layer, 2 for the head), a long prefill compute-bound
     gpu = hardware.gpu("H100")
     decode = LLAMA_H100([(1, 100)] * 8)
-    assert decode == pytest.approx(llama.param_count() * 2 / gpu.memory_bw, rel=0.05)
+    read = llama.param_count() * 2 / kernels.hbm_bandwidth(gpu)
+    assert decode == pytest.approx(read + (32 * 11 + 2) * kernels.LAUNCH_S, rel=0.05)
     assert LLAMA_H100([(4096, 0)]) > 5 * decode
 
 

@@ -12,12 +12,15 @@ For one kernel (Williams et al. 2009's roofline, kernel by kernel):
       e(tile) = M N K / (waves x SMs x tm x tn x ceil(K / TILE_K) x TILE_K)
   and the library picks the tile with the largest e: 1 for large shapes, less for small or
   ragged ones (M = 1 at batch-1 decode: 1/64). Batched GEMMs (attention) count every
-  matrix's tiles. A fused FlashAttention kernel reaches at most FLASH_FRACTION of the peak
-  (FlashAttention-2's best forward, data/kernels.csv) instead of the MAMF ceiling.
+  matrix's tiles.
+- fused attention: forward and backward each at their own measured TFLOP/s for the GPU, head
+  dim and sequence length (attention_rate: FlashAttention-3's paper's curves of the cuDNN
+  kernel on H100, data/kernels.csv, interpolated in log2 of the length), times the tile
+  efficiency of the shape; a GPU without a curve gets DEFAULT_ATTENTION_FRACTION of its peak.
 - bytes: what a kernel reads and writes in HBM (a GEMM: A, B and C once), at HBM_FRACTION of the
-  datasheet bandwidth (a named microbenchmark, data/kernels.csv).
-- launch: LAUNCH_S per kernel (data/kernels.csv), so a batch-1 decode of ~200 small kernels
-  takes longer than its bytes alone.
+  datasheet bandwidth (sustained inside a model's kernels, data/kernels.csv).
+- launch: LAUNCH_S per kernel (the middle of a measured range, data/kernels.csv), so a batch-1
+  decode of ~200 small kernels takes longer than its bytes alone.
 Every constant has one public source in data/kernels.csv; none is fitted to a training or
 serving run (those are the checks: theory/error_band.py). A measured profile (theory/profile.py)
 replaces the peak and the bandwidth with its own (ceiling and hbm_fraction then 1).
@@ -49,7 +52,71 @@ TILE_K = int(_number("tile_k"))
 HBM_FRACTION = _number("hbm_fraction")
 LAUNCH_S = _number("launch_s")
 DEFAULT_MAMF_FRACTION = _number("default_mamf_fraction")
-FLASH_FRACTION = _number("flash_attention_fraction")
+DEFAULT_ATTENTION_FRACTION = _number("attention_default_fraction")
+
+
+@functools.lru_cache(maxsize=None)
+def attention_curves() -> dict:
+    """{(pass, gpu, head_dim, causal): ((log2 length, TFLOP/s), ...)} from data/kernels.csv's
+    'attention forward|backward GPU dD [causal]' rows."""
+    out = {}
+    for name, value in constants().items():
+        if not name.startswith("attention forward ") and not name.startswith("attention backw"):
+            continue
+        words = name.split()
+        causal = words[-1] == "causal"
+        words = words[:-1] if causal else words
+        points = tuple(sorted((math.log2(float(a)), float(b)) for a, b in (
+            pair.split(":") for pair in value.split())))
+        out[(words[1], " ".join(words[2:-1]), int(words[-1][1:]), causal)] = points
+    return out
+
+
+def _interpolate(points, x):
+    """Piecewise linear in log2 of the length, held flat beyond the measured ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+@functools.lru_cache(maxsize=4096)
+def attention_rate(gpu, head_dim, length, causal=True, direction="forward") -> float:
+    """Measured FLOP/s of a fused attention kernel (FLOPs it runs: the unmasked half under a
+    causal mask) on `gpu` at `head_dim` (the nearest measured one) and sequence `length`.
+    Backward under a causal mask: the unmasked backward curve x the forward's causal /
+    unmasked ratio at that length (the paper gives no causal backward). An H200 runs the
+    H100 SXM's die and kernels: its curves. A GPU without curves: DEFAULT_ATTENTION_FRACTION
+    of its dense bf16 peak."""
+    g = hardware.gpu(gpu)
+    name = g.name.split(" (measured")[0]
+    name = "H100 SXM" if name == "H200 SXM" else name
+    curves = attention_curves()
+    x = math.log2(max(1.0, length))
+
+    def lookup(direction_, causal_):
+        dims = [d for (p, n, d, c) in curves if (p, n, c) == (direction_, name, causal_)]
+        if not dims:
+            return None
+        d = min(dims, key=lambda d: (abs(math.log2(d / head_dim)), -d))
+        return _interpolate(curves[(direction_, name, d, causal_)], x) * 1e12
+    rate = lookup(direction, causal)
+    if rate is None and direction == "backward" and causal:
+        forward, unmasked = lookup("forward", True), lookup("forward", False)
+        back = lookup("backward", False)
+        if None not in (forward, unmasked, back):
+            rate = back * forward / unmasked
+    if rate is None and causal:
+        rate = lookup(direction, False)
+    if rate is None:
+        rate = lookup("forward", causal) or lookup("forward", False)
+    return rate if rate is not None else DEFAULT_ATTENTION_FRACTION * g.bf16_flops
+
+
+# the H100's causal forward at 8K, head dim 128, over its peak: the figure lesson 06 prints
+FLASH_FRACTION = attention_rate("H100", 128, 8192) / hardware.gpu("H100").bf16_flops
 
 
 @dataclass(frozen=True)
@@ -61,6 +128,7 @@ class Kernel:
     launches: int = 1
     backward_bytes: float = 0.0   # an element-wise kernel's backward HBM bytes (elementwise())
     shape: tuple = None   # a GEMM's (m, n, k, batch, groups, value_bytes): backward() reads it
+    backward_efficiency: float = None   # fused attention's backward (its own measured rate)
 
 
 def sms(gpu) -> int:
@@ -124,10 +192,11 @@ def backward(kern: Kernel, gpu) -> list:
     backward is one kernel of 2.5 x the forward's FLOPs (it recomputes the scores: 5 matmuls
     for the forward's 2; the `flops(mode="bwd")` of Dao-AILab/flash-attention's
     benchmarks/benchmark_flash_attention.py), reading Q, K, V, O, dO and writing dQ, dK, dV
-    (about twice the forward's bytes), at the forward's efficiency."""
+    (about twice the forward's bytes), at its own measured efficiency (attention_rate)."""
     if kern.shape is None:
-        return [Kernel(kern.name + " backward", 2.5 * kern.flops, 2 * kern.bytes,
-                       kern.efficiency, kern.launches)]
+        eff = kern.efficiency if kern.backward_efficiency is None else kern.backward_efficiency
+        return [Kernel(kern.name + " backward", 2.5 * kern.flops, 2 * kern.bytes, eff,
+                       kern.launches)]
     m, n, k, batch, groups, value_bytes = kern.shape
     return [gemm(kern.name + " dgrad", m, k, n, gpu, batch, value_bytes, groups),
             gemm(kern.name + " wgrad", k, n, m, gpu, batch, value_bytes, groups)]
@@ -178,30 +247,8 @@ def layer_kernels(m, tokens, seq_kv, gpu, *, tp=1, ep=1, sequences=1, causal=Tru
     if not gpt:
         out.append(elementwise("rope", 2 * value_bytes * tokens * (heads + kv) * d,
                                linear=True))
-    q_len = max(1, round(tokens / sequences))
-    # causal: FlashAttention skips the masked blocks (plan_terms.attention_time_factor)
-    share = 0.5 if causal and flash and q_len > 1 else 1.0
-    groups = max(1, round(sequences * heads))
-    block = seq_kv / ring
-    scores = gemm("attention scores", q_len, block, d, gpu, batch=groups * ring,
-                  value_bytes=value_bytes)
-    values = gemm("attention values", q_len, d, block, gpu, batch=groups * ring,
-                  value_bytes=value_bytes)
-    flops = (scores.flops + values.flops) * share
-    qkvo = value_bytes * sequences * (2 * q_len * heads + 2 * seq_kv * kv) * d
-    if flash:   # one fused kernel: Q, K, V read, O written; no scores in HBM
-        eff = min(scores.efficiency, values.efficiency) * FLASH_FRACTION / ceiling(gpu)
-        out.append(Kernel("flash attention", flops, qkvo, min(1.0, eff), launches=ring))
-    else:       # scores written, softmax reads and writes them, values read them
-        s_bytes = value_bytes * groups * q_len * seq_kv * share
-        out += [Kernel("attention scores", scores.flops * share, qkvo / 2 + s_bytes,
-                       scores.efficiency, shape=scores.shape),
-                elementwise("softmax", 2 * s_bytes)]
-        if dropout:   # reads the probabilities, writes them dropped and the mask
-            drop = 2 * s_bytes + s_bytes / value_bytes
-            out.append(elementwise("attention dropout", drop, backward=drop))
-        out.append(Kernel("attention values", values.flops * share, qkvo / 2 + s_bytes,
-                          values.efficiency, shape=values.shape))
+    out += attention_kernels(m, tokens, seq_kv, gpu, tp=tp, sequences=sequences, causal=causal,
+                             flash=flash, value_bytes=value_bytes, dropout=dropout, ring=ring)
     out += [gemm("attention output", tokens, h, heads * d, gpu, value_bytes=value_bytes),
             _residual(stream, mask), elementwise("norm", 2 * stream)]
     if m.experts > 1:
@@ -227,6 +274,48 @@ def layer_kernels(m, tokens, seq_kv, gpu, *, tp=1, ep=1, sequences=1, causal=Tru
                             inputs=1 if gpt else 2),
                 gemm("mlp down", tokens, h, f / tp, gpu, value_bytes=value_bytes)]
     out.append(_residual(stream, mask))
+    return out
+
+
+def attention_kernels(m, tokens, seq_kv, gpu, *, tp=1, sequences=1, causal=True, flash=True,
+                      value_bytes=2, dropout=False, ring=1):
+    """The attention core of one layer (layer_kernels' arguments): one fused kernel (Q, K, V
+    read, O written, at its measured rate) or, unfused, the scores GEMM, the softmax (and
+    attention dropout) over the scores in HBM, and the values GEMM."""
+    d, heads = m.head_dim, m.heads / tp
+    kv = max(1.0, m.kv_heads / tp)
+    out = []
+    q_len = max(1, round(tokens / sequences))
+    # causal: FlashAttention skips the masked blocks (plan_terms.attention_time_factor)
+    share = 0.5 if causal and flash and q_len > 1 else 1.0
+    groups = max(1, round(sequences * heads))
+    block = seq_kv / ring
+    scores = gemm("attention scores", q_len, block, d, gpu, batch=groups * ring,
+                  value_bytes=value_bytes)
+    values = gemm("attention values", q_len, d, block, gpu, batch=groups * ring,
+                  value_bytes=value_bytes)
+    flops = (scores.flops + values.flops) * share
+    qkvo = value_bytes * sequences * (2 * q_len * heads + 2 * seq_kv * kv) * d
+    if flash:   # one fused kernel: Q, K, V read, O written; no scores in HBM
+        # its measured rate at this length (queries x keys of one launch, geometric mean)
+        tiles = min(scores.efficiency, values.efficiency)
+        best = hardware.gpu(gpu).bf16_flops * ceiling(gpu)
+        length, masked = math.sqrt(q_len * block), share < 1
+
+        def eff(direction):
+            return min(1.0, tiles * attention_rate(gpu, d, length, masked, direction) / best)
+        out.append(Kernel("flash attention", flops, qkvo, eff("forward"), launches=ring,
+                          backward_efficiency=eff("backward")))
+    else:       # scores written, softmax reads and writes them, values read them
+        s_bytes = value_bytes * groups * q_len * seq_kv * share
+        out += [Kernel("attention scores", scores.flops * share, qkvo / 2 + s_bytes,
+                       scores.efficiency, shape=scores.shape),
+                elementwise("softmax", 2 * s_bytes)]
+        if dropout:   # reads the probabilities, writes them dropped and the mask
+            drop = 2 * s_bytes + s_bytes / value_bytes
+            out.append(elementwise("attention dropout", drop, backward=drop))
+        out.append(Kernel("attention values", values.flops * share, qkvo / 2 + s_bytes,
+                          values.efficiency, shape=values.shape))
     return out
 
 

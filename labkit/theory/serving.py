@@ -17,7 +17,9 @@ roofline, and time to first token (TTFT) and time per output token (TPOT) per la
   so it is memory-bound until the knee batch
       b* = (peak x ceiling / achievable bandwidth) x bytes_per_weight / 2.
   Serving counts each kernel's forward only (no backward, no dropout); the training planner
-  shares the same kernels (kernels.layer_kernels) with their backward.
+  shares the same kernels (kernels.layer_kernels) with their backward. A stage's pass is
+  priced by pricing.serving_pass, the one function the request-stream simulator
+  (serving_stream.modelled_step_s) calls too, so both time the same step alike.
 - Layouts of one replica (tp x pp x ep GPUs); replicas split the requests, a replica serving
   ceil(b / replicas) of them (at least one: a request is never split across replicas):
   TP: 2 all-reduces per layer of b x h values per decode step (Megatron-LM), each the faster
@@ -43,8 +45,7 @@ from __future__ import annotations
 
 import math
 
-from . import catalog, hardware, kernels, plan_inputs as inputs
-from .memory import dtype_bytes
+from . import catalog, hardware, kernels, plan_inputs as inputs, pricing
 from .plan_terms import ep_all_to_all_bytes
 from .planner import RESERVED_BYTES, achievable_fraction, parse_model
 from .time import collective_time
@@ -75,8 +76,7 @@ def small_all_reduce_time(nbytes, n, link) -> float:
 
 def kv_bytes_per_token(model, kv_dtype="bf16") -> float:
     """KV-cache bytes one token adds: layers x 2 x kv_heads x head_dim x bytes."""
-    m = parse_model(model)
-    return m.layers * 2 * m.kv_heads * m.head_dim * dtype_bytes(kv_dtype)
+    return pricing.kv_bytes_per_token(parse_model(model), kv_dtype)
 
 
 def kv_cache_bytes(model, batch, context, kv_dtype="bf16", tp=1, pp=1) -> float:
@@ -103,12 +103,7 @@ def weights_per_gpu(model, weights="bf16", tp=1, pp=1, ep=1) -> float:
 def weight_split_per_gpu(model, weights="bf16", tp=1, pp=1, ep=1):
     """(dense bytes, expert bytes) on one GPU: the experts' matrices at the precision with
     their scales, everything else (attention, embeddings, head, norms, routers) dense."""
-    m = parse_model(model)
-    w = weight_bytes(m, weights)
-    s = layer_param_split(m)
-    per_matrix = (w["matrices"] + w["scales"]) / max(s["matrices"], 1)
-    expert_bytes = s["experts"] * per_matrix
-    return (w["total"] - expert_bytes) / (tp * pp), expert_bytes / (tp * pp * ep)
+    return pricing.weight_split(parse_model(model), weights, tp, pp, ep)
 
 
 # ----------------------------------------------------------------------- the roofline
@@ -164,26 +159,19 @@ def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, pr
     M = microbatches or (max(1, min(pp, b_rep)) if pp > 1 else 1)
     group_mb = -(-b_rep // M)                 # requests of one micro-batch in the EP group
     b_mb = -(-group_mb // ep)                 # of them on the busiest GPU
-    flops_rate = g.bf16_flops * achievable_fraction(g)
     tp_link = intra if tp <= gpus_per_node else inter
     ep_link = intra if tp * ep <= gpus_per_node else inter
     pp_link = intra if tp * ep * pp <= gpus_per_node else inter
-    dense_gpu, experts_gpu = weight_split_per_gpu(m, weights, tp, pp, ep)
     layers = m.layers / pp
 
-    def stage_time(tokens, context, new):
-        """One micro-batch of `tokens` (b_mb x new) through one stage: kernels + comm."""
-        k = kernels.serving_compute(m, tokens, context + new, g, tp, ep, max(1, tokens // new),
-                                    flops_rate)
-        compute = layers * k["layer_s"] + k["head_s"] / pp
-        launch = (layers * k["layer_kernels"] + k["head_kernels"] / pp) * kernels.LAUNCH_S
-        routed = group_mb * new               # tokens of the whole EP group reach the experts
-        local = m.experts / ep
-        picked = m.experts * (1 - (1 - m.top_k / m.experts) ** routed) if m.experts > 1 else 1
-        touched = min(local, picked) / local if m.experts > 1 else 1.0
-        read = dense_gpu + experts_gpu * touched      # bytes, not parameter shares
-        read += kv_cache_bytes(m, tokens / new, context + new, kv_dtype, tp, pp)
-        memory = read / kernels.hbm_bandwidth(g)
+    def stage_time(requests, context, new):
+        """One micro-batch of `requests` x `new` tokens through one stage: the pass as
+        pricing.serving_pass prices it (the one path every serving caller takes) + comm."""
+        tokens = requests * new
+        # tokens of the whole EP group reach the experts
+        part = pricing.serving_pass(m, g, [(new, context)] * requests, tp=tp, pp=pp, ep=ep,
+                                    weights=weights, kv_dtype=kv_dtype, routed=group_mb * new)
+        compute, memory, launch = part["compute"], part["memory"], part["launch"]
         act = tokens * m.hidden * 2
         tp_comm = 2 * layers * small_all_reduce_time(act, tp, tp_link) if tp > 1 else 0
         # dispatch and combine (no backward): the planner's payload, the same bytes
@@ -193,7 +181,7 @@ def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, pr
                     ep_comm=ep_comm, total=max(compute, memory) + launch + tp_comm + ep_comm,
                     hop=collective_time("send", act, 2, pp_link) if pp > 1 else 0.0)
 
-    pre = stage_time(b_mb * prompt_len, 0, prompt_len)
+    pre = stage_time(b_mb, 0, prompt_len)
     ttft = (M + pp - 1) * pre["total"] + pp * pre["hop"] * (pp > 1)
     decode = stage_time(b_mb, prompt_len + new_tokens / 2, 1)
     tpot = max(M * decode["total"], pp * (decode["total"] + decode["hop"]))

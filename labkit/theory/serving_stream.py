@@ -29,7 +29,7 @@ import math
 import random
 from pathlib import Path
 
-from . import serving as model_serving
+from . import pricing, serving as model_serving
 
 
 # ------------------------------------------------------------------------------ the stream
@@ -173,18 +173,13 @@ def decode_stall_tokens(prompt_len, chunk=None):
 
 # ------------------------------------------------------------------------------ a modelled step
 
-def modelled_step_s(model, gpu, pieces, weights_bytes=2, kv_dtype="bf16"):
+def modelled_step_s(model, gpu, pieces, weights="bf16", kv_dtype="bf16"):
     """Modelled seconds of one ragged step of `model` (a catalog ModelShape) on one `gpu`
     (hardware.GPU): pieces = [(new tokens, tokens already cached)] of the requests in it.
-    Roofline (Williams et al. 2009): max(FLOPs / matmul rate, bytes / HBM bandwidth), FLOPs =
-    2 x active params x tokens + attention 4 x layers x hidden x new x (cached + (new + 1)/2),
-    bytes = the weights once + every piece's keys and values read and written."""
-    tokens = sum(n for n, _ in pieces)
-    attention = sum(4 * model.layers * model.hidden * n * (c + (n + 1) / 2) for n, c in pieces)
-    flops = 2 * model.active_param_count() * tokens + attention
-    kv = model_serving.kv_bytes_per_token(model, kv_dtype) * sum(c + n for n, c in pieces)
-    rate = gpu.mamf_bf16_flops or gpu.bf16_flops
-    return max(flops / rate, (model.param_count() * weights_bytes + kv) / gpu.memory_bw)
+    The same price as serving.serving_time's (lesson 09): pricing.serving_pass, kernel by
+    kernel, max(compute, weights and KV bytes / sustained HBM bandwidth) + launches."""
+    return pricing.serving_pass(model, gpu, list(pieces), weights=weights,
+                                kv_dtype=kv_dtype)["total"]
 
 
 # ------------------------------------------------------------------------------ disaggregation

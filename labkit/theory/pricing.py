@@ -1,0 +1,107 @@
+"""One price list for every modelled second: a serving pass, a training layer, a collective.
+
+Every caller that turns work into modelled time asks this module, so that the same step gets
+the same number whoever asks: the serving planner (`serving.serving_time`, lesson 09, `plan
+--serve`), the request-stream engine and simulator (`serving_stream.modelled_step_s`, lesson
+10, `plan --serve --rate`), the training planner (`kernels.training_forward`, re-exported here
+as `training_layer`) and the virtual clock (`collective_time`, `kernel_time`).
+
+A serving pass of ragged requests, pieces = [(new tokens, tokens already cached)], on one GPU
+of a tp x pp x ep replica (Williams et al. 2009's roofline, kernel by kernel, kernels.py):
+    compute = the stage's layers x (the GEMMs of all new tokens + each piece's attention over
+              its cached + new keys) + the head's share, each kernel at peak x MAMF ceiling x
+              its shape efficiency (attention at its measured rate)
+    memory  = (the stage's dense weights + the experts the tokens pick + the pieces' KV cache)
+              / the sustained HBM bandwidth
+    launch  = the stage's kernels x kernels.LAUNCH_S
+    total   = max(compute, memory) + launch
+All constants are data/kernels.csv's, each with its public source; nothing here is fitted.
+No torch: `plan` stays quick.
+"""
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+from . import hardware, kernels
+from .memory import dtype_bytes
+from .plan_cluster import achievable_fraction
+from .time import collective_time  # noqa: F401  (the collectives' price, alpha-beta)
+from .weights import layer_param_split, weight_bytes
+
+kernel_time = kernels.kernel_time          # one kernel: max(FLOPs, bytes) + launches
+training_layer = kernels.training_forward  # one layer's training kernels, by part
+
+
+def kv_bytes_per_token(m, kv_dtype="bf16") -> float:
+    """KV-cache bytes one token adds: layers x 2 x kv_heads x head_dim x bytes."""
+    return m.layers * 2 * m.kv_heads * m.head_dim * dtype_bytes(kv_dtype)
+
+
+def weight_split(m, weights="bf16", tp=1, pp=1, ep=1):
+    """(dense bytes, expert bytes) on one GPU: the experts' matrices at the precision with
+    their scales, everything else (attention, embeddings, head, norms, routers) dense."""
+    w = weight_bytes(m, weights)
+    s = layer_param_split(m)
+    per_matrix = (w["matrices"] + w["scales"]) / max(s["matrices"], 1)
+    expert_bytes = s["experts"] * per_matrix
+    return (w["total"] - expert_bytes) / (tp * pp), expert_bytes / (tp * pp * ep)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dense_part(m, gpu, tokens, tp, ep, rate):
+    """(seconds, launches) of one layer's kernels but attention for `tokens` new tokens, and
+    of the head (the attention kernels are priced per piece: _attention_part)."""
+    layer = kernels.layer_kernels(m, tokens, 1, gpu, tp=tp, ep=ep, sequences=tokens)
+    head = kernels.head_kernels(m, tokens, gpu, tp=tp)
+    rest = [k for k in layer if not _is_attention(k)]
+    return (sum(k.flops / (rate * k.efficiency) for k in rest),
+            sum(k.launches for k in rest),
+            sum(k.flops / (rate * k.efficiency) for k in head),
+            sum(k.launches for k in head))
+
+
+@functools.lru_cache(maxsize=65536)
+def _attention_part(m, gpu, new, cached, count, tp, rate):
+    """(seconds, launches) of one layer's attention for `count` pieces of `new` tokens over
+    `cached` + `new` keys each."""
+    layer = kernels.layer_kernels(m, count * new, cached + new, gpu, tp=tp, sequences=count)
+    mine = [k for k in layer if _is_attention(k)]
+    return (sum(k.flops / (rate * k.efficiency) for k in mine),
+            sum(k.launches for k in mine))
+
+
+def _is_attention(k):
+    return k.name == "flash attention" or k.name.startswith("attention s") or \
+        k.name.startswith("attention v")
+
+
+def serving_pass(m, gpu, pieces, *, tp=1, pp=1, ep=1, weights="bf16", kv_dtype="bf16",
+                 routed=None) -> dict:
+    """Seconds of one forward pass of `pieces` [(new, cached)] through one pipeline stage on
+    one GPU (module docstring): {compute, memory, launch, total}. `routed`: the tokens of the
+    whole EP group that reach the experts (default the pass's own), for how many of this GPU's
+    experts they pick."""
+    g = hardware.gpu(gpu)
+    rate = g.bf16_flops * achievable_fraction(g)
+    tokens = sum(n for n, _ in pieces)
+    layers = m.layers / pp
+    dense_s, dense_k, head_s, head_k = _dense_part(m, g, tokens, tp, ep, rate)
+    attention_s = attention_k = 0.0
+    for (new, cached), count in Counter(pieces).items():
+        s, k = _attention_part(m, g, new, cached, count, tp, rate)
+        attention_s, attention_k = attention_s + s, attention_k + k
+    compute = layers * (dense_s + attention_s) + head_s / pp
+    launch = (layers * (dense_k + attention_k) + head_k / pp) * kernels.LAUNCH_S
+    dense, experts = weight_split(m, weights, tp, pp, ep)
+    touched = 1.0
+    if m.experts > 1:       # the experts this GPU holds that the group's tokens pick
+        local = m.experts / ep
+        picks = routed if routed is not None else tokens
+        picked = m.experts * (1 - (1 - m.top_k / m.experts) ** picks)
+        touched = min(local, picked) / local
+    keys = sum(n + c for n, c in pieces)
+    cache = keys * kv_bytes_per_token(m, kv_dtype) / (min(tp, m.kv_heads) * pp)
+    memory = (dense + experts * touched + cache) / kernels.hbm_bandwidth(g)
+    return dict(compute=compute, memory=memory, launch=launch,
+                total=max(compute, memory) + launch)
