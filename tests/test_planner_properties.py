@@ -3,22 +3,24 @@ drawn by hypothesis (fixed seed: derandomize=True; bounded examples; the file ru
 under a minute). Each bound is an independent expression (catalog shapes, datasheet peaks),
 never the planner's own code run twice:
 
-- training: activations none >= selective >= full and step time the other way; memory never
-  below the model states; MFU <= HFU <= 1; the step is the sum of its exposed terms, each
-  below it, and at least the matmul FLOPs at the dense peak; an illegal layout is refused in
-  one line;
+- training: activations none >= selective >= full and step time the other way, on every
+  stack; memory never below the model states; MFU <= HFU <= 1; the step is the sum of its
+  exposed terms, each below it, and at least the matmul FLOPs at the dense peak; a faster GPU
+  (peak), HBM or link never makes a plan's step slower; overlap never makes it slower than
+  its parts in sequence; an illegal layout is refused in one line;
 - serving: TPOT at least the dense weights a GPU reads per token / its HBM bandwidth; at batch 1
   replicas change nothing and EP never splits the request (TPOT never below the dense weights
   plus one expert per layer, never shorter with top_k = 1); output tokens/s never above the
-  compute roofline; KV bytes as the formula;
-  an impossible layout is refused in one line.
+  compute roofline; KV bytes as the formula; the decode step never shorter with more
+  requests or a longer context; an impossible layout is refused in one line.
 """
+import dataclasses
 import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from labkit.theory import hardware, planner, serving, weights
+from labkit.theory import hardware, overlap, planner, pricing, serving, weights
 from labkit.theory.plan_inputs import divisors
 
 SETTINGS = dict(derandomize=True, deadline=None, database=None,
@@ -57,7 +59,7 @@ def training_points(draw):
                    flash_attention=draw(st.booleans()), causal=draw(st.booleans()),
                    precision=draw(st.sampled_from(("bf16", "fp8", "fp32"))),
                    stack=draw(st.sampled_from(("megatron", "megatron-2021", "fsdp2",
-                                               "deepspeed"))))
+                                               "deepspeed", "llama3"))))
     if cluster["precision"] == "fp8" and cluster["gpu"] == "A100":
         cluster["precision"] = "bf16"            # no fp8 tensor cores: refused elsewhere
     p = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, v=1, micro_batch_size=mbs,
@@ -122,6 +124,42 @@ def test_a_bad_option_is_refused_in_one_line(model, fix, gpus_per_node, gpus):
     one_line_refusal(lambda: planner.plan(model, gpus, "H100", gpus_per_node=gpus_per_node,
                                           global_batch=16, seq=4096,
                                           fix=f"{fix},dp=1" if gpus == 8 else fix, top=1))
+
+
+def faster(g, peak=1.0, hbm=1.0):
+    """The GPU with its dense peaks (and measured MAMF, so the ceiling stays) x `peak` and its
+    HBM bandwidth x `hbm`."""
+    scale = lambda x: None if x is None else x * peak  # noqa: E731
+    return dataclasses.replace(g, bf16_flops=g.bf16_flops * peak, fp8_flops=scale(g.fp8_flops),
+                               fp32_flops=g.fp32_flops * peak,
+                               mamf_bf16_flops=scale(g.mamf_bf16_flops),
+                               mamf_fp8_flops=scale(g.mamf_fp8_flops),
+                               memory_bw=g.memory_bw * hbm)
+
+
+def quicker(link, by):
+    """The link with its bandwidth x `by` and its latency / `by`."""
+    return dataclasses.replace(link, bandwidth=link.bandwidth * by, latency=link.latency / by)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(training_points(), st.sampled_from(("none", "selective", "full")),
+       st.sampled_from((1.5, 2.0, 4.0)))
+def test_faster_hardware_and_overlap_never_make_a_step_slower(point, recompute, by):
+    model, gpus, batch, seq, cluster, p = point
+    c, why, q = evaluate(model, gpus, batch, seq, cluster, p, recompute)
+    if why:
+        return
+    base = planner.evaluate(model, c, batch, seq, q)["step_s"]
+    for other in (dataclasses.replace(c, gpu=faster(c.gpu, peak=by)),
+                  dataclasses.replace(c, gpu=faster(c.gpu, hbm=by)),
+                  dataclasses.replace(c, intra=quicker(c.intra, by),
+                                      inter=quicker(c.inter, by))):
+        assert planner.evaluate(model, other, batch, seq, q)["step_s"] <= base * (1 + 1e-12)
+    # the same plan with nothing overlapped: every collective on the critical path
+    sequential = overlap.Stack("sequential", False, False, False, False, cp_overlap=False)
+    apart = planner.evaluate(model, dataclasses.replace(c, stack=sequential), batch, seq, q)
+    assert base <= apart["step_s"] * (1 + 1e-12)
 
 
 # ------------------------------------------------------------------------------- serving
@@ -211,3 +249,17 @@ def test_an_impossible_serving_point_is_refused_in_one_line(model, fix, per_node
                                                             batch):
     one_line_refusal(lambda: serving.plan_serving(model, gpus, "H100", fix=fix, batch=batch,
                                                   gpus_per_node=per_node))
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(st.sampled_from(SERVE_MODELS), st.sampled_from(GPUS), st.integers(1, 512),
+       st.integers(0, 1 << 16), st.integers(1, 64), st.integers(1, 4096))
+def test_a_decode_step_is_monotone_in_batch_and_context(model, gpu, batch, context, more,
+                                                        longer):
+    """pricing.serving_pass, the price every serving caller takes: more requests, or a longer
+    cache behind each, never make a decode step shorter."""
+    m, g = planner.parse_model(model), hardware.gpu(gpu)
+    step = lambda b, c: pricing.serving_pass(m, g, [(1, c)] * b)["total"]  # noqa: E731
+    base = step(batch, context)
+    assert step(batch + more, context) >= base * (1 - 1e-12)
+    assert step(batch, context + longer) >= base * (1 - 1e-12)

@@ -406,16 +406,3 @@ def training_forward(m, tokens, seq, gpu, tp, ep, sequences, causal, flash, valu
                 head_bytes=sum(k.bytes + k.backward_bytes for k in head if not is_gemm(k)),
                 softmax_bytes=sum(k.bytes for k in pointwise if k.name in (
                     "softmax", "attention dropout")))
-
-
-@functools.lru_cache(maxsize=4096)
-def serving_compute(m, tokens, seq_kv, gpu, tp, ep, sequences, flops_rate) -> dict:
-    """The serving planner's compute per pass of `tokens` query tokens of `sequences`
-    sequences over `seq_kv` keys on one GPU: one layer's kernels and the head's, each kernel's
-    FLOPs at flops_rate x its shape efficiency (seconds), and the kernels launched."""
-    layer = layer_kernels(m, tokens, seq_kv, gpu, tp=tp, ep=ep, sequences=sequences)
-    head = head_kernels(m, tokens, gpu, tp=tp)
-    return dict(layer_s=sum(k.flops / (flops_rate * k.efficiency) for k in layer),
-                head_s=sum(k.flops / (flops_rate * k.efficiency) for k in head),
-                layer_kernels=sum(k.launches for k in layer),
-                head_kernels=sum(k.launches for k in head))

@@ -217,10 +217,13 @@ def _micro_batch_work(m, c, seq, p, tokens, layers, share, kept):
     # recomputes them: kernels.backward)
     core_again = layers * fwd["attention"] if (not flash and p["recompute"] == "selective") \
         else 0.0
+    # the element-wise kernels run again (the recomputed layers' forward, the unfused softmax
+    # under selective recompute) are recompute's too, not the step's own compute
+    elementwise = terms.elementwise_time(c, fwd, layers, 0.0)
+    again = terms.elementwise_time(c, fwd, layers, share,
+                                   p["recompute"] == "selective" and not flash) - elementwise
     recompute_s = share * layers * (fwd["gemm"] + fwd["attention"] + fwd["launch"]) \
-        + (1 - share) * core_again
-    elementwise = terms.elementwise_time(c, fwd, layers, share,
-                                         p["recompute"] == "selective" and not flash)
+        + (1 - share) * core_again + again
     cast = 0.0
     if c.precision == "fp8":
         counts = layer_counts(m)
