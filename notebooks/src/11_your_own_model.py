@@ -60,6 +60,7 @@ from labkit.viz import plots
 from labkit.viz.own_model_widgets import own_model_explorer
 
 pd.set_option("display.precision", 3)
+pd.set_option("display.max_colwidth", None)   # verdicts are sentences: show them whole
 torch.set_num_threads(1)   # tiny models on 2 shared cores: one thread each beats two
 
 # %% [markdown]
@@ -175,7 +176,7 @@ def six_ways(ctx):
                 model, mesh, {k: styles[v]() for k, v in plan.items()}), tokens
         ctx.comm.reset()
         opt = train(wrapped, batch_for)
-        sent = ctx.comm.wire_bytes()
+        sent, calls = ctx.comm.wire_bytes(), ctx.comm.summary(by=("op", "tag"))
         with ctx.off_the_record():
             if side == "FullyShard":
                 params = wrapped.full_state_dict()
@@ -184,7 +185,7 @@ def six_ways(ctx):
             else:
                 params = {n: getattr(p, "full_tensor", p.detach)().detach()
                           for n, p in model.named_parameters()}
-        out[side] = dict(params=params, held=held_bytes(opt), sent=sent)
+        out[side] = dict(params=params, held=held_bytes(opt), sent=sent, calls=calls)
     return out
 
 
@@ -215,6 +216,25 @@ for mine, theirs in (("DataParallel", "DDP"), ("FullyShard", "fully_shard"),
 pd.DataFrame(rows).T
 
 # %%
+layer_calls, other_calls = {}, {}
+for row in ranks[0]["parallelize"]["calls"]:
+    module, _, direction = row["tag"].rpartition(" ")
+    if ".layers." in module:                  # model.layers.<i>.<module path>
+        key = (row["op"], direction, module.split(".layers.", 1)[1].split(".", 1)[1])
+        layer_calls[key] = layer_calls.get(key, 0) + row["calls"]
+    else:
+        key = (row["op"], direction, module)
+        other_calls[key] = other_calls.get(key, 0) + row["calls"]
+per = len(single.model.layers) * 2            # layers x the 2 training steps
+for direction in ("fwd", "bwd"):
+    mine = {k: v for k, v in layer_calls.items() if k[1] == direction}
+    print(f"per layer and step, {direction}: {sum(mine.values()) / per:g} collectives: "
+          + ", ".join(f"{op} {module} {n / per:g}x" for (op, _, module), n in sorted(mine.items())))
+print("per step, outside the layers: " + ", ".join(
+    f"{op} {module} ({direction}) {n / 2:g}x" for (op, direction, module), n in
+    sorted(other_calls.items())))
+
+# %%
 held = {"one device": {"model states": one_bytes}}
 held.update({side: {"model states": row["held per rank (B, measured)"]}
              for side, row in rows.items()})
@@ -237,7 +257,12 @@ plots.memory_stack(held, unit="KB", title="weights, gradients and AdamW moments 
 # once per step; `FullyShard` gathers the weights in forward and again in backward and
 # reduce-scatters the gradients (1.5 times DP's bytes, the ZeRO paper's count, Rajbhandari et
 # al. 2020, arXiv 1910.02054);
-# `parallelize` sends activations, 2 all-reduces per layer forward and 2 backward.
+# `parallelize` sends activations: the cell below counts its collectives from rank 0's comm
+# log, per layer and step, forward and backward apart (a tag ending in "fwd" or "bwd"). In
+# forward each layer sums the partial outputs of its two rowwise layers (the attention's
+# o_proj, the MLP's down_proj); in backward every colwise layer sums its input's gradient on its
+# own, as many all-reduces as colwise layers (q, k, v, gate and up: HF keeps them apart);
+# outside the layers come the vocabulary-split embedding and head.
 # `bench/hf_llama.py` times the three pairs on a larger Llama (rows `hf_llama` in
 # data/bench.csv).
 
@@ -428,7 +453,12 @@ print(labkit.launch(refused, 2)[0])
 # The tiny models above run for real; the same configs at their published sizes are only
 # configs (nothing is downloaded), which is all the formulas need. `hf_shape` reads a config as
 # the planner's shape, so the lab's memory formulas, and `python -m labkit plan --model SHAPE`,
-# read your model. The explorer draws the bytes per GPU of each technique as the GPUs grow:
+# read your model. The explorer draws the bytes per GPU of each technique as the GPUs grow.
+# Attention runs as the models above run it, through SDPA (FlashAttention's kernel on a GPU):
+# the s × s attention scores are never stored, so the activations leave them out; the
+# `attention` control switches to an eager attention that keeps them (Korthikanti et al.
+# 2022's 5as/h term, against 34 for the rest of a layer's activations: at 4,096 tokens most of
+# them). The table after the explorer compares both.
 
 # %%
 full_size = {
@@ -441,12 +471,40 @@ full_size = {
 print(hf_shape(full_size["Llama 3 8B"]))
 own_model_explorer(full_size)
 
+# %%
+from labkit.theory import hardware
+from labkit.viz.own_model_widgets import GPU_COUNTS, TECHNIQUES, own_model_bytes
+
+h100 = hardware.gpu("H100").memory_bytes
+
+
+def fewest_gpus(config, technique, seq=4096, attention="flash"):
+    """The fewest of the explorer's GPU counts at which the technique fits an H100, or the
+    least it needs and why it can go no further (modelled)."""
+    least = None
+    for n in GPU_COUNTS:
+        got = own_model_bytes(hf_shape(config), technique, n, seq, attention)
+        if isinstance(got, str):                   # TP beyond the heads: refused
+            return f"no: {least}; {got.split(' (')[0]}"
+        if got["total"] <= h100:
+            return f"{n} ({got['total'] / 1e9:.1f} GB)"
+        least = f"{got['total'] / 1e9:.0f} GB on {n}"
+    return f"no: {least}"
+
+
+pd.DataFrame({t: {f"{name}, {words}": fewest_gpus(config, t, attention=attention)
+                  for name, config in full_size.items()
+                  for attention, words in (("flash", "SDPA"), ("eager", "scores kept"))}
+              for t in TECHNIQUES}).rename_axis(f"fewest H100s ({h100 / 1e9:.1f} GB) that fit, "
+                                               "4,096 tokens (modelled)")
+
 # %% [markdown]
 # Try: FullyShard on Llama 3 8B stops shrinking near the activations of one sequence (the
 # states divide by the GPUs, the activations do not); tensor parallelism divides both, until
-# the GPUs no longer divide the 8 KV heads. At 4,096 tokens nothing here fits Mixtral 8x7B
-# under the H100's line: what stays too large, and at which sequence length and GPU count does
-# a technique first fit? (Lesson 08's recompute and context parallelism are the real answers.)
+# the GPUs no longer divide the 8 KV heads. The table above says which technique first fits
+# each model at 4,096 tokens, and at how many GPUs: move the sequence length in the explorer and
+# see where each stops fitting. (Lesson 08's recompute and context parallelism are the real
+# answers to long sequences.)
 #
 # ## Exercises
 #
