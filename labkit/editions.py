@@ -24,6 +24,8 @@ from pathlib import Path
 import nbformat
 from nbconvert.preprocessors import ClearOutputPreprocessor, Preprocessor, TagRemovePreprocessor
 
+from .runtime import atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 STUB = 'raise NotImplementedError("your code here")'
@@ -99,7 +101,8 @@ def build_student(out="student", folder=NOTEBOOKS):
     written = []
     for path in lessons(folder):
         nb = student_notebook(nbformat.read(path, as_version=4))
-        nbformat.write(nb, out / path.name)
+        text = nbformat.writes(nb)   # whole or not at all: a learner never opens half a lesson
+        atomic.write_text(out / path.name, text if text.endswith("\n") else text + "\n")
         written.append(out / path.name)
     print(f"wrote the student edition of {len(written)} lessons into {out}/")
     return written
