@@ -53,3 +53,45 @@ def test_the_readme_lists_every_lesson_in_order():
     rows = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
     notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
     assert rows == notebooks
+
+
+def _markdown_and_outputs(stem):
+    """A lesson's prose (its markdown cells) and what its executed cells printed."""
+    nb = nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", as_version=4)
+    prose = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    printed = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            printed.append(out.get("text", ""))
+            printed += [str(v) for k, v in out.get("data", {}).items() if k.startswith("text/")]
+    return prose, "\n".join(printed)
+
+
+def test_numbers_the_prose_got_wrong_are_printed_by_code_instead():
+    """Issue 42's numbers: each now printed by a cell of its lesson, none typed in its prose
+    (a typed number goes stale when the model it came from moves)."""
+    typed = {"06_putting_it_together": ["proposes layouts such as ZeRO-3"],
+             "09_serving": [],
+             "10_serving_systems": ["128 KB per prompt token", "adds ~8 ms", "~5 ms"],
+             "11_your_own_model": ["2 all-reduces per layer forward and 2 backward",
+                                   "nothing here fits Mixtral"]}
+    printed_by_code = {
+        "06_putting_it_together": ["plan --stack fsdp2", "the best ZeRO-3 with dp > 1 ranks #",
+                                   "lie inside the band, none was fitted to"],
+        "09_serving": ["kernel launches", "(sum ", "lie inside the band, none was fitted to"],
+        "10_serving_systems": ["with a 400-token prefill in it", "131,072 B = 131.1 KB",
+                               "Goodput (TTFT", "second-worst request to the worst"],
+        "11_your_own_model": ["per layer and step, fwd: 2 collectives",
+                              "per layer and step, bwd: 5 collectives", "within rounding",
+                              "fewest H100s"]}
+    for stem, words in typed.items():
+        prose, printed = _markdown_and_outputs(stem)
+        assert "never fitted to" not in printed, stem
+        for said in words:
+            assert said not in prose, (stem, said)
+        for said in printed_by_code[stem]:
+            assert said in printed, (stem, said)
+    tpot = [line for line in _markdown_and_outputs("09_serving")[1].splitlines()
+            if line.strip().startswith("TP 8: TPOT")][0]
+    total, terms = tpot.split(" ms = ")[0].rsplit(" ", 1)[1], tpot.split("(sum ")[1]
+    assert terms.startswith(total), tpot          # the printed terms add up to the TPOT
