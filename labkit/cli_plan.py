@@ -56,6 +56,10 @@ def plan_arguments(parser):
     parser.add_argument("--miniature", action="store_true",
                         help="then run the best plan (or --fix's) in miniature on CPU ranks "
                              "and set its measured memory and bytes beside the planner's")
+    parser.add_argument("--explain", action="store_true",
+                        help="split the best plan's step into GEMMs, attention forward and "
+                             "backward, element-wise, optimizer, exposed communication per "
+                             "mesh dimension, pipeline bubble and recompute")
     parser.add_argument("--json", action="store_true")
 
 
@@ -93,13 +97,16 @@ def plan_command(args):
     # the published check rows ran on their own GPUs, so a profile changes only the H200 rows
     out["error_band"] = error_band.training_band(profiled=bool(header))
     best = out["plans"][0]
+    if getattr(args, "explain", False):      # every plan carries it; the best one's on top
+        out["explain"] = dict(step_s=best["step_s"], parts_s=best["explain_s"])
     if args.json:
         if getattr(args, "miniature", False):
             out["miniature"] = run_miniature(best)["rows"]
         return json.dumps(out, indent=2)
     band = error_band.format_band(out["error_band"],
                                   best["tokens_per_s_per_gpu"] if best["fits"] else None)
-    text = "\n".join(([header] if header else []) + [format_plans(out)] + band)
+    text = "\n".join(([header] if header else []) + [format_plans(out)] + band + (
+        [planner.format_explain(best)] if getattr(args, "explain", False) else []))
     if not getattr(args, "miniature", False):
         return text
     print(text, flush=True)      # the plan first: the miniature run takes seconds

@@ -137,6 +137,34 @@ def test_cli_plan_prints_a_ranking_and_json(capsys):
     assert "no legal plan" in capsys.readouterr().err
 
 
+def test_plan_explain_splits_the_step_into_parts_that_add_up(capsys):
+    """`plan --explain`: the best plan's step by kernel class (GEMMs, attention forward and
+    backward, element-wise, launches), recompute, optimizer, exposed communication per mesh
+    dimension, pipeline bubble and the SMs lent to hidden traffic; the parts sum to the step
+    and the compute parts to the breakdown's compute term."""
+    import json
+    from labkit import cli
+    argv = ["plan", "--model", "llama-3-70b", "--gpus", "64", "--global-batch", "64",
+            "--seq", "8192", "--no-flash", "--fix", "tp=8,dp=8,recompute=full", "--explain"]
+    assert cli.main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    best, parts = out["plans"][0], out["explain"]["parts_s"]
+    assert set(parts) == {key for key, _ in planner.EXPLAIN}
+    assert sum(parts.values()) == pytest.approx(best["step_s"], rel=1e-12)
+    compute = sum(parts[k] for k in ("gemm", "attention_forward", "attention_backward",
+                                     "elementwise", "launches"))
+    assert compute == pytest.approx(best["breakdown_s"]["compute"], rel=1e-12)
+    for dim in ("tp", "cp", "ep", "pp", "dp"):
+        assert parts[f"{dim}_comm"] == best["communication_s"][f"{dim}_comm_exposed"]
+    # unfused attention keeps its scores: backward reruns both GEMMs, the recompute is there
+    assert parts["attention_backward"] > parts["attention_forward"] > 0
+    assert parts["recompute"] > 0
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "attention backward" in text and "exposed TP communication" in text
+    assert f"{best['step_s']:.3f} s (modelled)" in text
+
+
 # --- issue 20 section 2: every field, count and --fix value checked, in one line
 @pytest.mark.parametrize("argv, message", [
     (["--fix", "zero_stage=7"], "--fix zero_stage must be 0, 1, 2 or 3"),

@@ -113,6 +113,7 @@ def evaluate(m, c, batch, seq, p):
 def finish(m, c, batch, seq, mem, p, stage_params, layer_bytes_kept):
     """The plan dict from memory_terms' answer: step time, MFU, HFU, throughput."""
     breakdown, communication = step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept)
+    explained = communication.pop("explain")
     step = sum(breakdown.values())
     model_flops = batch * seq * model_flops_per_token(m, seq, c.causal)
     hw_flops = batch * seq * hardware_flops_per_token(m, c, seq, p)
@@ -123,7 +124,7 @@ def finish(m, c, batch, seq, mem, p, stage_params, layer_bytes_kept):
         precision=c.precision, microbatches=batch // (p["dp"] * p["micro_batch_size"]),
         fits=fits, reason="" if fits else (f"needs {mem['total'] / 1e9:.1f} GB per GPU > "
                                            f"{c.capacity_bytes / 1e9:.1f} GB on {c.gpu.name}"),
-        memory_bytes=mem, step_s=step, breakdown_s=breakdown,
+        memory_bytes=mem, step_s=step, breakdown_s=breakdown, explain_s=explained,
         communication_s=communication,
         mfu=model_flops / (step * c.gpus * peak), hfu=hw_flops / (step * c.gpus * peak),
         tokens_per_s_per_gpu=batch * seq / step / c.gpus,
@@ -188,7 +189,14 @@ def step_terms(m, c, batch, seq, p, stage_params, layer_bytes_kept):
                pp_comm=pp_exp, dp_comm=dp_exp, optimizer=terms.optimizer_time(c, opt_params),
                overlap_slowdown=micro * slow_mb + overlap.contention_slowdown(pp_hid + dp_hid,
                                                                                   sms))
-    communication = dict(tp_comm_exposed=micro * tp_exp, tp_comm_hidden=micro * tp_hid,
+    explained = dict(gemm=micro * (work["gemm"] + work["head"]),
+                     attention_forward=micro * work["attention_forward"],
+                     attention_backward=micro * work["attention_backward"],
+                     elementwise=micro * (work["elementwise"] + work["fp8_cast"]),
+                     launches=micro * work["launches"],
+                     **{k: v for k, v in out.items() if k != "compute"})
+    communication = dict(explain=explained,
+                         tp_comm_exposed=micro * tp_exp, tp_comm_hidden=micro * tp_hid,
                          cp_comm_exposed=micro * cp_exp,
                          cp_comm_hidden=micro * (cp_total - cp_exp), pp_comm_exposed=pp_exp,
                          pp_comm_hidden=pp_hid, dp_comm_exposed=dp_exp, dp_comm_hidden=dp_hid,
@@ -231,7 +239,9 @@ def _micro_batch_work(m, c, seq, p, tokens, layers, share, kept):
         cast = terms.fp8_cast_time(c, m, tokens, tp, layers, counts_layer, 1)
     compute = gemm + attention + head + launches
     return dict(gemm=gemm, attention=attention, compute=compute, recompute=recompute_s,
-                elementwise=elementwise, fp8_cast=cast,
+                elementwise=elementwise, fp8_cast=cast, head=head, launches=launches,
+                attention_forward=layers * fwd["attention"],
+                attention_backward=layers * fwd["attention_backward"],
                 total=compute + recompute_s + elementwise + cast)
 
 
@@ -327,3 +337,29 @@ def recompute_label(p):
     return "full" if p["recompute_layers"] >= per_stage else \
         f"full {p['recompute_layers']}/{per_stage}"
 
+
+# `plan --explain`: the best plan's step by kernel class and by what is exposed (explain_s)
+EXPLAIN = (("gemm", "GEMMs: linear layers and logits, forward + backward"),
+           ("attention_forward", "attention forward"),
+           ("attention_backward", "attention backward"),
+           ("elementwise", "element-wise: norms, rotary, activations, residuals, loss, casts"),
+           ("launches", "kernel launches"),
+           ("recompute", "recompute (forward run again in backward)"),
+           ("optimizer", "optimizer step (Adam, memory-bound)"),
+           ("tp_comm", "exposed TP communication"), ("cp_comm", "exposed CP communication"),
+           ("ep_comm", "exposed EP communication"), ("pp_comm", "exposed PP sends"),
+           ("dp_comm", "exposed DP / ZeRO communication"),
+           ("pp_bubble", "pipeline bubble"),
+           ("overlap_slowdown", "compute slowed by SMs lent to hidden communication"))
+
+
+def format_explain(p):
+    """The plan's step split into its parts (explain_s), each with its share: the parts add
+    up to the step; every number modelled."""
+    parts = p["explain_s"]
+    lines = [f"the step of dp={p['dp']} tp={p['tp']} pp={p['pp']} cp={p['cp']} ep={p['ep']} "
+             f"v={p['v']}, {p['step_s']:.3f} s (modelled), by part:",
+             f"  {'part':<66} {'seconds':>9} {'share':>6}"]
+    for key, label in EXPLAIN:
+        lines.append(f"  {label:<66} {parts[key]:9.4f} {parts[key] / p['step_s']:6.1%}")
+    return "\n".join(lines)
