@@ -6,7 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-labkit
 
-.PHONY: install lab test test-numerics test-browser bench notebooks html student clean gpu-check
+.PHONY: install lab test test-numerics test-browser bench notebooks html student clean gpu-check \
+	family-matrix
 
 install: $(STAMP)
 
@@ -51,6 +52,11 @@ lab: install
 
 test: install
 	$(PY) -m pytest tests notebooks --nbval-lax -p no:cacheprovider
+
+# Every block on every decoder-only causal LM of the installed transformers, tiny configs, 2 ranks
+# against one device: the table in docs/family-matrix.md (tests/test_family_matrix.py: a subset)
+family-matrix: install
+	$(PY) scripts/family_matrix.py
 
 # "Equals one device" on other CPU kernels: the tests marked `numerics` and the lessons that print
 # such verdicts, once per ATen CPU capability this CPU has (default, avx2, avx512: torch picks
