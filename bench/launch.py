@@ -3,7 +3,7 @@
 Start-up: wall seconds for `launch(noop, N)`, the first call (forkserver imports torch once)
 and later calls. Overhead: the same loop of all_reduces (256 bytes, 1 MB) through
 `torch.distributed` directly, through `ctx.comm` with the clock off (log only), and with the
-clock on (its stamps ride in the all_reduce as 4 slots per rank), in interleaved rounds in the
+clock on (each rank posts its issue time on the launch's store), in interleaved rounds in the
 same ranks; ratios instrumented / raw, median and spread over the rounds. What the instruments
 cost a whole data-parallel step: bench/runtime.py.
 """
@@ -80,15 +80,15 @@ def main():
     print(f"\ncomm log and clock overhead, {CALLS} all_reduces per variant in each of {ROUNDS} "
           f"interleaved rounds (per call, wall, slowest rank)")
     # 256 bytes, not 4: gloo reduces fewer elements than ranks by a shortcut (4 ranks: 0.6 ms
-    # against 3-8 ms for 4+ elements here), which the clock's slots would not take
+    # against 3-8 ms for 4+ elements here)
     for numel in (64, 250_000):
         t = labkit.launch(collective_loop, 4, numel)[0]
         for label in ("log only", "log + clock"):
             row = compared_row(dict(benchmark="comm_overhead", labkit_impl=f"ctx.comm ({label})",
                                     torch_impl="dist.all_reduce", world_size=4),
                                f"s_per_call_{numel * 4}B", t[label], t["raw"],
-                               notes="gloo CPU, 2 shared cores; the clock's stamps ride in the "
-                                     "all_reduce (4 slots per rank)", value_format="{:.2e}")
+                               notes="gloo CPU, 2 shared cores; the clock posts issue times "
+                                     "on the launch's store", value_format="{:.2e}")
             print(f"  {numel * 4:>9} B  {label:<12} {row['labkit']} s vs raw {row['torch']} s  "
                   f"ratio {row['labkit_over_torch']} ({row['spread_min']}..{row['spread_max']})")
             rows.append(row)

@@ -12,8 +12,8 @@ round with the order rotating, so that none profits from a warmer or quieter mac
   instrumented  all three: what a lesson runs.
 Per round and variant: the slowest rank's wall seconds per step (measured, after a warm-up),
 and the CPU seconds of all ranks together (less sensitive to other work on a shared machine).
-Reported: each variant / bare per round, median and spread (min..max) over the rounds, and the
-rows of the comm log that are the clock's own (its time stamps, tag "clock").
+Reported: each variant / bare per round, median and spread (min..max) over the rounds (the
+clock sends nothing through the collectives: its issue times go to the launch's store).
 Run: python bench/runtime.py [--rounds R] [--steps S] [--world-sizes 2 4] [--models tiny small]
      [--no-csv]   (rows are appended to data/bench.csv; the machine may be shared: say so)
 """
@@ -101,10 +101,8 @@ def dp_overhead(ctx, model_kwargs, global_batch, rounds, steps, warmup):
         per_round.append(dict(zip(names, slowest.tolist()),
                               cpu=dict(zip(names, cpu_all.tolist()))))
     run("instrumented", 1)   # the last step on the clock: its modelled time
-    clock_rows = [row for row in ctx.comm.summary(by=("op", "tag"), clock=True)
-                  if row["tag"] == "clock"]
     return dict(rounds=per_round, modelled_step_s=ctx.clock.step_times()[-1],
-                clock_comm=clock_rows, grad_bytes=sum(model.bucket_sizes))
+                grad_bytes=sum(model.bucket_sizes))
 
 
 def _no_region(name):
@@ -154,8 +152,6 @@ def main():
                 rows.append(compared_row(base, f"cpu_s_all_ranks ({name} GPT)",
                                          [r["cpu"][variant] for r in rounds],
                                          [r["cpu"]["bare"] for r in rounds], notes))
-            for row in out["clock_comm"]:
-                print(f"  the clock's own comm (rank 0, all steps): {row}")
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     if not args.no_csv:
         replace_rows(rows)

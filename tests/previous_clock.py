@@ -2,7 +2,9 @@
 previous clock computed them: produced by running the scenario with the clock and comm of
 commit 570c553 (one extra all_reduce(max) of 8-byte stamps per collective, a separate stamp
 message per send) against the theory/ of commit 266f8b5, before the clock's stamps moved into
-the ops' own data. A regression check: the clock must place every event where it did then.
+the ops' own data. A regression check: the clock must place every event where it did then
+(it did through the stamps inside the ops, and does from each rank's log with its peers' issue
+times posted on the launch's store, beside the ops).
 If theory/'s alpha-beta formulas change, these move with them: regenerate by running the
 scenario with `git show 570c553:labkit/runtime/clock.py` and `.../comm.py` in place.
 """

@@ -41,7 +41,7 @@ TECHNIQUES = {
     "context parallel": ["context_parallel", "ring_attention", "head_attention",
                          "context_batch"],
     "selective recompute": ["recompute"],
-    "serving (KV cache, generation)": ["serving", "hf_cache"],
+    "serving (generation)": ["serving", "hf_cache"],
     "continuous batching": ["batching"],
     "speculative decoding": ["speculative"],
     "disaggregated serving": ["disaggregated"],
@@ -53,6 +53,7 @@ SHARED = {
     "scoped_mode",           # the TorchFunctionMode on while chosen modules run (CP, recompute)
     "tensor_parallel_plan",  # reading a TP plan: which Linear splits how (TP and expert TP)
     "tp_shards",             # a weight's TP shard and its gathering back (TP and expert TP)
+    "kv_cache",              # generation's KV cache (serving, the pipeline's HF adapter)
     "paged_kv",              # the paged KV cache and its ragged forward (the serving systems)
     "self_check",            # a block's check of itself on a miniature, against one device
 }

@@ -1,9 +1,8 @@
-"""ctx.comm (every collective, fp32 and bf16, logged), ctx.clock (sync, async lane, p2p; the
-same modelled times as the previous clock; its stamps carried inside the ops and logged as its
-own; FLOPs as FlopCounterMode counts them) and ctx.memory (categories, unique storages,
-agreement with theory/ on the tiny model, the same peak as recounting at every save)."""
-import functools
-
+"""ctx.comm (every collective, fp32 and bf16, logged; each sends its tensor's bytes and nothing
+else), ctx.clock (sync, async lane, p2p; the same modelled times as the previous clock; a
+hand-written log replayed; each rank's log replays to its timeline; FLOPs as FlopCounterMode
+counts them) and ctx.memory (categories, unique storages, agreement with theory/ on the tiny
+model, the same peak as recounting at every save)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import labkit
 from labkit.runs import reference
-from labkit.runtime import flops, stamps
+from labkit.runtime import flops
+from labkit.runtime.clock import replay
 from labkit.runtime.memory import MemoryTracker, storage_bytes
 from previous_clock import PREVIOUS_CLOCK
 
@@ -225,9 +225,7 @@ def fixed_scenario(ctx):
     events = [(e["lane"], e["kind"], e["name"], e["start"], e["end"])
               for e in ctx.clock.timeline()]
     return dict(now=ctx.clock.now(), steps=ctx.clock.step_times(), events=events,
-                technique=ctx.comm.summary(), wire=ctx.comm.wire_bytes(),
-                everything=ctx.comm.summary(by=("op", "tag"), clock=True),
-                clock_wire=ctx.comm.wire_bytes(clock=True))
+                technique=ctx.comm.summary(), wire=ctx.comm.wire_bytes(), log=ctx.clock.log)
 
 
 @pytest.fixture(scope="module")
@@ -244,47 +242,113 @@ def test_modelled_times_are_those_of_the_previous_clock(scenario):
             [t for e in pinned["events"] for t in e[3:]], rel=1e-12, abs=1e-18)
 
 
-def test_the_clocks_stamps_are_logged_as_its_own(scenario):
-    rank0 = scenario[0]
-    clock = {row["op"]: row for row in rank0["everything"] if row["tag"] == "clock"}
-    # every op that synchronised clocks carried (or, for a broadcast, sent beside it) stamps;
-    # the all_reduce off the record is not there
-    assert set(clock) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
-                          "all_to_all", "send", "recv", "barrier"}
-    assert clock["all_reduce"]["calls"] == 2           # the sync one and the async one
-    assert clock["all_reduce"]["bytes"] == 2 * 4 * 4 * 4   # 4 members x 4 fp32 slots, twice
-    assert clock["all_gather"]["bytes"] == 8 and clock["send"]["bytes"] == 2 * 8
-    assert clock["reduce_scatter"]["bytes"] == 2 * 2 * 4 * 4   # a pair: 2 pieces x 2 x 4 slots
-    assert all(row["modelled_s"] == 0 for row in clock.values())  # a real cluster has no clock
-    # the technique's rows and wire bytes are those of its own data only
-    assert all("tag" not in row for row in rank0["technique"])
-    technique = {(row["op"], row["group"]): row for row in rank0["technique"]}
-    assert technique[("all_reduce", "0-3")]["bytes"] == 4000 + 1_000_000
-    assert technique[("all_reduce", "0-3")]["calls"] == 2
-    assert rank0["wire"] == pytest.approx(sum(r["wire_bytes_per_rank"]
-                                              for r in rank0["technique"]))
-    assert rank0["clock_wire"] == pytest.approx(sum(r["wire_bytes_per_rank"]
-                                                    for r in clock.values()))
-    assert 0 < rank0["clock_wire"] < 1e-3 * rank0["wire"]
+# --- the clock without stamps: payloads carry data only; the log replays to the same timeline --
+
+TORCH_OPS = ("all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast",
+             "all_to_all_single", "barrier", "send", "isend", "recv", "irecv")
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16,
-                                   torch.int64, torch.int32, torch.int16, torch.int8,
-                                   torch.uint8])
-@pytest.mark.parametrize("op", ["sum", "max", "min"])
-def test_stamps_survive_a_reduction_in_the_payload_dtype(dtype, op):
-    """Each member's slots, reduced as gloo reduces them, give back every stamp bit for bit."""
-    times = [0.0012273859689131558, 3.0e-9, 0.0, 17.25]   # modelled seconds, any float64
-    slots = []
-    for rank, issued in enumerate(times):
-        timing = type("Timing", (), dict(issued=issued, group_ready=None))
-        group = type("Group", (), dict(size=len(times), rank=rank))
-        slots.append(stamps.reduction_slots(dtype, op, group, timing))
-        assert slots[-1].dtype == dtype
-    reduce = dict(sum=torch.add, max=torch.maximum, min=torch.minimum)[op]
-    reduced = functools.reduce(reduce, slots)
-    assert reduced.dtype == dtype
-    assert stamps.read_slots(reduced, dtype) == max(times)
+def payload_bytes(ctx):
+    """Every op with the clock on and the ranks late by different amounts; what torch got."""
+    handed = []
+    for name in TORCH_OPS:   # this rank's process only: record each call, then run it
+        real = getattr(torch.distributed, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            handed.append((_name, [a.nbytes for a in args if isinstance(a, torch.Tensor)]))
+            return _real(*args, **kwargs)
+        setattr(torch.distributed, name, spy)
+    r = ctx.rank
+    ctx.clock.add_compute("late", (r + 1) * 1e11)
+    x = torch.ones(6)
+    ctx.comm.all_reduce(x)
+    ctx.comm.all_reduce(torch.tensor([True, False]), op="max")   # no dtype is special now
+    ctx.comm.all_reduce(torch.ones(4, dtype=torch.bfloat16), op="avg", async_op=True).wait()
+    ctx.comm.all_gather(x)
+    ctx.comm.reduce_scatter(x)
+    ctx.comm.broadcast(x, src=1)
+    ctx.comm.all_to_all(x)
+    ctx.comm.barrier()
+    sending = ctx.comm.send(x[:3], 1 - r, async_op=True)
+    ctx.comm.recv(torch.zeros(3), 1 - r)
+    sending.wait()
+    return handed, ctx.clock.now()
+
+
+def test_a_collective_sends_its_tensors_bytes_and_nothing_else():
+    (handed, now0), (_, now1) = labkit.launch(payload_bytes, 2)
+    assert handed == [("all_reduce", [24]), ("all_reduce", [2]), ("all_reduce", [8]),
+                      ("all_gather_single", [48, 24]), ("reduce_scatter_single", [12, 24]),
+                      ("broadcast", [24]), ("all_to_all_single", [24, 24]), ("barrier", []),
+                      ("isend", [12]), ("recv", [12])]
+    assert now0 == pytest.approx(now1) and now0 > 2e11 / H100_FLOP_S   # the clocks still met
+
+
+def ring_all_reduce_s(nbytes):   # 2 ranks: 2 steps, each rank sends 2 (n-1)/n x nbytes
+    return 2 * NVLINK_ALPHA + nbytes / NVLINK_B_S
+
+
+def message_s(nbytes):
+    return NVLINK_ALPHA + nbytes / NVLINK_B_S
+
+
+def span(name, seconds):
+    return ("span", "compute", name, seconds, 0, {}, 0.0, 0.0)
+
+
+MS = 1e-3
+HAND_WRITTEN = {   # rank -> its log, as Clock.log keeps it (op numbers count each rank's issues)
+    0: [span("forward", 1 * MS), ("issue", "all_reduce", 4000, (0, 1), False, 0.0),
+        ("wait", 0, 0.0), ("issue", "all_reduce", 1_000_000, (0, 1), True, 0.0),
+        span("backward", 2 * MS), ("wait", 1, 0.0), ("step",),
+        ("send", 1, 40_000, 0.0), span("between", 1 * MS), ("send", 1, 400, 0.0),
+        ("wait", 2, 0.0), ("wait", 3, 0.0), ("step",)],
+    1: [span("forward", 3 * MS), ("issue", "all_reduce", 4000, (0, 1), False, 0.0),
+        ("wait", 0, 0.0), ("issue", "all_reduce", 1_000_000, (0, 1), True, 0.0),
+        span("backward", 2 * MS), ("wait", 1, 0.0), ("step",),
+        ("recv", 0, 40_000, 0.0), ("recv", 0, 400, 0.0), ("wait", 2, 0.0),
+        ("wait", 3, 0.0), ("step",)],
+}
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_replay_of_a_hand_written_log(order):
+    clocks = replay({r: HAND_WRITTEN[r] for r in order})
+    first_op = 3 * MS   # the sync all-reduce starts when the later member issues it
+    after = first_op + ring_all_reduce_s(4000)
+    for r, clock in clocks.items():
+        sync = next(e for e in clock.events if e.name == "all_reduce" and e.lane == "compute")
+        assert (sync.start, sync.end) == pytest.approx((first_op, after), rel=1e-12)
+        lane = next(e for e in clock.events if e.lane == "comm" and e.kind == "comm")
+        assert lane.start == pytest.approx(after)     # async: on the comm lane, under backward
+        assert lane.end == pytest.approx(after + ring_all_reduce_s(1_000_000))
+        assert lane.meta["exposed_s"] == 0 and lane.meta["hidden_s"] == pytest.approx(
+            lane.end - lane.start)
+        assert clock.step_times()[0] == pytest.approx(after + 2 * MS)
+    idle = [e for e in clocks[0].events if e.kind == "idle"]
+    assert [(e.start, e.end) for e in idle][0] == pytest.approx((1 * MS, 3 * MS))
+    # the k-th recv from a rank is its k-th send: the 40 kB one, then the 400 B one a ms later
+    sent = after + 2 * MS
+    recvs = [e for e in clocks[1].events if e.kind == "recv"]
+    assert [t for e in recvs for t in (e.start, e.end)] == pytest.approx(
+        [sent, sent + message_s(40_000), sent + MS, sent + MS + message_s(400)], rel=1e-12)
+    assert clocks[1].t == pytest.approx(sent + MS + message_s(400))
+    assert clocks[0].t == pytest.approx(sent + MS)   # a sender does not wait for the transfer
+
+
+def test_a_log_that_cannot_have_run_is_refused():
+    deadlock = {r: [("recv", 1 - r, 8, 0.0), ("wait", 0, 0.0)] for r in (0, 1)}
+    with pytest.raises(ValueError, match="cannot have run"):
+        replay(deadlock)
+
+
+def test_each_ranks_log_replays_to_its_timeline(scenario):
+    clocks = replay({r: out["log"] for r, out in enumerate(scenario)})
+    for r, out in enumerate(scenario):
+        assert [(e.lane, e.kind, e.name, e.start, e.end) for e in clocks[r].events] == \
+            out["events"]
+        assert clocks[r].step_times() == out["steps"]
+
 
 
 def exotic_dtypes_and_splits(ctx):

@@ -31,7 +31,7 @@ _BLOCKS = {
     "context_parallel_batch": "context_batch",
     "cache_for": "serving",
     "tp_plan_for": "tp_presets",
-    "KVCache": "serving",
+    "KVCache": "kv_cache",
     "generate": "serving",
     "PipelineGenerator": "serving",
     "HybridParallel": "hybrid",

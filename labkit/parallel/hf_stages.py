@@ -248,7 +248,7 @@ def _unit_outputs(model, name):
         expected.update({f"decoder layer {i}": hidden[i + 1] for i in range(layers - 1)})
     expected["the logits decoded through the stages' cache"] = own.logits[:, -DECODED:]
     got = _run_units(units, ids, name, record=True)
-    from .serving import KVCache   # labkit's cache, as PipelineGenerator hands it over
+    from .kv_cache import KVCache   # labkit's cache, as PipelineGenerator hands it over
     cache, start = KVCache(), PROBE_TOKENS - DECODED
     _run_units(units, ids[:, :start], name, cache)
     got["the logits decoded through the stages' cache"] = torch.cat(

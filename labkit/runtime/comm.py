@@ -6,19 +6,12 @@ and tables read from them: comm_log.py (`CommLog`, which `Comm` extends).
 Every op takes `group=` (None: the world; a labkit Group; or a torch ProcessGroup) and `tag=`
 (a label kept in the log, e.g. "grad bucket 3"). Point-to-point peers are ranks *of the group*.
 
-The virtual clock's time stamps ride inside the ops (no extra round of communication, see
-stamps.py): a message carries its sender's stamp in 8 extra bytes; an all_gather or all_to_all
-appends each rank's stamp to its piece; an all_reduce or reduce_scatter appends one slot per
-member, zero but for the member's own stamp written as small integers the reduction leaves
-exact, so the sum (or max, or min) hands every member every stamp; a barrier is an all_reduce of
-the stamps. A broadcast (its data flows from one rank only) and payloads of a dtype that cannot
-hold the slots (bool, complex) exchange the stamps in an all_reduce(max) issued beside them.
-Those bytes are logged apart, as the clock's own (tag "clock"): `summary(clock=True)` shows
-them; the technique's rows and `wire_bytes()` leave them out.
+Each op sends its own tensor's bytes and nothing else: the virtual clock is told when an op
+is issued and when it is waited for (`ctx.clock`, clock.py) and learns the peers' issue times
+from the run's key-value store, beside the ops.
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,8 +21,6 @@ import torch
 import torch.distributed as dist
 
 from .comm_log import CommLog, CommRecord
-from .stamps import (equal_splits, needed as stamp_needed, reduction_slots, unpack as
-                     unpack_stamps, unpack_reduced, with_slots, with_stamp)
 
 # what `group=` takes: a runtime.context Group, a torch ProcessGroup, or None (the world); named
 # here, not imported from context.py (which imports this module)
@@ -60,7 +51,7 @@ class Handle:
     result: torch.Tensor
     record: CommRecord
     started: float
-    finish: object = None           # run once the data is there (unpack stamps, divide for avg)
+    finish: object = None           # run once the data is there (divide for avg)
     timing: object = None           # the clock's note of when this op was issued
     done: bool = field(default=False)
 
@@ -109,17 +100,8 @@ class Comm(CommLog):
         tensor = tensor.contiguous()
         out = tensor.new_empty((group.size * tensor.shape[0],) + tuple(tensor.shape[1:]))
         record, timing = self._start("all_gather", tensor, group, async_op, tag)
-        if not stamp_needed(timing):
-            return self._issue(record, timing, group, out, None, async_op, lambda: (
-                _all_gather_op()(out, tensor, group=group.pg, async_op=async_op)))
-        self._log_clock("all_gather", record.group, group.size, 8)
-        packed = with_stamp(tensor, timing)
-        gathered = packed.new_empty(group.size * packed.numel())
-
-        def finish():
-            timing.group_ready = unpack_stamps(gathered, out, [tensor.nbytes] * group.size)
-        return self._issue(record, timing, group, out, finish, async_op, lambda: (
-            _all_gather_op()(gathered, packed, group=group.pg, async_op=async_op)))
+        return self._issue(record, timing, group, out, None, async_op, lambda: (
+            _all_gather_op()(out, tensor, group=group.pg, async_op=async_op)))
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOpName = "sum",
                        group: GroupLike = None, async_op: bool = False,
@@ -139,8 +121,7 @@ class Comm(CommLog):
         group = self.ctx.group(group)
         root = group.global_rank(src)
         record, timing = self._start("broadcast", tensor, group, async_op, tag)
-        finish = self._separate_stamps(timing, group, record)
-        return self._issue(record, timing, group, tensor, finish, async_op, lambda: (
+        return self._issue(record, timing, group, tensor, None, async_op, lambda: (
             dist.broadcast(tensor, root, group=group.pg, async_op=async_op)))
 
     def all_to_all(self, tensor: torch.Tensor, input_splits: Sequence[int] | None = None,
@@ -158,58 +139,33 @@ class Comm(CommLog):
             output_splits = self.all_to_all(sizes, group=group, tag=f"{tag} sizes").tolist()
         rows = sum(output_splits) if output_splits is not None else tensor.shape[0]
         out = tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
+        if input_splits is None and tensor.shape[0] % group.size:
+            raise ValueError(f"all_to_all: dim 0 ({tensor.shape[0]}) must divide by the group "
+                             f"size ({group.size}) when no splits are given")
         record, timing = self._start("all_to_all", tensor, group, async_op, tag)
-        if not stamp_needed(timing):
-            return self._issue(record, timing, group, out, None, async_op, lambda: (
-                dist.all_to_all_single(out, tensor, output_splits, input_splits,
-                                       group=group.pg, async_op=async_op)))
-        n = group.size
-        self._log_clock("all_to_all", record.group, n, 8 * n)
-        row = tensor.element_size() * math.prod(tensor.shape[1:])   # bytes per row
-        send_bytes = [r * row for r in equal_splits(input_splits, tensor.shape[0], n)]
-        receive_bytes = [r * row for r in equal_splits(output_splits, rows, n)]
-        packed = with_stamp(tensor, timing, send_bytes)
-        received = packed.new_empty(sum(receive_bytes) + 8 * n)
-
-        def finish():
-            timing.group_ready = unpack_stamps(received, out, receive_bytes)
-        return self._issue(record, timing, group, out, finish, async_op, lambda: (
-            dist.all_to_all_single(received, packed, [b + 8 for b in receive_bytes],
-                                   [b + 8 for b in send_bytes], group=group.pg,
-                                   async_op=async_op)))
+        return self._issue(record, timing, group, out, None, async_op, lambda: (
+            dist.all_to_all_single(out, tensor, output_splits, input_splits,
+                                   group=group.pg, async_op=async_op)))
 
     def barrier(self, group: GroupLike = None, tag: str = "") -> None:
         group = self.ctx.group(group)
         record, timing = self._start("barrier", torch.empty(0), group, False, tag)
-        if not stamp_needed(timing):
-            return self._issue(record, timing, group, None, None, False,
-                               lambda: dist.barrier(group=group.pg))
-        # An all_reduce of the stamps waits for every member, as a barrier does: it is one.
-        self._log_clock("barrier", record.group, group.size, 8, carrier="all_reduce")
-        stamp = torch.tensor([timing.issued], dtype=torch.float64, device=self.ctx.device)
-
-        def finish():
-            timing.group_ready = stamp.item()
-        return self._issue(record, timing, group, None, finish, False, lambda: (
-            dist.all_reduce(stamp, dist.ReduceOp.MAX, group=group.pg)))
+        self._issue(record, timing, group, None, None, False,
+                    lambda: dist.barrier(group=group.pg))
 
     # --- point to point ------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, group: GroupLike = None, async_op: bool = False,
              tag: str = "") -> torch.Tensor | Handle:
-        """Send `tensor` to member `dst` of the group (the world: a global rank).
-
-        The sender's virtual time travels in the same message (8 bytes after the data).
-        """
+        """Send `tensor` to member `dst` of the group (the world: a global rank)."""
         peer = self.ctx.group(group).global_rank(dst)
         timing = self.ctx.clock.start_send(peer, tensor.nbytes)
         record = self._record("send", tensor, (self.ctx.rank, peer), tag, peer)
-        self._log_clock("send", record.group, 2, 8)
-        packed = with_stamp(tensor, timing)
+        data = tensor.contiguous()
         t0 = time.perf_counter()
         if async_op:
-            return Handle(self, dist.isend(packed, peer), tensor, record, t0, timing=timing)
+            return Handle(self, dist.isend(data, peer), tensor, record, t0, timing=timing)
         self._status(f"send to rank {peer} ({tensor.nbytes} bytes) {tag}")
-        dist.send(packed, peer)
+        dist.send(data, peer)
         self._status("")
         self._finished(record, time.perf_counter() - t0, self.ctx.clock.finish_async(timing))
         return tensor
@@ -219,24 +175,20 @@ class Comm(CommLog):
         """Receive into `tensor` from member `src` of the group; waits (virtually) for it."""
         peer = self.ctx.group(group).global_rank(src)
         record = self._record("recv", tensor, (peer, self.ctx.rank), tag, peer)
-        self._log_clock("recv", record.group, 2, 8)
-        packed = torch.empty(tensor.nbytes + 8, dtype=torch.uint8, device=tensor.device)
+        timing = self.ctx.clock.start_recv(peer, tensor.nbytes)
+        target = tensor if tensor.is_contiguous() else torch.empty_like(
+            tensor, memory_format=torch.contiguous_format)
+        finish = None if target is tensor else (lambda: tensor.copy_(target))
         t0 = time.perf_counter()
         if async_op:
-            timing = self.ctx.clock.start_recv(peer, tensor.nbytes)
-
-            def finish():
-                sent = unpack_stamps(packed, tensor)
-                if timing is not None:
-                    timing.group_ready = sent
-            return Handle(self, dist.irecv(packed, peer), tensor, record, t0, finish=finish,
+            return Handle(self, dist.irecv(target, peer), tensor, record, t0, finish=finish,
                           timing=timing)
         self._status(f"recv from rank {peer} ({tensor.nbytes} bytes) {tag}")
-        dist.recv(packed, peer)
+        dist.recv(target, peer)
         self._status("")
-        sent = unpack_stamps(packed, tensor)
-        self._finished(record, time.perf_counter() - t0, self.ctx.clock.finish_async(
-            self.ctx.clock.start_recv(peer, tensor.nbytes, sent)))
+        if finish is not None:
+            finish()
+        self._finished(record, time.perf_counter() - t0, self.ctx.clock.finish_async(timing))
         return tensor
 
     # --- one place that runs and logs a collective -------------------------------------------
@@ -256,63 +208,25 @@ class Comm(CommLog):
         handle = Handle(self, work if async_op else None, result, record, t0, finish=finish,
                         timing=timing)
         if timing is not None and timing.group_ready is None:
-            timing.complete = handle._complete
+            timing.complete = handle._complete   # the clock waits for the data before the posts
         if async_op:
             return handle
         self._status("")
         return handle.wait()
 
     def _reduce(self, name, tensor, out, op, group, async_op, tag):
-        """all_reduce (out is tensor) or reduce_scatter (out is this member's piece), with the
-        members' stamps in slots after the data (after each member's piece, to scatter)."""
+        """all_reduce (out is tensor) or reduce_scatter (out is this member's piece)."""
         record, timing = self._start(name, tensor, group, async_op, tag)
-        slots = reduction_slots(tensor.dtype, op, group, timing, tensor.device)
-        scatter, reduce_op = name == "reduce_scatter", _REDUCE_OPS[op]
-        if slots is None:
-            finish = _then(self._separate_stamps(timing, group, record),
-                           (lambda: out.div_(group.size)) if op == "avg" else None)
-            sent, received = tensor, out
-        else:
-            pieces = group.size if scatter else 1
-            self._log_clock(name, record.group, group.size, pieces * slots.nbytes)
-            sent = with_slots(tensor, slots, pieces)
-            received = sent.new_empty(sent.numel() // pieces) if scatter else sent
-
-            def finish():
-                timing.group_ready = unpack_reduced(received, out,
-                                                           group.size if op == "avg" else 1)
-        if scatter:
+        reduce_op = _REDUCE_OPS[op]
+        finish = (lambda: out.div_(group.size)) if op == "avg" else None
+        if name == "reduce_scatter":
             return self._issue(record, timing, group, out, finish, async_op, lambda: (
                 dist_op("reduce_scatter_single", "reduce_scatter_tensor")(
-                    received, sent, reduce_op, group=group.pg, async_op=async_op)))
+                    out, tensor, reduce_op, group=group.pg, async_op=async_op)))
         return self._issue(record, timing, group, out, finish, async_op, lambda: (
-            dist.all_reduce(sent, reduce_op, group=group.pg, async_op=async_op)))
-
-    def _separate_stamps(self, timing, group, record):
-        """For an op that cannot carry the stamps: an async all_reduce(max) of them, issued
-        beside the op; returns the function that reads it when the op is waited for."""
-        if not stamp_needed(timing):
-            return None
-        self._log_clock(record.op, record.group, group.size, 8, carrier="all_reduce")
-        stamp = torch.tensor([timing.issued], dtype=torch.float64, device=self.ctx.device)
-        work = dist.all_reduce(stamp, dist.ReduceOp.MAX, group=group.pg, async_op=True)
-
-        def finish():
-            work.wait()
-            timing.group_ready = stamp.item()
-        return finish
+            dist.all_reduce(tensor, reduce_op, group=group.pg, async_op=async_op)))
 
     def _status(self, text):
         if self.ctx._status is not None:
             self.ctx.set_status(text)
 
-
-def _then(first, second):
-    """One finishing function that runs `first`, then `second` (either may be None)."""
-    if first is None or second is None:
-        return first or second
-
-    def both():
-        first()
-        second()
-    return both

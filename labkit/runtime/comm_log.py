@@ -5,7 +5,7 @@ measured), the ring-model bytes this rank would send on the wire (all_reduce 2(n
 all_gather and reduce_scatter (n-1)/n of the full tensor: *modelled*, gloo does not report its
 own), wall seconds (measured) and modelled seconds on the clock. The log keeps running totals
 per (op, group, tag) and only the last `KEEP_RECORDS` single calls, so a long run does not grow
-it. The clock's own time stamps (comm.py) are counted apart, in `clock_totals`.
+it.
 
 `CommLog` is the bookkeeping half of `runtime.comm.Comm` (which runs the ops and extends it):
 `summary`, `wire_bytes`, `dataframe`, `reset`, and `recording` (False inside
@@ -50,7 +50,6 @@ class CommLog:
     def __init__(self) -> None:
         self.records = deque(maxlen=KEEP_RECORDS)
         self.totals = {}        # (op, group, tag) -> calls, bytes, wire bytes, seconds
-        self.clock_totals = {}  # (op, group) -> the same, for the clock's own time stamps
         self.recording = True   # False inside ctx.off_the_record()
         self._names = {}        # ranks -> group name, dtype -> name (asked on every call)
 
@@ -59,35 +58,23 @@ class CommLog:
         import pandas as pd
         return pd.DataFrame([r.__dict__ for r in self.records])
 
-    def summary(self, by: Sequence[str] = ("op", "group"), clock: bool = False) -> list[dict]:
+    def summary(self, by: Sequence[str] = ("op", "group")) -> list[dict]:
         """Totals per op and group (or `by` any of op, group, tag): calls, payload bytes
-        (measured), ring-model wire bytes per rank (modelled), wall and modelled seconds.
-        `clock=True` adds the clock's own time stamps as rows tagged "clock" (they cost no
-        modelled time: a real cluster has no virtual clock to synchronise)."""
+        (measured), ring-model wire bytes per rank (modelled), wall and modelled seconds."""
         rows = {}
         for (op, group, tag), total in self.totals.items():
             values = dict(op=op, group=group, tag=tag)
             _accumulate(rows, tuple(values[k] for k in by), by, total)
-        if clock:
-            for (op, group), total in self.clock_totals.items():
-                values = dict(op=op, group=group, tag="clock")
-                key = tuple(values[k] for k in by) + ("the clock's own",)  # never merged
-                _accumulate(rows, key, by, total)["tag"] = "clock"
         return list(rows.values())
 
-    def wire_bytes(self, op: str | None = None, clock: bool = False) -> float:
-        """Ring-model bytes this rank sent, for one op or all of them (modelled); with
-        `clock=True`, those of the clock's time stamps instead."""
-        if clock:
-            return sum(t["wire_bytes_per_rank"] for (o, _), t in self.clock_totals.items()
-                       if op in (None, o))
+    def wire_bytes(self, op: str | None = None) -> float:
+        """Ring-model bytes this rank sent, for one op or all of them (modelled)."""
         return sum(t["wire_bytes_per_rank"] for (o, _, _), t in self.totals.items()
                    if op in (None, o))
 
     def reset(self) -> None:
         self.records.clear()
         self.totals.clear()
-        self.clock_totals.clear()
 
     # --- what one call adds ---------------------------------------------------------------
     def _record(self, op, tensor, ranks, tag="", peer=-1):
@@ -109,17 +96,6 @@ class CommLog:
             total["wire_bytes_per_rank"] += record.wire_bytes_per_rank
         return record
 
-    def _log_clock(self, op, group, size, nbytes, carrier=None):
-        """Count `nbytes` of time stamps this rank handed to `op` (or to the `carrier` op that
-        took them beside it) as the clock's own; a receiver sends none of them."""
-        if self.recording:
-            total = _total(self.clock_totals, (op, group))
-            total["calls"] += 1
-            total["bytes"] += nbytes
-            if op != "recv":
-                total["wire_bytes_per_rank"] += theory_time.wire_bytes_per_rank(
-                    carrier or op, nbytes, size)
-
     def _finished(self, record, wall_s, modelled_s):
         record.wall_s, record.modelled_s = wall_s, modelled_s
         if self.recording:
@@ -135,7 +111,6 @@ def _accumulate(rows, key, by, total):
         row = rows[key] = dict(zip(by, key), **{k: 0 for k in _FIELDS})
     for k in _FIELDS:
         row[k] += total[k]
-    return row
 
 
 def _total(totals, key):
