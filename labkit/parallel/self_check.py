@@ -6,15 +6,18 @@ of them, a small vocabulary and MLP; any other module: a copy of itself), gives 
 that starts constant (norm weights, biases) some noise, so that a mix-up between heads or
 features shows, and runs one forward and backward on random tokens three times: as built
 (float32), in float64 (the exact run) and through `apply` (the block, on the same group). It
-refuses in one line, naming the logits or the first parameter whose gradient differs beyond
-labkit.numerics' rule (rms error within 4x float32's own): a plan that would train wrong never
-reaches the first step. Each rank judges its own gradients (under TP a replicated parameter's
-gradient is this rank's copy, so ranks that disagree fail) and the worst verdict over the group
-is everyone's: all ranks raise together, no rank is left waiting in a collective. The check
-runs off the record (no comm log, no clock) and leaves the caller's random state as it was.
+refuses in one line if anything differs beyond labkit.numerics' rule (rms error within 4x
+float32's own), naming where it starts: the first submodule whose output differs (in the order
+they ran; outputs shaped as on one device), else the output, else the parameter whose gradient
+goes wrong first (a wrong gradient spreads upstream: the first failing parameter of the last
+layer with a failure). A plan that would train wrong never reaches the first step. Each rank
+judges its own gradients (under TP a replicated parameter's gradient is this rank's copy, so
+ranks that disagree fail) and the worst verdict over the group is everyone's: all ranks raise
+together, no rank is left waiting in a collective. The check runs off the record (no comm log,
+no clock) and leaves the caller's random state as it was.
 
 Any block calls it with its own `apply` (split, shard, wrap the miniature: return the module to
-run), `forward` (module, ids) -> logits and `gradients` (module) -> {name: whole gradient}
+run), `forward` (module, ids) -> output and `gradients` (module) -> {name: whole gradient}
 under the model's own parameter names. Cost, measured on 2 gloo ranks of a 2-core CPU
 (tests/test_self_check.py prints it): about 0.3 s per call for a tiny Hugging Face model
 (three miniatures built, three forward and backward passes, one all-reduce of the verdicts).
@@ -24,8 +27,6 @@ import time
 from functools import partial
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import numerics
 from ..runtime.comm import GroupLike
@@ -138,12 +139,15 @@ def miniature(model, divisor=1, seed=0):
 
 
 def logits_of(output):
-    """The logits of a model's output: an HF output object, a dict or a tensor."""
+    """The logits of a model's output (an HF output object, a dict or a tensor); a base model's
+    last hidden state."""
     if isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, dict):
-        return output["logits"]
-    return output.logits
+    for key in ("logits", "last_hidden_state"):
+        value = output.get(key) if isinstance(output, dict) else getattr(output, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    return output[0]
 
 
 def _record_outputs(module):
@@ -160,12 +164,15 @@ def _record_outputs(module):
     return outputs, handles
 
 
-def _run(module, ids, targets, forward):
-    """One forward and backward; the logits and every submodule's output (by name)."""
+def _run(module, ids, seed, forward):
+    """One forward and backward; the logits and every submodule's output (by name). The loss
+    weighs each output value by a random number (the same in every run): every logit, hence
+    every parameter, gets a gradient of its own, whatever the output is."""
     outputs, handles = _record_outputs(module)
     try:
         logits = logits_of(forward(module, ids))
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
+        (logits * weights.to(logits.dtype)).mean().backward()
     finally:
         for handle in handles:
             handle.remove()
@@ -201,8 +208,7 @@ def check_against_one_device(model, apply, group: GroupLike = None, *, what="the
     """Run `apply` on a miniature of `model` and compare with one device (module doc).
     `apply(mini)` returns the module to run; `forward(module, ids)` its output (default: the
     module called on the ids); `gradients(module)` {name: whole gradient} (default: the
-    miniature's own). Forward first: the first submodule whose output (where shaped as on one
-    device) or the logits differ; then the gradients. Returns {seconds, checks, worst}; raises
+    miniature's own). Returns {seconds, checks, worst}; raises
     SelfCheckError in one line."""
     ctx = context()
     group = ctx.group(group)
@@ -211,12 +217,11 @@ def check_against_one_device(model, apply, group: GroupLike = None, *, what="the
     with torch.random.fork_rng(devices=[]), ctx.off_the_record():
         single = miniature(model, group.size, seed)
         exact, mine = numerics.exact_copy(single), copy.deepcopy(single)
-        ids = torch.randint(0, _vocabulary(single), (BATCH, TOKENS + 1))
-        ids, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-        runs = [_run(m, ids, targets, forward) for m in (single, exact)]
+        ids = torch.randint(0, _vocabulary(single), (BATCH, TOKENS))
+        runs = [_run(m, ids, seed, forward) for m in (single, exact)]
         try:
             applied = apply(mine)
-            runs.insert(0, _run(applied, ids, targets, forward))
+            runs.insert(0, _run(applied, ids, seed, forward))
             grads = gradients(applied) if gradients else {
                 n: p.grad for n, p in mine.named_parameters() if p.grad is not None}
         except (RuntimeError, IndexError, TypeError, AttributeError) as error:   # one line
@@ -229,7 +234,7 @@ def check_against_one_device(model, apply, group: GroupLike = None, *, what="the
             outputs[0][name], outputs[1][name], outputs[2][name]))
             for name in outputs[1] if name in outputs[0]
             and outputs[0][name].shape == outputs[1][name].shape]
-        forward_checks.append(("the logits are", numerics.compare(*[r[0] for r in runs])))
+        forward_checks.append(("the output is", numerics.compare(*[r[0] for r in runs])))
         reference = [dict(m.named_parameters()) for m in (single, exact)]
         names = [n for n, p in exact.named_parameters() if p.grad is not None]
         grad_checks = [(f"the gradient of {n} is", numerics.compare(

@@ -29,10 +29,14 @@ the group by a hook (so the whole module must run on sequence shards: a position
 joins the plan as "vocab", which hands each rank the rows of its own positions).
 
 Hugging Face models: `parallelize(model)` takes the plan of `model.config.model_type` from
-tp_presets.py (data: print it, change it, pass your own). Sequence parallelism is refused on
-them: they build positions, the causal mask and the attention's reshape from the length of the
-sequence they are handed, so shards would break inside the model. How a parameter is cut and
-gathered back: tp_shards.py.
+tp_presets.py, else transformers' own (data: print it, change it, pass your own), and first
+checks it on a miniature of the model against one device (self_check.py; `verify=False`
+skips it). Beyond Megatron's styles: "colwise_gather", "rowwise_split" and
+"replicated_grad_sum" (tensor_parallel_plan.py), and an nn.Embedding subclass with its own
+forward (Gemma's scaled rows) split by rows with that forward kept. Sequence parallelism is
+refused on them: they build positions, the causal mask and the attention's reshape from the
+length of the sequence they are handed, so shards would break inside the model. How a
+parameter is cut and gathered back: tp_shards.py.
 """
 from collections.abc import Mapping
 from functools import partial
@@ -359,9 +363,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, str] | None = None,
 def _verify(module, plan, group, sequence_parallel, regather, async_tp):
     """The self-check (self_check.py): the plan's entries that name a module of the miniature,
     applied to it with the logits gathered, against one device."""
-    def apply(mini):
+    def apply(mini):   # a plan naming only layers the miniature lacks: nothing to check
         mini_plan = plan_for(mini, plan)
-        return parallelize(mini, mini_plan or plan, group, sequence_parallel,
-                           regather=regather, async_tp=async_tp, verify=False)
+        return parallelize(mini, mini_plan, group, sequence_parallel, regather=regather,
+                           async_tp=async_tp, verify=False) if mini_plan else mini
     check_against_one_device(module, apply, group, what="parallelize(plan)",
                              forward=lambda model, ids: model(ids), gradients=gather_grads)

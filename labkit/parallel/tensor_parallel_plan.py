@@ -202,9 +202,9 @@ def _check_heads(name, parent_name, parent, tp, root):
         return counts
     if uses_alibi(root):
         raise ValueError(f"{name}: {type(root).__name__} uses ALiBi, whose per-head slopes the "
-                         "model builds for all heads outside the attention, so a split by heads "
-                         "would bias rank i's heads with heads 0..h/tp's slopes; leave its "
-                         "attention out of the plan (split the MLP only)")
+                         "model builds for all its heads outside the attention, where a split "
+                         "by heads cannot slice them; leave its attention out of the plan "
+                         "(split the MLP only)")
     counts.update({f"config.{a}": v for a, v in _config_heads(root).items()})
     for sub_name, sub in parent.named_modules():
         if isinstance(sub, nn.ModuleList) and len(sub) in set(counts.values()):
