@@ -258,22 +258,6 @@ def test_paged_fits_more_requests_in_the_same_bytes():
     assert paged["tokens_differing"] == contiguous["tokens_differing"] == 0
 
 
-def test_cli_stream_json():
-    out = subprocess.run([sys.executable, "-m", "labkit", "run", "serve", "--requests", "4",
-                          "--rate", "500", "--paged", "--block-size", "4", "--layers", "1",
-                          "--time-model", "llama-3-8b", "--ttft-ms", "100", "--tpot-ms", "50",
-                          "--json"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    r = json.loads(out.stdout)
-    assert r["tokens_differing"] == 0 and len(r["requests"]) == 4
-    assert set(r["latency"]) >= {"ttft_s", "tpot_s", "e2e_s"}
-    assert 0 <= r["goodput"]["fraction"] <= 1 and r["kv_blocks"]["used"] >= 1
-    assert math.isfinite(r["throughput_tokens_per_s"])
-    bad = subprocess.run([sys.executable, "-m", "labkit", "run", "serve", "--requests", "4",
-                          "--pp", "2"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "--pp" in bad.stderr
-
-
 def test_gather_checker_names_the_contiguous_slip():
     from labkit.exercises import reset_hints, serving_systems as ex
     reset_hints()

@@ -8,8 +8,9 @@ and DistServe, Zhong et al. OSDI'24, arXiv 2401.09670, define them):
     TTFT_i = first token time - a_i          (queueing + prefill)
     TPOT_i = (finish_i - first_i) / (O_i - 1) (time per output token after the first)
     E2E_i  = finish_i - a_i
-throughput = sum O_i / (last finish - first arrival); goodput = requests per second that meet
-both SLOs (TTFT_i <= ttft limit and TPOT_i <= tpot limit), DistServe's measure.
+throughput = sum O_i / (last finish - the benchmark's start); vLLM's request_goodput = requests
+per second that meet both SLOs; the whole list, as `vllm bench serve` reports it, and
+DistServe's goodput (a rate) are in serving_metrics.py.
 
 KV memory (Kwon et al. SOSP'23, "vLLM / PagedAttention", arXiv 2309.06180). One token's keys
 and values cost kv = 2 x layers x kv_width x bytes. A contiguous cache reserves the maximum
@@ -29,7 +30,7 @@ import math
 import random
 from pathlib import Path
 
-from . import pricing, serving as model_serving
+from . import pricing, serving as model_serving, serving_metrics
 
 
 # ------------------------------------------------------------------------------ the stream
@@ -75,44 +76,19 @@ def read_trace(path):
 # ------------------------------------------------------------------------------ the metrics
 
 def percentile(values, q):
-    """The q-th percentile (0..100) with linear interpolation between ranks (numpy's default)."""
-    xs = sorted(values)
-    if not xs:
-        return float("nan")
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """The q-th percentile (0..100), numpy's linear interpolation (serving_metrics.percentile)."""
+    return serving_metrics.percentile(values, q)
 
 
 def request_metrics(arrival_s, token_times, output):
-    """TTFT, TPOT and end-to-end seconds of one request from the times its tokens appeared."""
-    if len(token_times) != output:
-        raise ValueError(f"a request of {output} output tokens has {len(token_times)} times")
-    first, last = token_times[0], token_times[-1]
-    tpot = (last - first) / (output - 1) if output > 1 else 0.0
-    return dict(ttft_s=first - arrival_s, tpot_s=tpot, e2e_s=last - arrival_s)
+    """TTFT, TPOT and end-to-end seconds of one request (serving_metrics.request_metrics)."""
+    return serving_metrics.request_metrics(arrival_s, token_times, output)
 
 
-def summarise(records, ttft_ms=None, tpot_ms=None, gaps=()):
-    """latency{ttft_s, tpot_s, e2e_s -> {p50, p99}}, throughput and goodput of finished
-    requests (each a dict with arrival_s, output, ttft_s, tpot_s, e2e_s); with `gaps` (the
-    seconds between consecutive tokens of every request) also tbt_s, the time between tokens
-    whose p99 shows a decode stalled behind a prefill (Sarathi-Serve's measure)."""
-    columns = {k: [r[k] for r in records] for k in ("ttft_s", "tpot_s", "e2e_s")}
-    if gaps:
-        columns["tbt_s"] = list(gaps)
-    latency = {k: dict(p50=percentile(v, 50), p99=percentile(v, 99)) for k, v in columns.items()}
-    start = min(r["arrival_s"] for r in records)
-    span = max(r["arrival_s"] + r["e2e_s"] for r in records) - start
-    ok = [r for r in records
-          if (ttft_ms is None or r["ttft_s"] * 1e3 <= ttft_ms)
-          and (tpot_ms is None or r["tpot_s"] * 1e3 <= tpot_ms)]
-    return dict(latency=latency, duration_s=span,
-                throughput_tokens_per_s=sum(r["output"] for r in records) / span,
-                requests_per_s=len(records) / span,
-                goodput=dict(requests_per_s=len(ok) / span, fraction=len(ok) / len(records),
-                             ttft_ms=ttft_ms, tpot_ms=tpot_ms))
+def summarise(records, ttft_ms=None, tpot_ms=None, gaps=(), start_s=0.0):
+    """Latency percentiles, throughputs and vLLM's request_goodput of finished requests, as
+    `vllm bench serve` computes them: serving_metrics.summarise."""
+    return serving_metrics.summarise(records, ttft_ms, tpot_ms, gaps, start_s)
 
 
 # ------------------------------------------------------------------------------ KV memory

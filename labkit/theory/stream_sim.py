@@ -5,9 +5,8 @@ timed by `serving_stream.modelled_step_s` (a roofline per step). The tokens do n
 the schedule, only how many there are, so the times are those the engine's modelled clock
 gives (tests/test_serving_more.py checks them step for step against the engine).
 
-`plan_stream` answers `plan --serve --rate R`: TTFT, TPOT and goodput (requests per second
-meeting --ttft-ms and --tpot-ms, DistServe's measure, Zhong et al. OSDI'24, arXiv
-2401.09670) of each policy, for a catalog model whose weights fit one GPU, one replica per GPU,
+`plan_stream` answers `plan --serve --rate R`: TTFT, TPOT and vLLM's request_goodput
+(requests per second meeting --ttft-ms and --tpot-ms; serving_metrics.py) of each policy, for a catalog model whose weights fit one GPU, one replica per GPU,
 the stream dealt round robin. All modelled. Plain Python: no torch.
 """
 import math
@@ -191,13 +190,15 @@ def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
         done = [r for replica in range(min(gpus, requests)) for r in simulate(
             [r for r in stream if r["id"] % gpus == replica], step, policy, max_batch, c,
             int(slots // BLOCK_SIZE))]
-        records = [dict(arrival_s=r.arrival_s, output=r.output, **stream_theory.request_metrics(
-            r.arrival_s, r.token_times, r.output)) for r in done]
+        records = [dict(arrival_s=r.arrival_s, prompt=r.prompt, output=r.output,
+                        **stream_theory.request_metrics(r.arrival_s, r.token_times, r.output))
+                   for r in done]
         gaps = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]
         s = stream_theory.summarise(records, ttft_ms, tpot_ms, gaps)
         rows.append(dict(policy=policy, chunk=c, latency=s["latency"],
                          throughput_tokens_per_s=s["throughput_tokens_per_s"],
-                         goodput=s["goodput"], preemptions=sum(r.preemptions for r in done)))
+                         goodput=s["goodput"], request_goodput=s["request_goodput"],
+                         preemptions=sum(r.preemptions for r in done)))
     return dict(model=dict(name=m.name, display_name=m.display_name, params=m.param_count()),
                 cluster=dict(gpu=g.name, gpus=gpus, replicas=gpus, kv_token_slots=int(slots)),
                 workload=dict(requests=requests, rate=rate, prompt_len=prompt_len,
