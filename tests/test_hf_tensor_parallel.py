@@ -3,9 +3,10 @@
 with GQA, Qwen2 with q/k/v biases, GPT-2's Conv1D and fused c_attn with a tied head, GPT-NeoX's
 per-head fused query_key_value, Phi-3's fused GQA qkv_proj and gate_up_proj, Qwen3's per-head
 q/k norms with their gradients summed, Gemma3's scaled embedding under transformers' own plan,
-OLMo2's gathered q/k/v, Bloom's MLP with its model's head count untouched), judged by
-labkit.numerics against a float64 run, the replicated parameters identical on every rank;
-torch's parallelize_module bit for bit; a bf16 forward; and one test per refusal."""
+OLMo2's gathered q/k/v, Bloom's MLP with its model's head count untouched, Falcon's
+FalconLinear), judged by labkit.numerics against a float64 run, the replicated parameters
+identical on every rank; torch's parallelize_module bit for bit; a bf16 forward; and one test
+per refusal."""
 import types
 
 import pytest
@@ -39,6 +40,7 @@ TRAIN_CASES = {  # name -> (family, attn, tied, plan: None = the preset or trans
     "gemma3-hf-plan-tied": ("gemma3", "sdpa", True, None),   # scaled embedding kept, split
     "olmo2-hf-plan": ("olmo2", "sdpa", False, None),   # q/k/v gathered, o_proj split input
     "bloom-mlp-vocab": ("bloom", "eager", False, BLOOM_MLP),   # BloomModel keeps its heads
+    "falcon-mlp-vocab": ("falcon", "sdpa", False, BLOOM_MLP),   # FalconLinear: x W^T + b
 }
 
 
@@ -286,8 +288,18 @@ def test_refuses_alibi_attention_split_by_heads():
         resolve_plan(model, plan, 2)
 
 
-def test_refuses_a_linear_subclass_with_its_own_forward():
+class ScaledLinear(nn.Linear):
+    """A Linear subclass whose forward is not nn.Linear's."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_refuses_a_linear_subclass_whose_forward_is_not_linears():
     model = hf_tiny.build("falcon")
-    with pytest.raises(ValueError, match=r"dense_h_to_4h is a FalconLinear, an nn\.Linear "
-                                         "subclass with its own forward"):
+    resolve_plan(model, {"transformer.h.*.mlp.dense_h_to_4h": "colwise"}, 2)   # x W^T + b
+    mlp = model.transformer.h[0].mlp
+    mlp.dense_h_to_4h = ScaledLinear(32, 128)
+    with pytest.raises(ValueError, match=r"dense_h_to_4h is a ScaledLinear, an nn\.Linear "
+                                         "subclass whose own forward is not nn.Linear's"):
         resolve_plan(model, {"transformer.h.*.mlp.dense_h_to_4h": "colwise"}, 2)

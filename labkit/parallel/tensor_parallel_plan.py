@@ -21,17 +21,22 @@ Beyond Megatron's three styles, those transformers' own plans use (`base_model_t
 features, OLMo2's q/k/v before its full-width q/k norms), "rowwise_split" (rowwise on a whole
 input, each rank taking its slice) and "replicated_grad_sum" (a module kept whole whose
 gradient is partial: Qwen3's per-head q/k norms see only this rank's heads, so the group sums
-their gradients). Refused in one line, as they would train wrong: a Linear subclass with its
-own forward (a split would replace it), ALiBi attention split by heads (the slopes are built
-for all heads outside the attention), per-head module lists (StableLM's q/k norms: HF pairs
-them with the local heads by position).
+their gradients). Refused in one line, as they would train wrong: a Linear subclass whose
+own forward is not nn.Linear's (a split would replace it; FalconLinear's is, checked on a
+random input), ALiBi attention split by heads (the slopes are built for all heads outside the
+attention), per-head module lists (StableLM's q/k norms: HF pairs them with the local heads by
+position).
 """
 import copy
 import fnmatch
 import re
 import types
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import numerics
 
 STYLES = ("colwise", "rowwise", "vocab", "colwise_gather", "rowwise_split", "replicated_grad_sum")
 HEAD_SPLITTING = ("colwise", "rowwise")   # each rank then computes its own heads
@@ -184,6 +189,20 @@ def resolve_plan(module, plan, tp):
     return list(chosen.items())
 
 
+@torch.no_grad()
+def acts_as_linear(layer):
+    """Whether an nn.Linear subclass's own forward computes nn.Linear's (Falcon's FalconLinear:
+    x @ W.T + b), on a random input, within labkit.numerics' rounding rule: then a split, which
+    computes F.linear, changes nothing."""
+    if layer.weight.is_meta:   # nothing to run it on: not known to be a Linear
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, layer.in_features, generator=generator).to(layer.weight)
+    bias = layer.bias
+    exact = F.linear(x.double(), layer.weight.double(), None if bias is None else bias.double())
+    return bool(numerics.compare(layer(x), F.linear(x, layer.weight, bias), exact))
+
+
 def uses_alibi(root):
     """Whether a Hugging Face model adds ALiBi slopes per head (Bloom always; Falcon, MPT when
     their config says so)."""
@@ -222,9 +241,10 @@ def _check_one(name, layer, style, tp, root):
                              "no trainable parameter whose gradient to sum")
         return
     kinds = (nn.Linear, nn.Embedding) if style == "vocab" else (nn.Linear,)
-    if isinstance(layer, nn.Linear) and type(layer).forward is not nn.Linear.forward:
-        raise ValueError(f"{name} is a {type(layer).__name__}, an nn.Linear subclass with its "
-                         f"own forward: a {style!r} split would replace that forward with a "
+    if isinstance(layer, nn.Linear) and type(layer).forward is not nn.Linear.forward \
+            and not acts_as_linear(layer):
+        raise ValueError(f"{name} is a {type(layer).__name__}, an nn.Linear subclass whose own "
+                         f"forward is not nn.Linear's: a {style!r} split would replace it with a "
                          "plain matmul; leave it out of the plan")
     if not (isinstance(layer, kinds) or (style != "vocab" and is_conv1d(layer))):
         allowed = " or ".join("nn." + k.__name__ for k in kinds)
