@@ -38,6 +38,7 @@ def kv_bytes_per_token(m, kv_dtype="bf16") -> float:
     return m.layers * 2 * m.kv_heads * m.head_dim * dtype_bytes(kv_dtype)
 
 
+@functools.lru_cache(maxsize=1024)
 def weight_split(m, weights="bf16", tp=1, pp=1, ep=1):
     """(dense bytes, expert bytes) on one GPU: the experts' matrices at the precision with
     their scales, everything else (attention, embeddings, head, norms, routers) dense."""
@@ -65,8 +66,7 @@ def _dense_part(m, gpu, tokens, tp, ep, rate):
 def _attention_part(m, gpu, new, cached, count, tp, rate):
     """(seconds, launches) of one layer's attention for `count` pieces of `new` tokens over
     `cached` + `new` keys each."""
-    layer = kernels.layer_kernels(m, count * new, cached + new, gpu, tp=tp, sequences=count)
-    mine = [k for k in layer if _is_attention(k)]
+    mine = kernels.attention_kernels(m, count * new, cached + new, gpu, tp=tp, sequences=count)
     return (sum(k.flops / (rate * k.efficiency) for k in mine),
             sum(k.launches for k in mine))
 
