@@ -78,7 +78,7 @@ def _run_plans(ctx, plans):
         model = build_phi()
         stage = "refused"           # an error in parallelize is labkit refusing the plan
         try:
-            tp.parallelize(model, plan)
+            tp.parallelize(model, plan, verify=False)   # this checker is the check
             stage = "raised"        # after it, the run itself failed (a shape, the loss)
             losses = _train(model)
             with ctx.off_the_record():
