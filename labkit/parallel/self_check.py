@@ -113,9 +113,14 @@ def _layers_to_keep(kinds, layers):
 
 
 def miniature(model, divisor=1, seed=0):
-    """A small model of the same class as `model`, seeded (module doc); one-line
-    SelfCheckError if none can be built."""
-    torch.manual_seed(seed)
+    """A small model of the same class as `model`, seeded (module doc; the caller's random
+    state is left as it was); one-line SelfCheckError if none can be built."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _miniature(model, divisor)
+
+
+def _miniature(model, divisor):
     if is_hugging_face(model):
         try:
             mini = type(model)(shrunk_config(model.config, divisor)).float()
