@@ -18,7 +18,7 @@ def _simulated(batch, prompt):
     outputs, all arriving at 0, on the simulator with modelled_step_s as its clock."""
     step = lambda pieces: serving_stream.modelled_step_s(LLAMA, H100, pieces)  # noqa: E731
     stream = [dict(id=i, prompt=prompt, output=2, arrival_s=0.0) for i in range(batch)]
-    done = stream_sim.simulate(stream, step, "continuous", max_batch=batch)
+    done = stream_sim.simulate(stream, step, "continuous", batch)   # at most `batch` running
     first, second = done[0].token_times
     return first, second - first
 
