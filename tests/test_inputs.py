@@ -166,6 +166,27 @@ def test_the_options_of_a_stream_are_accepted_with_one():
     assert stream_inputs.check_options(*serve_args(requests=4, prefill_ranks=1, block_size=4))
 
 
+@settings(**SETTINGS)
+@given(low=HOSTILE, high=HOSTILE)
+def test_poisson_length_ranges_are_whole_tokens_low_to_high_or_one_line(low, high):
+    try:
+        stream_inputs.check_ranges((low, high), (4, 16))
+    except ValueError as error:
+        assert str(error).startswith("--stream-prompt-len") and "\n" not in str(error)
+        return
+    assert isinstance(low, int) and 1 <= low <= high <= stream_inputs.MAX_LENGTH
+
+
+def test_a_stream_that_cannot_fit_here_is_refused_before_any_rank():
+    from labkit.runs import stream
+    cfg = stream.StreamConfig(requests=2, rate=100.0)
+    rows = cfg.stream()
+    gpt = cfg.gpt_config(rows)
+    stream.check_fits(cfg, gpt, rows, available=1 << 40)
+    one_line(lambda: stream.check_fits(cfg, gpt, rows, available=1 << 20),
+             words=("the stream needs about", "KV pool"))
+
+
 # ------------------------------------------------------------- plan --serve --rate and simulate
 
 @settings(**SETTINGS)
@@ -446,7 +467,7 @@ def test_cli_refusals_show_no_traceback(tmp_path, argv, content):
         path.write_text(content)
     out = subprocess.run([sys.executable, "-m", "labkit", *[a.format(path=path) for a in argv]],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
 
 

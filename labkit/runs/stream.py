@@ -26,8 +26,10 @@ from ..parallel.serving import generate
 from ..parallel.tensor_parallel import parallelize
 from ..parallel.tensor_parallel_plan import gpt_plan
 from ..theory import catalog, hardware, serving_stream as theory
-from . import stream_inputs
-from .serve import gpt_shape, timed_launch, tokens_differing
+from ..runtime.cpus import available_memory
+from . import serve_fit, stream_inputs
+from .preflight import _gb
+from .serve import BYTES, TIMEOUT_S, ServeConfig, gpt_shape, timed_launch, tokens_differing
 
 
 @dataclass
@@ -82,6 +84,8 @@ def check_config(cfg):
         raise ValueError(f"--kv-tokens must be a positive integer, got {cfg.kv_tokens}")
     stream_inputs.check_limits(cfg.ttft_ms, cfg.tpot_ms, *((None, None) if cfg.trace
                                                           else (cfg.rate, cfg.requests)))
+    if not cfg.trace:
+        stream_inputs.check_ranges(tuple(cfg.prompt_len), tuple(cfg.output_len))
     if cfg.time_model:
         step_time(cfg)          # names an unknown model or GPU before ranks start
     stream = cfg.stream()       # checks --requests, --rate and the lengths, or each trace row
@@ -92,6 +96,34 @@ def check_config(cfg):
     if c.heads % cfg.tp:
         raise ValueError(f"--tp {cfg.tp} must divide the {c.heads} heads")
     check_pool(cfg, c, stream)
+    check_fits(cfg, c, stream)
+
+
+def check_fits(cfg, gpt, stream, timeout_s=TIMEOUT_S, available=None):
+    """Refuse, in one line, a stream whose ranks cannot hold their KV pool and model here, or
+    whose largest request alone cannot be served within the ranks' timeout (a lower bound:
+    runs/serve_fit.py's, for that one request on this layout)."""
+    largest = max(stream, key=lambda r: (r["prompt"] + r["output"], r["prompt"]))
+    alone = ServeConfig(tp=cfg.tp, batch=1, prompt_len=largest["prompt"],
+                        new_tokens=largest["output"], model_kwargs=dict(cfg.model_kwargs,
+                                                                        seq=gpt.seq))
+    what = (f"request {largest['id']} (prompt {largest['prompt']:,} + output "
+            f"{largest['output']:,} tokens; the GPT then has {gpt.seq:,} positions)")
+    available = available_memory() if available is None else available
+    if available is not None:
+        bound = serve_fit.memory(alone)
+        slots = (cfg.kv_tokens or cfg.max_batch * gpt.seq) + gpt.seq     # the pool + scratch
+        pool = 2 * gpt.layers * slots * (gpt.hidden // cfg.tp) * BYTES
+        need = cfg.world_size * (bound["per_rank"] - bound["parts"]["kv_cache"] + pool)
+        if max(need, bound["reference"]) > available:
+            raise ValueError(f"the stream needs about {_gb(max(need, bound['reference']))} but "
+                             f"{_gb(available)} is available ({cfg.world_size} rank(s), each a "
+                             f"KV pool of {slots:,} token slots, for {what}): shorter requests, "
+                             "fewer requests running at once or fewer --kv-tokens")
+    est = serve_fit.seconds(alone)["seconds"]
+    if est > timeout_s:
+        raise ValueError(f"{what} alone would take at least {est:,.0f} s here, more than the "
+                         f"ranks' {timeout_s} s limit: give shorter requests or a smaller shape")
 
 
 def check_pool(cfg, gpt, stream):
@@ -274,9 +306,12 @@ def format_report(r):
 def add_arguments(parser):
     """The stream options of `run serve` (one block; --requests switches to a stream)."""
     g = parser.add_argument_group("request stream (serving systems, lesson 10)")
-    g.add_argument("--requests", type=int, default=None, help="serve a stream of N requests")
+    g.add_argument("--requests", type=int, default=None,
+                   help="serve a Poisson stream of N requests (or give --trace instead)")
     g.add_argument("--rate", type=float, default=50.0, help="Poisson arrivals per second")
-    g.add_argument("--trace", default=None, help="CSV/JSON of arrival_s, prompt, output")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="serve a recorded stream instead of --requests: CSV (header arrival_s,"
+                        "prompt,output) or a JSON list of such objects; every row is checked")
     g.add_argument("--policy", choices=("static", "continuous"), default="continuous")
     g.add_argument("--max-batch", type=int, default=8, help="most requests running at once")
     g.add_argument("--paged", action="store_true", help="a paged KV cache (else contiguous)")

@@ -33,7 +33,10 @@ MAX_LENGTH = 1 << 20             # tokens of a prompt or an output: beyond it, a
 # run serve's option groups (argparse dests); what each mode takes is decided in check_options
 STREAM_OPTIONS = ("rate", "policy", "max_batch", "paged", "block_size", "kv_tokens", "chunk",
                   "stream_prompt_len", "stream_output_len", "time_model", "time_gpu",
-                  "ttft_ms", "tpot_ms")
+                  "ttft_ms", "tpot_ms",
+                  # vLLM's names of the batch and the step's token budget (issue 41)
+                  "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+                  "no_enable_chunked_prefill")
 POISSON_OPTIONS = ("rate", "stream_prompt_len", "stream_output_len")
 FIXED_BATCH_OPTIONS = ("batch", "prompt_len", "new_tokens", "ep", "top_k")
 
@@ -180,6 +183,17 @@ def check_limits(ttft_ms, tpot_ms, rate=None, requests=None):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 < value < math.inf):
             raise ValueError(f"{flag} must be a positive finite number, got {value!r}")
+
+
+def check_ranges(prompt_len, output_len):
+    """--stream-prompt-len and --stream-output-len: inclusive ranges 1 <= LO <= HI <=
+    MAX_LENGTH of whole tokens."""
+    for flag, pair in (("--stream-prompt-len", prompt_len), ("--stream-output-len", output_len)):
+        low, high = pair
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in pair) or \
+                not 1 <= low <= high <= MAX_LENGTH:
+            raise ValueError(f"{flag} {_show(low)} {_show(high)}: give LO HI with 1 <= LO <= "
+                             f"HI <= {MAX_LENGTH:,} tokens")
 
 
 def check_options(args, explicit):
