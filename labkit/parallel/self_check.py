@@ -177,7 +177,7 @@ def _run(module, ids, seed, forward):
     try:
         logits = logits_of(forward(module, ids))
         weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
-        (logits * weights.to(logits.dtype)).mean().backward()
+        (logits * weights.to(logits)).mean().backward()
     finally:
         for handle in handles:
             handle.remove()
@@ -220,9 +220,10 @@ def check_against_one_device(model, apply, group: GroupLike = None, *, what="the
     forward = forward or (lambda module, ids: module(ids))
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]), ctx.off_the_record():
-        single = miniature(model, group.size, seed)
+        device = next((p.device for p in model.parameters() if not p.is_meta), "cpu")
+        single = miniature(model, group.size, seed).to(device)   # on the model's device (NCCL)
         exact, mine = numerics.exact_copy(single), copy.deepcopy(single)
-        ids = torch.randint(0, _vocabulary(single), (BATCH, TOKENS))
+        ids = torch.randint(0, _vocabulary(single), (BATCH, TOKENS)).to(device)
         runs = [_run(m, ids, seed, forward) for m in (single, exact)]
         try:
             applied = apply(mine)
