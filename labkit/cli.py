@@ -6,7 +6,7 @@
   python -m labkit run dp --world-size 4         a technique on 4 ranks (see `run -h`)
   python -m labkit memory --model llama-3-70b    what a real model needs, by category
   python -m labkit run serve --tp 2 --json       generation with a KV cache on ranks
-  python -m labkit run serve --requests 32 --rate 50 --paged --chunk 16
+  python -m labkit run serve --requests 32 --rate 50 --paged --max-num-batched-tokens 64
                                                  a request stream, continuously batched
   python -m labkit run serve --requests 8 --draft-layers 2 --draft-len 4
                                                  speculative decoding (--prefill-ranks N:

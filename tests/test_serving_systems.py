@@ -9,13 +9,14 @@ from functools import partial
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from labkit import models, numerics
 from labkit.parallel import serving
 from labkit.parallel.batching import Engine, Request
 from labkit.parallel.paged_kv import PagedKVCache, check_model, ragged_forward
 from labkit.runs import stream
-from labkit.theory import catalog, hardware, kernels
+from labkit.theory import catalog, hardware, kernels, stream_sim
 from labkit.theory import serving_stream as theory
 
 SEQ = 48
@@ -154,23 +155,96 @@ def test_ragged_step_matches_the_whole_sequence():
 
 
 @pytest.mark.parametrize("policy,kw", [("continuous", {}), ("static", {}),
-                                       ("continuous", dict(chunk=5, block_size=4))])
+                                       ("continuous", dict(max_num_batched_tokens=5,
+                                                           block_size=4)),
+                                       ("continuous", dict(max_num_batched_tokens=30,
+                                                           enable_chunked_prefill=False))])
 def test_engine_tokens_equal_each_request_alone(policy, kw):
     model = _model()
     cache = PagedKVCache(2, model.cfg.hidden, 64, kw.pop("block_size", SEQ))
     reqs = _requests(8)
-    done = Engine(model, cache, policy, max_batch=4, step_time=LLAMA_H100, **kw).run(reqs)
+    done = Engine(model, cache, policy, max_num_seqs=4, step_time=LLAMA_H100, **kw).run(reqs)
     assert [r.id for r in done] == list(range(8))
     for r in done:
         assert r.generated == _alone(model, r), r.id
     assert cache.blocks_used == 0           # every request gave its blocks back
 
 
+TINY = models.build("gpt", seed=0, seq=32, layers=1, hidden=16, heads=2, ffn=32,
+                    vocab=32).eval()
+
+
+def _priced(pieces):
+    """A step time that depends on the pieces (so a different schedule shows in the times)."""
+    return 1e-3 + sum(1e-5 * new + 1e-7 * cached for new, cached in pieces)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 20), st.integers(1, 6), st.floats(0, 0.01)),
+                min_size=1, max_size=6),
+       st.sampled_from(["static", "continuous"]), st.integers(1, 4),
+       st.one_of(st.none(), st.integers(1, 26)), st.booleans(), st.integers(0, 12))
+def test_no_step_exceeds_the_token_budget_and_engine_and_simulator_agree(
+        rows, policy, max_num_seqs, budget, chunked, extra_blocks):
+    """vLLM's max_num_batched_tokens counts a step's decodes and prompt tokens: no step of the
+    engine or of the simulator carries more, with or without chunked prefill, and both
+    schedule the same steps (batch, tokens, prefill tokens, times, preemptions)."""
+    if budget is not None:
+        budget = max(budget, max_num_seqs)
+    stream, t = [], 0.0
+    for i, (prompt, output, gap) in enumerate(rows):
+        t += gap
+        stream.append(dict(id=i, prompt=prompt, output=output, arrival_s=t))
+    blocks = max(-(-(r["prompt"] + r["output"]) // 4) for r in stream) + extra_blocks
+    kw = dict(max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    longest = max(r["prompt"] + r["output"] - 1 for r in stream)
+    reqs = [Request(r["id"], torch.arange(r["prompt"]) % 32, r["output"], r["arrival_s"])
+            for r in stream]
+    engine = Engine(TINY, PagedKVCache(1, 16, blocks, 4), policy, max_num_seqs,
+                    step_time=_priced, **kw)
+    steps = []
+    if budget is not None and not chunked and longest > budget:
+        for run in (lambda: engine.run(reqs), lambda: stream_sim.simulate(
+                stream, _priced, policy, max_num_seqs, budget, blocks, 4,
+                enable_chunked_prefill=False)):
+            with pytest.raises(ValueError, match="without chunked prefill"):
+                run()
+        return
+    done = engine.run(reqs)
+    sim = stream_sim.simulate(stream, _priced, policy, max_num_seqs, budget, blocks, 4,
+                              enable_chunked_prefill=chunked, steps=steps)
+    cap = budget if budget is not None else float("inf")
+    assert all(s["tokens"] <= cap for s in engine.steps)
+    assert all(s["tokens"] <= cap for s in steps)
+    assert all(s["batch"] <= max_num_seqs for s in engine.steps)
+    assert [(s["batch"], s["tokens"], s["prefill_tokens"]) for s in engine.steps] == \
+        [(s["batch"], s["tokens"], s["prefill_tokens"]) for s in steps]
+    assert [s["time_s"] for s in engine.steps] == pytest.approx([s["time_s"] for s in steps],
+                                                                rel=1e-12)
+    assert [r.preemptions for r in done] == [r.preemptions for r in sim]
+    assert [len(r.generated) for r in done] == [r["output"] for r in stream]
+
+
+def test_the_budget_counts_the_decodes():
+    """The issue's case: with a budget of 64 a step of 7 decodes takes 57 prompt tokens, not 64
+    (the old `chunk` added 64 on top); without chunked prefill a 60-token prompt waits."""
+    class R:
+        def __init__(self, length, cached):
+            self.length, self.cached = length, cached
+    decodes = [R(10, 9) for _ in range(7)]
+    prompt = R(100, 0)
+    pieces = stream_sim.step_pieces(decodes + [prompt], 64)
+    assert sum(t for _, t in pieces) == 64 and pieces[-1] == (prompt, 57)
+    whole = stream_sim.step_pieces(decodes + [R(60, 0), R(3, 0)], 64, False)
+    assert sum(t for _, t in whole) == 7          # first come, first served: both wait
+    assert sum(t for _, t in stream_sim.step_pieces(decodes + [R(57, 0)], 64, False)) == 64
+
+
 def test_preempted_requests_are_recomputed_to_the_same_tokens():
     model = _model()
     cache = PagedKVCache(2, model.cfg.hidden, 10, 4)     # 40 slots: too few for 4 at once
     reqs = _requests(8, output=(8, 14))
-    done = Engine(model, cache, "continuous", max_batch=8, step_time=LLAMA_H100).run(reqs)
+    done = Engine(model, cache, "continuous", max_num_seqs=8, step_time=LLAMA_H100).run(reqs)
     assert sum(r.preemptions for r in done) > 0
     for r in done:
         assert r.generated == _alone(model, r), r.id
@@ -181,7 +255,7 @@ def test_continuous_batching_beats_static_on_the_same_stream():
     out = {}
     for policy in ("static", "continuous"):
         reqs = _requests(16, rate=400.0, output=(2, 12))
-        done = Engine(_model(), PagedKVCache(2, 64, 64, 8), policy, max_batch=4,
+        done = Engine(_model(), PagedKVCache(2, 64, 64, 8), policy, max_num_seqs=4,
                       step_time=LLAMA_H100).run(reqs)
         recs = [dict(arrival_s=r.arrival_s, output=r.output,
                      **theory.request_metrics(r.arrival_s, r.token_times, r.output))
@@ -201,8 +275,8 @@ def test_chunked_prefill_removes_the_decode_stall():
         reqs = [Request(i, torch.randint(0, 128, (150 if i % 2 else 4,),
                                          generator=torch.Generator().manual_seed(i)),
                         12, 0.001 * i) for i in range(6)]
-        done = Engine(model, PagedKVCache(1, 64, 200, 8), "continuous", max_batch=6,
-                      chunk=chunk,
+        done = Engine(model, PagedKVCache(1, 64, 200, 8), "continuous", max_num_seqs=6,
+                      max_num_batched_tokens=chunk,
                       step_time=partial(theory.modelled_step_s, catalog.model("llama-3-8b"),
                                         hardware.gpu("H100"))).run(reqs)
         gaps[chunk] = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]
@@ -219,8 +293,17 @@ def test_refusals_name_what_and_why():
         check_model(models.MLP())
     with pytest.raises(ValueError, match="policy"):
         Engine(_model(), PagedKVCache(2, 64, 8, 8), policy="fifo")
-    with pytest.raises(ValueError, match="chunk"):
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive"):
+        Engine(_model(), PagedKVCache(2, 64, 8, 8), max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= "
+                       r"max_num_seqs \(8\)"):
+        Engine(_model(), PagedKVCache(2, 64, 8, 8), max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="chunk"):
         Engine(_model(), PagedKVCache(2, 64, 8, 8), chunk=0)
+    whole = Engine(_model(), PagedKVCache(2, 64, 8, 8), max_num_seqs=2,
+                   max_num_batched_tokens=8, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="request 0: prompt 6 \\+ output 4 - 1 tokens"):
+        whole.run([Request(0, torch.zeros(6, dtype=torch.int64), 4)])
     r = Request(0, torch.zeros(40, dtype=torch.int64), 20)
     with pytest.raises(ValueError, match="positions"):
         Engine(_model(), PagedKVCache(2, 64, 8, 8)).run([r])
@@ -234,7 +317,8 @@ SMALL = dict(requests=6, rate=300.0, prompt_len=(3, 12), output_len=(2, 6),
              model_kwargs=dict(layers=2), time_model="llama-3-8b")
 
 
-@pytest.mark.parametrize("layout", [dict(replicas=2), dict(tp=2, paged=True, chunk=4),
+@pytest.mark.parametrize("layout", [dict(replicas=2),
+                                    dict(tp=2, paged=True, max_num_batched_tokens=9),
                                     dict(tp=2, replicas=2, paged=True, block_size=4),
                                     dict(tp=2, time_model=None)])
 def test_stream_on_ranks_equals_each_request_alone(layout):
@@ -249,7 +333,7 @@ def test_stream_on_ranks_equals_each_request_alone(layout):
 
 
 def test_paged_fits_more_requests_in_the_same_bytes():
-    base = dict(SMALL, requests=12, rate=2000.0, max_batch=12, kv_tokens=96)
+    base = dict(SMALL, requests=12, rate=2000.0, max_num_seqs=12, kv_tokens=96)
     contiguous = stream.report(stream.StreamConfig(**base))
     paged = stream.report(stream.StreamConfig(**base, paged=True, block_size=4))
     assert contiguous["kv_blocks"]["pool_bytes"] == paged["kv_blocks"]["pool_bytes"]
@@ -318,7 +402,8 @@ def test_stream_figure_and_explorer_redraw():
     def serve_stream(**kw):
         calls.append(kw)
         cfg = stream.StreamConfig(**dict(base, rate=kw["rate"]), policy=kw["policy"],
-                                  max_batch=kw["max_batch"], chunk=kw["chunk"])
+                                  max_num_seqs=kw["max_num_seqs"],
+                                  max_num_batched_tokens=kw["max_num_batched_tokens"])
         return stream.serve_locally(cfg)[:2]
     box = stream_widgets.stream_explorer(serve_stream)
     before = box.text.value

@@ -6,9 +6,14 @@ meanwhile waits for the whole batch, and a finished request's slot stays empty.
 Continuous batching (Yu et al. OSDI'22, "Orca", iteration-level scheduling): the batch is
 re-formed at every step: finished requests leave, arrived ones join (while the batch has room
 and the KV cache has blocks), so nobody waits for someone else's long answer.
-Chunked prefill (Agrawal et al. OSDI'24, "Sarathi-Serve", arXiv 2403.02310): a step carries
-at most `chunk` prompt tokens beside its decodes, so a long prompt no longer stalls the
-running requests' next tokens (it is cut over several steps).
+The token budget (Agrawal et al. OSDI'24, "Sarathi-Serve", arXiv 2403.02310; vLLM's
+`max_num_batched_tokens`): a step carries at most that many tokens, its decodes (one per
+running request, scheduled first) and prompt tokens together. With chunked prefill (vLLM's
+`enable_chunked_prefill`, on by default) a prompt is cut to what the decodes leave of the
+budget, so a long prompt no longer stalls the running requests' next tokens (it is cut over
+several steps); without it a prompt waits until it fits a step whole. `max_num_seqs` caps the
+requests running at once. The rule is `theory.stream_sim.step_pieces`, shared with the
+simulator, so both schedule the same steps.
 
 A step runs the model once on a ragged batch (`paged_kv.ragged_forward`): each running request
 contributes a piece, the tokens of its sequence (prompt + generated) not cached yet: its prompt
@@ -23,13 +28,14 @@ The engine works on any rank: under tensor parallelism every rank of the group r
 scheduler on the same stream, with one clock (rank 0's, `synced_clock`) so they agree.
 """
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from ..runtime.context import context
-from ..theory.stream_sim import step_pieces
+from ..theory.stream_sim import check_budget, check_fits_budget, step_pieces
 from .paged_kv import check_model, ragged_forward
 
 POLICIES = ("static", "continuous")
@@ -100,24 +106,37 @@ def synced_clock(group=None):
 class Engine:
     """Serve requests on `model` with `cache` (a PagedKVCache), one ragged step at a time.
 
-    policy: "static" or "continuous"; max_batch: most requests running at once; chunk: at most
-    this many prompt tokens per step (None: whole prompts); clock / sleep: time (seconds) and
-    waiting for the next arrival; on_finish(done, total): progress callback. step_time: a
-    function [(new tokens, cached tokens) per request] -> seconds: time is then modelled
-    (virtual: each step advances it by that much, waiting jumps to the next arrival), so the
-    latencies are those of the modelled machine while the tokens are still computed here."""
+    policy: "static" or "continuous"; max_num_seqs: most requests running at once (vLLM's
+    name); max_num_batched_tokens: most tokens a step carries, decodes and prompt tokens
+    together (None: no cap); enable_chunked_prefill: cut a prompt to the budget left (else it
+    waits to fit whole); clock / sleep: time (seconds) and waiting for the next arrival;
+    on_finish(done, total): progress callback. step_time: a function [(new tokens, cached
+    tokens) per request] -> seconds: time is then modelled (virtual: each step advances it by
+    that much, waiting jumps to the next arrival), so the latencies are those of the modelled
+    machine while the tokens are still computed here. Deprecated names: max_batch (=
+    max_num_seqs) and chunk=C (= max_num_batched_tokens=C with chunked prefill: the budget now
+    counts the decodes too)."""
 
-    def __init__(self, model, cache, policy="continuous", max_batch=8, chunk=None,
-                 clock=time.perf_counter, sleep=time.sleep, on_finish=None, step_time=None):
+    def __init__(self, model, cache, policy="continuous", max_num_seqs=8,
+                 max_num_batched_tokens=None, clock=time.perf_counter, sleep=time.sleep,
+                 on_finish=None, step_time=None, *, enable_chunked_prefill=True,
+                 max_batch=None, chunk=None):
         check_model(model)
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if chunk is not None and chunk < 1:
-            raise ValueError(f"chunk must be >= 1 prompt token per step, got {chunk}")
+        if max_batch is not None:
+            warnings.warn("Engine(max_batch=) is max_num_seqs=", DeprecationWarning, 2)
+            max_num_seqs = max_batch
+        if chunk is not None:
+            warnings.warn("Engine(chunk=C) is max_num_batched_tokens=C (decodes counted)",
+                          DeprecationWarning, 2)
+            if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk < 1:
+                raise ValueError(f"chunk must be >= 1 token per step, got {chunk}")
+            max_num_batched_tokens, enable_chunked_prefill = chunk, True
+        check_budget(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
         self.model, self.cache, self.policy = model, cache, policy
-        self.max_batch, self.chunk = max_batch, chunk
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.clock, self.sleep, self.on_finish = clock, sleep, on_finish
         self.step_time, self.virtual_s = step_time, 0.0
         if step_time is not None:
@@ -130,13 +149,13 @@ class Engine:
     def _admit(self, waiting, running, now):
         if self.policy == "static" and running:
             return       # request-level: nobody joins a batch under way
-        while (waiting and waiting[0].arrival_s <= now and len(running) < self.max_batch
+        while (waiting and waiting[0].arrival_s <= now and len(running) < self.max_num_seqs
                and self.cache.reserve(waiting[0].id, waiting[0].length)):
             running.append(waiting.popleft())
 
     def _pieces(self, running):
-        """Decodes first (one token each), then prompt pieces within the chunk budget."""
-        return step_pieces(running, self.chunk)
+        """Decodes first (one token each), then prompt pieces, all within the token budget."""
+        return step_pieces(running, self.max_num_batched_tokens, self.enable_chunked_prefill)
 
     def _grow(self, running, pieces):
         """Reserve blocks for each piece; preempt the newest request while the pool is short."""
@@ -163,6 +182,8 @@ class Engine:
             if not self.cache.can_reserve(-1, r.prompt.numel() + r.output):
                 raise ValueError(f"request {r.id} needs {r.prompt.numel() + r.output} token "
                                  "slots, more than the whole KV cache holds")
+            check_fits_budget(r.id, r.prompt.numel(), r.output, self.max_num_batched_tokens,
+                              self.enable_chunked_prefill)
         self.waiting = waiting = deque(sorted(requests, key=lambda r: r.arrival_s))
         running, finished, start = [], [], self.clock()
         while waiting or running:

@@ -2,17 +2,25 @@
 cache, whole or chunked prefill; every request's tokens checked against it served alone.
 
 `python -m labkit run serve --requests 32 --rate 40 --policy continuous [--paged
---block-size 8] [--chunk 16] [--tp 2 | --replicas 2] [--json]`. Requests (Poisson arrivals,
+--block-size 8] [--max-num-batched-tokens 16 [--no-enable-chunked-prefill]] [--max-num-seqs 8]
+[--tp 2 | --replicas 2] [--json]` (vLLM's flag names; `--max-batch` and `--chunk` are the old
+names of the last two). Requests (Poisson arrivals,
 seeded, or `--trace FILE`) are served by `labkit.parallel.batching.Engine`: with --replicas
 each rank serves the requests whose id % replicas is its own, with --tp every rank of the
 group runs the same scheduler on a model split by `parallelize` (heads and MLP columns; each
-rank's cache holds its heads). The report: requests[{id, prompt, output, arrival_s, ttft_s,
-tpot_s, e2e_s}], latency{ttft_s, tpot_s, e2e_s -> {p50, p99}}, throughput_tokens_per_s,
-goodput (under --ttft-ms / --tpot-ms), tokens_differing (against each request's greedy tokens
+rank's cache holds its heads). The report: requests[{id, prompt, output, arrival_s,
+token_times, ttft_s, tpot_s, e2e_s}]; metrics, what `vllm bench serve` prints under its names
+(theory/serving_metrics.py: duration from the start, TTFT, TPOT over requests of more than one
+token, ITL, E2EL as mean / median / std / p50 / p90 / p99, request, output-token and
+total-token throughput, request_goodput under --ttft-ms / --tpot-ms); the same in seconds as
+latency{ttft_s, tpot_s, itl_s, e2e_s -> {mean, median, std, p50, p99}}, requests_per_s,
+throughput_tokens_per_s, total_tokens_per_s, request_goodput and slo{ttft_ms, tpot_ms,
+attainment}; tokens_differing (against each request's greedy tokens
 generated alone on one device: must be 0), kv_blocks{used, total, wasted_bytes, ...} (peak
 blocks, mean bytes reserved but unused over the steps; measured) and the peak requests running.
 All latencies are measured wall seconds on these CPU ranks.
 """
+import argparse
 import time
 from functools import partial
 from dataclasses import dataclass, field, asdict
@@ -25,7 +33,7 @@ from ..parallel.paged_kv import PagedKVCache, ragged_forward
 from ..parallel.serving import generate
 from ..parallel.tensor_parallel import parallelize
 from ..parallel.tensor_parallel_plan import gpt_plan
-from ..theory import catalog, hardware, serving_stream as theory
+from ..theory import catalog, hardware, serving_stream as theory, stream_sim
 from ..runtime.cpus import available_memory
 from . import serve_fit, stream_inputs
 from .preflight import _gb
@@ -41,11 +49,12 @@ class StreamConfig:
     output_len: tuple = (4, 16)
     trace: str | None = None           # a CSV/JSON trace instead of the Poisson stream
     policy: str = "continuous"
-    max_batch: int = 8
+    max_num_seqs: int = 8              # most requests running at once (vLLM's name)
     paged: bool = False
     block_size: int = 8
-    kv_tokens: int | None = None       # token slots of KV per rank (default: max_batch x seq)
-    chunk: int | None = None
+    kv_tokens: int | None = None       # token slots of KV per rank (default: max_num_seqs x seq)
+    max_num_batched_tokens: int | None = None   # tokens per step, decodes + prompt (None: no cap)
+    enable_chunked_prefill: bool = True         # cut prompts to the budget (else whole)
     tp: int = 1
     replicas: int = 1
     ttft_ms: float | None = None
@@ -75,11 +84,16 @@ class StreamConfig:
 
 def check_config(cfg):
     """Everything checkable before ranks start, one line each."""
-    for name in ("tp", "replicas", "max_batch", "block_size"):
+    for name in ("tp", "replicas", "max_num_seqs", "block_size"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
-    if cfg.chunk is not None and cfg.chunk < 1:
-        raise ValueError(f"--chunk must be a positive number of prompt tokens, got {cfg.chunk}")
+    budget = cfg.max_num_batched_tokens
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or
+                               budget < cfg.max_num_seqs):
+        raise ValueError(f"--max-num-batched-tokens must be an integer >= --max-num-seqs "
+                         f"({cfg.max_num_seqs}): each running request's decode must fit a "
+                         f"step, got {budget!r}")
+    stream_sim.check_budget(cfg.max_num_seqs, budget, cfg.enable_chunked_prefill)
     if cfg.kv_tokens is not None and cfg.kv_tokens < 1:
         raise ValueError(f"--kv-tokens must be a positive integer, got {cfg.kv_tokens}")
     stream_inputs.check_limits(cfg.ttft_ms, cfg.tpot_ms, *((None, None) if cfg.trace
@@ -96,6 +110,9 @@ def check_config(cfg):
     if c.heads % cfg.tp:
         raise ValueError(f"--tp {cfg.tp} must divide the {c.heads} heads")
     check_pool(cfg, c, stream)
+    for r in stream:
+        stream_sim.check_fits_budget(r["id"], r["prompt"], r["output"],
+                                     cfg.max_num_batched_tokens, cfg.enable_chunked_prefill)
     check_fits(cfg, c, stream)
 
 
@@ -112,14 +129,14 @@ def check_fits(cfg, gpt, stream, timeout_s=TIMEOUT_S, available=None):
     available = available_memory() if available is None else available
     if available is not None:
         bound = serve_fit.memory(alone)
-        slots = (cfg.kv_tokens or cfg.max_batch * gpt.seq) + gpt.seq     # the pool + scratch
+        slots = (cfg.kv_tokens or cfg.max_num_seqs * gpt.seq) + gpt.seq     # the pool + scratch
         pool = 2 * gpt.layers * slots * (gpt.hidden // cfg.tp) * BYTES
         need = cfg.world_size * (bound["per_rank"] - bound["parts"]["kv_cache"] + pool)
         if max(need, bound["reference"]) > available:
             raise ValueError(f"the stream needs about {_gb(max(need, bound['reference']))} but "
                              f"{_gb(available)} is available ({cfg.world_size} rank(s), each a "
                              f"KV pool of {slots:,} token slots, for {what}): shorter requests, "
-                             "fewer requests running at once or fewer --kv-tokens")
+                             "a smaller --max-num-seqs or --kv-tokens")
     est = serve_fit.seconds(alone)["seconds"]
     if est > timeout_s:
         raise ValueError(f"{what} alone would take at least {est:,.0f} s here, more than the "
@@ -129,9 +146,9 @@ def check_fits(cfg, gpt, stream, timeout_s=TIMEOUT_S, available=None):
 def check_pool(cfg, gpt, stream):
     """The KV pool the ranks will build (make_cache) holds at least one block and the largest
     request whole: else a rank would raise, or the request wait for blocks forever."""
-    slots = cfg.kv_tokens or cfg.max_batch * gpt.seq
+    slots = cfg.kv_tokens or cfg.max_num_seqs * gpt.seq
     flag = f"--kv-tokens {slots}" if cfg.kv_tokens else \
-        f"the pool of --max-batch {cfg.max_batch} x {gpt.seq} positions ({slots:,} slots)"
+        f"the pool of --max-num-seqs {cfg.max_num_seqs} x {gpt.seq} positions ({slots:,} slots)"
     block = cfg.block_size if cfg.paged else gpt.seq
     if block > slots:
         what = f"--block-size {cfg.block_size}" if cfg.paged else \
@@ -176,7 +193,7 @@ def prompts(cfg, stream):
 
 def make_cache(cfg, gpt, kv_width):
     """The paged cache, or the contiguous one (max length reserved), in the same token slots."""
-    slots = cfg.kv_tokens or cfg.max_batch * gpt.seq
+    slots = cfg.kv_tokens or cfg.max_num_seqs * gpt.seq
     if cfg.paged:
         return PagedKVCache(gpt.layers, kv_width, slots // cfg.block_size, cfg.block_size)
     return PagedKVCache.contiguous(gpt.layers, kv_width, gpt.seq, slots)
@@ -199,7 +216,8 @@ def serve(ctx, cfg):
     scratch.reserve(0, gpt.seq)
     ragged_forward(model, [(0, torch.zeros(gpt.seq, dtype=torch.int64), 0)], scratch)
     clock = synced_clock(mesh["tp"]) if cfg.tp > 1 and not cfg.time_model else time.perf_counter
-    engine = Engine(model, cache, cfg.policy, cfg.max_batch, cfg.chunk, clock=clock,
+    engine = Engine(model, cache, cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                    enable_chunked_prefill=cfg.enable_chunked_prefill, clock=clock,
                     on_finish=lambda done, total: ctx.progress(done, total),
                     step_time=step_time(cfg))
     done = engine.run(mine)
@@ -218,7 +236,8 @@ def serve_locally(cfg):
     gpt, model = cfg.gpt_config(stream), build_model(cfg, stream)
     ids = prompts(cfg, stream)
     cache = make_cache(cfg, gpt, gpt.hidden)
-    engine = Engine(model, cache, cfg.policy, cfg.max_batch, cfg.chunk, step_time=step_time(cfg))
+    engine = Engine(model, cache, cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                    step_time=step_time(cfg), enable_chunked_prefill=cfg.enable_chunked_prefill)
     done = {r.id: r for r in engine.run([Request(r["id"], ids[r["id"]], r["output"],
                                                  r["arrival_s"]) for r in stream])}
     records = [dict(r, preemptions=done[r["id"]].preemptions, **theory.request_metrics(
@@ -257,6 +276,7 @@ def report(cfg=None, timeout_s=300):
     differing = tokens_differing({i: q["tokens"] for i, q in served.items()}, ref)
     records = [dict(id=r["id"], prompt=r["prompt"], output=r["output"], arrival_s=r["arrival_s"],
                     preemptions=served[r["id"]]["preemptions"],
+                    token_times=served[r["id"]]["token_times"],
                     **theory.request_metrics(r["arrival_s"], served[r["id"]]["token_times"],
                                              r["output"]))
                for r in stream]
@@ -268,9 +288,14 @@ def report(cfg=None, timeout_s=300):
     summary = theory.summarise(records, cfg.ttft_ms, cfg.tpot_ms, gaps)
     return dict(technique="serve", mode="stream", world_size=cfg.world_size,
                 backend=results[0]["backend"], config=cfg.as_dict(), requests=records,
-                latency=summary["latency"], throughput_tokens_per_s=summary[
-                    "throughput_tokens_per_s"], requests_per_s=summary["requests_per_s"],
-                goodput=summary["goodput"], duration_s=summary["duration_s"],
+                latency=summary["latency"], metrics=summary["vllm"],
+                throughput_tokens_per_s=summary["throughput_tokens_per_s"],
+                total_tokens_per_s=summary["total_tokens_per_s"],
+                requests_per_s=summary["requests_per_s"],
+                request_goodput=summary["request_goodput"],
+                slo=dict(ttft_ms=cfg.ttft_ms, tpot_ms=cfg.tpot_ms,
+                         attainment=summary["goodput"]["fraction"]),
+                duration_s=summary["duration_s"],
                 tokens_differing=int(differing), tokens_equal_reference=differing == 0,
                 kv_blocks=kv, peak_running=max(s["batch"] for s in steps),
                 steps=len(steps), step_tokens_max=max(s["tokens"] for s in steps),
@@ -283,20 +308,26 @@ def format_report(r):
     c, lat, kv = r["config"], r["latency"], r["kv_blocks"]
     cache = f"paged, blocks of {c['block_size']}" if c["paged"] else "contiguous (max length)"
     lines = [f"stream of {len(r['requests'])} requests, {c['policy']} batching (max "
-             f"{c['max_batch']}), {cache}" + (f", prefill chunks of {c['chunk']}"
-                                               if c["chunk"] else "")
+             f"{c['max_num_seqs']}), {cache}" + (
+                 f", max_num_batched_tokens {c['max_num_batched_tokens']} (chunked prefill "
+                 f"{'on' if c['enable_chunked_prefill'] else 'off'})"
+                 if c["max_num_batched_tokens"] else "")
              + f" on {r['world_size']} rank(s) (tp {c['tp']}, replicas {c['replicas']})",
              f"tokens differing from each request served alone: {r['tokens_differing']}",
-             f"latency ({r['latency_source']})", "  ms                      p50       p99"]
-    for k in [k for k in ("ttft_s", "tpot_s", "tbt_s", "e2e_s") if k in lat]:
-        p50, p99 = lat[k]["p50"] * 1e3, lat[k]["p99"] * 1e3
-        lines.append(f"  {k[:-2].upper():<22}{p50:8.1f}  {p99:8.1f}")
-    g = r["goodput"]
-    slo = (f"goodput {g['requests_per_s']:.2f} req/s ({g['fraction']:.0%} within TTFT "
-           f"{g['ttft_ms']} ms, TPOT {g['tpot_ms']} ms)"
-           if g["ttft_ms"] is not None or g["tpot_ms"] is not None
-           else "goodput: give an SLO with --ttft-ms / --tpot-ms")
-    lines += [f"throughput {r['throughput_tokens_per_s']:.1f} output tokens/s; {slo}",
+             f"latency ({r['latency_source']}; as `vllm bench serve` reports it)",
+             "  ms                  mean    median       std       p99"]
+    for k in [k for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s") if k in lat]:
+        row = [lat[k][q] * 1e3 for q in ("mean", "median", "std", "p99")]
+        name = "E2EL" if k == "e2e_s" else k[:-2].upper()
+        lines.append(f"  {name:<14}" + "".join(f"{v:10.2f}" for v in row))
+    g = r["slo"]
+    slo = (f"request_goodput {r['request_goodput']:.2f} req/s ({g['attainment']:.0%} within "
+           f"TTFT {g['ttft_ms']} ms, TPOT {g['tpot_ms']} ms)"
+           if r["request_goodput"] is not None
+           else "request_goodput: give an SLO with --ttft-ms / --tpot-ms")
+    lines += [f"over {r['duration_s']:.3f} s from the start: {r['requests_per_s']:.2f} req/s, "
+              f"{r['throughput_tokens_per_s']:.1f} output tokens/s, "
+              f"{r['total_tokens_per_s']:.1f} total tokens/s; {slo}",
               f"KV: peak {kv['used']} of {kv['total']} blocks, mean {kv['wasted_bytes']:.0f} "
               f"bytes reserved but unused ({kv['wasted_fraction']:.0%}); peak "
               f"{r['peak_running']} requests running, {r['preemptions']} preemption(s)"]
@@ -313,18 +344,26 @@ def add_arguments(parser):
                    help="serve a recorded stream instead of --requests: CSV (header arrival_s,"
                         "prompt,output) or a JSON list of such objects; every row is checked")
     g.add_argument("--policy", choices=("static", "continuous"), default="continuous")
-    g.add_argument("--max-batch", type=int, default=8, help="most requests running at once")
+    g.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=8,
+                   help="most requests running at once (vLLM's name; --max-batch: the old one)")
     g.add_argument("--paged", action="store_true", help="a paged KV cache (else contiguous)")
     g.add_argument("--block-size", type=int, default=8, help="tokens per KV block (--paged)")
     g.add_argument("--kv-tokens", type=int, default=None, help="KV token slots per rank")
-    g.add_argument("--chunk", type=int, default=None, help="prompt tokens per step (chunked)")
+    g.add_argument("--max-num-batched-tokens", "--chunk", dest="chunk", type=int, default=None,
+                   help="tokens per step, decodes and prompt tokens together (vLLM's name; "
+                   "--chunk: the old one)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="cut prompts to the budget left (default) or take them "
+                   "whole")
     g.add_argument("--stream-prompt-len", type=int, nargs=2, default=(8, 32), metavar=("LO", "HI"))
     g.add_argument("--stream-output-len", type=int, nargs=2, default=(4, 16), metavar=("LO", "HI"))
     g.add_argument("--time-model", default=None,
                    help="latencies modelled for this catalog model (e.g. llama-3-8b)")
     g.add_argument("--time-gpu", default="H100", help="the GPU of --time-model")
-    g.add_argument("--ttft-ms", type=float, default=None, help="goodput's TTFT limit")
-    g.add_argument("--tpot-ms", type=float, default=None, help="goodput's TPOT limit")
+    g.add_argument("--ttft-ms", type=float, default=None,
+                   help="request_goodput's TTFT limit (ms)")
+    g.add_argument("--tpot-ms", type=float, default=None,
+                   help="request_goodput's TPOT limit (ms)")
     return g
 
 
@@ -334,8 +373,9 @@ def config_from_args(args, shape):
                          "or --experts)")
     return StreamConfig(
         requests=args.requests, rate=args.rate, trace=args.trace, policy=args.policy,
-        max_batch=args.max_batch, paged=args.paged, block_size=args.block_size,
-        kv_tokens=args.kv_tokens, chunk=args.chunk, tp=args.tp, replicas=args.replicas,
+        max_num_seqs=args.max_batch, paged=args.paged, block_size=args.block_size,
+        kv_tokens=args.kv_tokens, max_num_batched_tokens=args.chunk,
+        enable_chunked_prefill=args.enable_chunked_prefill, tp=args.tp, replicas=args.replicas,
         prompt_len=tuple(args.stream_prompt_len), output_len=tuple(args.stream_output_len),
         ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, time_model=args.time_model,
         time_gpu=args.time_gpu, seed=args.seed, model_kwargs=shape)

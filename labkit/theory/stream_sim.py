@@ -1,13 +1,15 @@
 """A request stream served on a modelled GPU without running a model: the batching engine's
-scheduler (labkit.parallel.batching.Engine: static or continuous batching, chunked prefill,
-blocks of a paged KV cache, preemption by recompute) replayed on token counts, each step
-timed by `serving_stream.modelled_step_s` (a roofline per step). The tokens do not matter to
-the schedule, only how many there are, so the times are those the engine's modelled clock
+scheduler (labkit.parallel.batching.Engine: static or continuous batching, at most
+max_num_seqs running, a token budget max_num_batched_tokens per step with or without chunked
+prefill, blocks of a paged KV cache, preemption by recompute) replayed on token counts, each
+step timed by `serving_stream.modelled_step_s` (a roofline per step). The tokens do not matter
+to the schedule, only how many there are, so the times are those the engine's modelled clock
 gives (tests/test_serving_more.py checks them step for step against the engine).
 
 `plan_stream` answers `plan --serve --rate R`: TTFT, TPOT and vLLM's request_goodput
-(requests per second meeting --ttft-ms and --tpot-ms; serving_metrics.py) of each policy, for a catalog model whose weights fit one GPU, one replica per GPU,
-the stream dealt round robin. All modelled. Plain Python: no torch.
+(requests per second meeting --ttft-ms and --tpot-ms; serving_metrics.py) of each policy, for
+a catalog model whose weights fit one GPU, one replica per GPU, the stream dealt round robin.
+All modelled. Plain Python: no torch.
 """
 import math
 from collections import deque
@@ -18,8 +20,8 @@ from . import hardware, serving as model_serving, serving_stream as stream_theor
 from .planner import RESERVED_BYTES, parse_model
 
 BLOCK_SIZE = 16         # tokens per KV block: vLLM's default block size (vLLM docs, --block-size)
-CHUNK = 512             # prefill tokens per step: the token budget Sarathi-Serve (arXiv
-                        # 2403.02310) runs under strict latency SLOs
+CHUNK = 512             # max_num_batched_tokens of the chunked policy: the token budget
+                        # Sarathi-Serve (arXiv 2403.02310) runs under strict latency SLOs
 POLICIES = (("static", None), ("continuous", None), ("continuous", CHUNK))
 MAX_REQUESTS = 10_000   # a longer stream simulates for minutes (its percentiles settle sooner)
 MAX_STREAM_S = 3.2e7    # a year of arrivals: beyond it, float64 seconds lose the microseconds
@@ -63,42 +65,88 @@ class BlockCounts:
         self.free_count += self.held.pop(rid, 0)
 
 
-def step_pieces(running, chunk=None):
-    """The tokens each running request computes in the next step (the engine's rule, shared by
+def check_budget(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill=True):
+    """The scheduler's knobs, one line each: max_num_seqs a positive integer; the token budget
+    None (no cap) or an integer >= max_num_seqs (every running request's decode must fit a
+    step, as vLLM requires); enable_chunked_prefill a bool."""
+    for name, value in (("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if value is None and name == "max_num_batched_tokens":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if max_num_batched_tokens is not None and max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                         f"max_num_seqs ({max_num_seqs}): each running request's decode token "
+                         "must fit in one step")
+    if not isinstance(enable_chunked_prefill, bool):
+        raise ValueError(f"enable_chunked_prefill must be True or False, got "
+                         f"{enable_chunked_prefill!r}")
+
+
+def check_fits_budget(rid, prompt, output, max_num_batched_tokens, enable_chunked_prefill):
+    """Without chunked prefill a sequence is prefilled in one step, so the budget must hold the
+    longest it can be (prompt + output - 1 tokens, recomputed after a preemption), as vLLM
+    requires max_num_batched_tokens >= max_model_len then: else refused in one line."""
+    if max_num_batched_tokens is None or enable_chunked_prefill:
+        return
+    if prompt + output - 1 > max_num_batched_tokens:
+        raise ValueError(f"request {rid}: prompt {prompt} + output {output} - 1 tokens may be "
+                         f"prefilled in one step, more than max_num_batched_tokens "
+                         f"{max_num_batched_tokens} without chunked prefill: it could never be "
+                         "scheduled (enable chunked prefill or raise the budget)")
+
+
+def step_pieces(running, max_num_batched_tokens=None, enable_chunked_prefill=True):
+    """The tokens each running request computes in the next step (the rule shared by
     `parallel/batching.Engine` and `simulate`): every decode first (one token each), then the
-    prompts' pieces within the `chunk` budget (None: whole prompts). Each request has `.length`
-    (tokens so far) and `.cached` (tokens in the KV cache). Returns [(request, tokens)]."""
-    budget, pieces = chunk, []
-    for r in sorted(running, key=lambda r: r.length - r.cached > 1):
+    prefills in arrival order, all within one token budget, `max_num_batched_tokens` (None: no
+    cap), that counts the decode tokens too (Sarathi-Serve's budget, vLLM's scheduler). With
+    chunked prefill a prompt is cut to what is left of the budget; without it a prompt is
+    taken whole or waits for a later step, and so do the prompts behind it (first come, first
+    served). Each request has `.length` (tokens so far) and `.cached` (tokens in the KV
+    cache). Returns [(request, tokens)]; their sum never exceeds the budget."""
+    budget = math.inf if max_num_batched_tokens is None else max_num_batched_tokens
+    decodes = [r for r in running if r.length - r.cached == 1]
+    pieces = [(r, 1) for r in decodes]
+    budget -= len(decodes)
+    for r in (r for r in running if r.length - r.cached > 1):
         todo = r.length - r.cached
-        if todo > 1 and budget is not None:
-            if budget == 0:
-                continue
-            todo = min(todo, budget)
-            budget -= todo
+        if todo > budget:
+            if not enable_chunked_prefill or budget < 1:
+                break
+            todo = budget
         pieces.append((r, todo))
+        budget -= todo
     return pieces
 
 
-def simulate(stream, step_time, policy="continuous", max_batch=8, chunk=None,
-             num_blocks=10**9, block_size=BLOCK_SIZE):
+def simulate(stream, step_time, policy="continuous", max_num_seqs=8, max_num_batched_tokens=None,
+             num_blocks=10**9, block_size=BLOCK_SIZE, *, enable_chunked_prefill=True,
+             steps=None):
     """stream: [{id, prompt, output, arrival_s}]; step_time([(new, cached)]) -> seconds.
     Returns the SimRequests, finished, with token_times (seconds), in the order of the
-    Engine's steps (admit, pieces with decodes first, grow or preempt the newest, step)."""
+    Engine's steps (admit up to max_num_seqs, pieces within max_num_batched_tokens with the
+    decodes first, grow or preempt the newest, step). `steps`: a list to which each step's
+    {time_s, batch, tokens, prefill_tokens} is appended, as the Engine's `steps`."""
+    check_budget(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
     check_stream(stream, num_blocks * block_size)
+    for r in stream:
+        check_fits_budget(r["id"], r["prompt"], r["output"], max_num_batched_tokens,
+                          enable_chunked_prefill)
     cache = BlockCounts(num_blocks, block_size)
     waiting = deque(SimRequest(r["id"], r["prompt"], r["output"], r["arrival_s"])
                     for r in sorted(stream, key=lambda r: r["arrival_s"]))
     running, finished, now = [], [], 0.0
     while waiting or running:
         if not (policy == "static" and running):
-            while (waiting and waiting[0].arrival_s <= now and len(running) < max_batch
+            while (waiting and waiting[0].arrival_s <= now and len(running) < max_num_seqs
                    and cache.reserve(waiting[0].id, waiting[0].length)):
                 running.append(waiting.popleft())
         if not running:
             now += max(0.0, waiting[0].arrival_s - now)
             continue
-        pieces = step_pieces(running, chunk)
+        pieces = step_pieces(running, max_num_batched_tokens, enable_chunked_prefill)
         for r, todo in list(pieces):
             while r in running and not cache.reserve(r.id, r.cached + todo):
                 victim = running.pop()
@@ -107,6 +155,10 @@ def simulate(stream, step_time, policy="continuous", max_batch=8, chunk=None,
                 waiting.appendleft(victim)
         pieces = [(r, t) for r, t in pieces if r in running]
         now += step_time([(t, r.cached) for r, t in pieces])
+        if steps is not None:
+            steps.append(dict(time_s=now, batch=len(running), tokens=sum(t for _, t in pieces),
+                              prefill_tokens=sum(t for r, t in pieces if t > 1 or
+                                                 r.cached < r.prompt)))
         for r, todo in pieces:
             r.cached += todo
             if r.cached == r.length:
@@ -195,7 +247,7 @@ def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
                    for r in done]
         gaps = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]
         s = stream_theory.summarise(records, ttft_ms, tpot_ms, gaps)
-        rows.append(dict(policy=policy, chunk=c, latency=s["latency"],
+        rows.append(dict(policy=policy, chunk=c, max_num_batched_tokens=c, latency=s["latency"],
                          throughput_tokens_per_s=s["throughput_tokens_per_s"],
                          goodput=s["goodput"], request_goodput=s["request_goodput"],
                          preemptions=sum(r.preemptions for r in done)))

@@ -18,7 +18,7 @@ def draw_timeline(ax, records, title):
         ax.barh(i, (r["e2e_s"] - r["ttft_s"]) * 1e3, left=first * 1e3, color=GENERATE,
                 height=0.8)
     ax.set_title(title, fontsize=10)
-    ax.set_xlabel("ms since the first arrival")
+    ax.set_xlabel("ms since the start")
     ax.set_ylabel("request")
     ax.invert_yaxis()
 
@@ -35,8 +35,7 @@ def draw_percentiles(ax, summaries, key="ttft_s", label="TTFT"):
     ax.legend(fontsize=8)
 
 
-def stream_figure(runs, source="modelled", keys=(("ttft_s", "TTFT"), ("tbt_s", "time between "
-                                                                             "tokens"))):
+def stream_figure(runs, source="modelled", keys=(("ttft_s", "TTFT"), ("itl_s", "ITL"))):
     """runs: {label: (records, summary)}: a timeline per run and the percentiles compared."""
     n = len(runs)
     fig = plt.figure(figsize=(4.2 * n + 4, 4.6))
@@ -57,8 +56,9 @@ def stream_figure(runs, source="modelled", keys=(("ttft_s", "TTFT"), ("tbt_s", "
 
 
 def stream_explorer(serve_stream):
-    """Sliders over rate, batch size, chunk and policy; serve_stream(policy=, rate=,
-    max_batch=, chunk=) -> (records, summary) is called on every change and drawn."""
+    """Sliders over rate, max_num_seqs, max_num_batched_tokens and policy; serve_stream(policy=,
+    rate=, max_num_seqs=, max_num_batched_tokens=) -> (records, summary) is called on every
+    change and drawn (the budget with chunked prefill; "none": no cap, whole prompts)."""
     import ipywidgets as widgets
     from .widgets import figure_explorer
     controls = dict(
@@ -66,22 +66,23 @@ def stream_explorer(serve_stream):
                                      description="policy"),
         rate=widgets.SelectionSlider(options=[25, 50, 100, 200, 400, 800], value=100,
                                      description="req/s"),
-        max_batch=widgets.SelectionSlider(options=[1, 2, 4, 8, 16], value=8,
-                                          description="max batch"),
-        chunk=widgets.SelectionSlider(options=["whole", 16, 32, 64, 128, 256], value="whole",
-                                      description="chunk"))
+        max_num_seqs=widgets.SelectionSlider(options=[1, 2, 4, 8, 16], value=8,
+                                             description="max_num_seqs"),
+        max_num_batched_tokens=widgets.SelectionSlider(
+            options=["none", 16, 32, 64, 128, 256], value="none",
+            description="max_num_batched_tokens"))
 
-    def draw(fig, policy, rate, max_batch, chunk):
-        records, summary = serve_stream(policy=policy, rate=rate, max_batch=max_batch,
-                                        chunk=None if chunk == "whole" else chunk)
+    def draw(fig, policy, rate, max_num_seqs, max_num_batched_tokens):
+        budget = None if max_num_batched_tokens == "none" else max(max_num_batched_tokens,
+                                                                   max_num_seqs)
+        records, summary = serve_stream(policy=policy, rate=rate, max_num_seqs=max_num_seqs,
+                                        max_num_batched_tokens=budget)
         grid = fig.add_gridspec(2, 2, width_ratios=[1.6, 1])
         draw_timeline(fig.add_subplot(grid[:, 0]), records, f"{policy}, {rate} req/s")
         draw_percentiles(fig.add_subplot(grid[0, 1]), {"this": summary}, "ttft_s", "TTFT")
-        draw_percentiles(fig.add_subplot(grid[1, 1]), {"this": summary}, "tbt_s",
-                         "between tokens")
+        draw_percentiles(fig.add_subplot(grid[1, 1]), {"this": summary}, "itl_s", "ITL")
         lat = summary["latency"]
-        return (f"modelled: p99 TTFT {lat['ttft_s']['p99'] * 1e3:.1f} ms, p99 time between "
-                f"tokens {lat['tbt_s']['p99'] * 1e3:.1f} ms, "
+        return (f"modelled: p99 TTFT {lat['ttft_s']['p99'] * 1e3:.1f} ms, p99 ITL "
+                f"{lat['itl_s']['p99'] * 1e3:.1f} ms, "
                 f"{summary['throughput_tokens_per_s']:.0f} output tokens/s")
     return figure_explorer(controls, draw, figsize=(11, 5))
-
