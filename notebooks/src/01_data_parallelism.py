@@ -207,8 +207,8 @@ print(f"FullyShard equals one device (within float32 rounding): {bool(fsdp_check
 # Every collective goes through `ctx.comm`, which logs it. With 0.25 MiB buckets (`bucket_mb`
 # is in MiB, 2**20 bytes, as DDP's `bucket_cap_mb`) the tiny model's fp32 gradients become two
 # buckets, so each step is two all-reduces. The log also holds the
-# broadcasts of the weights when the wrapper was built (one per tensor, once per run); the clock's
-# 8-byte time stamps are not logged.
+# broadcasts of the weights when the wrapper was built (one per tensor, once per run); the clock
+# sends nothing through the collectives (its issue times go to the launch's key-value store).
 
 # %%
 log = results[0]["log"]
@@ -631,7 +631,6 @@ for row in profiled_run[0]["result"]["comm"]:   # rank 0's comm log: the program
     lab_ops[row["op"]] = lab_ops.get(row["op"], 0) + row["calls"]
 lab_spans = {op: sum(1 for e in profiled_run[0]["result"]["timeline"]
                      if e["kind"] == "comm" and e["name"] == op) for op in lab_ops}
-stamps = lab_ops.get("broadcast", 0)   # each broadcast's time stamps travel in an all_reduce
 rows = [{"collective": op, "lab comm log (calls)": lab_ops[op], "lab timeline (spans)":
          lab_spans[op], "torch.profiler (gloo events)":
          summary["collectives"].get(f"gloo:{op}", 0)} for op in sorted(lab_ops)]
@@ -642,8 +641,8 @@ pd.DataFrame(rows).set_index("collective")
 gloo_all_reduce = summary["collectives"].get("gloo:all_reduce", 0)
 print("every broadcast of the log is a gloo:broadcast in the profile:",
       summary["collectives"].get("gloo:broadcast", 0) == lab_ops["broadcast"])
-print("gloo:all_reduce = the buckets' all-reduces + one for the clock's stamps per broadcast:",
-      gloo_all_reduce == lab_ops["all_reduce"] + stamps)
+print("every bucket all-reduce of the log is a gloo:all_reduce in the profile:",
+      gloo_all_reduce == lab_ops["all_reduce"])
 
 # %%
 top_names = [name for name, _, _ in summary["top_ops"]]
@@ -657,10 +656,9 @@ Both files describe the same program. The profiler's top operators by self CPU t
 matmuls of forward and backward ({matmuls or "none in the top five this time"}): the compute bars
 of the lab's timeline. {counter}Its gloo events are the lab's collectives, one for one:
 {lab_ops["broadcast"]} broadcasts (the replicas start from rank 0's weights) and
-{lab_ops["all_reduce"]} bucket all-reduces. The profiler shows {gloo_all_reduce}
-`gloo:all_reduce`, {stamps} more than the lab's log: the virtual clock's time stamps, which
-ride inside most collectives, travel beside a broadcast in a small all-reduce of their own
-(logged by the lab as the clock's, tagged "clock"): the profiler sees the instrumentation too.
+{lab_ops["all_reduce"]} bucket all-reduces; the profiler shows {gloo_all_reduce}
+`gloo:all_reduce`. The virtual clock adds none: each collective sends its own bytes only, and
+each rank's issue times reach its peers through the launch's key-value store.
 What the profiler cannot show is the H100 picture: its times are this CPU's, and the modelled
 lanes are the lab's. Open both files at https://ui.perfetto.dev.
 '''))
