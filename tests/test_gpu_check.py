@@ -106,8 +106,9 @@ def test_plan_uses_the_profiles_numbers(tmp_path, capsys):
 
 def test_plan_serve_uses_the_profiles_bandwidth(tmp_path, capsys):
     """Decode at batch 1 reads every weight once: half the measured HBM bandwidth, twice the
-    time per output token less its kernel launches (4 us each, 11 per Llama layer and 2 for
-    the head, which no bandwidth changes; the serving planner reads the profile too)."""
+    time per output token less its kernel launches (kernels.LAUNCH_S each, 11 per Llama layer
+    and 2 for the head, which no bandwidth changes; the serving planner reads the profile too)."""
+    from labkit.theory.kernels import LAUNCH_S
     def tpot(hbm):
         path = write(tmp_path, profile(hbm=hbm), f"hbm{hbm}.json")
         assert cli.main(["plan", "--serve", "--model", "llama-3-8b", "--gpus", "1", "--gpu",
@@ -116,7 +117,7 @@ def test_plan_serve_uses_the_profiles_bandwidth(tmp_path, capsys):
         out = json.loads(capsys.readouterr().out)
         assert "measured" in out["cluster"]["gpu"]
         return out["plans"][0]["tpot_s"]
-    launches = (32 * 11 + 2) * 4e-6
+    launches = (32 * 11 + 2) * LAUNCH_S
     assert tpot(2000.0) - launches == pytest.approx(2 * (tpot(4000.0) - launches), rel=0.01)
 
 
