@@ -571,3 +571,34 @@ def test_own_model_explorer_keeps_no_attention_scores_by_default():
     assert eager["activations"] - flash["activations"] == pytest.approx(scores)
     assert flash["activations"] == memory.training_memory(
         m, batch=1, seq=4096, dp=64, zero_stage=3, recompute="selective")["activations"]
+
+
+def test_step_breakdown_bars_add_up_and_nothing_overlaps():
+    """Lesson 06's step breakdown: a modelled bar's segments add up to the plan's step (its
+    explain_s), a published bar is one hatched bar of its seconds; every total and title stays
+    inside the figure and clear of the legend; a part the planner does not name is refused."""
+    from labkit.theory import planner
+    from labkit.viz.planner_widgets import step_breakdown_figure
+    p = planner.plan("llama-3-8b", 8, "H100", global_batch=64, seq=4096, top=1)["plans"][0]
+    long_title = "Llama 3 8B on 8 H100s (a title as long as lesson 06's, source and layout)"
+    fig = step_breakdown_figure([(long_title, [("labkit (modelled)", p["explain_s"]),
+                                               ("published", 1.3 * p["step_s"])]),
+                                 ("second run", [("labkit (modelled)", p["explain_s"])])])
+    top = fig.axes[0]
+    modelled = [r for r in top.patches if r.get_y() < 0 < r.get_y() + r.get_height()]
+    published = [r for r in top.patches if r.get_y() < -1 < r.get_y() + r.get_height()]
+    assert sum(r.get_width() for r in modelled) == pytest.approx(p["step_s"], rel=1e-9)
+    assert len(published) == 1 and published[0].get_hatch() == "///"
+    assert published[0].get_width() == pytest.approx(1.3 * p["step_s"])
+    fig.canvas.draw()
+    legend = _extents(fig, [fig.labkit_legend])[0]
+    assert 0 <= legend.x0 and legend.x1 <= fig.bbox.width
+    for ax in fig.axes:
+        texts = _extents(fig, ax.labkit_totals + [ax.title])
+        for box in texts:
+            assert 0 <= box.x0 and box.x1 <= legend.x0 and box.y1 <= fig.bbox.height, box
+        for box in _extents(fig, ax.labkit_totals):
+            assert box.x1 <= ax.bbox.x1, box          # each total inside its panel
+    with pytest.raises(ValueError, match="not planner.EXPLAIN's"):
+        step_breakdown_figure([("t", [("bar", {"gpu_fairies": 1.0})])])
+    plt.close("all")

@@ -1,6 +1,7 @@
 """The planner drawn (lesson 06): the best plans' memory per GPU and modelled step time, an
-explorer over model, GPU count, GPU kind, batch and sequence length, and the planner against
-published runs with its expected error band (theory/error_band.py). Everything here is
+explorer over model, GPU count, GPU kind, batch and sequence length, the planner against
+published runs with its expected error band (theory/error_band.py), and a modelled step split
+into its parts (`plan --explain`) beside a published step time. Everything here is
 *modelled* by `labkit.theory.planner` unless labelled published; the labels say so.
 """
 from __future__ import annotations
@@ -269,4 +270,78 @@ def error_band_figure(band, calibration=(), ax=None, *, group="source",
     ax.legend(loc="upper left", fontsize=8)
     fig.text(0.6, 0.5, "\n".join(["check rows: modelled / published - 1"] + key),
              family="monospace", fontsize=7, va="center")
+    return fig
+
+
+# plan --explain's parts (planner.EXPLAIN's keys, in its order), short enough for a legend
+STEP_PARTS = {"gemm": ("GEMMs (linear layers, logits)", "#2ca02c"),
+              "attention_forward": ("attention forward", "#1f77b4"),
+              "attention_backward": ("attention backward", "#aec7e8"),
+              "elementwise": ("element-wise (norms, activations, loss...)", "#98df8a"),
+              "launches": ("kernel launches", "#bcbd22"),
+              "recompute": ("recompute", "#ff7f0e"),
+              "optimizer": ("optimizer step", "#8c564b"),
+              "tp_comm": ("exposed TP comm", "#9467bd"), "cp_comm": ("exposed CP comm", "#e377c2"),
+              "ep_comm": ("exposed EP comm", "#17becf"), "pp_comm": ("exposed PP sends", "#c5b0d5"),
+              "dp_comm": ("exposed DP/ZeRO comm", "#d62728"),
+              "pp_bubble": ("pipeline bubble", "#c7c7c7"),
+              "overlap_slowdown": ("SMs lent to hidden comm", "#dbdb8d")}
+PUBLISHED_STYLE = dict(facecolor="white", edgecolor="0.35", hatch="///", linewidth=0.8)
+
+
+def step_breakdown_figure(panels, fig=None):
+    """Modelled steps split into their parts beside published step times, one panel per run.
+    `panels`: [(title, [(bar label, bar)])], a bar either a plan's `explain_s` ({part:
+    seconds}, drawn stacked in planner.EXPLAIN's order: modelled) or a number of seconds (one
+    hatched bar: published). Each bar's total is written at its end; the parts zero in every
+    bar stay out of the legend, which sits right of the panels. Returns the figure."""
+    order = [k for k, _ in planner.EXPLAIN]
+    unknown = {k for _, bars in panels for _, b in bars if isinstance(b, dict)
+               for k in b} - set(order)
+    if unknown:
+        raise ValueError(f"step_breakdown_figure: parts {sorted(unknown)} are not "
+                         f"planner.EXPLAIN's")
+    rows = sum(len(bars) for _, bars in panels)
+    fig = fig or plt.figure(figsize=(11, 1.2 + 0.55 * rows + 0.7 * len(panels)))
+    axes = fig.subplots(len(panels), 1, squeeze=False,
+                        gridspec_kw=dict(height_ratios=[len(b) for _, b in panels]))[:, 0]
+    used = set()
+    for ax, (title, bars) in zip(axes, panels):
+        ax.labkit_totals = []
+        for i, (_, bar) in enumerate(bars):
+            y = -i
+            if isinstance(bar, dict):
+                left = 0.0
+                for k in order:
+                    if bar.get(k, 0.0) > 0:
+                        ax.barh(y, bar[k], 0.6, left=left, color=STEP_PARTS[k][1],
+                                edgecolor="white", linewidth=0.5)
+                        used.add(k)
+                        left += bar[k]
+                total = left
+            else:
+                total = float(bar)
+                ax.barh(y, total, 0.6, **PUBLISHED_STYLE)
+            ax.labkit_totals.append(ax.text(total, y, f" {total:.2f} s", va="center",
+                                            fontsize=8))
+        ax.set_yticks([-i for i in range(len(bars))], [label for label, _ in bars],
+                      fontsize=8)
+        ends = [sum(b.values()) if isinstance(b, dict) else float(b) for _, b in bars]
+        ax.set_xlim(0, max(ends) * 1.16)
+        ax.set_ylim(-len(bars) + 0.4, 0.6)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_axisbelow(True)
+        ax.set_title(title, fontsize=10, loc="left")
+    axes[-1].set_xlabel("seconds per step")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=STEP_PARTS[k][1]) for k in order if k in used]
+    labels = [STEP_PARTS[k][0] for k in order if k in used]
+    handles.append(plt.Rectangle((0, 0), 1, 1, **PUBLISHED_STYLE))
+    labels.append("published step (no parts)")
+    legend = fig.legend(handles, labels, loc="center right", bbox_to_anchor=(1.0, 0.5),
+                        fontsize=8, frameon=False, title="a modelled step's parts",
+                        title_fontsize=8, alignment="left")
+    # the panels take what the legend leaves: its width measured, not guessed
+    width = legend.get_window_extent(fig.canvas.get_renderer()).width / fig.bbox.width
+    fig.tight_layout(rect=(0, 0, 0.99 - width, 1))
+    fig.labkit_legend = legend
     return fig
