@@ -95,3 +95,21 @@ def test_numbers_the_prose_got_wrong_are_printed_by_code_instead():
             if line.strip().startswith("TP 8: TPOT")][0]
     total, terms = tpot.split(" ms = ")[0].rsplit(" ", 1)[1], tpot.split("(sum ")[1]
     assert terms.startswith(total), tpot          # the printed terms add up to the TPOT
+
+
+def test_lesson_11_shows_the_self_check_refusing_a_plan_that_would_train_wrong():
+    """Issue 39: lesson 11 runs Qwen3's plan without the q/k norms' gradient sum, and its cell
+    prints parallelize's one-line refusal naming the norm; the preset passes at a measured cost,
+    and with the check skipped the wrong plan's gradients are not one device's."""
+    prose, printed = _markdown_and_outputs("11_your_own_model")
+    refusals = [line for line in printed.splitlines() if line.startswith("SelfCheckError: ")]
+    assert len(refusals) == 1, refusals
+    assert "would train Qwen3ForCausalLM wrong" in refusals[0]
+    assert "the gradient of model.layers.1.self_attn.q_norm.weight is not one device's" \
+        in refusals[0], refusals[0]
+    costs = [line for line in printed.splitlines() if "the preset passes" in line]
+    assert len(costs) == 2 and all(line.endswith("s (measured)") for line in costs), costs
+    assert float(costs[0].split("the check costs ")[1].split(" s")[0]) > 0
+    table = printed.split("wrong, rank 0", 1)[1]
+    assert "NOT within rounding" in table and "preset, rank 1" in printed
+    assert "SelfCheckError" not in prose and "3.68e+05" not in prose   # printed, not typed

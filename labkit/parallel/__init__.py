@@ -7,8 +7,13 @@ all_gather_objects, unwrapped_name); `mixed_precision.py` has MasterWeights (fp3
 `tensor_parallel_plan.py` reads a TP plan; `paged_kv.py` holds the paged KV cache and the
 ragged forward through it that the serving systems (batching, speculative, disaggregated)
 share; `mappings.py` the autograd collectives (f, g, gather/scatter along a dim, all-to-all
-of rows) the techniques are built from. Techniques never import each other; hybrid.py composes
-them.
+of rows) the techniques are built from; `scoped_mode.py` the TorchFunctionMode that is on while
+chosen modules run (context parallelism's router, selective recompute); `kv_cache.py`
+generation's KV cache (serving, the pipeline's Hugging Face adapter); `self_check.py` a
+block's check of itself on a miniature of the model it is given, against one device, before the
+first step (`parallelize` refuses a plan that would train wrong in one line; `verify=False`
+skips it).
+Techniques never import each other; hybrid.py composes them.
 """
 # `from labkit.parallel import FullyShard` works, and importing the package imports no block:
 # each name is imported on first use (PEP 562), from the one module that defines it. (The

@@ -37,6 +37,8 @@
 # (section 5). Needs the `hf` extra: `pip install -e ".[hf]"`.
 
 # %%
+import time
+
 import pandas as pd
 import torch
 import torch.nn as nn
@@ -54,6 +56,7 @@ from labkit.parallel.fully_shard import FullyShard
 from labkit.parallel.hf_experts import stack_experts
 from labkit.parallel.moe import ExpertParallel, average_moe_gradients, full_parameters
 from labkit.parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
+from labkit.parallel.self_check import SelfCheckError
 from labkit.parallel.tp_presets import tp_plan_for
 from labkit.theory.hf_shape import hf_shape
 from labkit.viz import plots
@@ -87,6 +90,7 @@ def build(family, dtype=torch.float32, seed=0, experts="eager"):
         "mixtral": lambda: t.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
                                            experts_implementation=experts,
                                            **dict(llama_like, intermediate_size=48)),
+        "qwen3": lambda: t.Qwen3Config(head_dim=8, **llama_like),   # + per-head q/k norms
     }[family]()
     torch.manual_seed(seed)
     return t.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
@@ -440,6 +444,80 @@ def refused(ctx):
 
 
 print(labkit.launch(refused, 2)[0])
+
+# %% [markdown]
+# ### A plan that runs is not a plan that trains right: the self-check
+#
+# Worse than a crash is a plan that runs without an error and trains wrong. Qwen3 normalises
+# each head's queries and keys with an RMSNorm (`q_norm`, `k_norm`) whose one weight of
+# `head_dim` values all the heads share. Split the heads over 2 ranks and keep the norm whole
+# on each: the forward is still right, but each rank's gradient of that weight sums over its
+# own heads only. Llama's plan says nothing about these norms, so it leaves each rank its
+# partial gradient: the ranks' copies drift apart, and from one device, step after step.
+# (transformers marks them `replicated_with_grad_allreduce`; labkit's `qwen3` preset says
+# `"replicated_grad_sum"`: the gradient is summed over the TP group in backward.)
+#
+# So `parallelize` checks itself before it touches the model (on by default for a Hugging Face
+# model): it builds a miniature of the same class from the model's own config (2 layers, a few
+# heads), applies the same plan on the same ranks, runs one forward and backward on random
+# tokens against the unsplit miniature, and refuses in one line, naming where it first goes
+# wrong, if the output or any gradient differs beyond `labkit.numerics`' rule. Below: the
+# preset minus its two norm entries (the `qwen3` plan before the fix), then the preset itself,
+# timed with the check and without it (`verify=False`). The last lines show the refusal was
+# true: the same wrong plan with the check skipped, one step's gradients against one device.
+
+# %%
+def one_step_grads(model):
+    model(input_ids=tokens(0), labels=tokens(0)).loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def qwen3_plans(ctx):
+    right = tp_plan_for(build("qwen3"))                                    # labkit's preset
+    wrong = {k: v for k, v in right.items() if v != "replicated_grad_sum"}   # before the fix
+    out = {"left out": sorted(set(right) - set(wrong))}
+    try:
+        tp.parallelize(build("qwen3"), wrong)           # the self-check is on: refused here
+    except SelfCheckError as error:
+        out["refusal"] = f"{type(error).__name__}: {error}"
+    for verify in (True, False):
+        model = build("qwen3")
+        start = time.perf_counter()
+        tp.parallelize(model, right, verify=verify)
+        out[f"seconds, verify={verify}"] = time.perf_counter() - start
+    one_step_grads(model)                               # the preset, split without the check
+    unchecked = tp.parallelize(build("qwen3"), wrong, verify=False)
+    one_step_grads(unchecked)
+    with ctx.off_the_record():
+        out["grads"] = {"preset": tp.gather_grads(model), "wrong": tp.gather_grads(unchecked)}
+    return out
+
+
+checked = labkit.launch(qwen3_plans, 2)
+print("the plan without:", ", ".join(checked[0]["left out"]))
+print(checked[0]["refusal"])
+for rank, result in enumerate(checked):
+    cost = result["seconds, verify=True"] - result["seconds, verify=False"]
+    print(f"rank {rank}: the preset passes: parallelize took {result['seconds, verify=True']:.2f}"
+          f" s with the check, {result['seconds, verify=False']:.2f} s with verify=False: the "
+          f"check costs {cost:.2f} s (measured)")
+g32 = one_step_grads(build("qwen3"))
+g64 = one_step_grads(build("qwen3", torch.float64))
+q_norm = "model.layers.1.self_attn.q_norm.weight"
+pd.DataFrame({f"{plan}, rank {rank}": {
+    "all gradients vs one device": str(numerics.compare(
+        {n: result["grads"][plan][n] for n in g64}, g32, g64)),
+    f"{q_norm} vs one device": str(numerics.compare(
+        result["grads"][plan][q_norm], g32[q_norm], g64[q_norm]))}
+    for plan in ("preset", "wrong") for rank, result in enumerate(checked)}).T
+
+# %% [markdown]
+# Takeaway: a plan is right when a run with it equals one device, not when it runs. The check
+# costs one forward and backward of a miniature, before the first step, printed above; the
+# wrong plan never reaches a step, and the refusal names the parameter where the wrong
+# gradient enters. `verify=False` skips it (the exercise's checker below does: it compares whole
+# training runs with one device itself). With the check skipped, the table shows what the
+# refusal saved: the norm's gradient off on both ranks, and by different amounts.
 
 # %% [markdown]
 # Other refusals you may meet: a TP degree that does not divide the KV heads (4 ranks on the
