@@ -20,7 +20,8 @@ contributes a piece, the tokens of its sequence (prompt + generated) not cached 
 (or a chunk of it) when new, its last token when decoding. The pieces are concatenated into one
 row of tokens for the Linears (as vLLM flattens a step's tokens), and attention runs per
 request against its own keys and values read through the paged cache (`PagedKVCache`). A
-piece that reaches the end of its sequence yields the request's next greedy token.
+piece that reaches the end of its sequence yields the request's next token: greedy, or drawn
+with its temperature, top-p and seed (`paged_kv.SamplingParams`, vLLM's per-request sampling).
 
 When the paged cache runs out of blocks mid-decode the newest running request is preempted
 (its blocks freed, its sequence recomputed when it is re-admitted: vLLM's recompute policy).
@@ -36,22 +37,33 @@ import torch
 
 from ..runtime.context import context
 from ..theory.stream_sim import check_budget, check_fits_budget, step_pieces
-from .paged_kv import check_model, ragged_forward
+from .paged_kv import SamplingParams, check_model, next_token, ragged_forward
 
 POLICIES = ("static", "continuous")
 
 
 @dataclass
 class Request:
-    """One request: prompt ids (1-D), the tokens it asks for, and when it arrives (seconds)."""
+    """One request: prompt ids (1-D), the tokens it asks for, when it arrives (seconds) and
+    how it picks them (`SamplingParams`: greedy unless given a temperature; its seed makes
+    its draws its own, whatever shares its steps)."""
     id: int
     prompt: torch.Tensor
     output: int
     arrival_s: float = 0.0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     generated: list = field(default_factory=list)
     token_times: list = field(default_factory=list)
     cached: int = 0            # tokens of the sequence in the KV cache
     preemptions: int = 0
+    _generator: torch.Generator | None = field(default=None, repr=False)
+
+    def pick(self, logits):
+        """The next token from this request's last logits row (its own generator, made on
+        the first draw; generated tokens survive a preemption, so none is drawn twice)."""
+        if self._generator is None and not self.sampling.greedy:
+            self._generator = self.sampling.generator()
+        return next_token(logits, self.sampling, self._generator)
 
     def sequence(self):
         return torch.cat([self.prompt, torch.tensor(self.generated, dtype=self.prompt.dtype)])
@@ -88,6 +100,9 @@ def check_requests(requests):
         if r.id in seen:
             raise ValueError(f"request id {r.id!r} is given twice; each request needs its own "
                              "id (the KV cache keys its blocks by id)")
+        if not isinstance(r.sampling, SamplingParams):
+            raise ValueError(f"request {r.id}: sampling must be a SamplingParams, got "
+                             f"{type(r.sampling).__name__}")
         seen.add(r.id)
 
 
@@ -206,7 +221,7 @@ class Engine:
             for (r, todo), row in zip(pieces, logits):
                 r.cached += todo
                 if r.cached == r.length:       # the piece reached the end: a new token
-                    r.generated.append(int(row.argmax()))
+                    r.generated.append(r.pick(row))
                     r.token_times.append(now)
             for r in [r for r in running if r.done]:
                 running.remove(r)

@@ -23,9 +23,12 @@ same code.
 
 `ragged_forward` runs a TinyGPT-shaped model once on a ragged batch (each request's new tokens
 at its own positions) through the cache: what continuous batching (batching.py), speculative
-decoding (speculative.py) and disaggregated prefill (disaggregated.py) share.
+decoding (speculative.py) and disaggregated prefill (disaggregated.py) share, with the
+per-request sampling they share (`SamplingParams`: vLLM's temperature, top-p and seed; greedy
+at temperature 0).
 """
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -246,3 +249,67 @@ def ragged_forward(model, pieces, cache, every_token=False):
         return model.head(model.ln_f(x[0]))
     last = torch.tensor([b - 1 for _, b in bounds])
     return model.head(model.ln_f(x[0, last]))
+
+
+# ------------------------------------------------------------------ sampling a token
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request picks its next token, as vLLM's SamplingParams: `temperature` 0 is greedy
+    (exactly the argmax), else the logits are divided by it before the softmax; `top_p` keeps
+    the smallest set of most likely tokens whose probability reaches it (nucleus sampling,
+    Holtzman et al. ICLR'20), renormalised; `seed` gives the request a generator of its own,
+    so its draws do not depend on which requests share its steps (None: torch's global one)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        t, p = self.temperature, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or
+                                      not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self):
+        return self.temperature == 0
+
+    def generator(self):
+        """The request's own generator (None: torch's global one)."""
+        return None if self.seed is None else torch.Generator().manual_seed(self.seed)
+
+    def probs(self, logits):
+        """The distribution the token is drawn from, (..., vocab) float64: one-hot at the
+        argmax when greedy, else softmax(logits / temperature) cut to the top-p nucleus."""
+        logits = logits.double()
+        if self.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
+        probs = (logits / self.temperature).softmax(-1)
+        if self.top_p < 1:
+            sorted_p, order = probs.sort(-1, descending=True)
+            before = sorted_p.cumsum(-1) - sorted_p          # mass of the likelier tokens
+            sorted_p = sorted_p.masked_fill(before >= self.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+
+def draw(probs, generator=None):
+    """One token id drawn from a (vocab,) distribution; a one-hot gives its token exactly and
+    draws nothing (greedy decoding leaves every random state as it was)."""
+    top = int(probs.argmax())
+    if probs[top] == 1:
+        return top
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def next_token(logits, params, generator=None):
+    """A request's next token from its (vocab,) logits: the argmax when greedy (bit for bit
+    the greedy path), else a draw from params.probs with the request's generator."""
+    if params.greedy:
+        return int(logits.argmax())
+    return draw(params.probs(logits), generator)
