@@ -81,8 +81,29 @@ class HFStyleLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
+class ReadsAView(nn.Module):
+    """A parent computing with a view of its child's weight, as Mamba / gated-delta-net layers
+    run their conv1d (`F.conv1d(h, conv.weight.squeeze(1).unsqueeze(1))`): the op that saves
+    the view for backward is not the one that read the shard."""
+
+    def __init__(self, vocab=24, hidden=12):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.conv = nn.Conv1d(hidden, hidden, 3, groups=hidden, padding=2, bias=False)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x, y):
+        kernel = self.conv.weight.squeeze(1)
+        h = F.conv1d(self.tok(x).transpose(1, 2), kernel.unsqueeze(1), padding=2,
+                     groups=kernel.shape[0])[..., :x.shape[1]]
+        logits = self.head(torch.tanh(h.transpose(1, 2)))
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
 def build(name):
     torch.manual_seed(0)
+    if name == "view":
+        return ReadsAView()
     if name == "encoder":   # PyTorch's own: MultiheadAttention reads out_proj.weight directly
         layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0,
                                            batch_first=True)
@@ -106,7 +127,7 @@ def batch(name, step):
         return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 5, generator=g)
     if name == "encoder":
         return torch.randn(BATCH, 6, 16, generator=g), torch.randn(BATCH, 6, 16, generator=g)
-    vocab, seq = (24, 6) if name in ("tied", "hf") else (32, 8)
+    vocab, seq = (24, 6) if name in ("tied", "hf", "view") else (32, 8)
     return (torch.randint(0, vocab, (BATCH, seq), generator=g),
             torch.randint(0, vocab, (BATCH, seq), generator=g))
 
@@ -180,6 +201,7 @@ def train(name, kind, dtype=None, group=None, **options):
 # on 2 ranks (a plain spawn program) or 4 (launch); the GPT in bf16 on both.
 ON_TWO = [("mlp", "sgd", None), ("tied", "adamw", None), ("root", "sgd", None),
           ("gpt", "adamw", None), ("encoder", "sgd", None), ("hf", "sgd", None),
+          ("view", "sgd", None),
           ("mlp", "adamw", BF16), ("tied", "sgd", BF16),
           ("root", "adamw", BF16), ("gpt", "sgd", BF16)]
 ON_FOUR = [("mlp", "adamw", None), ("tied", "sgd", None), ("root", "adamw", None),

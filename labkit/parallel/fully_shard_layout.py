@@ -152,7 +152,14 @@ class _GatherOnUse(TorchFunctionMode):
         args, kwargs = _map_tensors((args, kwargs), full)
         out = func(*args, **kwargs)
         if used and torch.is_grad_enabled():
-            for unit in dict.fromkeys(used):
+            units = list(dict.fromkeys(used))
+            # a view of a gathered buffer (`conv.weight.squeeze(1)` in a parent's forward) may
+            # be saved by a later op whose backward runs before this op's hook, the buffer freed
+            # by then: such an output is copied (its bytes held until that backward)
+            held = {f.full.untyped_storage().data_ptr() for u in units for f in u.flats}
+            out = _map_tensors(out, lambda t: t.clone() if t.untyped_storage().data_ptr()
+                               in held else t)
+            for unit in units:
                 gather_before_backward(self.owner, unit, out)
         return out
 
