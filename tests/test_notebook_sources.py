@@ -113,3 +113,25 @@ def test_lesson_11_shows_the_self_check_refusing_a_plan_that_would_train_wrong()
     table = printed.split("wrong, rank 0", 1)[1]
     assert "NOT within rounding" in table and "preset, rank 1" in printed
     assert "SelfCheckError" not in prose and "3.68e+05" not in prose   # printed, not typed
+
+
+def test_lesson_06_prints_which_way_the_planner_errs_and_its_step_breakdown():
+    """Issue 43: lesson 06's prose types no error of the planner (it goes stale as the pricing
+    moves); its cells print the mean signed error's direction, the Table 5 and Llama 3.1 405B
+    steps beside their model, and plan --explain's parts, which add up to the step printed."""
+    prose, printed = _markdown_and_outputs("06_putting_it_together")
+    for stale in ("by about a fifth", "the best fraction of peak its paper reports",
+                  "FlashAttention's backward at its forward's efficiency"):
+        assert stale not in prose.replace("\n", " "), stale
+    for said in ("which way it errs: ", "Table 5, modelled / published step - 1: from ",
+                 "full / selective recompute step, modelled vs published: ",
+                 "TFLOP/s per GPU make a ", "GEMMs' share of the modelled step: "):
+        assert said in printed, said
+    signed = float(printed.split("check rows (modelled / published - 1): ")[1].split("%")[0])
+    way = printed.split("which way it errs: ")[1].split(" on average")[0]
+    assert way == ("optimistic (too fast)" if signed > 0 else "pessimistic (too slow)"), way
+    from labkit.theory.planner import EXPLAIN
+    lines = printed.split("s (modelled), by part:\n", 1)
+    step = float(lines[0].rsplit(", ", 1)[1])
+    parts = [float(line.split()[-2]) for line in lines[1].splitlines()[1:1 + len(EXPLAIN)]]
+    assert abs(sum(parts) - step) <= 1e-3 + 1e-4 * len(parts), (parts, step)

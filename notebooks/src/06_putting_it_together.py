@@ -346,8 +346,10 @@ plan_table(out70, 4)
 #
 # The planner times a step kernel by kernel (`labkit/theory/kernels.py`): each GEMM at the
 # GPU's maximum achievable matmul FLOP/s (a public microbenchmark, `data/hardware.csv`, column
-# `mamf_*`) lowered by the tile and wave quantization of its shape, FlashAttention at the best
-# fraction of peak its paper reports, bytes at an achievable share of the HBM bandwidth, and a
+# `mamf_*`) lowered by the tile and wave quantization of its shape; fused attention forward and
+# backward each at the rate the FlashAttention-3 paper measured for cuDNN's kernel on an H100,
+# by head dimension and sequence length (a GPU without such a curve: a stated default fraction
+# of its peak); bytes at the share of the HBM bandwidth a model's kernels sustain; and a
 # launch cost per kernel (`data/kernels.csv`, each constant with its source). Element-wise
 # kernels (norms, rotary, activations, residual adds, dropout, the fp32 loss over the logits)
 # move their own bytes, forward and backward; backward GEMMs run at their own (dgrad, wgrad)
@@ -385,9 +387,13 @@ link = hardware.link("NVLink 4")
 from labkit.theory import kernels
 
 h100 = hardware.gpu("H100")
+attention_at_8k = {way: kernels.attention_rate(h100, 128, 8192, True, way) / h100.bf16_flops
+                   for way in ("forward", "backward")}
 print(f"measured, not fitted: H100 GEMM ceiling {kernels.ceiling(h100):.2f} of peak (MAMF), "
       f"HBM {kernels.HBM_FRACTION:.0%} of the datasheet, {kernels.LAUNCH_S * 1e6:g} us per "
-      f"kernel launch, FlashAttention {kernels.FLASH_FRACTION:.0%} of peak")
+      f"kernel launch; causal attention at 8K tokens, head dim 128: forward "
+      f"{attention_at_8k['forward']:.0%}, backward {attention_at_8k['backward']:.0%} of peak "
+      f"(a GPU without a measured curve: {kernels.DEFAULT_ATTENTION_FRACTION:.0%})")
 print(f"assumed: link efficiency {link.efficiency:.0%} of line rate, NVLink latency "
       f"{link.latency * 1e6:.0f} us, allocator reserve {plan_terms.ALLOCATOR_RESERVE / 2**30:.0f} "
       f"GiB, overlapped comm holds {overlap.COMM_SMS} SMs (of an H100's {kernels.sms(h100)})")
@@ -420,25 +426,102 @@ from labkit.viz.planner_widgets import error_band_figure
 
 band = error_band.training_band()
 signed = sum(r["error"] for r in band["rows"]) / band["n"]
+over = sum(r["error"] > 0 for r in band["rows"])
 print(f"mean error over the {band['n']} check rows (modelled / published - 1): {signed:+.1%} "
       f"signed, {band['mean_abs']:.1%} absolute")
+print(f"which way it errs: {'optimistic (too fast)' if signed > 0 else 'pessimistic (too slow)'}"
+      f" on average; {over} of the {band['n']} rows over-predict, {band['n'] - over} under")
 print("\n".join(error_band.format_band(band)))
 fig = error_band_figure(band, error_band.published_rows(runs_check.runs("calibration")))
 
 # %% [markdown]
+# ### Where a step goes: the modelled parts beside published steps
+#
+# `python -m labkit plan --explain` splits the best plan's step into parts that add up to it
+# (every plan carries them as `explain_s`; `planner.format_explain` prints them): GEMMs,
+# attention forward and backward, element-wise kernels, kernel launches, recompute, the
+# optimizer, the communication each mesh dimension leaves exposed, the pipeline bubble, and
+# the compute slowed by the SMs that hidden communication holds. No paper publishes such a split
+# of its run, but two publish the step it must add up to. Korthikanti et al. 2022 (Table 5)
+# give the iteration time of four GPT models on A100s with full recompute and with their
+# selective recompute + sequence parallelism, so each model checks recompute's price as well
+# as the total. Dubey et al. 2024 state Llama 3.1 405B's TFLOP/s per GPU (41% MFU), which
+# makes a step: tokens x FLOPs per token / (TFLOP/s per GPU x GPUs). The cell below holds each
+# run's published layout (the planner searches the rest, as for the check rows), prints the
+# modelled step beside the published one and draws two of them part by part.
+
+# %%
+from labkit.theory import transformer
+from labkit.viz.planner_widgets import step_breakdown_figure
+
+# Korthikanti et al. 2022 (arXiv 2205.05198), Table 5: end-to-end iteration time (s), full
+# recompute against the paper's selective recompute + sequence parallelism
+TABLE5 = {"GPT 22B (Korthikanti)": {"full": 1.42, "selective": 1.10},
+          "GPT 175B (Korthikanti)": {"full": 18.13, "selective": 13.75},
+          "GPT 530B (Korthikanti)": {"full": 49.05, "selective": 37.83},
+          "GPT 1T (Korthikanti)": {"full": 94.42, "selective": 71.49}}
+check_rows = {r["name"]: r for r in runs_check.runs("check")}
+table5, table5_plans = [], {}
+for name, published_s in TABLE5.items():
+    for recompute, seconds in published_s.items():
+        # the row's layout with this recompute; under full, sequence parallelism is searched
+        row = dict(check_rows[name], recompute=recompute)
+        if recompute == "full":
+            row["sequence_parallel"] = ""
+        p = table5_plans[name, recompute] = runs_check.predict(row)
+        table5.append({"run": name.replace(" (Korthikanti)", ""), "recompute": recompute,
+                       "layout (modelled best)": plan_label(p, " · "),
+                       "published step (s)": seconds,
+                       "modelled step (s)": round(p["step_s"], 2),
+                       "modelled / published - 1": p["step_s"] / seconds - 1})
+table5 = pd.DataFrame(table5)
+ratios = [(table5_plans[n, "full"]["step_s"] / table5_plans[n, "selective"]["step_s"],
+           TABLE5[n]["full"] / TABLE5[n]["selective"]) for n in TABLE5]
+print(f"Table 5, modelled / published step - 1: from "
+      f"{table5['modelled / published - 1'].min():+.1%} to "
+      f"{table5['modelled / published - 1'].max():+.1%} (negative: the model is too fast)")
+print("full / selective recompute step, modelled vs published: " + ", ".join(
+    f"{n.split()[1]} {a:.2f}x vs {b:.2f}x" for n, (a, b) in zip(TABLE5, ratios)))
+
+llama = check_rows["Llama 3.1 405B 8K on 16384"]
+llama_plan = runs_check.predict(llama)
+stated_s = int(llama["global_batch"]) * int(llama["seq"]) * transformer.model_flops_per_token(
+    planner.parse_model(llama["model"]), int(llama["seq"])) / (
+    float(llama["tflops_per_gpu"]) * 1e12 * int(llama["gpus"]))
+print(f"Llama 3.1 405B on {int(llama['gpus']):,} H100s: the stated "
+      f"{float(llama['tflops_per_gpu']):.0f} TFLOP/s per GPU make a {stated_s:.2f} s step; "
+      f"modelled {llama_plan['step_s']:.2f} s ({llama_plan['step_s'] / stated_s - 1:+.1%})")
+gpt175 = {k: table5_plans["GPT 175B (Korthikanti)", k] for k in ("full", "selective")}
+print("GEMMs' share of the modelled step: " + ", ".join(
+    f"{label} {p['explain_s']['gemm'] / p['step_s']:.0%}" for label, p in (
+        ("GPT 175B full", gpt175["full"]), ("GPT 175B selective", gpt175["selective"]),
+        ("Llama 3.1 405B", llama_plan))))
+print(planner.format_explain(llama_plan))
+fig = step_breakdown_figure([
+    ("GPT 175B on 64 A100s (TP 8, PP 8): Korthikanti et al. 2022, Table 5", [
+        ("full recompute: labkit (modelled)", gpt175["full"]["explain_s"]),
+        ("full recompute: published", TABLE5["GPT 175B (Korthikanti)"]["full"]),
+        ("selective + SP: labkit (modelled)", gpt175["selective"]["explain_s"]),
+        ("selective + SP: published", TABLE5["GPT 175B (Korthikanti)"]["selective"])]),
+    (f"Llama 3.1 405B on {int(llama['gpus']):,} H100s (TP 8, PP 16, DP 128): Dubey et al. "
+     "2024", [("labkit (modelled)", llama_plan["explain_s"]),
+              ("published (from its stated MFU)", stated_s)])])
+table5.style.format({"modelled / published - 1": "{:+.1%}"})
+
+# %% [markdown]
 # What the model leaves out, so the errors can be read. **Kernels**: every GEMM of a large
-# enough shape runs at the best matmul a microbenchmark found, so the model is optimistic
-# wherever real kernels fall short of it (nearly every row above over-predicts, by about a
-# fifth: the gap a fitted constant used to hide), and FlashAttention's backward at its forward's
-# efficiency. **Conventions**: some runs keep bf16
-# gradients (16 bytes per parameter, not 18), so a layout that fits them needs recompute here
-# (GPT3-20B), and the Llama 3 paper does not say whether its 128K MFU halves the causal
-# attention FLOPs.
+# enough shape runs at the best matmul a microbenchmark found (MAMF), and GEMMs are the largest
+# part of every modelled step above, so wherever a run's real GEMMs fall short of that best case
+# the model is optimistic; the cells above print which way the check rows err, on average and
+# row by row, and how far each published step is from its model. **Conventions**: some runs
+# keep bf16 gradients (16 bytes per parameter, not 18), so a layout that fits them needs
+# recompute here (GPT3-20B), and the Llama 3 paper does not say whether its MFU halves the
+# causal attention FLOPs (at 128K the scores are most of the FLOPs counted).
 # **Stragglers and failures**: a slow GPU or a restarted job slows every rank of a synchronous
-# step, and long runs lose time to checkpoints; kernel-launch and framework overheads,
-# network contention between groups that share links and load imbalance between MoE experts are
-# left out too. It is good enough to rank layouts and to say which part of a step dominates;
-# the check rows show how far to trust an absolute MFU.
+# step, and long runs lose time to checkpoints; framework overheads beyond a launch cost per
+# kernel, network contention between groups that share links and load imbalance between MoE
+# experts are left out too. It is good enough to rank layouts and to say which part of a step
+# dominates; the check rows show how far to trust an absolute MFU.
 #
 # ## 6 · Explore
 #
