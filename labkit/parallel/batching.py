@@ -25,6 +25,8 @@ with its temperature, top-p and seed (`paged_kv.SamplingParams`, vLLM's per-requ
 
 When the paged cache runs out of blocks mid-decode the newest running request is preempted
 (its blocks freed, its sequence recomputed when it is re-admitted: vLLM's recompute policy).
+With the cache's prefix caching on, a request admitted starts from its longest cached prefix
+(`PagedKVCache.admit`) and each step caches the blocks it filled (`commit`).
 The engine works on any rank: under tensor parallelism every rank of the group runs the same
 scheduler on the same stream, with one clock (rank 0's, `synced_clock`) so they agree.
 """
@@ -164,8 +166,11 @@ class Engine:
     def _admit(self, waiting, running, now):
         if self.policy == "static" and running:
             return       # request-level: nobody joins a batch under way
-        while (waiting and waiting[0].arrival_s <= now and len(running) < self.max_num_seqs
-               and self.cache.reserve(waiting[0].id, waiting[0].length)):
+        while waiting and waiting[0].arrival_s <= now and len(running) < self.max_num_seqs:
+            hit = self.cache.admit(waiting[0].id, waiting[0].sequence())
+            if hit is None:
+                break
+            waiting[0].cached = hit          # prefix caching: these tokens are not prefilled
             running.append(waiting.popleft())
 
     def _pieces(self, running):
@@ -220,6 +225,8 @@ class Engine:
                                    kv=self.cache.stats()))
             for (r, todo), row in zip(pieces, logits):
                 r.cached += todo
+                if self.cache.enable_prefix_caching:
+                    self.cache.commit(r.id, r.sequence()[:r.cached])
                 if r.cached == r.length:       # the piece reached the end: a new token
                     r.generated.append(r.pick(row))
                     r.token_times.append(now)

@@ -9,13 +9,25 @@ fragmentation), instead of the (L_max - len) slots a cache that reserves the max
 wastes. Attention reads through the table: here by gathering the request's blocks into one
 (len, width) k and v (clarity over speed; vLLM's kernel reads the blocks in place).
 
-Prefix sharing (vLLM's copy-on-write, the same paper, section 4.4): requests that begin with a
-common system prompt point their tables at the same physical blocks, each block counting the
-tables that hold it (`share`); a block returns to the pool when its count falls to 0. A
-request about to write into a block others still hold first takes a private copy of it
-(copy-on-write, in `reserve`), so nobody's keys change under anyone else. n requests sharing a
-P-token prefix save n x floor(P / B) - ceil(P / B) blocks against each holding its own
-(the prefix kept once; a partly filled last block is copied by each request that grows).
+Automatic prefix caching (vLLM v1's, `enable_prefix_caching`): every full block of a request
+is named by a chained hash, h_i = H(h_(i-1), its B token ids), so equal hashes mean equal
+prefixes, and kept in a table hash -> block (`commit`, after its keys are written). A request
+admitted (`admit`) first takes the longest run of its prompt's full blocks already cached (at
+most (len - 1) // B: its last token is computed for its logits): those tokens are hits, not
+prefilled again. A finished request's blocks go back to the free queue but keep their hash, so
+a later request can still hit them; a block is evicted (its hash forgotten) only when the
+pool hands it out again, least recently freed first (LRU, the tail of a request before its
+head). Measured: queries (prompt tokens looked up at admission), hits, hit rate = hits /
+queries, evictions.
+
+Prefix sharing as the PagedAttention paper (vLLM 2023, section 4.4) describes it, explicit and
+copy-on-write: requests that begin with a common system prompt point their tables at the same
+physical blocks, each block counting the tables that hold it (`share`); a block returns to the
+pool when its count falls to 0. A request about to write into a block others still hold first
+takes a private copy of it (copy-on-write, in `reserve`), so nobody's keys change under anyone
+else. n requests sharing a P-token prefix save n x floor(P / B) - ceil(P / B) blocks against
+each holding its own (the prefix kept once; a partly filled last block is copied by each
+request that grows).
 
 The contiguous cache of lesson 09's servers is the special case block_size = L_max with the one
 block taken at admission: `PagedKVCache.contiguous(max_len, ...)`, so both are measured by the
@@ -27,7 +39,9 @@ decoding (speculative.py) and disaggregated prefill (disaggregated.py) share, wi
 per-request sampling they share (`SamplingParams`: vLLM's temperature, top-p and seed; greedy
 at temperature 0).
 """
+import hashlib
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -40,22 +54,31 @@ class PagedKVCache:
     has too few free blocks); write(layer, rid, start, k, v) stores rows start.. of (n, width)
     k and v; read(layer, rid, length) gathers its first `length` keys and values; free(rid)
     returns its blocks (those no other request shares); share(rid, parent, tokens) points a new
-    request at the parent's blocks of its first `tokens` tokens. `reserve_whole`: a request
-    takes all blocks it may ever need at once (the contiguous cache reserving the maximum
-    length)."""
+    request at the parent's blocks of its first `tokens` tokens (the paper's copy-on-write
+    sharing). `reserve_whole`: a request takes all blocks it may ever need at once (the
+    contiguous cache reserving the maximum length). enable_prefix_caching: admit(rid, ids)
+    reuses cached full blocks, commit(rid, ids) caches them (vLLM v1's automatic prefix
+    caching)."""
 
     def __init__(self, layers, kv_width, num_blocks, block_size, dtype=torch.float32,
-                 reserve_whole=False):
+                 reserve_whole=False, enable_prefix_caching=False):
         for name, value in (("layers", layers), ("kv_width", kv_width),
                             ("num_blocks", num_blocks), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"PagedKVCache needs {name} >= 1, got {value}")
+        if enable_prefix_caching and reserve_whole:
+            raise ValueError("prefix caching names full blocks of a paged cache; the contiguous "
+                             "cache's one block per request is never full and shared")
         self.block_size, self.num_blocks, self.reserve_whole = block_size, num_blocks, reserve_whole
         self.pool = torch.zeros(layers, 2, num_blocks, block_size, kv_width, dtype=dtype)
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))   # pop() hands out 0, 1, ...
+        self.free_blocks = deque(range(num_blocks))   # the free queue: popleft() is the LRU
         self.tables, self.lengths = {}, {}
         self.refs = [0] * num_blocks          # tables holding each block (prefix sharing)
         self.peak_blocks, self.copies = 0, 0
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_hash, self.cached = {}, {}          # block -> hash, hash -> block
+        self.chains = {}                               # request -> hashes of its full blocks
+        self.queries = self.hits = self.evictions = 0
 
     @classmethod
     def contiguous(cls, layers, kv_width, max_len, budget_tokens, dtype=torch.float32):
@@ -88,9 +111,72 @@ class PagedKVCache:
         return max(0, need) + len(self._shared_ahead(rid, tokens)) <= len(self.free_blocks)
 
     def _take(self):
-        block = self.free_blocks.pop()
+        block = self.free_blocks.popleft()
+        if block in self.block_hash:          # a cached free block handed out: evicted
+            del self.cached[self.block_hash.pop(block)]
+            self.evictions += 1
         self.refs[block] = 1
         return block
+
+    # -------------------------------------------------------------------------- prefix caching
+    def _hash(self, parent, ids):
+        """A full block's name: SHA-256 of its parent's name and its token ids (chained)."""
+        return hashlib.sha256(parent + b"|" + ",".join(map(str, ids)).encode()).digest()
+
+    def admit(self, rid, ids):
+        """Make room for a new request's tokens `ids` (its sequence, a list or 1-D tensor),
+        taking the cached blocks of its longest cached prefix first (prefix caching on).
+        Returns the tokens found cached (0 without prefix caching), or None when the pool has
+        too few free blocks (nothing taken, nothing counted)."""
+        if rid in self.tables:
+            raise ValueError(f"request {rid} holds blocks already; admit it once")
+        ids = [int(t) for t in ids]
+        if not self.enable_prefix_caching:
+            return 0 if self.reserve(rid, len(ids)) else None
+        chain, hit, parent = [], [], b""
+        for i in range((len(ids) - 1) // self.block_size):
+            parent = self._hash(parent, ids[i * self.block_size:(i + 1) * self.block_size])
+            if parent not in self.cached:
+                break
+            chain.append(parent)
+            hit.append(self.cached[parent])
+        revived = sum(self.refs[b] == 0 for b in hit)      # cached blocks now on the free queue
+        need = self.blocks_for(len(ids)) - len(hit)
+        if len(ids) > self.num_blocks * self.block_size or need + revived > len(
+                self.free_blocks):
+            return None
+        for block in hit:
+            if self.refs[block] == 0:
+                self.free_blocks.remove(block)
+            self.refs[block] += 1
+        found = len(hit) * self.block_size
+        self.tables[rid], self.chains[rid], self.lengths[rid] = list(hit), chain, found
+        self.reserve(rid, len(ids))          # fits: checked above
+        self.queries += len(ids)
+        self.hits += found
+        return found
+
+    def commit(self, rid, ids):
+        """Name the full blocks of `ids`, the request's first tokens whose keys and values are
+        written now, and cache each block whose name is new (prefix caching on)."""
+        if not self.enable_prefix_caching:
+            return
+        chain, table = self.chains.setdefault(rid, []), self.tables[rid]
+        for i in range(len(chain), len(ids) // self.block_size):
+            parent = chain[-1] if chain else b""
+            name = self._hash(parent, [int(t) for t in ids[i * self.block_size:
+                                                           (i + 1) * self.block_size]])
+            chain.append(name)
+            if name not in self.cached and table[i] not in self.block_hash:
+                self.cached[name], self.block_hash[table[i]] = table[i], name
+
+    def prefix_stats(self):
+        """Prefix caching so far (measured): prompt tokens looked up at admission, tokens found
+        cached (prefill saved), hit rate = hits / queries, blocks cached now, evictions."""
+        return dict(queries=self.queries, hits=self.hits,
+                    hit_rate=self.hits / self.queries if self.queries else 0.0,
+                    prefill_tokens_saved=self.hits, cached_blocks=len(self.cached),
+                    evictions=self.evictions)
 
     def reserve(self, rid, tokens):
         """Give `rid` blocks for its first `tokens` tokens; False (nothing taken) if too few.
@@ -129,11 +215,12 @@ class PagedKVCache:
     def free(self, rid):
         """Drop the request's hold on its blocks (it finished or was preempted); those no
         other request holds go back to the pool."""
-        for block in reversed(self.tables.pop(rid, [])):
+        for block in reversed(self.tables.pop(rid, [])):   # the tail is evicted first
             self.refs[block] -= 1
             if self.refs[block] == 0:
                 self.free_blocks.append(block)
         self.lengths.pop(rid, None)
+        self.chains.pop(rid, None)
 
     # -------------------------------------------------------------------------- data
     def _slots(self, rid, start, stop):

@@ -1,7 +1,10 @@
-"""Requests that begin with one system prompt share its keys and values: the prompt is
-prefilled once and every request's block table points at its blocks (reference counted,
-copy-on-write: `PagedKVCache.share`; Kwon et al. SOSP'23, arXiv 2309.06180, section 4.4;
-SGLang's RadixAttention, Zheng et al. 2023, arXiv 2312.07104, keeps such prefixes in a tree).
+"""Requests that begin with one system prompt share its keys and values, as the PagedAttention
+paper (vLLM 2023: Kwon et al. SOSP'23, arXiv 2309.06180, section 4.4) describes it: the prompt
+is prefilled once and every request's block table points at its blocks, explicitly (reference
+counted, copy-on-write: `PagedKVCache.share`). Today's engines find shared prefixes by
+themselves: vLLM v1's automatic prefix caching names full blocks by chained hashes and reuses
+them across requests (`PagedKVCache(enable_prefix_caching=True)`, which the batching engine
+uses); SGLang's RadixAttention (Zheng et al. 2023, arXiv 2312.07104) keeps them in a radix tree.
 
 n requests of a P-token prefix in blocks of B hold n x floor(P / B) - ceil(P / B) blocks fewer
 than if each held its own copy (`theory.serving_stream.prefix_saved_blocks`), and prefill

@@ -15,7 +15,8 @@ token, ITL, E2EL as mean / median / std / p50 / p90 / p99, request, output-token
 total-token throughput, request_goodput under --ttft-ms / --tpot-ms); the same in seconds as
 latency{ttft_s, tpot_s, itl_s, e2e_s -> {mean, median, std, p50, p99}}, requests_per_s,
 throughput_tokens_per_s, total_tokens_per_s, request_goodput and slo{ttft_ms, tpot_ms,
-attainment}; tokens_differing (against each request's greedy tokens
+attainment}; prefix_cache{queries, hits, hit_rate, prefill_tokens_saved, evictions} (measured,
+under --enable-prefix-caching); tokens_differing (against each request's greedy tokens
 generated alone on one device: must be 0), kv_blocks{used, total, wasted_bytes, ...} (peak
 blocks, mean bytes reserved but unused over the steps; measured) and the peak requests running.
 All latencies are measured wall seconds on these CPU ranks.
@@ -55,6 +56,8 @@ class StreamConfig:
     kv_tokens: int | None = None       # token slots of KV per rank (default: max_num_seqs x seq)
     max_num_batched_tokens: int | None = None   # tokens per step, decodes + prompt (None: no cap)
     enable_chunked_prefill: bool = True         # cut prompts to the budget (else whole)
+    enable_prefix_caching: bool = False         # vLLM v1's automatic prefix caching (--paged)
+    shared_prefix: int = 0             # tokens of a system prompt every prompt begins with
     tp: int = 1
     replicas: int = 1
     ttft_ms: float | None = None
@@ -87,6 +90,13 @@ def check_config(cfg):
     for name in ("tp", "replicas", "max_num_seqs", "block_size"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+    if cfg.enable_prefix_caching and not cfg.paged:
+        raise ValueError("--enable-prefix-caching caches full blocks of a paged KV cache: give "
+                         "--paged too")
+    if isinstance(cfg.shared_prefix, bool) or not isinstance(cfg.shared_prefix, int) or \
+            cfg.shared_prefix < 0:
+        raise ValueError(f"shared_prefix must be a whole number of tokens >= 0, got "
+                         f"{cfg.shared_prefix!r}")
     budget = cfg.max_num_batched_tokens
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or
                                budget < cfg.max_num_seqs):
@@ -186,16 +196,24 @@ def build_model(cfg, stream):
 def prompts(cfg, stream):
     """Each request's prompt ids, from the seed and its id (the same on every rank)."""
     vocab = cfg.gpt_config(stream).vocab
-    return {r["id"]: torch.randint(0, vocab, (r["prompt"],), generator=torch.Generator()
-                                   .manual_seed(10_000 * (cfg.seed + 1) + r["id"]))
-            for r in stream}
+    out = {r["id"]: torch.randint(0, vocab, (r["prompt"],), generator=torch.Generator()
+                                  .manual_seed(10_000 * (cfg.seed + 1) + r["id"]))
+           for r in stream}
+    if cfg.shared_prefix:          # one system prompt, as long as each prompt allows
+        system = torch.randint(0, vocab, (cfg.shared_prefix,),
+                               generator=torch.Generator().manual_seed(cfg.seed))
+        for ids in out.values():
+            n = min(cfg.shared_prefix, ids.numel())
+            ids[:n] = system[:n]
+    return out
 
 
 def make_cache(cfg, gpt, kv_width):
     """The paged cache, or the contiguous one (max length reserved), in the same token slots."""
     slots = cfg.kv_tokens or cfg.max_num_seqs * gpt.seq
     if cfg.paged:
-        return PagedKVCache(gpt.layers, kv_width, slots // cfg.block_size, cfg.block_size)
+        return PagedKVCache(gpt.layers, kv_width, slots // cfg.block_size, cfg.block_size,
+                            enable_prefix_caching=cfg.enable_prefix_caching)
     return PagedKVCache.contiguous(gpt.layers, kv_width, gpt.seq, slots)
 
 
@@ -225,6 +243,7 @@ def serve(ctx, cfg):
                 requests=[dict(id=r.id, tokens=r.generated, token_times=r.token_times,
                                preemptions=r.preemptions) for r in done],
                 steps=engine.steps, peak_blocks=cache.peak_blocks,
+                prefix_cache=cache.prefix_stats(),
                 bytes_per_slot=cache.bytes_per_slot)
 
 
@@ -264,6 +283,14 @@ def kv_summary(steps):
                                     for k in kv) / len(kv))
 
 
+def prefix_summary(stats):
+    """The replicas' prefix caches together (measured): queries, hits, hit rate, prefill
+    tokens saved, evictions."""
+    queries, hits = sum(s["queries"] for s in stats), sum(s["hits"] for s in stats)
+    return dict(queries=queries, hits=hits, hit_rate=hits / queries if queries else 0.0,
+                prefill_tokens_saved=hits, evictions=sum(s["evictions"] for s in stats))
+
+
 def report(cfg=None, timeout_s=300):
     """Serve the stream on ranks, compare every request with one device, return the report."""
     cfg = cfg or StreamConfig()
@@ -297,7 +324,8 @@ def report(cfg=None, timeout_s=300):
                          attainment=summary["goodput"]["fraction"]),
                 duration_s=summary["duration_s"],
                 tokens_differing=int(differing), tokens_equal_reference=differing == 0,
-                kv_blocks=kv, peak_running=max(s["batch"] for s in steps),
+                kv_blocks=kv, prefix_cache=prefix_summary([r["prefix_cache"] for r in leaders]),
+                peak_running=max(s["batch"] for s in steps),
                 steps=len(steps), step_tokens_max=max(s["tokens"] for s in steps),
                 preemptions=sum(r["preemptions"] for r in records), wall_s=wall,
                 latency_source=latency_source(cfg))
@@ -331,6 +359,10 @@ def format_report(r):
               f"KV: peak {kv['used']} of {kv['total']} blocks, mean {kv['wasted_bytes']:.0f} "
               f"bytes reserved but unused ({kv['wasted_fraction']:.0%}); peak "
               f"{r['peak_running']} requests running, {r['preemptions']} preemption(s)"]
+    if c["enable_prefix_caching"]:
+        p = r["prefix_cache"]
+        lines.append(f"prefix cache: {p['hits']:,} of {p['queries']:,} prompt tokens found "
+                     f"cached (hit rate {p['hit_rate']:.1%}), {p['evictions']} evictions")
     return "\n".join(lines)
 
 
@@ -355,6 +387,8 @@ def add_arguments(parser):
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="cut prompts to the budget left (default) or take them "
                    "whole")
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="vLLM v1's automatic prefix caching of full blocks (--paged)")
     g.add_argument("--stream-prompt-len", type=int, nargs=2, default=(8, 32), metavar=("LO", "HI"))
     g.add_argument("--stream-output-len", type=int, nargs=2, default=(4, 16), metavar=("LO", "HI"))
     g.add_argument("--time-model", default=None,
@@ -375,7 +409,8 @@ def config_from_args(args, shape):
         requests=args.requests, rate=args.rate, trace=args.trace, policy=args.policy,
         max_num_seqs=args.max_batch, paged=args.paged, block_size=args.block_size,
         kv_tokens=args.kv_tokens, max_num_batched_tokens=args.chunk,
-        enable_chunked_prefill=args.enable_chunked_prefill, tp=args.tp, replicas=args.replicas,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching, tp=args.tp, replicas=args.replicas,
         prompt_len=tuple(args.stream_prompt_len), output_len=tuple(args.stream_output_len),
         ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, time_model=args.time_model,
         time_gpu=args.time_gpu, seed=args.seed, model_kwargs=shape)
