@@ -1,6 +1,6 @@
 """Pipeline parallelism as a building block: `PipelineStage` and one executor that runs any
-schedule, `PipelineSchedule` (like torch.distributed.pipelining's PipelineStage and
-ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B).
+schedule, named as torch.distributed.pipelining names them: `ScheduleGPipe`, `Schedule1F1B`,
+`ScheduleInterleaved1F1B` (each just names its schedule for `PipelineSchedule`, the executor).
 
 Idea (GPipe, Huang et al. 2019, arXiv 1811.06965): cut the layers into S contiguous stages over
 the P ranks of a group (stage s on group rank s % P, so V = S/P stages per rank when
@@ -17,11 +17,20 @@ activation forward and its gradient back (2 x batch x boundary-activation bytes 
 Idle share (bubble) with equal stages and free links: (P-1)/(V*M + P-1).
 
     stages = split_into_stages(model, 4)    # nn.Sequential, labkit's GPT, a transformers LM
-    stage = PipelineStage(stages[rank], rank, 4, group=pp_group)
-    pipe = PipelineSchedule(stage, n_microbatches=8, loss_fn=loss_fn, schedule="1f1b")
-    loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    stage = PipelineStage(stages[rank], rank, 4, device, group=pp_group)   # torch's order
+    pipe = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
+    if stage.is_first:
+        pipe.step(x)
+    else:                                    # the last stage gets the output and the losses
+        losses = []
+        output = pipe.step(target=y, losses=losses)
     optimizer.step()
+
+`PipelineSchedule(stage, M, loss_fn, schedule="1f1b")` takes any schedule (a name, or the data
+itself: labkit's schedules as data, labkit.theory.pipeline) and returns the mean loss; with a
+torch schedule's name it is a deprecated spelling of that class.
 """
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -84,15 +93,28 @@ def split_into_stages(model, num_stages, balance="params", verify=True):
 
 
 class PipelineStage:
-    """One stage of a pipeline: `module` is stage `stage_index` of `num_stages`, run on rank
-    stage_index % P of `group` (None: the world). input_shape / input_dtype: what one
-    micro-batch's input to this stage looks like; when every stage but the first is given one,
-    no shapes are exchanged, otherwise each boundary sends a small header once."""
+    """One stage of a pipeline, in torch's order: `submodule` is stage `stage_index` of
+    `num_stages`, on `device` (None: this rank's), run on rank stage_index % P of `group` (None:
+    the world). input_args: one micro-batch's input to this stage (a tensor, or a tuple of
+    one), as torch takes it; labkit reads its shape and dtype (as input_shape= / input_dtype=).
+    output_args: one micro-batch's output, checked against the first one the stage makes.
+    When every stage but the first knows its input, no shapes are exchanged; otherwise each
+    boundary sends a small header once. The old order, a group fourth, still runs (deprecated).
+    """
 
-    def __init__(self, module: nn.Module, stage_index: int, num_stages: int,
-                 group: GroupLike = None, input_shape: Sequence[int] | None = None,
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
+                 device: torch.device | str | int | None = None, input_args=None,
+                 output_args=None, group: GroupLike = None, *,
+                 input_shape: Sequence[int] | None = None,
                  input_dtype: torch.dtype = torch.float32) -> None:
-        self.group = context().group(group)
+        ctx = context()
+        if device is not None and not isinstance(device, (torch.device, str, int)):
+            warnings.warn("PipelineStage(module, stage, num_stages, group) is deprecated: "
+                          "torch's order is PipelineStage(module, stage, num_stages, device, "
+                          "group=group)", DeprecationWarning, stacklevel=2)
+            device, group = None, device
+        self.device = ctx.device if device is None else _on_this_rank(device, ctx.device)
+        self.group = ctx.group(group)
         p = self.group.size
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index {stage_index} is not in 0..{num_stages - 1}")
@@ -102,11 +124,17 @@ class PipelineStage:
         if stage_index % p != self.group.rank:
             raise ValueError(f"stage {stage_index} runs on group rank {stage_index % p} "
                              f"(s % P), not on this rank ({self.group.rank})")
-        self.module, self.stage_index, self.num_stages = module, stage_index, num_stages
+        self.module, self.stage_index, self.num_stages = submodule, stage_index, num_stages
+        self.submod = submodule                # torch's name for it
         self.chunk = stage_index // p          # which of this rank's stages it is
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        if input_args is not None:
+            example = _one_tensor(input_args, "input_args")
+            input_shape, input_dtype = example.shape, example.dtype
         self.input_shape = None if input_shape is None else tuple(input_shape)
         self.input_dtype = input_dtype
+        self.output_meta = None if output_args is None else (
+            lambda t: (tuple(t.shape), t.dtype))(_one_tensor(output_args, "output_args"))
 
     def parameters(self):
         return self.module.parameters()
@@ -114,6 +142,27 @@ class PipelineStage:
     def __repr__(self):
         return (f"PipelineStage({self.stage_index}/{self.num_stages} on group rank "
                 f"{self.group.rank} of {list(self.group.ranks)})")
+
+
+def _on_this_rank(device, here):
+    """`device` as a torch.device, refused in one line unless it is this rank's."""
+    device = torch.device(device) if not isinstance(device, int) else torch.device(
+        here.type, device)
+    if device.type != here.type or (device.index is not None and here.index is not None
+                                    and device.index != here.index):
+        raise ValueError(f"PipelineStage: device {device} is not this rank's ({here})")
+    return here
+
+
+def _one_tensor(value, name):
+    """The one tensor of `value` (a tensor or a one-tensor tuple/list): labkit's stages pass
+    one tensor between them."""
+    if isinstance(value, (tuple, list)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"PipelineStage: {name} must be one tensor (labkit's stages pass one "
+                        f"tensor between them), not {type(value).__name__}")
+    return value
 
 
 class PipelineSchedule:
@@ -129,9 +178,18 @@ class PipelineSchedule:
     backward (activation checkpointing; the forward must be deterministic).
     """
 
+    RETURNS_OUTPUT = False     # step() returns the mean loss (torch's classes: the output)
+
     def __init__(self, stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-                 schedule: str | Sequence = "1f1b", recompute: bool = False) -> None:
+                 schedule: str | Sequence = "1f1b", recompute: bool = False,
+                 scale_grads: bool = True) -> None:
+        if type(self) is PipelineSchedule and isinstance(schedule, str) \
+                and schedule in TORCH_NAMES:
+            warnings.warn(f"PipelineSchedule(..., schedule={schedule!r}) is deprecated: use "
+                          f"{TORCH_NAMES[schedule]}(stages, n_microbatches, loss_fn), as "
+                          "torch.distributed.pipelining names it", DeprecationWarning,
+                          stacklevel=2)
         self.stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not self.stages:
             raise ValueError("PipelineSchedule needs this rank's stage(s)")
@@ -160,6 +218,7 @@ class PipelineSchedule:
         schedules.check_schedule(table, n_microbatches, virtual)
         self.schedule, self.ops = table, table[self.group.rank]
         self.loss_fn, self.n_microbatches, self.recompute = loss_fn, n_microbatches, recompute
+        self.scale_grads = scale_grads   # False: the micro-batches' gradients summed, not mean
         self._expected = schedules.messages_to(table, self.group.rank)
         self._inputs = {s.chunk: (s.input_shape, s.input_dtype) for s in self.stages
                         if s.input_shape is not None}
@@ -168,19 +227,21 @@ class PipelineSchedule:
         self._exchange = self._vote_on_shapes()
 
     # --- one step ------------------------------------------------------------------------
-    def step(self, x: torch.Tensor | None = None, target: torch.Tensor | None = None,
-             losses: list | None = None) -> torch.Tensor | None:
+    def step(self, *args: torch.Tensor | None, target: torch.Tensor | None = None,
+             losses: list | None = None, x: torch.Tensor | None = None):
         """Forward and backward of one batch as n_microbatches micro-batches; the gradients
         accumulate in .grad (zero them before, step the optimizer after).
 
-        x: the batch, on the rank holding stage 0; target: on the rank holding the last stage
-        (both cut along dim 0 into equal micro-batches). Returns the mean loss over the
-        micro-batches (detached) on the last stage's rank, None elsewhere; `losses`, a list,
-        gets each micro-batch's loss there.
+        args: the batch's inputs to stage 0 (each cut along dim 0 into equal micro-batches),
+        passed on the rank holding it and ignored elsewhere; target: on the rank holding the
+        last stage. On the last stage's rank, `losses` (a list) gets each micro-batch's loss
+        and step returns the mean loss (PipelineSchedule) or, as torch's schedules do, the
+        micro-batches' outputs joined along dim 0 (detached); None elsewhere.
         """
+        args = tuple(a for a in (args if x is None else (x,) + args) if a is not None)
         has_first = any(s.is_first for s in self.stages)
         has_last = any(s.is_last for s in self.stages)
-        inputs = self._split(x, "x") if has_first else None
+        inputs = self._split_inputs(args) if has_first else None
         targets = self._split(target, "target") if has_last and target is not None else None
         if has_last and self.loss_fn is None:
             raise ValueError("the last stage needs a loss_fn to start the backward")
@@ -194,7 +255,18 @@ class PipelineSchedule:
         step_losses = [run.losses[m] for m in range(self.n_microbatches)]
         if losses is not None:
             losses.extend(step_losses)
+        if self.RETURNS_OUTPUT:
+            return torch.cat([run.outputs[m] for m in range(self.n_microbatches)])
         return torch.stack(step_losses).mean()
+
+    def _split_inputs(self, args):
+        """Each micro-batch's inputs to stage 0: a tuple, one chunk of every argument."""
+        if not args:
+            raise ValueError("this rank holds the first stage: pass the batch's inputs, "
+                             "step(x)")
+        chunks = [self._split(a, "x" if len(args) == 1 else f"input {i}")
+                  for i, a in enumerate(args)]
+        return list(zip(*chunks))
 
     def _split(self, tensor, name):
         if tensor is None:
@@ -229,6 +301,9 @@ class PipelineSchedule:
                                  "must have the same shape")
             return
         self._announced[stage.chunk] = meta
+        if stage.output_meta is not None and stage.output_meta != meta:
+            raise ValueError(f"stage {stage.stage_index} was given output_args "
+                             f"{stage.output_meta}, but its output is {meta}")
         if self._exchange:
             header = torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=self.ctx.device)
             header[0], header[1] = DTYPES.index(y.dtype), y.dim()
@@ -261,7 +336,7 @@ class _Step:
     def __init__(self, pipe, inputs, targets):
         self.pipe, self.ctx, self.group = pipe, pipe.ctx, pipe.group
         self.inputs, self.targets = inputs, targets
-        self.saved, self.local, self.losses = {}, {}, {}
+        self.saved, self.local, self.losses, self.outputs = {}, {}, {}, {}
         self.sends, self.headers = [], []
         self.queues = {peer: deque(msgs) for peer, msgs in pipe._expected.items()}
         self.arrived = {}
@@ -271,6 +346,8 @@ class _Step:
         x = self.inputs[m] if stage.is_first else self._receive("act", m, stage)
         if not stage.is_first and x.is_floating_point():
             x.requires_grad_()
+        elif stage.is_first and len(x) == 1:
+            x = x[0]                    # one input: kept as the tensor (recompute saves it)
         meta = dict(microbatch=m, stage=stage.stage_index, chunk=stage.chunk)
         with ctx.clock.compute("forward", **meta), torch.set_grad_enabled(not pipe.recompute):
             y = self._run(stage, x, m)
@@ -279,7 +356,8 @@ class _Step:
         self.saved[(m, stage.chunk)] = (x, None if pipe.recompute else y,
                                         (tuple(y.shape), y.dtype))
         if pipe.recompute:
-            ctx.memory.add_buffer(f"stage input {m}.{stage.chunk}", x)
+            for name, kept in _kept_inputs(x, m, stage):
+                ctx.memory.add_buffer(name, kept)
 
     def backward(self, m, stage):
         ctx, pipe = self.ctx, self.pipe
@@ -288,7 +366,8 @@ class _Step:
         meta = dict(microbatch=m, stage=stage.stage_index, chunk=stage.chunk)
         with ctx.clock.compute("backward", recompute=pipe.recompute, **meta):
             if pipe.recompute:
-                ctx.memory.remove_buffer(f"stage input {m}.{stage.chunk}")
+                for name, _ in _kept_inputs(x, m, stage):
+                    ctx.memory.remove_buffer(name)
                 y = self._run(stage, x, m)
             if y.requires_grad:   # a stage with nothing to train and no input grad skips
                 torch.autograd.backward(y, grad)
@@ -299,13 +378,14 @@ class _Step:
     def _run(self, stage, x, m):
         """The stage's forward; on the last stage the loss, divided by M so that the summed
         micro-batch gradients are the full batch's mean-loss gradient."""
-        y = stage.module(x)
+        y = stage.module(*x) if isinstance(x, tuple) else stage.module(x)
         if not stage.is_last:
             return y
+        self.outputs[m] = y.detach()
         target = None if self.targets is None else self.targets[m]
         loss = self.pipe.loss_fn(y, target) if target is not None else self.pipe.loss_fn(y)
         self.losses[m] = loss.detach()
-        return loss / self.pipe.n_microbatches
+        return loss / self.pipe.n_microbatches if self.pipe.scale_grads else loss
 
     def _send(self, kind, m, stage, tensor):
         p = self.group.size
@@ -352,3 +432,39 @@ class _Step:
         with self.ctx.off_the_record():
             for handle in self.headers:
                 handle.wait()
+
+
+def _kept_inputs(x, m, stage):
+    """(name, tensor) of the stage inputs recompute keeps for micro-batch m (memory ledger)."""
+    kept = x if isinstance(x, tuple) else (x,)
+    return [(f"stage input {m}.{stage.chunk}" + (f".{i}" if i else ""), t)
+            for i, t in enumerate(kept)]
+
+
+# --- torch.distributed.pipelining's classes: each names its schedule for the one executor ------
+
+class ScheduleGPipe(PipelineSchedule):
+    """torch's ScheduleGPipe(stage, n_microbatches, loss_fn): every forward, then every
+    backward. step() returns the last stage's output, as torch's does."""
+    SCHEDULE, RETURNS_OUTPUT = "gpipe", True
+
+    def __init__(self, stage: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable | None = None, *, scale_grads: bool = True,
+                 recompute: bool = False) -> None:
+        super().__init__(stage, n_microbatches, loss_fn, schedule=self.SCHEDULE,
+                         recompute=recompute, scale_grads=scale_grads)
+
+
+class Schedule1F1B(ScheduleGPipe):
+    """torch's Schedule1F1B: after a warm-up of P - r forwards, one forward, one backward."""
+    SCHEDULE = "1f1b"
+
+
+class ScheduleInterleaved1F1B(ScheduleGPipe):
+    """torch's ScheduleInterleaved1F1B(stages, ...): this rank's stages r, r + P, ... (V per
+    rank), 1F1B over the chunks (Narayanan et al. 2021)."""
+    SCHEDULE = "interleaved"
+
+
+TORCH_NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+               "interleaved": "ScheduleInterleaved1F1B"}

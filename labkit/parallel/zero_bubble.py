@@ -16,14 +16,21 @@ a fallback: B by `torch.autograd.grad(y, x, dy, retain_graph=True)`, W by
 Communication is 1F1B's: per micro-batch, one activation forward and one gradient back per
 stage boundary, point to point; W sends nothing.
 
-    stage = PipelineStage(stages[rank], rank, P, group=pp_group, input_shape=(mb, hidden))
-    pipe = ZeroBubbleSchedule(stage, loss_fn, n_microbatches=8)       # ZB-H1 by default
-    loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    stage = PipelineStage(stages[rank], rank, P, device, input_args=torch.empty(mb, hidden))
+    pipe = ScheduleInterleavedZeroBubble(stage, n_microbatches=8, loss_fn=loss_fn)   # ZB-H1
+    output = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+
+`ScheduleInterleavedZeroBubble` has torch's name and argument order, with one stage per rank
+(V = 1, where torch's interleaves V >= 1 stages per rank: more is refused here);
+`ZeroBubbleSchedule(stage, loss_fn, n_microbatches, schedule=)` runs any split schedule given as
+data (with "zb-h1", a deprecated spelling of the torch-named class).
 
 torch.distributed.pipelining's own zero-bubble orders (ScheduleZBVZeroBubble, ScheduleDualPipeV,
 two stages per rank in a V) are read as labkit data by `torch_order`, to be replayed and
 compared (labkit.theory.pipeline_layouts; bench/zero_bubble.py times torch's against ZB-H1).
 """
+import warnings
+
 import torch
 
 from ..runtime import torch_compat
@@ -43,7 +50,13 @@ class ZeroBubbleSchedule:
     micro-batch's input) and `input_dtype`, so that nothing but the schedule's traffic flows.
     """
 
+    RETURNS_OUTPUT = False     # step() returns the mean loss (torch's class: the output)
+
     def __init__(self, stage, loss_fn, n_microbatches, schedule="zb-h1"):
+        if type(self) is ZeroBubbleSchedule and isinstance(schedule, str):
+            warnings.warn("ZeroBubbleSchedule(stage, loss_fn, n_microbatches) is deprecated: "
+                          "use ScheduleInterleavedZeroBubble(stage, n_microbatches, loss_fn), "
+                          "torch's name and order", DeprecationWarning, stacklevel=2)
         self.stage, self.ctx, self.group = stage, context(), stage.group
         p = self.group.size
         if stage.num_stages != p:
@@ -66,13 +79,16 @@ class ZeroBubbleSchedule:
         self.schedule, self.ops = table, table[self.group.rank]
         self.loss_fn, self.n_microbatches = loss_fn, n_microbatches
 
-    def step(self, x=None, target=None, losses=None):
+    def step(self, *args, target=None, losses=None, x=None):
         """Forward, B and W of every micro-batch, in the schedule's order; the weight
-        gradients accumulate in .grad. Returns the mean loss on the last stage, else None."""
+        gradients accumulate in .grad. args: stage 0's inputs. On the last stage returns the
+        mean loss (the torch-named class: the outputs joined along dim 0), else None."""
         stage, m_total = self.stage, self.n_microbatches
-        inputs = _split(x, m_total, "x", "first") if stage.is_first else None
+        args = tuple(a for a in (args if x is None else (x,) + args) if a is not None)
+        inputs = list(zip(*[_split(a, m_total, "x", "first") for a in args])) or \
+            _split(None, m_total, "x", "first") if stage.is_first else None
         targets = _split(target, m_total, "target", "last") if stage.is_last else None
-        saved, pending, sends, step_losses = {}, {}, [], {}
+        saved, pending, sends, step_losses, self._outputs = {}, {}, [], {}, {}
         for kind, m, _ in self.ops:
             meta = dict(microbatch=m, stage=stage.stage_index, chunk=0)
             if kind == "F":
@@ -88,6 +104,8 @@ class ZeroBubbleSchedule:
         ordered = [step_losses[m] for m in range(m_total)]
         if losses is not None:
             losses.extend(ordered)
+        if self.RETURNS_OUTPUT:
+            return torch.cat([self._outputs.pop(m) for m in range(m_total)])
         return torch.stack(ordered).mean()
 
     # --- the three ops ----------------------------------------------------------------------
@@ -103,8 +121,9 @@ class ZeroBubbleSchedule:
             if x.is_floating_point():
                 x.requires_grad_()
         with self.ctx.clock.compute("forward", **meta):
-            y = stage.module(x)
+            y = stage.module(*x) if stage.is_first else stage.module(x)
             if stage.is_last:
+                self._outputs[m] = y.detach()
                 loss = self.loss_fn(y, targets[m])
                 step_losses[m] = loss.detach()
                 y = loss / self.n_microbatches      # summed over micro-batches: the mean
@@ -152,6 +171,20 @@ class ZeroBubbleSchedule:
                 stage_backward_weight(iter(weights), groups)
             elif weights and y.requires_grad:
                 torch.autograd.backward(y, dy, inputs=weights)
+
+
+class ScheduleInterleavedZeroBubble(ZeroBubbleSchedule):
+    """torch's ScheduleInterleavedZeroBubble(stages, n_microbatches, loss_fn), run as ZB-H1 on
+    one stage per rank (a list of one is taken; more stages per rank are refused)."""
+    RETURNS_OUTPUT = True
+
+    def __init__(self, stages, n_microbatches, loss_fn=None):
+        if isinstance(stages, (list, tuple)):
+            if len(stages) != 1:
+                raise ValueError(f"ScheduleInterleavedZeroBubble: labkit's split executor runs "
+                                 f"one stage per rank, not {len(stages)} (interleaved: V = 1)")
+            stages = stages[0]
+        super().__init__(stages, loss_fn, n_microbatches, schedule="zb-h1")
 
 
 def _split(tensor, n, name, which):
