@@ -299,7 +299,9 @@ def check_model(model):
 def attend(q, k, v, heads):
     """One request's causal attention: q (n, width) are the last n of the k, v (L, width)
     positions. The same ops in the same order as `labkit.models.causal_attention` (which
-    parallel/ does not import), so a request's logits do not depend on its neighbours."""
+    parallel/ does not import), so a request's attention never mixes in its neighbours; its
+    logits can still differ from it alone at the rounding level (a Linear over more rows may
+    sum in another order; lesson 10 measures it), which flips a token only in a near tie."""
     n, width = q.shape
     d, length = width // heads, k.shape[0]
     q, k, v = (t.reshape(t.shape[0], heads, d).transpose(0, 1) for t in (q, k, v))

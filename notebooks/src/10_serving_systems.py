@@ -18,13 +18,20 @@
 #
 # Lesson 09 served one batch: every request started together and stopped together. A real
 # server (vLLM, SGLang, TensorRT-LLM) sees **requests that arrive one by one**, with prompts and
-# answers of every length, and is judged per request:
+# answers of every length, and is judged per request, by the numbers `vllm bench serve` prints
+# (labkit computes them as it does: `labkit.theory.serving_metrics`, tested against a
+# re-implementation of vLLM's `calculate_metrics`):
 # - **TTFT**, time to first token: waiting in the queue + the prefill of the prompt;
-# - **TPOT**, time per output token after the first (and its cousin, the **time between
-#   tokens**, whose worst case a user sees as a stutter);
-# - **end-to-end latency**, and at the tails (p99), not only on average;
-# - **throughput** (output tokens/s) and **goodput**: requests per second that meet both a TTFT
-#   and a TPOT limit (DistServe, Zhong et al. OSDI'24).
+# - **TPOT**, time per output token after the first, (E2EL - TTFT) / (output - 1), over the
+#   requests of more than one output token; and **ITL**, the inter-token latency: every gap
+#   between two tokens of a request, pooled (Sarathi-Serve calls it the time between tokens; its
+#   worst case a user sees as a stutter);
+# - **E2EL**, the end-to-end latency; each as mean, median, std and p99 (the tails, not only
+#   the average);
+# - **throughput**: requests, output tokens and all tokens per second, over the benchmark's
+#   duration from its start; vLLM's **request_goodput**: requests per second that meet both a
+#   TTFT and a TPOT limit. DistServe (Zhong et al. OSDI'24) calls *goodput* something else: the
+#   highest request rate at which 90% of requests meet both limits (section 3).
 #
 # Three ideas turn lesson 09's generator into such a server:
 # 1. **continuous batching** (Orca, Yu et al. OSDI'22): the batch is re-formed at *every decode
@@ -32,12 +39,14 @@
 #    batch to finish;
 # 2. a **paged KV cache** (vLLM, Kwon et al. SOSP'23): the cache in fixed-size blocks handed out
 #    as a sequence grows, a block table per request, instead of reserving the maximum length;
-# 3. **chunked prefill** (Sarathi-Serve, Agrawal et al. OSDI'24): a long prompt is cut into
-#    chunks that ride along with the decode steps, so it never stalls the running requests.
+# 3. **a token budget per step with chunked prefill** (Sarathi-Serve, Agrawal et al. OSDI'24;
+#    vLLM's `max_num_batched_tokens`): a step carries at most that many tokens, decodes
+#    included, and a long prompt is cut into chunks that ride along with the decode steps, so
+#    it never stalls the running requests.
 #
 # In `labkit`: `labkit.parallel.batching.Engine` (the scheduler and one ragged forward per
 # step), `labkit.parallel.paged_kv.PagedKVCache`, the driver `labkit.runs.stream` (also
-# `python -m labkit run serve --requests N --rate R --policy continuous --paged --chunk C`), and
+# `python -m labkit run serve --requests N --rate R --paged --max-num-batched-tokens C`), and
 # the formulas in `labkit.theory.serving_stream`; `python -m labkit plan --serve --rate R
 # --ttft-ms X --tpot-ms Y` models each policy for a real model on an H100. Every request's
 # tokens are checked against the same request served alone on one device with lesson 09's
@@ -98,7 +107,41 @@ pd.DataFrame({p: {"tokens differing from alone": r["tokens_differing"],
 # Every request got exactly the tokens it gets when served alone (`tokens differing` is 0),
 # although in the continuous run it shared its steps with different neighbours at every token:
 # attention runs per request against its own keys and values, and only the row-wise layers
-# (Linear, LayerNorm, MLP) see the whole step's tokens at once.
+# (Linear, LayerNorm, MLP) see the whole step's tokens at once. Its *logits* are not bit for bit
+# those of the request alone, though: a matrix product over more rows may add in another
+# order. The cell below measures the largest difference on a batch of three, and the narrowest
+# margin between a request's best and second-best token.
+
+# %%
+from labkit.models import build
+from labkit.parallel.paged_kv import PagedKVCache, ragged_forward
+
+gpt = build("gpt", seed=0, seq=48, layers=2).eval()
+seqs = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
+        for n in (9, 14, 5)]
+
+
+def last_logits(batch):
+    cache = PagedKVCache(2, gpt.cfg.hidden, 16, 4)
+    for rid, s in batch:
+        cache.reserve(rid, s.numel())
+    return ragged_forward(gpt, [(rid, s, 0) for rid, s in batch], cache)
+
+
+together = last_logits(list(enumerate(seqs)))
+alone_rows = torch.cat([last_logits([(0, s)]) for s in seqs])
+margin = together.topk(2).values.diff(dim=-1).abs().min()
+print(f"largest |logit alone - logit batched|: {(together - alone_rows).abs().max():.1e}; "
+      f"narrowest top-1 margin: {margin:.2f}; same tokens: "
+      f"{torch.equal(together.argmax(-1), alone_rows.argmax(-1))}")
+
+# %% [markdown]
+# Differences at the float32 rounding level cannot flip a token whose lead is that wide. On GPUs
+# in bf16 the kernels pick their tiling by batch size, the differences are larger, and a close
+# race between two tokens can go the other way: a request's text can then change with its
+# neighbours. vLLM documents a batch-invariant mode (`VLLM_BATCH_INVARIANT=1`: kernels whose
+# reduction order does not depend on the batch), at some speed; SGLang has a deterministic
+# inference mode for the same reason.
 #
 # ## 3 · Static vs continuous on a modelled GPU
 #
@@ -106,21 +149,22 @@ pd.DataFrame({p: {"tokens differing from alone": r["tokens_differing"],
 # *modelled* clock instead: each step takes the roofline time of Llama 3 8B on one H100
 # (weights read once per step, plus the FLOPs of the step's tokens), while the tokens are still
 # computed here by the tiny model. The scheduling decisions are then those the server would
-# make on that GPU. Goodput counts the requests per second that meet both limits, here a TTFT
-# of at most `TTFT_MS` and a TPOT of at most `TPOT_MS` (set in the cell).
+# make on that GPU. vLLM's `request_goodput` counts the requests per second that meet both
+# limits, here a TTFT of at most `TTFT_MS` and a TPOT of at most `TPOT_MS` (set in the cell);
+# at most `max_num_seqs` = 8 requests run at once.
 
 # %%
 TTFT_MS, TPOT_MS = 200, 10          # the service's limits: first token, then each token
 base = dict(requests=24, rate=400, prompt_len=(16, 64), output_len=(4, 40),
             model_kwargs=dict(layers=2), time_model="llama-3-8b", paged=True, block_size=16)
-runs = {p: serve_locally(StreamConfig(policy=p, max_batch=8, ttft_ms=TTFT_MS, tpot_ms=TPOT_MS,
+runs = {p: serve_locally(StreamConfig(policy=p, max_num_seqs=8, ttft_ms=TTFT_MS, tpot_ms=TPOT_MS,
                                       **base))[:2]
         for p in ("static", "continuous")}
 table = pd.DataFrame({p: {"TTFT p50 (ms)": s["latency"]["ttft_s"]["p50"] * 1e3,
                           "TTFT p99 (ms)": s["latency"]["ttft_s"]["p99"] * 1e3,
                           "E2E p99 (ms)": s["latency"]["e2e_s"]["p99"] * 1e3,
                           "output tokens/s": s["throughput_tokens_per_s"],
-                          "goodput (req/s)": s["goodput"]["requests_per_s"],
+                          "request_goodput (req/s)": s["request_goodput"],
                           "within both limits (%)": 100 * s["goodput"]["fraction"]}
                       for p, (_, s) in runs.items()}).T.rename_axis("modelled: Llama 3 8B, H100")
 table
@@ -137,9 +181,10 @@ display(Markdown(
     f"batching ({s['TTFT p99 (ms)'] / c['TTFT p99 (ms)']:.1f}×, modelled), and "
     f"{c['output tokens/s'] / s['output tokens/s']:.2f}× the throughput, because a slot freed "
     f"by a short answer is refilled at the next step instead of idling. Goodput (TTFT ≤ "
-    f"{TTFT_MS} ms and TPOT ≤ {TPOT_MS} ms): {s['goodput (req/s)']:.1f} requests/s static "
-    f"({s['within both limits (%)']:.0f}% of them within both limits) against "
-    f"{c['goodput (req/s)']:.1f} continuous ({c['within both limits (%)']:.0f}%)."))
+    f"{TTFT_MS} ms and TPOT ≤ {TPOT_MS} ms), vLLM's request_goodput: "
+    f"{s['request_goodput (req/s)']:.1f} requests/s "
+    f"static ({s['within both limits (%)']:.0f}% of them within both limits) against "
+    f"{c['request_goodput (req/s)']:.1f} continuous ({c['within both limits (%)']:.0f}%)."))
 
 
 def p99_between_last_two(n):
@@ -158,6 +203,73 @@ display(Markdown(
     f"request or two, so one unlucky request moves them."))
 
 # %% [markdown]
+# ### SLO attainment against rate: DistServe's goodput
+#
+# `request_goodput` is a property of one run at one rate. DistServe asks another question: how
+# fast may requests arrive before fewer than 90% of them meet both limits? Its goodput is that
+# rate, read off a sweep. The sweep below needs many long streams, so it runs the engine's
+# scheduler without a model (`labkit.theory.stream_sim.simulate`: the same scheduling rule on
+# token counts, each step timed as above; tested step for step against the engine): Llama 3 8B
+# on one H100, 150 requests per rate, prompts of 128 to 1,024 tokens, answers of 32 to 256, at
+# most 32 running; limits TTFT ≤ 1 s and TPOT ≤ 20 ms.
+
+# %%
+from functools import partial
+
+from labkit.theory import serving_metrics, stream_sim
+
+SWEEP_TTFT_MS, SWEEP_TPOT_MS, RATES = 1000, 20, list(range(1, 21))
+h100_step = partial(theory.modelled_step_s, LLAMA, hardware.gpu("H100"))
+settings = {"static": ("static", None), "continuous, no token budget": ("continuous", None),
+            "continuous, max_num_batched_tokens 256": ("continuous", 256)}
+attainment, misses = {}, {}
+for name, (policy, budget) in settings.items():
+    for rate in RATES:
+        rows = theory.poisson_stream(150, rate, (128, 1024), (32, 256), seed=0)
+        done = stream_sim.simulate(rows, h100_step, policy, 32, budget, 30_000, 16)
+        records = [dict(arrival_s=r.arrival_s, output=r.output, **theory.request_metrics(
+            r.arrival_s, r.token_times, r.output)) for r in done]
+        attainment[name, rate] = serving_metrics.slo_attainment(records, SWEEP_TTFT_MS,
+                                                                SWEEP_TPOT_MS)
+        misses[name, rate] = (  # the share of requests over each limit
+            sum(r["ttft_s"] * 1e3 > SWEEP_TTFT_MS for r in records) / len(records),
+            sum(r["tpot_s"] * 1e3 > SWEEP_TPOT_MS for r in records) / len(records))
+fig, ax = plt.subplots(figsize=(7, 4.4))
+goodputs = {}
+for name in settings:
+    sweep = [(rate, attainment[name, rate]) for rate in RATES]
+    goodputs[name] = serving_metrics.distserve_goodput(sweep)
+    ax.plot(RATES, [100 * a for _, a in sweep], marker="o", ms=3,
+            label=f"{name}: goodput {goodputs[name]:g} req/s")
+ax.axhline(90, color="grey", ls="--", lw=1)
+ax.set_xlabel("request rate (req/s)")
+ax.set_ylabel("requests within both limits (%)")
+ax.set_title(f"SLO attainment, TTFT ≤ {SWEEP_TTFT_MS} ms and TPOT ≤ {SWEEP_TPOT_MS} ms "
+             "(modelled: Llama 3 8B, H100)", fontsize=9)
+ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+fig.tight_layout()
+fig.savefig("/tmp/10_slo_attainment.png", dpi=80)
+print("DistServe's goodput (highest rate of the sweep before attainment falls below 90%): "
+      + "; ".join(f"{k}: {v:g} req/s" for k, v in goodputs.items()))
+
+# %%
+top = RATES[-1]
+display(Markdown(
+    "At the lowest rate, requests within both limits: " + ", ".join(
+        f"{k} {100 * attainment[k, RATES[0]]:.0f}%" for k in settings)
+    + f". At {top} req/s, the share over the TTFT limit and over the TPOT limit: " + "; ".join(
+        f"{k} {100 * misses[k, top][0]:.0f}% and {100 * misses[k, top][1]:.0f}%"
+        for k in settings)
+    + ". Static batching makes arrivals wait for a whole batch. With continuous batching the "
+    "queue grows with the rate, so TTFT fails first"
+    + (": no request of the sweep misses the TPOT limit" if all(
+        misses[k, r][1] == 0 for k in settings for r in RATES) else ", then TPOT")
+    + ". The token budget moves DistServe's goodput from "
+    f"{goodputs['continuous, no token budget']:g} to "
+    f"{goodputs['continuous, max_num_batched_tokens 256']:g} req/s here; its effect on the "
+    "time between tokens is section 5's."))
+
+# %% [markdown]
 # ## 4 · A paged KV cache
 #
 # A cache that gives each request one contiguous region must reserve the **maximum length** at
@@ -170,7 +282,7 @@ display(Markdown(
 # %%
 # seed 3: a stream whose mean final length is no multiple of 16 (at a multiple, blocks of 16
 # and of 4 would waste the same in theory)
-fit = dict(base, requests=24, rate=2000, max_batch=64, kv_tokens=384, seed=3)
+fit = dict(base, requests=24, rate=2000, max_num_seqs=64, kv_tokens=384, seed=3)
 caches = {}
 for name, kw in (("contiguous (max length)", dict(paged=False)),
                  ("paged, blocks of 16", dict(paged=True, block_size=16)),
@@ -200,18 +312,18 @@ display(Markdown(
     f"blocks run out the newest request is preempted and recomputed later)."))
 
 # %% [markdown]
-# ### Sharing a system prompt
+# ### Sharing a system prompt: the paper's way
 #
 # Requests of one application often begin with the same system prompt. With blocks, they can
-# share its keys and values: the prompt is prefilled once, every request's block table points
-# at its blocks, and each block counts the tables holding it (it returns to the pool at 0). A
-# request about to write into a block others hold first copies it (**copy-on-write**, vLLM
-# section 4.4), so nobody's keys change under anyone else. n requests sharing a P-token
+# share its keys and values. The PagedAttention paper (vLLM 2023, section 4.4) does it
+# explicitly: the prompt is prefilled once, every request's block table points at its blocks,
+# and each block counts the tables holding it (it returns to the pool at 0). A request about to
+# write into a block others hold first copies it (**copy-on-write**), so nobody's keys change
+# under anyone else. n requests sharing a P-token
 # prefix in blocks of B hold n·⌊P/B⌋ − ⌈P/B⌉ blocks fewer. Measured below: 6 requests, a
 # 30-token system prompt, blocks of 8, each request's tokens against it served alone.
 
 # %%
-from labkit.models import build
 from labkit.parallel.prefix_sharing import shared_prefix_generate
 from labkit.parallel.serving import generate
 
@@ -232,14 +344,65 @@ print(f"blocks saved: measured {sharing.iloc[0, 0] - sharing.iloc[1, 0]}, formul
       f"{theory.prefix_saved_blocks(6, 30, 8)} (6 x floor(30/8) - ceil(30/8))")
 
 # %% [markdown]
-# ## 5 · Chunked prefill
+# ### Automatic prefix caching: vLLM v1's way
+#
+# Today's vLLM finds shared prefixes by itself. Every *full* block is named by a chained hash,
+# h_i = H(h_(i-1), its B token ids), so two blocks with one name hold the keys of one prefix.
+# A new request first looks its prompt's blocks up, in order, and takes the longest run already
+# cached: those tokens are hits and are not prefilled again. A finished request's blocks go back
+# to the free queue but keep their names, so a later request can still hit them; a block is
+# evicted only when the pool hands it out again, least recently freed first. (SGLang keeps the
+# same prefixes in a radix tree, RadixAttention.) Below: 16 requests that all begin with one
+# system prompt of 384 tokens, then 16 to 64 tokens of their own, served with and without
+# prefix caching (`enable_prefix_caching`), blocks of 16, Llama 3 8B's time on an H100.
+
+# %%
+SYSTEM = 384
+shared = dict(base, requests=16, rate=10, prompt_len=(SYSTEM + 16, SYSTEM + 64),
+              output_len=(8, 24), max_num_seqs=8, shared_prefix=SYSTEM, block_size=16)
+caching = {}
+for on in (False, True):
+    records, summary, engine = serve_locally(StreamConfig(enable_prefix_caching=on, **shared))
+    stats = engine.cache.prefix_stats()
+    caching["prefix caching" if on else "no prefix caching"] = {
+        "hit rate (%, measured)": 100 * stats["hit_rate"],
+        "prefill tokens saved (measured)": stats["prefill_tokens_saved"],
+        "tokens computed (measured)": sum(st["tokens"] for st in engine.steps),
+        "TTFT median (ms, modelled)": summary["latency"]["ttft_s"]["median"] * 1e3,
+        "TTFT p99 (ms, modelled)": summary["latency"]["ttft_s"]["p99"] * 1e3}
+caching = pd.DataFrame(caching).T.rename_axis("16 requests, one 384-token system prompt")
+display(caching)
+prompts_total = sum(r["prompt"] for r in StreamConfig(**shared).stream())
+formula = 15 * (SYSTEM // 16) * 16 / prompts_total
+print(f"hit rate if each request after the first finds the system prompt's "
+      f"{SYSTEM // 16} full blocks cached: 15 x {SYSTEM // 16 * 16} / {prompts_total:,} prompt "
+      f"tokens = {100 * formula:.1f}%; measured {caching.iloc[1, 0]:.1f}%")
+
+# %%
+off, on = caching.iloc[0], caching.iloc[1]
+display(Markdown(
+    f"The first request prefills the system prompt; the later ones find its blocks cached (one "
+    f"arriving while the first is still prefilling would find fewer). Each hit is a prompt "
+    f"token not computed again: {on['tokens computed (measured)']:,.0f} tokens computed "
+    f"instead of {off['tokens computed (measured)']:,.0f}. The median TTFT falls from "
+    f"{off['TTFT median (ms, modelled)']:.1f} to {on['TTFT median (ms, modelled)']:.1f} ms "
+    f"(modelled), less than the tokens do: on an H100 a step of a few hundred tokens is still "
+    f"mostly the read of the weights, which a hit does not save. The longer the shared prompt, "
+    f"the more of the prefill's compute it removes."))
+
+# %% [markdown]
+# ## 5 · A token budget per step: chunked prefill
 #
 # When a long prompt joins, its whole prefill runs in one step, and every running request waits
-# for it: their time between tokens jumps. Cutting the prompt into chunks of C tokens, one chunk
-# per step beside the decodes, bounds that stall. Prompts of 100 to 400 tokens here, modelled on
-# Llama 3 8B on an H100; the cell below prints what a decode step of 8 requests costs there and
-# what a 400-token prefill in the same step adds (the step takes the larger of its compute and
-# its memory time, so the prefill's FLOPs first fill the time the weights take to read).
+# for it: their inter-token latency (ITL) jumps. vLLM bounds each step by a token budget,
+# `max_num_batched_tokens`, that counts the step's decode tokens *and* its prompt tokens (as
+# Sarathi-Serve's budget does): the decodes are scheduled first, one token each, and with
+# chunked prefill (`enable_chunked_prefill`) a prompt is cut to what they leave of the budget,
+# one chunk per step; without it a prompt waits until it fits a step whole. Prompts of 100 to
+# 400 tokens here, modelled on Llama 3 8B on an H100; the cell below prints what a decode step
+# of 8 requests costs there and what a 400-token prefill in the same step adds (the step takes
+# the larger of its compute and its memory time, so the prefill's FLOPs first fill the time
+# the weights take to read).
 
 # %%
 h100 = hardware.gpu("H100")
@@ -252,19 +415,26 @@ print(f"decode step of 8 (reads {LLAMA.param_count() * 2 / 1e9:.1f} GB of bf16 w
 
 # %%
 long = dict(base, requests=16, rate=200, prompt_len=(100, 400), output_len=(16, 32),
-            max_batch=8)
-chunked = {("whole prompts" if c is None else f"chunks of {c}"):
-           serve_locally(StreamConfig(chunk=c, **long))[:2] for c in (None, 64, 16)}
-pd.DataFrame({k: {"between tokens p50 (ms)": s["latency"]["tbt_s"]["p50"] * 1e3,
-                  "between tokens p99 (ms)": s["latency"]["tbt_s"]["p99"] * 1e3,
+            max_num_seqs=8)
+budgets = {"no budget, whole prompts": dict(),
+           "budget 512, whole prompts": dict(max_num_batched_tokens=512,
+                                             enable_chunked_prefill=False),
+           "budget 64, chunked": dict(max_num_batched_tokens=64),
+           "budget 16, chunked": dict(max_num_batched_tokens=16)}
+chunked = {k: serve_locally(StreamConfig(**kw, **long)) for k, kw in budgets.items()}
+pd.DataFrame({k: {"most tokens in a step": max(st["tokens"] for st in e.steps),
+                  "ITL p50 (ms)": s["latency"]["itl_s"]["p50"] * 1e3,
+                  "ITL p99 (ms)": s["latency"]["itl_s"]["p99"] * 1e3,
                   "TPOT p99 (ms)": s["latency"]["tpot_s"]["p99"] * 1e3,
                   "TTFT p50 (ms)": s["latency"]["ttft_s"]["p50"] * 1e3}
-              for k, (_, s) in chunked.items()}).T.rename_axis("modelled: Llama 3 8B, H100")
+              for k, (_, s, e) in chunked.items()}).T.rename_axis("modelled: Llama 3 8B, H100")
 
 # %% [markdown]
-# Chunks trade TTFT (a prompt now takes several steps) for a flat time between tokens; chunks
-# too small make every prompt queue for many steps, so Sarathi-Serve sizes the token budget of
-# a step to what a decode step can carry while still bound by memory bandwidth.
+# No step carries more tokens than its budget (the first column); without a budget a step
+# carries whole prompts and the decodes beside them. Chunks trade TTFT (a prompt now takes several
+# steps) for a flat ITL; budgets too small make every prompt queue for many steps, so
+# Sarathi-Serve sizes the token budget to what a step can carry while still bound by memory
+# bandwidth.
 # They also shrink the transient buffers of a forward pass, which scale with the tokens of one
 # step. For Llama 3 8B (bf16, gated MLP of 14,336), *modelled* per layer:
 
@@ -280,10 +450,17 @@ buffers
 #
 # A decode step reads all the weights for one token per request. A cheap **draft** model can
 # propose k tokens; the target then checks all k in *one* forward (k + 1 rows: still one read
-# of the weights) and keeps the proposals up to the first one it disagrees with, plus its own
-# token there (Leviathan et al. ICML'23). The output is exactly the target's greedy output; what
-# changes is how many tokens each target forward yields. Here the draft is the target's own
-# first block(s) and head (self-speculation), and the acceptance is measured.
+# of the weights). Leviathan et al. (ICML'23) keep proposal x with probability
+# min(1, p(x) / q(x)) (p the target's distribution, q the draft's) and, at the first rejection,
+# draw the token from the normalised max(0, p - q) instead: every token is then distributed as
+# the target alone would sample it (`labkit.parallel.speculative`; a chi-square test checks it
+# in `tests/test_sampling.py`). Greedy decoding is the case where p and q are one-hot: a
+# proposal is kept if it is the target's argmax, so the output is exactly the target's greedy
+# output. What changes is how many tokens each target forward yields. Here, greedy, the draft
+# is the target's own first block(s) and head (self-speculation), and three measures are
+# printed: Leviathan et al.'s acceptance **alpha** (accepted / proposals the target judged, up
+# to and including the first rejection), and vLLM's **acceptance_rate** (accepted / proposed)
+# and **acceptance_length** (1 + accepted / rounds: the tokens a round yields).
 
 # %%
 from labkit import models
@@ -301,19 +478,22 @@ for layers in (1, 2):
                                           48, k)
         rows[f"draft = first {layers} of 4 blocks, k = {k}"] = {
             "tokens equal greedy": tokens == greedy,
-            "acceptance (measured)": st["acceptance"],
+            "alpha (measured)": st["acceptance"],
+            "acceptance_rate (vLLM)": st["acceptance_rate"],
+            "acceptance_length (vLLM)": st["acceptance_length"],
             "tokens per round (measured)": (48 - 1) / st["rounds"],
             "tokens per round (formula, from the acceptance)": expected_tokens_per_round(
                 st["acceptance"], k)}
 pd.DataFrame(rows).T
 
 # %% [markdown]
-# The acceptance is measured as Leviathan et al.'s alpha: of the proposals the target compared
-# (up to the first miss), the share it agreed with. The formula then assumes each proposal
-# agrees independently with that probability; where the columns differ, the draft's misses
-# come in runs. Whether it is faster depends on what a draft step costs against a target step:
-# on a GPU the k + 1-row check costs about one decode step (memory-bound), so
-# tokens per round is close to the speed-up when the draft is nearly free.
+# alpha is the share of the proposals the target judged that it kept; acceptance_rate divides
+# by all proposals, also those drafted after the first rejection and never judged, so it is
+# lower. The formula assumes each proposal is kept independently with probability alpha; where
+# the columns differ, the draft's misses come in runs. Whether it is faster depends on what a
+# draft step costs against a target step: on a GPU the k + 1-row check costs about one decode
+# step (memory-bound), so tokens per round is close to the speed-up when the draft is nearly
+# free.
 
 # %% [markdown]
 # ## 7 · Prefill and decode on separate ranks
@@ -371,29 +551,50 @@ pd.DataFrame({f"{p:,}-token prompt": {
 # %% [markdown]
 # ## 8 · Explore
 #
-# Policy, arrival rate, batch limit and chunk size: the explorer serves a stream of 16 requests
+# Policy, arrival rate, max_num_seqs and max_num_batched_tokens (with chunked prefill): the
+# explorer serves a stream of 16 requests
 # (prompts 16 to 256 tokens) on this process with the modelled clock and redraws each request's
-# life and the latency percentiles. Try: static at 400 req/s; max batch 1 (no batching at all);
-# whole prompts then chunks of 16 at a high rate.
+# life and the latency percentiles. Try: static at 400 req/s; max_num_seqs 1 (no batching at
+# all); no budget then a budget of 16 at a high rate.
 
 # %%
-def serve_stream(policy, rate, max_batch, chunk):
+def serve_stream(policy, rate, max_num_seqs, max_num_batched_tokens):
     cfg = StreamConfig(**dict(base, requests=16, rate=rate, prompt_len=(16, 256)),
-                       policy=policy, max_batch=max_batch, chunk=chunk)
+                       policy=policy, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens)
     return serve_locally(cfg)[:2]
 
 
 stream_explorer(serve_stream)
 
 # %% [markdown]
+# ## The same knobs in vLLM and SGLang
+#
+# | labkit (`run serve` flag) | vLLM (`vllm serve`) | SGLang (`launch_server`) |
+# |---|---|---|
+# | `--max-num-seqs` | `--max-num-seqs` | `--max-running-requests` |
+# | `--max-num-batched-tokens` | `--max-num-batched-tokens` | `--chunked-prefill-size` |
+# | `--[no-]enable-chunked-prefill` | the same | `--chunked-prefill-size -1`: off |
+# | `--paged --block-size` | always paged; `--block-size` | always paged; `--page-size` |
+# | `--kv-tokens` (token slots) | `--gpu-memory-utilization` | `--mem-fraction-static` |
+# | `--enable-prefix-caching` | the same (v1: on by default) | radix cache, on by default |
+# | `--policy static` | none: always continuous | none: always continuous |
+# | `SamplingParams(temperature, top_p, seed)` | the same names | `temperature`, `top_p` |
+# | `--draft-len`, `--draft-layers` | `--speculative-config` | `--speculative-algorithm` and co. |
+# | `--tp`, `--replicas` | `--tensor-parallel-size`, `--data-parallel-size` | `--tp`, `--dp` |
+# | `--ttft-ms`, `--tpot-ms` | `vllm bench serve --goodput ttft:MS tpot:MS` | none |
+#
+# SGLang schedules prefill and decode batches separately unless told to mix them
+# (`--enable-mixed-chunk`), so its prefill budget does not count the decodes as vLLM's does.
+#
 # ## Takeaways: which technique fixes which latency
 #
 # | technique | the latency it fixes | what it costs |
 # |---|---|---|
 # | continuous batching (Orca) | TTFT, E2E (no waiting for a batch) | a schedule per step |
 # | paged KV cache (vLLM) | queueing: more requests fit in the bytes | block tables |
-# | shared prefix blocks (vLLM, SGLang) | TTFT and memory: a common prompt once | ref counts |
-# | chunked prefill (Sarathi-Serve) | p99 time between tokens, TPOT (no stall) | some TTFT |
+# | prefix caching (vLLM v1, SGLang) | TTFT: a common prompt prefilled once | hashes, an LRU |
+# | token budget, chunked prefill (Sarathi-Serve) | p99 ITL, TPOT (no stall) | some TTFT |
 # | speculative decoding | TPOT: several tokens per target forward | a draft model; its misses |
 # | prefill/decode on separate GPUs | TPOT (no prefill in a decode step) | KV sent per request |
 # | TP / replicas (lesson 09) | TPOT (1/t of the weights) / throughput | all-reduces / GPUs |
@@ -402,11 +603,13 @@ stream_explorer(serve_stream)
 #   until the longest answer of its batch is done.
 # - A paged cache wastes less than one block per request instead of max length - length, so
 #   more requests run at once in the same memory, which is throughput and less queueing.
-# - Chunked prefill bounds the prefill tokens of a step, so a long prompt costs the running
-#   requests a chunk's time, not the whole prompt's.
+# - A token budget with chunked prefill bounds the tokens of a step, so a long prompt costs the
+#   running requests a chunk's time, not the whole prompt's.
 #
 # Every technique here changes *when* a token is computed and *where* its keys and values live,
-# never *what* it is: each request's tokens equal its tokens served alone.
+# never *what* it is: each request's tokens equal its tokens served alone (its logits differ at
+# the rounding level, section 2; a seeded sampled request draws the same tokens batched as
+# alone, and speculative sampling keeps the target's distribution).
 
 # %% [markdown]
 # ## Exercises
