@@ -345,3 +345,19 @@ def test_ring_schedule_and_explorer_figure():
     assert all(times[(layout, False)] > times[(layout, True)] for layout in cp.LAYOUTS)
     fig = cp_widgets.cp_figure(seq=131072, cp=8, layout="zigzag")
     assert "1.00x" in fig.labkit_summary and "fits an H100 with: full" in fig.labkit_summary
+
+
+def test_context_parallel_front_end_refuses_before_anything_starts():
+    """torch's context manager: each misuse refused in one line before any buffer is sharded."""
+    from labkit.parallel.context_parallel import context_parallel
+
+    x, weight = torch.randn(1, 8, 4), nn.Parameter(torch.randn(1, 8, 4))
+    cases = [(dict(buffers=[x], buffer_seq_dims=[]), "buffer_seq_dims"),
+             (dict(buffers=[weight], buffer_seq_dims=[1]), "requires grad"),
+             (dict(buffers=[x], buffer_seq_dims=[1], no_restore_buffers={weight}), "subset")]
+    for kwargs, words in cases:
+        with pytest.raises(ValueError, match=words) as refusal:
+            with context_parallel(None, **kwargs):
+                pass
+        assert "\n" not in str(refusal.value)
+        assert x.shape == (1, 8, 4)

@@ -33,12 +33,23 @@ trades sequence shards for head shards (each rank: h/N heads of the whole sequen
 runs as on one device, and an all-to-all trades back: (N-1)/N (q + k + v + out) of the shard
 per rank each way, falling as 1/N; it needs N <= KV heads (h_kv divisible by N).
 
+    with context_parallel(mesh, buffers=[ids, labels], buffer_seq_dims=[1, 1]):   # torch's
+        loss = loss_fn(model(ids), labels)      # each buffer now this rank's zigzag shard
+        loss.backward()                         # SDPA inside the block: ring attention
     x_local = shard_sequence(x, group, layout="zigzag", dim=1)   # do not forget the inputs
     out = ring_attention(q, k, v, group, causal=True, layout="zigzag")   # (b, heads, s/N, d)
     model = ContextParallel(model, group, layout="zigzag", method="ulysses",
                             attention=lambda m: isinstance(m, MyAttention))
     batch = context_parallel_batch(ids, labels, group, layout="zigzag")  # a whole causal LM
     loss = batch.loss(model(**batch.inputs).logits)      # positions, shifted labels, mean
+
+`context_parallel(mesh, buffers, buffer_seq_dims)` is torch's front end
+(torch.distributed.tensor.experimental.context_parallel): a context manager that shards the
+buffers in place (zigzag, torch's head-tail load balancing), routes every SDPA call in the block
+through the ring and restores the buffers on exit. The `ContextParallel` wrapper defaults to the
+contiguous layout, as `shard_sequence` and `context_parallel_batch` do: the wrapper's layout must
+match the one its caller shards with, and the lesson starts from the contiguous split to show
+the causal imbalance; the context manager shards for itself, so it takes torch's default.
 
 The cores live in `ring_attention.py` (ring, layouts, shards) and `head_attention.py`
 (all-gather, Ulysses); this module applies them to a model (`ContextParallel`), and
@@ -48,13 +59,15 @@ and a call the cores cannot run (an attn_mask) are refused in one line; on a wra
 attention call on every rank at once (one all-reduce, once; a later call is refused by the
 rank that meets the problem, and `launch` stops the others).
 """
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
+from ..runtime.mesh import group_of
 from .context_batch import ContextParallelBatch, attn_mask_refusal, context_parallel_batch
 from .head_attention import all_gather_attention, check_ulysses_heads, ulysses_attention
 from .ring_attention import (LAYOUTS, SEQ_DIM, _check_layout, _sdpa, check_sequence,
@@ -63,6 +76,7 @@ from .ring_attention import (LAYOUTS, SEQ_DIM, _check_layout, _sdpa, check_seque
 from .scoped_mode import ModuleScopedMode
 
 __all__ = ["LAYOUTS", "METHODS", "SEQ_DIM", "CORES", "ContextParallel", "ContextParallelBatch",
+           "context_parallel",
            "all_gather_attention", "context_parallel_batch",
            "check_sequence", "check_ulysses_heads", "gather_sequence", "merge_partials",
            "ring_attention", "sequence_positions", "shard_sequence", "ulysses_attention"]
@@ -241,6 +255,48 @@ class ContextParallel(nn.Module):
 
     def extra_repr(self):
         return f"group={list(self.group.ranks)}, layout={self.layout}, method={self.method}"
+
+
+@contextmanager
+def context_parallel(mesh, buffers: Sequence[torch.Tensor] | None = None,
+                     buffer_seq_dims: Sequence[int] | None = None,
+                     no_restore_buffers: set | None = None, *, layout: str = "zigzag",
+                     method: str = "ring"):
+    """torch's `context_parallel` as a context manager: inside the block each of `buffers`
+    (inputs, labels, positions: no parameter, nothing that requires grad) is this rank's shard
+    along its `buffer_seq_dims` entry, in place, and every F.scaled_dot_product_attention call
+    runs `method`'s core over the mesh's group (a 1-D DeviceMesh, labkit's or torch's, or a
+    group); on exit the buffers get their whole sequence back (except `no_restore_buffers`).
+    layout: "zigzag" (torch's default load balancing) or "contiguous". The wrapper's checks
+    hold (one agreement on the first call, then one-line refusals)."""
+    buffers = [] if buffers is None else list(buffers)
+    seq_dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
+    no_restore = [] if no_restore_buffers is None else list(no_restore_buffers)
+    if len(buffers) != len(seq_dims):
+        raise ValueError(f"context_parallel: {len(buffers)} buffers but {len(seq_dims)} "
+                         "buffer_seq_dims (one sequence dim per buffer)")
+    if any(not any(b is n for b in buffers) for n in no_restore):
+        raise ValueError("context_parallel: no_restore_buffers must be a subset of buffers")
+    if any(b.requires_grad for b in buffers):
+        raise ValueError("context_parallel: a buffer requires grad (a parameter, or an "
+                         "activation): shard only inputs, labels and positions")
+    group = context().group(group_of(mesh))
+    _check_layout(layout)
+    restore = [None if any(b is n for n in no_restore) else b.clone() for b in buffers]
+    for buffer, dim in zip(buffers, seq_dims):
+        shard = shard_sequence(buffer, group, layout=layout, dim=dim).clone()
+        buffer.resize_(shard.shape)
+        buffer.copy_(shard)
+    # the wrapper's router and checks, around no module: every SDPA call in the block
+    router = ContextParallel(nn.Identity(), group, layout=layout, method=method)._router
+    try:
+        with router:
+            yield
+    finally:
+        for buffer, whole in zip(buffers, restore):
+            if whole is not None:
+                buffer.resize_(whole.shape)
+                buffer.copy_(whole)
 
 
 def _sliding_window(config):
