@@ -3,7 +3,8 @@ parallelism, run on 2 gloo ranks of a plain spawn program once with labkit's nam
 with torch's (torch.distributed.pipelining, torch.distributed.device_mesh,
 torch.distributed.tensor.experimental), the same arguments.
 
-Pipelining (GPipe and 1F1B, 2 stages, 4 micro-batches, SGD, 2 steps): the arithmetic is the
+Pipelining (GPipe and 1F1B, 2 stages, 4 micro-batches, SGD, 2 steps; interleaved 1F1B on 4
+stages, zero bubble on 2, each stage given input_args): the arithmetic is the
 same (a stage's forward, the same backward order; labkit scales the loss by 1/M before the
 backward where torch divides the gradients by M after it, the same in float32 when M is a power
 of 2), so losses, outputs and parameters are equal bit for bit. The mesh: the same shape,
@@ -50,6 +51,34 @@ def pipeline_script(api, schedule_name):
         optimizer.step()
     return dict(losses=losses, outputs=outputs,
                 params={k: p.detach().clone() for k, p in part.named_parameters()})
+
+
+def interleaved_script(api, schedule_name, virtual):
+    """2 ranks, 2V stages of one Linear + Tanh each (stages r, r + 2, ...); every stage but
+    the first is given its input (input_args, which labkit's zero-bubble executor needs)."""
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2 * virtual)]
+    rank = dist.get_rank()
+    stages = [api.PipelineStage(layers[s], s, 2 * virtual, torch.device("cpu"),
+                                input_args=torch.empty(2, 8) if s else None)
+              for s in range(rank, 2 * virtual, 2)]
+    schedule = getattr(api, schedule_name)(stages, MICRO, loss_fn=F.mse_loss)
+    optimizer = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        else:
+            mine = []
+            schedule.step(target=y, losses=mine)
+            losses.extend(float(loss) for loss in mine)
+        optimizer.step()
+    return dict(losses=losses, outputs=[],
+                params={str(i): p.detach().clone() for i, p in
+                        enumerate(p for s in stages for p in s.submod.parameters())})
 
 
 def mesh_script(init_device_mesh):
@@ -126,6 +155,9 @@ def swap_body(rank, world_size):
     for name in ("ScheduleGPipe", "Schedule1F1B"):
         out[name] = {"labkit": pipeline_script(labkit_pp, name),
                      "torch": pipeline_script(torch_pp, name)}
+    for name, virtual in (("ScheduleInterleaved1F1B", 2), ("ScheduleInterleavedZeroBubble", 1)):
+        out[name] = {"labkit": interleaved_script(labkit_pp, name, virtual),
+                     "torch": interleaved_script(torch_pp, name, virtual)}
     out["mesh"] = {"labkit": mesh_script(labkit_mesh), "torch": mesh_script(torch_mesh)}
     theirs = torch_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     out["cp"] = {"labkit mesh": cp_script(context_parallel, labkit_mesh("cpu", (world_size,))),
@@ -140,6 +172,7 @@ def swap_body(rank, world_size):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stage = labkit_pp.PipelineStage(nn.Linear(2, 2), rank, 2, dist.group.WORLD)
+        labkit_pp.PipelineSchedule(stage, 2, F.mse_loss, schedule="gpipe")
     out["old order"] = (stage.group.ranks, [str(w.message) for w in caught
                                             if w.category is DeprecationWarning])
     return out
@@ -150,7 +183,8 @@ def ranks():
     return spawn(swap_body, 2)
 
 
-@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+                                      "ScheduleInterleavedZeroBubble"])
 def test_pipeline_equals_torch_bit_for_bit(ranks, schedule):
     for rank in ranks:
         ours, theirs = rank[schedule]["labkit"], rank[schedule]["torch"]
@@ -160,7 +194,8 @@ def test_pipeline_equals_torch_bit_for_bit(ranks, schedule):
         assert ours["params"].keys() == theirs["params"].keys()
         assert all(torch.equal(ours["params"][k], theirs["params"][k]) for k in ours["params"])
     assert len(ranks[1][schedule]["labkit"]["losses"]) == STEPS * MICRO
-    assert ranks[1][schedule]["labkit"]["outputs"][0].shape == (8, 4)
+    if schedule in ("ScheduleGPipe", "Schedule1F1B"):
+        assert ranks[1][schedule]["labkit"]["outputs"][0].shape == (8, 4)
 
 
 def test_device_mesh_answers_as_torchs(ranks):
@@ -189,3 +224,4 @@ def test_old_pipeline_stage_order_runs_with_a_deprecation(ranks):
         group_ranks, messages = rank["old order"]
         assert group_ranks == (0, 1)
         assert any("PipelineStage(module, stage, num_stages, device" in m for m in messages)
+        assert any("use ScheduleGPipe(stages, n_microbatches, loss_fn)" in m for m in messages)

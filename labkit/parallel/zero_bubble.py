@@ -63,8 +63,9 @@ class ZeroBubbleSchedule:
             raise ValueError(f"ZeroBubbleSchedule runs one stage per rank: {stage.num_stages} "
                              f"stages over {p} ranks")
         if not stage.is_first and stage.input_shape is None:
-            raise ValueError(f"stage {stage.stage_index} needs input_shape= (one micro-batch's "
-                             "input) for the zero-bubble executor")
+            raise ValueError(f"stage {stage.stage_index} needs input_shape= (or torch's "
+                             "input_args=: one micro-batch's input) for the zero-bubble "
+                             "executor")
         if n_microbatches < 1:
             raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
         if schedule == "zb-h1":
