@@ -34,7 +34,7 @@ TECHNIQUES = {
     "data parallel (DDP)": ["data_parallel"],
     "ZeRO-1/2": ["zero"],
     "mixed precision (fp32 masters)": ["mixed_precision"],
-    "fully sharded (ZeRO-3)": ["fully_shard*"],
+    "fully sharded (ZeRO-3)": ["fully_shard*", "fsdp2"],
     "tensor parallel (+ SP, async TP)": ["tensor_parallel", "tp_presets", "async_tp"],
     "pipeline": ["pipeline", "zero_bubble", "hf_stages"],
     "expert parallel": ["moe", "moe_*", "expert_tp", "hf_experts"],

@@ -15,6 +15,9 @@ first step (`parallelize` refuses a plan that would train wrong in one line; `ve
 skips it).
 Techniques never import each other; hybrid.py composes them.
 """
+import sys
+import types
+
 # `from labkit.parallel import FullyShard` works, and importing the package imports no block:
 # each name is imported on first use (PEP 562), from the one module that defines it. (The
 # function `ring_attention` is `labkit.ring_attention`: here the name is its module's.)
@@ -23,6 +26,11 @@ _BLOCKS = {
     "DistributedDataParallel": "data_parallel",
     "ShardedOptimizer": "zero",
     "FullyShard": "fully_shard",
+    "fully_shard": "fsdp2",
+    "FSDPModule": "fsdp2",
+    "MixedPrecisionPolicy": "fsdp2",
+    "OffloadPolicy": "fsdp2",
+    "CPUOffloadPolicy": "fsdp2",
     "parallelize": "tensor_parallel",
     "ColumnParallelLinear": "tensor_parallel",
     "RowParallelLinear": "tensor_parallel",
@@ -48,6 +56,18 @@ _BLOCKS = {
     "checkpoint_attention_cores": "recompute",
 }
 __all__ = sorted(_BLOCKS)
+
+
+class _Package(types.ModuleType):
+    """`fully_shard` is torch's function here (as in torch.distributed.fsdp): importing the
+    module parallel/fully_shard.py (FSDP1's FullyShard) must not rebind the name to it."""
+
+    def __setattr__(self, name, value):
+        if not (name == "fully_shard" and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name):

@@ -1,4 +1,8 @@
-"""FullyShard: ZeRO stage 3 as a wrapper of any nn.Module, like PyTorch's `fully_shard` (FSDP2).
+"""FullyShard: ZeRO stage 3 as a wrapper of any nn.Module, in FSDP1's flat-buffer design.
+
+PyTorch's FSDP1 (`FullyShardedDataParallel`) laid each unit out as one FlatParameter; its FSDP2
+(`torch.distributed.fsdp.fully_shard`) shards each parameter on dim 0: that is labkit's
+`fully_shard` (fsdp2.py), with torch's signature. This wrapper stays for the mesh (hybrid.py).
 
 The idea (Rajbhandari et al. 2020, ZeRO, arXiv 1910.02054, stage 3; Zhao et al. 2023, PyTorch
 FSDP, arXiv 2304.11277): no rank keeps a full copy of anything. The model is cut into *units*

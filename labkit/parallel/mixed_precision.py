@@ -14,6 +14,8 @@ stage 2: slices of the flat buckets), so the masters are sharded with the optimi
 K Psi / N bytes per rank. `masters` lists them (in the order of the tensors it steps),
 `load_masters` sets them (e.g. to the unrounded fp32 weights, from
 `ShardedOptimizer.local_part`), and `ShardedOptimizer.gather_full(masters)` puts them together.
+Under `fully_shard` no MasterWeights is needed: its `MixedPrecisionPolicy(param_dtype=...)`
+(fsdp2.py, torch's) keeps the shards in fp32 and computes with 16-bit copies gathered from them.
 """
 import torch
 
