@@ -168,14 +168,15 @@ def _one_tensor(value, name):
 class PipelineSchedule:
     """Runs a schedule over this rank's stages: the one executor behind every schedule.
 
-    The arguments in torch's order (`Schedule1F1B(stage, n_microbatches, loss_fn)`), the
-    schedule a keyword: a learner's call carries over to torch.distributed.pipelining.
-    stages: this rank's PipelineStage, or its list (interleaved: stages r, r+P, ...).
-    n_microbatches: micro-batches per step. schedule: "naive", "gpipe", "1f1b", "interleaved", or the data itself (for every group
+    The arguments in torch's order; torch's classes (`Schedule1F1B(stage, n_microbatches,
+    loss_fn)`, below) each name their schedule for it. stages: this rank's PipelineStage, or
+    its list (interleaved: stages r, r+P, ...). n_microbatches: micro-batches per step.
+    schedule: "naive", "gpipe", "1f1b", "interleaved", or the data itself (for every group
     rank, its ops ("F"|"B", micro-batch, chunk), see labkit.theory.pipeline); checked before
     anything runs (each op once, F before B, no deadlock). loss_fn(output, target) -> scalar
     on the last stage. recompute: keep only each stage's input and run its forward again in
-    backward (activation checkpointing; the forward must be deterministic).
+    backward (activation checkpointing; the forward must be deterministic). scale_grads
+    (torch's): False sums the micro-batches' gradients instead of averaging them.
     """
 
     RETURNS_OUTPUT = False     # step() returns the mean loss (torch's classes: the output)
