@@ -211,8 +211,51 @@ ON_FOUR = [("mlp", "adamw", None), ("tied", "sgd", None), ("root", "adamw", None
 CASES = [(case, 2) for case in ON_TWO] + [(case, 4) for case in ON_FOUR]
 
 
+# fully_shard (FSDP2, fsdp2.py) bottom-up on the same models: the GPT's and the encoder's
+# layers each a group, then the root; the others root only (a tied weight, a child's weight
+# read by the root's forward: torch's rule, the module that reads them all owns them)
+FSDP2_CASES = [("gpt", "adamw"), ("encoder", "sgd"), ("hf", "adamw"), ("tied", "sgd"),
+               ("view", "adamw")]
+
+
+def train_fsdp2(name, kind):
+    from labkit.parallel import fully_shard
+    from labkit.parallel.fsdp2 import full_tensor
+    ctx = labkit.context()
+    model = build(name)
+    for layer in getattr(model, "blocks", getattr(model, "layers", [])):
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = make_optimizer(kind, model.parameters())
+    for step in range(STEPS):
+        x, y = batch(name, step)
+        share = BATCH // ctx.world_size
+        x, y = (t[ctx.rank * share:(ctx.rank + 1) * share] for t in (x, y))
+        optimizer.zero_grad(set_to_none=True)
+        loss_of(name, model, x, y).backward()
+        optimizer.step()
+    return dict(state={n: full_tensor(p) for n, p in model.named_parameters()},
+                rows={n: p.shape[0] if p.dim() else 1 for n, p in model.named_parameters()})
+
+
 def _spawned(rank, world_size):
-    return {case: train(*case) for case in ON_TWO}
+    out = {case: train(*case) for case in ON_TWO}
+    out.update({("fsdp2",) + case: train_fsdp2(*case) for case in FSDP2_CASES})
+    return out
+
+
+@pytest.mark.parametrize("case", FSDP2_CASES, ids="-".join)
+def test_fsdp2_equals_one_device(case):
+    """Each rank ends with torch.chunk's rows of every parameter; gathered, they equal one
+    device within rounding (numerics)."""
+    ranks = results(2)
+    full = dict(build(case[0]).named_parameters())
+    for rank, r in enumerate(ranks):
+        out = r[("fsdp2",) + case]
+        agreement = within_rounding(out["state"], *case)
+        assert agreement, (rank, str(agreement))
+        assert out["rows"] == {n: len(p.chunk(2)[rank]) if len(p.chunk(2)) > rank else 0
+                               for n, p in full.items()}
 
 
 def _launched(ctx):
