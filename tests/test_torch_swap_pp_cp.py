@@ -159,6 +159,11 @@ def swap_body(rank, world_size):
         out[name] = {"labkit": interleaved_script(labkit_pp, name, virtual),
                      "torch": interleaved_script(torch_pp, name, virtual)}
     out["mesh"] = {"labkit": mesh_script(labkit_mesh), "torch": mesh_script(torch_mesh)}
+    from labkit.runtime.mesh import Mesh
+    as_torch = Mesh(dp=2).as_device_mesh()     # labkit's named mesh, seen as a DeviceMesh
+    out["Mesh as DeviceMesh"] = (as_torch.mesh_dim_names, as_torch.shape,
+                                 as_torch.get_local_rank("dp"), as_torch["tp"].size(),
+                                 dist.get_process_group_ranks(as_torch["dp"].get_group()))
     theirs = torch_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     out["cp"] = {"labkit mesh": cp_script(context_parallel, labkit_mesh("cpu", (world_size,))),
                  "torch mesh": cp_script(context_parallel, theirs),
@@ -202,6 +207,8 @@ def test_device_mesh_answers_as_torchs(ranks):
     for rank in ranks:
         assert rank["mesh"]["labkit"] == rank["mesh"]["torch"]
     assert ranks[1]["mesh"]["labkit"]["flat"] == (2, 1, [0, 1])
+    for rank, answers in enumerate(r["Mesh as DeviceMesh"] for r in ranks):
+        assert answers == (("pp", "dp", "cp", "tp"), (1, 2, 1, 1), rank, 1, [0, 1])
 
 
 def test_context_parallel_shards_as_torch_and_equals_one_device(ranks):
