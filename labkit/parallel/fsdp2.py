@@ -12,7 +12,7 @@ parameters); after its forward the full parameters are freed (`reshard_after_for
 root keeps them, its backward comes next), gathered again when backward reaches the module's
 outputs; as soon as every gradient of the group is in, one reduce-scatter averages them and
 leaves each rank the gradient of its own rows in the shard's `.grad`. Bytes per rank for Ψ
-parameters, K bytes of optimizer state each: (4 + 4 + K) Ψ / N (+ the padding, under c N - d0
+fp32 parameters, K bytes of optimizer state each: (4 + 4 + K) Ψ / N (+ the padding: c N - d0 < N
 rows per parameter) plus the largest group gathered (two with the root's); communication per
 step: all-gathers of Ψ before forward and again before backward, a reduce-scatter of Ψ: 3Ψ,
 1.5x DDP's all-reduce (2Ψ).
