@@ -21,9 +21,10 @@ def test_importing_labkit_parallel_imports_no_torch():
 
 
 def test_distributed_data_parallel_is_the_data_parallel_block():
-    from labkit.parallel.data_parallel import DataParallel
-    assert labkit.DistributedDataParallel is DataParallel
-    assert labkit.parallel.DistributedDataParallel is DataParallel
+    from labkit.parallel.data_parallel import DataParallel, DistributedDataParallel
+    assert labkit.DistributedDataParallel is DistributedDataParallel
+    assert labkit.parallel.DistributedDataParallel is DistributedDataParallel
+    assert issubclass(DataParallel, DistributedDataParallel)   # the old name, deprecated
 
 
 def test_one_version_string():

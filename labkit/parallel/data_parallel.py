@@ -1,4 +1,4 @@
-"""DataParallel: a replica of any nn.Module per rank, gradients averaged in buckets during backward.
+"""DistributedDataParallel: a replica of any nn.Module per rank, gradients averaged in buckets.
 
 The idea. N replicas start from the same weights (the group's first member broadcasts its
 parameters and buffers when the wrapper is built). Each rank runs forward and backward on its
@@ -19,16 +19,20 @@ first); a post-accumulate-grad hook copies each gradient into its bucket, and a 
 async all-reduce starts at once while backward computes the earlier layers. What PyTorch's
 DistributedDataParallel does (Li et al. 2020, "PyTorch Distributed", arXiv 2006.15704).
 
-    model = DataParallel(model, group=None, bucket_mb=25.0, overlap=True)
+    model = DistributedDataParallel(model, process_group=None, bucket_cap_mb=25)
     loss = loss_fn(model(x_shard), y_shard)
     loss.backward()             # buckets all-reduce during backward; averaged .grad at its end
     optimizer.step()
 
+torch's signature and semantics (`no_sync()` included), so a script swaps the import for
+`torch.nn.parallel`'s and gets the same numbers (tests/test_torch_swap_ddp_tp.py); what stays
+different on purpose: docs/torch-differences.md. `DataParallel` is the earlier, deprecated name.
 Every rank issues the bucket all-reduces in the same order (bucket 0, 1, 2, ...), whatever order
 its hooks fire in: a collective matches the others' by its place in that sequence.
 `ring_all_reduce(ctx, tensor)` is that all-reduce's ring, from send and recv only.
 """
 import itertools
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -42,32 +46,63 @@ from .flat import FlatBuffer, bucket_params
 _instances = itertools.count()   # tells the memory tracker's buffers of two wrappers apart
 
 
-class DataParallel(nn.Module):
-    """Data parallelism on any nn.Module inside any process group (`group=None`: the world).
+class DistributedDataParallel(nn.Module):
+    """Data parallelism on any nn.Module inside any process group, with torch's signature.
 
-    bucket_mb: bucket size in MiB (2**20 bytes, as DDP's bucket_cap_mb and ShardedOptimizer's
-        bucket_mb); 0 gives one bucket per parameter, each launched as soon as its gradient
-        is ready. overlap=False launches every bucket after backward.
-    gradient_as_bucket_view: as in DDP, make each `.grad` a view into its bucket (saves the copy
-        and 4Ψ bytes); then the buckets are counted as gradients, not as buffers.
-    Frozen parameters (requires_grad=False) get no hook and no all-reduce; a parameter reached
-    twice (tied weights) is reduced once. Buffers are broadcast once, when the wrapper is built.
+    process_group: None (the world), a labkit Group or a torch ProcessGroup; device_mesh: a
+        1-D mesh (torch's DeviceMesh or a labkit mesh dimension) instead of it.
+    bucket_cap_mb: bucket size in MiB (2**20 bytes); 0 gives one bucket per parameter, each
+        launched as soon as its gradient is ready (torch: None means 25).
+    broadcast_buffers / forward_sync_buffers: as in torch 2.13, buffers are broadcast from the
+        group's first member before each forward that follows a synchronising one (BatchNorm's
+        running stats); `broadcast_buffers=False` skips the initial buffer broadcast too,
+        `forward_sync_buffers=False` only the per-forward one.
+    gradient_as_bucket_view: each `.grad` becomes a view into its bucket (saves the copy and
+        4Ψ bytes); then the buckets are counted as gradients, not as buffers.
+    find_unused_parameters, static_graph, check_reduction, dim: accepted; labkit needs no
+        unused-parameter search (a bucket whose gradient never came is reduced with zeros at the
+        end of backward), and one device per process has nothing to scatter along `dim`.
+    overlap (labkit only, keyword): False launches every bucket after backward, to measure
+        what overlapping buys. Frozen parameters get no hook; a tied parameter is reduced once.
     """
 
-    def __init__(self, module: nn.Module, group: GroupLike = None, bucket_mb: float = 25.0,
-                 overlap: bool = True, gradient_as_bucket_view: bool = False) -> None:
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group: GroupLike = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
+                 mixed_precision=None, device_mesh=None,
+                 forward_sync_buffers: bool | None = None, *, overlap: bool = True) -> None:
         super().__init__()
+        _refuse_unsupported(module, device_ids, output_device, process_group, device_mesh,
+                            delay_all_reduce_named_params=delay_all_reduce_named_params,
+                            param_to_hook_all_reduce=param_to_hook_all_reduce,
+                            mixed_precision=mixed_precision)
+        bucket_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
         if bucket_mb < 0:
-            raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
+            raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_mb}")
         self.module = module
         self._ctx = context()
-        self.group = self._ctx.group(group)
+        if device_mesh is not None:
+            process_group = device_mesh.get_group()
+        self.group = self._ctx.group(process_group)
+        self.process_group = self.group
         self.bucket_mb, self.overlap = bucket_mb, overlap
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
+        if forward_sync_buffers is None:   # torch 2.13's reading of the two flags
+            forward_sync_buffers = True if broadcast_buffers is None else broadcast_buffers
+            init_sync_buffers = forward_sync_buffers
+        else:
+            init_sync_buffers = True
+        self.forward_sync_buffers = self.broadcast_buffers = forward_sync_buffers
         self.require_backward_grad_sync = True   # False inside no_sync()
+        self.require_forward_param_sync = True   # set by each forward, as in DDP
         self._sync_this_backward = True          # what the last forward saw (as in DDP)
         self._name = f"DataParallel {next(_instances)}"
-        self._broadcast_from_first_member()
+        if init_sync:
+            self._broadcast_from_first_member(buffers=init_sync_buffers)
         self._build_buckets()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient)
                        for p in self._params]
@@ -75,9 +110,10 @@ class DataParallel(nn.Module):
 
     # --- construction ------------------------------------------------------------------------
     @torch.no_grad()
-    def _broadcast_from_first_member(self):
+    def _broadcast_from_first_member(self, parameters=True, buffers=True):
         """Every replica starts from member 0's parameters and buffers (frozen ones included)."""
-        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        tensors = (list(self.module.parameters()) if parameters else []) + (
+            list(self.module.buffers()) if buffers else [])
         for t in tensors:   # parameters() and buffers() already skip a tensor seen twice
             self._ctx.comm.broadcast(t.detach(), src=0, group=self.group,
                                      tag="DataParallel broadcast")
@@ -104,8 +140,12 @@ class DataParallel(nn.Module):
 
     # --- forward and no_sync -------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.forward_sync_buffers and self.require_forward_param_sync:
+            self._broadcast_from_first_member(parameters=False)   # no-op without buffers
         # As in DDP, the forward decides whether the backward that follows synchronises.
         self._sync_this_backward = self.require_backward_grad_sync
+        self.require_forward_param_sync = (torch.is_grad_enabled()
+                                           and self.require_backward_grad_sync)
         return self.module(*args, **kwargs)
 
     @contextmanager
@@ -231,7 +271,41 @@ def ring_all_reduce(ctx, tensor, group: GroupLike = None, op: str = "sum") -> to
     return tensor
 
 
-# PyTorch's name for what this class does (buckets, overlap, `no_sync`): a learner who moves to
-# torch writes `DistributedDataParallel`. torch's own `nn.DataParallel` is the older
-# single-process, multi-thread wrapper, which this is not; the short name stays for the lessons.
-DistributedDataParallel = DataParallel
+def _refuse_unsupported(module, device_ids, output_device, process_group, device_mesh,
+                        **unsupported):
+    """One line for what this DDP leaves out, before anything is built."""
+    for name, value in unsupported.items():
+        if value is not None:
+            raise ValueError(f"DistributedDataParallel({name}=...) is not supported by labkit "
+                             "(docs/torch-differences.md); leave it None")
+    if process_group is not None and device_mesh is not None:
+        raise ValueError("DistributedDataParallel takes process_group or device_mesh, not both")
+    device = next(module.parameters(), torch.empty(0)).device
+    for name, ids in (("device_ids", device_ids), ("output_device", output_device)):
+        if ids is None:
+            continue
+        ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+        if device.type == "cpu" or len(ids) != 1 or torch.device(ids[0]).index != device.index:
+            raise ValueError(f"DistributedDataParallel({name}={ids}): one process drives one "
+                             f"device, the module's ({device}); pass None or that one device")
+
+
+class DataParallel(DistributedDataParallel):
+    """labkit's earlier name and signature for DistributedDataParallel (deprecated):
+    `DataParallel(module, group, bucket_mb, overlap, gradient_as_bucket_view)` is
+    `DistributedDataParallel(module, process_group=group, bucket_cap_mb=bucket_mb,
+    gradient_as_bucket_view=..., forward_sync_buffers=False, overlap=overlap)`: buffers are
+    broadcast once, when it is built. (torch's own `nn.DataParallel` is the older
+    single-process, multi-thread wrapper, which this is not.)"""
+
+    def __init__(self, module: nn.Module, group: GroupLike = None, bucket_mb: float = 25.0,
+                 overlap: bool = True, gradient_as_bucket_view: bool = False) -> None:
+        warnings.warn("labkit.parallel.DataParallel(module, group, bucket_mb) is deprecated: "
+                      "use DistributedDataParallel(module, process_group=group, "
+                      "bucket_cap_mb=bucket_mb), torch's name and signature",
+                      DeprecationWarning, stacklevel=2)
+        if bucket_mb < 0:
+            raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
+        super().__init__(module, process_group=group, bucket_cap_mb=bucket_mb,
+                         gradient_as_bucket_view=gradient_as_bucket_view,
+                         forward_sync_buffers=False, overlap=overlap)

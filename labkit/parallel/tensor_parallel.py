@@ -1,8 +1,10 @@
 """Tensor parallelism: split the weight matrices of any nn.Module across a process group.
 
-`parallelize(module, plan, group=None, sequence_parallel=False)` (like PyTorch's
-`parallelize_module`) replaces each layer the plan names with a parallel layer that holds this
-rank's shard of the layer's own weights, so the result computes what the unsplit module did.
+The layers and collectives under `parallelize_module` (parallel_styles.py: torch's styles,
+ColwiseParallel, RowwiseParallel, ...). labkit's earlier, deprecated spelling
+`parallelize(module, plan, group=None, sequence_parallel=False)` with string styles replaces
+each layer the plan names with a parallel layer that holds this rank's shard of the layer's
+own weights, so the result computes what the unsplit module did.
 Megatron-LM (Shoeybi et al. 2019, arXiv 1909.08053):
 - "colwise" (nn.Linear): split the output features; rank i computes Y_i = X A_i^T from the
   whole input. Its input's gradient is a sum over ranks: f (identity forward, all-reduce
@@ -38,6 +40,7 @@ refused on them: they build positions, the causal mask and the attention's resha
 length of the sequence they are handed, so shards would break inside the model. How a
 parameter is cut and gathered back: tp_shards.py.
 """
+import warnings
 from collections.abc import Mapping
 from functools import partial
 
@@ -311,10 +314,22 @@ def _build(style, layer, name, group, shared, sequence_parallel, regather, gathe
 
 
 def parallelize(module: nn.Module, plan: Mapping[str, str] | None = None,
-                group: GroupLike = None,
-                sequence_parallel: bool = False, *, regather: bool = True,
-                gather_output: bool = True, async_tp: bool = False,
-                verify: bool | None = None) -> nn.Module:
+                group: GroupLike = None, sequence_parallel: bool = False,
+                **options) -> nn.Module:
+    """labkit's earlier spelling of `parallelize_module` (deprecated): string styles and one
+    `sequence_parallel` flag; the arguments are those of `_parallelize_by_strings`."""
+    warnings.warn("labkit.parallel.parallelize(module, plan, group) is deprecated: use "
+                  "parallelize_module(module, device_mesh, parallelize_plan) with "
+                  "ColwiseParallel / RowwiseParallel / SequenceParallel styles, torch's names",
+                  DeprecationWarning, stacklevel=2)
+    return _parallelize_by_strings(module, plan, group, sequence_parallel, **options)
+
+
+def _parallelize_by_strings(module: nn.Module, plan: Mapping[str, str] | None = None,
+                            group: GroupLike = None,
+                            sequence_parallel: bool = False, *, regather: bool = True,
+                            gather_output: bool = True, async_tp: bool = False,
+                            verify: bool | None = None) -> nn.Module:
     """Split the layers `plan` names ({glob: "colwise" | "rowwise" | "vocab"}) over `group`
     (None: the world), in place; returns `module`. Every rank of the group calls it on the
     same (identically initialised) module and feeds the same input (with sequence_parallel:
@@ -365,7 +380,8 @@ def _verify(module, plan, group, sequence_parallel, regather, async_tp):
     applied to it with the logits gathered, against one device."""
     def apply(mini):   # a plan naming only layers the miniature lacks: nothing to check
         mini_plan = plan_for(mini, plan)
-        return parallelize(mini, mini_plan, group, sequence_parallel, regather=regather,
-                           async_tp=async_tp, verify=False) if mini_plan else mini
+        return _parallelize_by_strings(mini, mini_plan, group, sequence_parallel,
+                                       regather=regather, async_tp=async_tp,
+                                       verify=False) if mini_plan else mini
     check_against_one_device(module, apply, group, what="parallelize(plan)",
                              forward=lambda model, ids: model(ids), gradients=gather_grads)

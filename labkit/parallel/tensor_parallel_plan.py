@@ -185,7 +185,7 @@ def resolve_plan(module, plan, tp):
             if chosen.setdefault(name, style) != style:
                 raise ValueError(f"{name} is planned both {chosen[name]} and {style}")
     for name, style in chosen.items():
-        _check_one(name, named[name], style, tp, module)
+        check_layer(name, named[name], style, tp, module)
     return list(chosen.items())
 
 
@@ -234,7 +234,8 @@ def _check_heads(name, parent_name, parent, tp, root):
     return counts
 
 
-def _check_one(name, layer, style, tp, root):
+def check_layer(name, layer, style, tp, root):
+    """One-line ValueError when `style` cannot split `layer` (`name` in `root`) over `tp`."""
     if style == "replicated_grad_sum":
         if not any(p.requires_grad for p in layer.parameters()):
             raise ValueError(f"'replicated_grad_sum' on {name} ({type(layer).__name__}): it has "
