@@ -9,7 +9,9 @@ sub-groups {0,2} and {1,3} of 4. Also: what is communicated (frozen weights are 
 reduced; reshard_after_forward=False gathers once), replicated parameters outside the units,
 offload, the shards' gradients, full_state_dict's names. Hugging Face models: Falcon (attention
 and MLP summed in place in each block) and a Llama sharded with its root as a unit, trained on
-their own `out.loss`: equal to one device, and the output stays transformers' ModelOutput.
+their own `out.loss`: equal to one device, and the output stays transformers' ModelOutput. Views
+that outlive their freed buffer: a parent computing with `conv.weight.squeeze(1)` (Mamba-style
+layers) and a module returning its own parameter (GPT-NeoX-Japanese's dense_bias).
 
 Two programs run everything (the machine is small): one spawn of 2 ranks, one launch of 4.
 """
@@ -100,10 +102,37 @@ class ReadsAView(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
+class ReturnsItsBias(nn.Module):
+    """A module returning its own parameter for the caller to add (GPT-NeoX-Japanese's
+    attention returns its dense_bias): the parameter outlives the module's forward."""
+
+    def __init__(self, hidden=12):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.bias = nn.Parameter(torch.linspace(-1, 1, hidden))
+
+    def forward(self, h):
+        return self.proj(h), self.bias
+
+
+class ReturnsAParameter(nn.Module):
+    def __init__(self, vocab=24, hidden=12):
+        super().__init__()
+        self.tok, self.attn = nn.Embedding(vocab, hidden), ReturnsItsBias(hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x, y):
+        h, bias = self.attn(self.tok(x))
+        logits = self.head(torch.tanh(h + bias.expand_as(h)))
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
 def build(name):
     torch.manual_seed(0)
     if name == "view":
         return ReadsAView()
+    if name == "returned":
+        return ReturnsAParameter()
     if name == "encoder":   # PyTorch's own: MultiheadAttention reads out_proj.weight directly
         layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0,
                                            batch_first=True)
@@ -127,7 +156,7 @@ def batch(name, step):
         return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 5, generator=g)
     if name == "encoder":
         return torch.randn(BATCH, 6, 16, generator=g), torch.randn(BATCH, 6, 16, generator=g)
-    vocab, seq = (24, 6) if name in ("tied", "hf", "view") else (32, 8)
+    vocab, seq = (24, 6) if name in ("tied", "hf", "view", "returned") else (32, 8)
     return (torch.randint(0, vocab, (BATCH, seq), generator=g),
             torch.randint(0, vocab, (BATCH, seq), generator=g))
 
@@ -201,7 +230,7 @@ def train(name, kind, dtype=None, group=None, **options):
 # on 2 ranks (a plain spawn program) or 4 (launch); the GPT in bf16 on both.
 ON_TWO = [("mlp", "sgd", None), ("tied", "adamw", None), ("root", "sgd", None),
           ("gpt", "adamw", None), ("encoder", "sgd", None), ("hf", "sgd", None),
-          ("view", "sgd", None),
+          ("view", "sgd", None), ("returned", "sgd", None),
           ("mlp", "adamw", BF16), ("tied", "sgd", BF16),
           ("root", "adamw", BF16), ("gpt", "sgd", BF16)]
 ON_FOUR = [("mlp", "adamw", None), ("tied", "sgd", None), ("root", "adamw", None),

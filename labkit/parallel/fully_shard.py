@@ -56,7 +56,8 @@ import torch.nn as nn
 from ..runtime.comm import GroupLike
 from ..runtime import torch_compat
 from ..runtime.context import context
-from .fully_shard_layout import _make_units, _GatherOnUse, _map_tensors, gather_before_backward
+from .fully_shard_layout import (_make_units, _GatherOnUse, _map_tensors, copy_views_of,
+                                 gather_before_backward)
 from ..theory import hardware   # PCIe numbers for the modelled host <-> device copies
 
 OFFLOAD_LINK = "PCIe 5"        # what ZeRO-Offload's copies cross (modelled)
@@ -197,12 +198,15 @@ class FullyShard(nn.Module):
             self._prefetch(self._order.index(unit) + 1)
 
     def _post_forward(self, unit, out):
+        # a parameter (or a view of one) returned must outlive the buffer freed below
+        kept = copy_views_of(unit.needs, out) if self.reshard_after_forward else out
         for u in unit.needs:
             u.active -= 1
             if u.active == 0 and self.reshard_after_forward:
                 self._free(u)
         if torch.is_grad_enabled():   # backward reaches `_pre_backward` before this unit's
-            gather_before_backward(self, unit, out)   # `out` itself returned: its type kept
+            gather_before_backward(self, unit, kept)
+        return None if kept is out else kept   # None: the module's own output, type and all
 
     def _pre_backward(self, unit):
         if not self._backward_started:   # like DDP: finish by itself when backward ends

@@ -153,15 +153,24 @@ class _GatherOnUse(TorchFunctionMode):
         out = func(*args, **kwargs)
         if used and torch.is_grad_enabled():
             units = list(dict.fromkeys(used))
-            # a view of a gathered buffer (`conv.weight.squeeze(1)` in a parent's forward) may
-            # be saved by a later op whose backward runs before this op's hook, the buffer freed
-            # by then: such an output is copied (its bytes held until that backward)
-            held = {f.full.untyped_storage().data_ptr() for u in units for f in u.flats}
-            out = _map_tensors(out, lambda t: t.clone() if t.untyped_storage().data_ptr()
-                               in held else t)
+            out = copy_views_of(units, out)
             for unit in units:
                 gather_before_backward(self.owner, unit, out)
         return out
+
+
+def copy_views_of(units, value):
+    """`value` with each tensor that is a view of `units`' gathered buffers copied. Such a view
+    (`conv.weight.squeeze(1)` read by a parent; a parameter a module returns, as GPT-NeoX-
+    Japanese's attention returns its dense_bias) outlives the buffer, which is freed after the
+    forward: a later op reading it, or saving it for a backward that runs before the unit is
+    gathered again, would find no storage. The copy holds its bytes until then."""
+    held = {f.full.untyped_storage().data_ptr() for u in units for f in u.flats}
+    aliases = [t for t in _each_tensor(value) if t.untyped_storage().data_ptr() in held]
+    if not aliases:
+        return value
+    return _map_tensors(value, lambda t: t.clone() if t.untyped_storage().data_ptr() in held
+                        else t)
 
 
 def gather_before_backward(owner, unit, value):
