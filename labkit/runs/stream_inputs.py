@@ -36,7 +36,7 @@ STREAM_OPTIONS = ("rate", "policy", "max_batch", "paged", "block_size", "kv_toke
                   "ttft_ms", "tpot_ms",
                   # vLLM's names of the batch and the step's token budget (issue 41)
                   "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-                  "no_enable_chunked_prefill")
+                  "no_enable_chunked_prefill", "enable_prefix_caching")
 POISSON_OPTIONS = ("rate", "stream_prompt_len", "stream_output_len")
 FIXED_BATCH_OPTIONS = ("batch", "prompt_len", "new_tokens", "ep", "top_k")
 
