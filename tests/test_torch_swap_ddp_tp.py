@@ -255,6 +255,11 @@ def refusals():
         DataParallel(nn.Linear(2, 2))
         parallelize(nn.Sequential(nn.Linear(4, 4)), {"0": "colwise"})
     seen["warnings"] = [(w.category.__name__, str(w.message)) for w in caught]
+    from torch.distributed.device_mesh import init_device_mesh
+    from labkit.parallel import DistributedDataParallel
+    from labkit.runtime.mesh import Mesh
+    seen["ddp groups"] = [DistributedDataParallel(nn.Linear(2, 2), device_mesh=mesh).group.size
+                          for mesh in (init_device_mesh("cpu", (2,)), Mesh(dp=2)["dp"])]
     model = nn.Sequential(nn.Linear(4, 4), nn.Embedding(4, 4))
     try:
         parallelize_module(model, None, {"0": ColwiseParallel(), "1": ColwiseParallel()})
@@ -284,6 +289,7 @@ def test_old_names_warn_and_styles_refuse_in_one_line(swap_runs):
         message, first_layer = seen["embedding"]
         assert "ColwiseParallel on 1 (Embedding)" in message and "\n" not in message
         assert first_layer == "Linear"   # refused before the first entry was split
+        assert seen["ddp groups"] == [2, 2]   # torch's DeviceMesh, a labkit mesh dimension
         assert "inside loss_parallel()" in seen["outside"]
         assert numerics.compare_loss([seen["inside"]], [seen["single"]], [seen["exact"]])
 

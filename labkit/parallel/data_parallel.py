@@ -84,8 +84,9 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_mb}")
         self.module = module
         self._ctx = context()
-        if device_mesh is not None:
-            process_group = device_mesh.get_group()
+        if device_mesh is not None:   # torch's DeviceMesh, or a labkit mesh dimension
+            get_group = getattr(device_mesh, "get_group", None)
+            process_group = get_group() if get_group else device_mesh
         self.group = self._ctx.group(process_group)
         self.process_group = self.group
         self.bucket_mb, self.overlap = bucket_mb, overlap
