@@ -177,8 +177,9 @@ def swap_body(rank, world_size):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stage = labkit_pp.PipelineStage(nn.Linear(2, 2), rank, 2, dist.group.WORLD)
+        on_mesh = labkit_pp.PipelineStage(nn.Linear(2, 2), rank, 2, "cpu", group=theirs)
         labkit_pp.PipelineSchedule(stage, 2, F.mse_loss, schedule="gpipe")
-    out["old order"] = (stage.group.ranks, [str(w.message) for w in caught
+    out["old order"] = (on_mesh.group.ranks, [str(w.message) for w in caught
                                             if w.category is DeprecationWarning])
     return out
 
@@ -228,7 +229,7 @@ def test_context_parallel_shards_as_torch_and_equals_one_device(ranks):
 
 def test_old_pipeline_stage_order_runs_with_a_deprecation(ranks):
     for rank in ranks:
-        group_ranks, messages = rank["old order"]
+        group_ranks, messages = rank["old order"]   # group_ranks: a stage on torch's mesh
         assert group_ranks == (0, 1)
         assert any("PipelineStage(module, stage, num_stages, device" in m for m in messages)
         assert any("use ScheduleGPipe(stages, n_microbatches, loss_fn)" in m for m in messages)

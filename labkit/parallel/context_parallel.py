@@ -149,7 +149,7 @@ class ContextParallel(nn.Module):
         if method not in CORES:
             raise ValueError(f"method must be one of {', '.join(CORES)}, got {method!r}")
         self.module, self.layout, self.method = module, layout, method
-        self.group = context().group(group)
+        self.group = context().group(group_of(group))     # a group, or a 1-D DeviceMesh
         cores = {"causal_attention": _heads_last} if cores is None else dict(cores)
         self._router = _RouteAttention(self.core, cores)
         self._agreed = False        # whether the first call's all-reduce (`_agree`) has run

@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
+from ..runtime.mesh import group_of
 from ..theory import pipeline as schedules
 from .hf_stages import hf_as_sequential, is_hf_model, sum_tied_gradients, untie_across_stages
 
@@ -114,7 +115,7 @@ class PipelineStage:
                           "group=group)", DeprecationWarning, stacklevel=2)
             device, group = None, device
         self.device = ctx.device if device is None else _on_this_rank(device, ctx.device)
-        self.group = ctx.group(group)
+        self.group = ctx.group(group_of(group))            # a group, or a 1-D DeviceMesh
         p = self.group.size
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index {stage_index} is not in 0..{num_stages - 1}")
