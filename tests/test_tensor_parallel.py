@@ -139,10 +139,57 @@ CASES_SUBGROUP = [("gpt", "sgd", True), ("mlp", "adamw", False)]
 def on_two_ranks(ctx):
     out = {case: train_case(*case) for case in CASES_2}
     out["errors"] = bad_plans()
+    out["torch spelling"] = {sp: torch_spelling_against_strings(sp) for sp in (False, True)}
     cfg = reference.RunConfig()
     model = run_tp.build_tp_model(cfg)
     out["generate"] = run_tp.generate(ctx, model, _tokens(0, 128, 6)[0][:2], 8)
     return out
+
+
+def gpt_plan_in_torch_styles(sequence_parallel):
+    """gpt_plan's strings in torch's styles: "vocab" on the embedding is
+    RowwiseParallel(input_layouts=Replicate()), on the head ColwiseParallel(output_layouts=
+    Replicate()); with SP the norms are SequenceParallel and Shard(-2) is the sequence."""
+    from labkit.parallel import (ColwiseParallel, Replicate, RowwiseParallel,
+                                 SequenceParallel, Shard)
+    seq = Shard(-2) if sequence_parallel else Replicate()
+    plan = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "blocks.*.attn.qkv": ColwiseParallel(input_layouts=seq),
+            "blocks.*.attn.proj": RowwiseParallel(output_layouts=seq),
+            "blocks.*.mlp.fc1": ColwiseParallel(input_layouts=seq),
+            "blocks.*.mlp.fc2": RowwiseParallel(output_layouts=seq),
+            "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+    if sequence_parallel:
+        plan.update({"pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+                     "blocks.*.ln1": SequenceParallel(), "blocks.*.ln2": SequenceParallel(),
+                     "ln_f": SequenceParallel()})
+    return plan
+
+
+def torch_spelling_against_strings(sequence_parallel):
+    """labkit's GPT split by parallelize_module in torch's styles and by the old string plan:
+    the same layers and collectives, so the same losses and parameters, bit for bit."""
+    from labkit.parallel import parallelize_module
+    from labkit.parallel.tensor_parallel_plan import gpt_plan
+    runs = []
+    for split in (lambda m: tp.parallelize(m, gpt_plan(sequence_parallel), None,
+                                           sequence_parallel),
+                  lambda m: parallelize_module(m, None,
+                                               gpt_plan_in_torch_styles(sequence_parallel))):
+        torch.manual_seed(0)
+        model = split(models.TinyGPT(models.GPTConfig(layers=2, hidden=32, heads=4, seq=8,
+                                                      vocab=64, ffn=64)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(STEPS):
+            ids, targets = _tokens(step, 64, 8)
+            loss = model(ids, targets)   # with SP too: the head gathers the whole sequence
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, tp.gather_params(model)))
+    return runs
 
 
 def bad_plans():
@@ -209,6 +256,15 @@ def test_a_plain_spawn_program_without_launch():
     for rank in spawn(in_spawned_program, 2):
         for case, result in rank.items():
             assert_matches(result, *case[:2])
+
+
+def test_torch_styles_split_labkit_gpt_as_the_string_plan_does(two):
+    for rank in two:
+        for sequence_parallel, (strings, styles) in rank["torch spelling"].items():
+            assert strings[0] == styles[0], sequence_parallel   # losses
+            for name, value in strings[1].items():
+                assert torch.equal(value, styles[1][name]), (sequence_parallel, name)
+            assert strings[0][0] != strings[0][-1]   # it trained
 
 
 def test_bad_plans_fail_in_one_line_before_anything_changes(two):

@@ -162,8 +162,13 @@ class RowwiseParallel(ParallelStyle):
             if type(module).forward is not nn.Embedding.forward:   # Gemma's scaled rows
                 return split_embedding_in_place(module, group, **options)
             return VocabParallelEmbedding(module, group, **options)
-        return RowParallelLinear(module, group, split_input=_kind(self.input_layouts) ==
-                                 "replicate", **options)
+        layer = RowParallelLinear(module, group, split_input=_kind(self.input_layouts) ==
+                                  "replicate", **options)
+        if options["sequence_parallel"] and layer.bias is not None:
+            # the bias is added to this rank's tokens only: its gradient is summed (torch: a
+            # Replicate DTensor's partial gradient, reduced)
+            sum_gradients(layer, group, name, skip=layer.weight)
+        return layer
 
 
 class SequenceParallel(ParallelStyle):
