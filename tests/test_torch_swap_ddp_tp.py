@@ -244,10 +244,16 @@ def run_tp(rank, world):
     return out
 
 
+class Echo(nn.Module):
+    def forward(self, x, *, y):
+        return y
+
+
 def refusals():
     """What each rank saw: the old names' warnings, the refusals (and that nothing was split)."""
     import warnings
-    from labkit.parallel import (ColwiseParallel, DataParallel, loss_parallel, parallelize,
+    from labkit.parallel import (ColwiseParallel, DataParallel, PrepareModuleInput,
+                                 Replicate, Shard, loss_parallel, parallelize,
                                  parallelize_module)
     seen = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -265,6 +271,13 @@ def refusals():
         parallelize_module(model, None, {"0": ColwiseParallel(), "1": ColwiseParallel()})
     except ValueError as error:
         seen["embedding"] = (str(error), type(model[0]).__name__)
+    seen["kwarg"] = tuple(parallelize_module(Echo(), None, PrepareModuleInput(
+        input_kwarg_layouts={"y": Shard(1)}, desired_input_kwarg_layouts={"y": Replicate()}))(
+            torch.zeros(1), y=torch.ones(2, 3, 4)).shape)   # the sequence gathered: 3 -> 6
+    try:
+        PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1))
+    except ValueError as error:
+        seen["scatter"] = str(error)
     torch.manual_seed(0)   # the same head and input on both ranks
     head, x, targets = nn.Linear(4, 8), torch.randn(3, 4), torch.tensor([0, 5, 7])
     whole = copy.deepcopy(head)
@@ -289,6 +302,8 @@ def test_old_names_warn_and_styles_refuse_in_one_line(swap_runs):
         message, first_layer = seen["embedding"]
         assert "ColwiseParallel on 1 (Embedding)" in message and "\n" not in message
         assert first_layer == "Linear"   # refused before the first entry was split
+        assert seen["kwarg"] == (2, 6, 4)
+        assert "from Shard(1) to Replicate() only" in seen["scatter"]
         assert seen["ddp groups"] == [2, 2]   # torch's DeviceMesh, a labkit mesh dimension
         assert "inside loss_parallel()" in seen["outside"]
         assert numerics.compare_loss([seen["inside"]], [seen["single"]], [seen["exact"]])
