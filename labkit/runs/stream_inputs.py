@@ -21,8 +21,8 @@ import csv
 import io
 import json
 import math
-import os
-import stat
+
+from ..theory.user_files import read_user_text
 
 FIELDS = ("arrival_s", "prompt", "output")
 MAX_TRACE_BYTES = 16 << 20       # 16 MiB: about 500,000 rows, far beyond what CPU ranks serve
@@ -45,7 +45,7 @@ def read_trace(path):
     """The trace at `path` as [{id, prompt, output, arrival_s}], sorted by arrival and numbered
     in that order; a bad file or row: one-line ValueError (see the module docstring)."""
     where = f"--trace {path}"
-    text = _read_text(path, where)
+    text = read_user_text(path, where, MAX_TRACE_BYTES, "a trace is UTF-8 CSV or JSON")
     if str(path).lower().endswith(".json"):
         rows = _json_rows(text, where)
     else:
@@ -59,28 +59,6 @@ def read_trace(path):
     out = [check_row(row, label) for label, row in rows]
     order = sorted(range(len(out)), key=lambda i: out[i]["arrival_s"])
     return [dict(out[i], id=n) for n, i in enumerate(order)]
-
-
-def _read_text(path, where):
-    try:
-        with open(path, "rb", opener=_open_nonblocking) as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ValueError(f"{where}: not a regular file (a folder, FIFO or device)")
-            raw = f.read(MAX_TRACE_BYTES + 1)
-    except OSError as error:
-        raise ValueError(f"{where}: cannot read it ({error.strerror or error})") from None
-    if len(raw) > MAX_TRACE_BYTES:
-        raise ValueError(f"{where}: larger than {MAX_TRACE_BYTES >> 20} MiB")
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{where}: not UTF-8 text (byte {error.start}); a trace is UTF-8 CSV "
-                         "or JSON") from None
-
-
-def _open_nonblocking(path, flags):
-    """open(2) that cannot block on a FIFO with no writer (the regular-file check follows)."""
-    return os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
 
 
 def _json_rows(text, where):

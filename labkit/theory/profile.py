@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import stat
 import unicodedata
 
 from . import hardware
+from .user_files import read_user_text
 
 LISTS = {"gemm": {"m": int, "n": int, "k": int, "dtype": str, "tflops": float},
          "decode_step_s": {"model": str, "batch": int, "context": int, "seconds": float},
@@ -101,33 +100,16 @@ def load_profile(path):
     forever), oversized, non-UTF-8, too deeply nested or malformed one: one-line ValueError
     naming the file and what is wrong. Its "gpu" and "torch" names come back printable."""
     where = f"--gpu-profile {printable(str(path))}"
+    text = read_user_text(path, where, MAX_BYTES,
+                          "give the UTF-8 JSON file that `calibrate --out` wrote")
     try:
-        with open(path, "rb", opener=_open_nonblocking) as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ValueError(f"{where}: not a regular file (a folder, FIFO or device); "
-                                 "give the JSON file `calibrate --out` wrote")
-            raw = f.read(MAX_BYTES + 1)
-    except OSError as error:
-        raise ValueError(f"{where}: cannot read it ({error.strerror or error})") from None
-    if len(raw) > MAX_BYTES:
-        raise ValueError(f"{where}: larger than {MAX_BYTES // 1024} KiB; a profile is a few KiB")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{where}: not UTF-8 text (byte {error.start}); a profile must be "
-                         "UTF-8 JSON") from None
+        data = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"{where}: not JSON ({error.msg}, line {error.lineno})") from None
     except RecursionError:
         raise ValueError(f"{where}: nested too deeply to be a profile") from None
     check_profile(data, where=where)
     return dict(data, gpu=printable(data["gpu"]), torch=printable(data["torch"]))
-
-
-def _open_nonblocking(path, flags):
-    """open(2) that cannot block on a FIFO with no writer (the check for a regular file
-    follows)."""
-    return os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
 
 
 def peak_tflops(profile):
