@@ -1,7 +1,7 @@
 """Async TP against plain sequence-parallel TP, and whether PyTorch's own async TP runs here.
 
 One launch of WORLD gloo ranks; the same MLP block (h -> ffn -> h, colwise then rowwise, the
-sequence split over the ranks) split twice from the same weights: labkit.parallelize with
+sequence split over the ranks) split twice from the same weights: labkit's parallelize_module with
 sequence_parallel=True (blocking all-gather before fc1, reduce-scatter after fc2) and with
 async_tp=True (both as rings of isend/irecv under the chunk matmuls). Per side:
   step_s   the slowest rank's wall time of one forward + backward: the median over TIMED steps
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
 from common import compared_row, interleaved_rounds, replace_rows, summary  # noqa: E402
 from labkit.parallel import tensor_parallel as tp  # noqa: E402
+from labkit.parallel.parallel_styles import parallelize_module  # noqa: E402
 
 WORLD, BATCH, SEQ, HIDDEN, FFN = 2, 4, 256, 512, 2048
 TIMED, ROUNDS = 3, 7
@@ -59,8 +60,8 @@ def compare(ctx):
     torch.manual_seed(0)
     full = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN))
     x = torch.randn(BATCH, SEQ, HIDDEN).chunk(ctx.world_size, dim=1)[ctx.rank]
-    sides = {name: tp.parallelize(copy.deepcopy(full), PLAN, sequence_parallel=True,
-                                  async_tp=name == "async")
+    sides = {name: parallelize_module(copy.deepcopy(full), None, PLAN, sequence_parallel=True,
+                                      async_tp=name == "async")
              for name in ("async", "plain")}
 
     def measure(side):

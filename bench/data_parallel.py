@@ -1,11 +1,11 @@
-"""labkit's DataParallel against torch.nn.parallel.DistributedDataParallel, in one run.
+"""labkit's DistributedDataParallel against torch.nn.parallel.DistributedDataParallel, in one run.
 
 Same model (a TinyGPT, hidden 128, 4 layers, 0.83M parameters), same data shards, same Adam,
 same 1 MiB buckets, gloo on CPU. One launch per world size; inside it every rank runs the sides
 in interleaved rounds (the order alternates between rounds, so neither side always runs on the
 warmer machine). Sides:
-  labkit view   DataParallel(gradient_as_bucket_view=True): .grad is a view of its bucket
-  labkit copy   DataParallel() (the default): gradients copied into buckets and back
+  labkit view   DistributedDataParallel(gradient_as_bucket_view=True): .grad is a view of its bucket
+  labkit copy   DistributedDataParallel() (the default): gradients copied into buckets and back
   torch         DDP(gradient_as_bucket_view=True, bucket_cap_mb=1): the anchor
 Per side and world size:
   step_time_s   the slowest rank's wall time per step (warm-up steps excluded); the median per
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
 from common import replace_rows, side_steps  # noqa: E402
 from labkit import data  # noqa: E402
-from labkit.parallel.data_parallel import DataParallel  # noqa: E402
+from labkit.parallel.data_parallel import DistributedDataParallel  # noqa: E402
 from labkit.runs import reference  # noqa: E402
 from labkit.runtime.memory import MemoryTracker  # noqa: E402
 
@@ -42,8 +42,8 @@ def wrap(side, model):
     if side == "torch":
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model, bucket_cap_mb=BUCKET_MIB, gradient_as_bucket_view=True)
-    return DataParallel(model, bucket_mb=BUCKET_MIB * 1.048576, overlap=True,
-                        gradient_as_bucket_view=side == "labkit view")
+    return DistributedDataParallel(model, bucket_cap_mb=BUCKET_MIB * 1.048576, overlap=True,
+                                   gradient_as_bucket_view=side == "labkit view")
 
 
 def one_side(ctx, cfg, side):

@@ -3,9 +3,9 @@
 A `LlamaForCausalLM` built from a config (random weights, nothing downloaded; GQA: 8 query
 heads, 4 key/value heads), AdamW, gloo on CPU, world size 2. Three pairs, each the same model
 and data on both sides:
-  DataParallel(model, bucket_mb=25)          vs  DDP(model, bucket_cap_mb=25 MiB / 1.048576)
+  DistributedDataParallel(model, bucket_cap_mb=25)  vs  torch's (bucket_cap_mb=25 / 1.048576)
   FullyShard(model, units=decoder layers + root)  vs  fully_shard on each decoder layer + root
-  parallelize(model) (the llama preset's attention and MLP entries)  vs  parallelize_module
+  parallelize_module(model, None, the llama preset's attention and MLP entries)  vs  torch's
       (ColwiseParallel / RowwiseParallel on the same names; the vocab entries left out on both,
       torch has no vocab-parallel cross-entropy for an HF head)
 Every side is built once per rank; then `interleaved_rounds` measures them in rounds whose
@@ -33,6 +33,7 @@ CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidde
               bos_token_id=0, eos_token_id=None, pad_token_id=0)
 WORLD, BATCH, SEQ = 2, 8, 64
 TIMED, ROUNDS = 3, 5
+# the labels key this bench's rows in data/bench.csv: kept from labkit's earlier names
 PAIRS = {
     "data_parallel": ("DataParallel(bucket_mb=25)", "DDP(bucket_cap_mb=25 MB)"),
     "fully_shard": ("FullyShard(units=decoder layers + root)",
@@ -60,8 +61,10 @@ def wrap(block, side, ctx):
     model = build()
     if block == "data_parallel":
         if side == "labkit":
-            from labkit.parallel.data_parallel import DataParallel
-            return DataParallel(model, bucket_mb=25.0), True
+            from labkit.parallel.data_parallel import DistributedDataParallel
+            # buffers (RoPE's inv_freq) broadcast once, as this bench always measured
+            return DistributedDataParallel(model, bucket_cap_mb=25.0,
+                                           forward_sync_buffers=False), True
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model, bucket_cap_mb=25 / 1.048576), True
     if block == "fully_shard":
@@ -73,11 +76,11 @@ def wrap(block, side, ctx):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         return fully_shard(model, mesh=mesh), True
-    from labkit.parallel import tensor_parallel as tp
+    from labkit.parallel.parallel_styles import parallelize_module as labkit_parallelize
     from labkit.parallel.tp_presets import tp_plan_for
     plan = {k: v for k, v in tp_plan_for(model).items() if v != "vocab"}
     if side == "labkit":
-        return tp.parallelize(model, plan), False
+        return labkit_parallelize(model, None, plan), False
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}

@@ -19,7 +19,8 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
-from labkit.parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages  # noqa
+from labkit.parallel import pipeline as labkit_pipeline  # noqa: E402
+from labkit.parallel.pipeline import PipelineStage, split_into_stages  # noqa
 from labkit.runs import reference  # noqa: E402
 from labkit.runtime.memory import MemoryTracker  # noqa: E402
 import common  # noqa: E402
@@ -43,7 +44,8 @@ def bench_rank(ctx, cfg):
     out = {}
     for name, torch_class in TORCH_SCHEDULES.items():
         ours, theirs = copy.deepcopy(module), copy.deepcopy(module)
-        pipe = PipelineSchedule(PipelineStage(ours, rank, p), MICRO, loss_fn, schedule=name)
+        labkit_class = getattr(labkit_pipeline, torch_class.__name__)   # the same name
+        pipe = labkit_class(PipelineStage(ours, rank, p), MICRO, loss_fn)
         torch_pipe = torch_class(TorchStage(theirs, rank, p, device=torch.device("cpu")),
                                  MICRO, loss_fn=loss_fn)
 
@@ -86,6 +88,7 @@ def main():
     rows = []
     for name, torch_class in TORCH_SCHEDULES.items():
         got = results[0][name]
+        # labkit_impl keys the rows in data/bench.csv: kept from the executor's earlier name
         base = dict(benchmark="pipeline", labkit_impl=f"labkit.PipelineSchedule {name}",
                     torch_impl=f"torch.distributed.pipelining.{torch_class.__name__}",
                     world_size=WORLD)

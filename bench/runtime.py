@@ -1,9 +1,10 @@
 """What labkit's instruments (comm log + memory tracker + virtual clock) cost a data-parallel step.
 
 One launch per model and world size. In it every rank runs the same data-parallel step (a TinyGPT
-wrapped in `labkit.DataParallel`: bucket all-reduces started from backward hooks, as in DDP, then
-the optimizer step) with its instruments switched on in four combinations, interleaved round by
-round with the order rotating, so that none profits from a warmer or quieter machine:
+wrapped in labkit's `DistributedDataParallel`: bucket all-reduces started from backward hooks,
+as in torch's, then the optimizer step) with its instruments switched on in four combinations,
+interleaved round by round with the order rotating, so that none profits from a warmer or
+quieter machine:
   bare          every instrument off: the comm log not recording, the clock off, no memory
                 tracking (the same step inside `ctx.off_the_record()` without the tracker);
   log + memory  the comm log and `ctx.memory.track_activations()` with a sample per step;
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import labkit  # noqa: E402
 from labkit import data  # noqa: E402
-from labkit.parallel.data_parallel import DataParallel  # noqa: E402
+from labkit.parallel.data_parallel import DistributedDataParallel  # noqa: E402
 from labkit.runs import reference  # noqa: E402
 from common import compared_row, interleaved_rounds, replace_rows  # noqa: E402
 
@@ -45,7 +46,7 @@ BUCKET_MB = 0.25   # the lesson's default: the tiny model's 0.47 MB of gradients
 
 def dp_overhead(ctx, model_kwargs, global_batch, rounds, steps, warmup):
     cfg = reference.RunConfig(model_kwargs=model_kwargs, global_batch=global_batch)
-    model = DataParallel(reference.build_model(cfg), bucket_mb=BUCKET_MB)
+    model = DistributedDataParallel(reference.build_model(cfg), bucket_cap_mb=BUCKET_MB)
     optimizer = reference.build_optimizer(model.parameters(), cfg)
     ctx.memory.watch(model=model, optimizer=optimizer)
     x, y = reference.batch(model.module, cfg, 0)

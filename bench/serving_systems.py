@@ -81,7 +81,7 @@ def offline():
             reqs = [Request(r["id"], p, r["output"], 0.0) for p, r in zip(prompts, stream)]
             cache = PagedKVCache(2, 64, N * 48 // 8, 8)
             start = time.perf_counter()
-            done = Engine(model, cache, policy, max_batch=8).run(reqs)
+            done = Engine(model, cache, policy, max_num_seqs=8).run(reqs)
             rate = tokens / (time.perf_counter() - start)
             results[policy] = [r.generated for r in done]
             return rate
@@ -136,7 +136,8 @@ def serve_stream(model, stream, prompts, alone, setting, step_time=None):
     width = model.cfg.hidden
     cache = (PagedKVCache(2, width, POOL_SEQS * SEQ // BLOCK, BLOCK) if paged
              else PagedKVCache.contiguous(2, width, SEQ, POOL_SEQS * SEQ))
-    engine = Engine(model, cache, policy, max_batch=MAX_BATCH, chunk=chunk, step_time=step_time)
+    engine = Engine(model, cache, policy, max_num_seqs=MAX_BATCH, max_num_batched_tokens=chunk,
+                    step_time=step_time)
     done = {r.id: r for r in engine.run([Request(r["id"], prompts[r["id"]], r["output"],
                                                  r["arrival_s"]) for r in stream])}
     if any(done[i].generated != alone[i] for i in alone):

@@ -1,7 +1,7 @@
-"""labkit's `parallelize` against PyTorch's `parallelize_module` (DTensor tensor parallelism).
+"""labkit's `parallelize_module` against PyTorch's (DTensor tensor parallelism).
 
 Same weights (one seeded reference module, copied), same input, same world size, one launch:
-labkit.parallelize(module, {"fc1": "colwise", "fc2": "rowwise", ...}) against
+labkit's parallelize_module(module, None, {"fc1": "colwise", "fc2": "rowwise", ...}) against
 torch.distributed.tensor.parallel.parallelize_module(module, init_device_mesh("cpu", (N,)),
 {"fc1": ColwiseParallel(), "fc2": RowwiseParallel(), ...}) over gloo, on labkit's MLP block
 (h -> ffn -> h) and on a whole transformer block (attention split by heads: labkit splits the
@@ -33,6 +33,7 @@ import labkit  # noqa: E402
 from common import replace_rows  # noqa: E402
 from labkit import models  # noqa: E402
 from labkit.parallel import tensor_parallel as tp  # noqa: E402
+from labkit.parallel import parallel_styles  # noqa: E402
 
 WORLD, BATCH, SEQ, HIDDEN, HEADS, FFN = 2, 4, 128, 256, 8, 1024
 WARMUP, TIMED, ROUNDS = 2, 5, 7
@@ -169,7 +170,7 @@ def compare(ctx, kind):
     for name, style in PLANS[kind].items():   # torch gets q, k, v where labkit has qkv
         for one in ([name.replace("qkv", p) for p in "qkv"] if "qkv" in name else [name]):
             torch_plan[one] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
-    sides = dict(labkit=tp.parallelize(copy.deepcopy(full), PLANS[kind]),
+    sides = dict(labkit=parallel_styles.parallelize_module(copy.deepcopy(full), None, PLANS[kind]),
                  torch=parallelize_module(theirs, init_device_mesh("cpu", (ctx.world_size,)),
                                           torch_plan))
     with ctx.off_the_record():

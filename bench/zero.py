@@ -1,9 +1,9 @@
 """labkit's ZeRO blocks against PyTorch's own, in one launch, on the same ranks, model and data.
 
-  stage 1: labkit DataParallel + ShardedOptimizer(stage=1)  vs  DDP + ZeroRedundancyOptimizer
+  stage 1: labkit DDP + ShardedOptimizer(stage=1)            vs  DDP + ZeroRedundancyOptimizer
   stage 3: labkit FullyShard                                 vs  torch.distributed.fsdp.fully_shard
 Both sides: the same tiny GPT from the same seed, Adam (eps 1e-6, foreach=False), gradients as
-bucket views (DataParallel and DDP), stage 3 units = each block plus the root (fully_shard on
+bucket views (labkit's and torch's DDP), stage 3 units = each block plus the root (fully_shard on
 each block, then on the model). Every rank runs the two sides of a pair in interleaved rounds
 (the order alternates, so neither side always runs second on a warmer machine):
   step_time_s  the slowest rank's median wall time per step in each round (warm-up excluded);
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
 import common  # noqa: E402
 from labkit import data, models  # noqa: E402
-from labkit.parallel.data_parallel import DataParallel  # noqa: E402
+from labkit.parallel.data_parallel import DistributedDataParallel  # noqa: E402
 from labkit.parallel.fully_shard import FullyShard  # noqa: E402
 from labkit.parallel.zero import ShardedOptimizer  # noqa: E402
 from labkit.runs import reference  # noqa: E402
@@ -57,7 +57,7 @@ class Quiet:
 
 def labkit_stage1(ctx):
     model = reference.build_model(CFG)
-    module = DataParallel(model, gradient_as_bucket_view=True)
+    module = DistributedDataParallel(model, gradient_as_bucket_view=True)
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.Adam, stage=1, **ADAM)
     return module, optimizer, lambda: {k: p.detach().clone() for k, p in model.named_parameters()}
 
@@ -91,6 +91,7 @@ def torch_fsdp2(ctx):
                                       for k, p in model.named_parameters()}
 
 
+# the labels key this bench's rows in data/bench.csv: kept from labkit's earlier names
 PAIRS = (("stage 1", labkit_stage1, torch_zero1,
           "labkit DataParallel + ShardedOptimizer(stage=1)",
           "DDP(gradient_as_bucket_view) + torch.distributed.optim.ZeroRedundancyOptimizer"),

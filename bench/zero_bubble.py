@@ -1,7 +1,8 @@
 """labkit's zero-bubble executor (ZB-H1) against torch.distributed.pipelining's own schedules.
 
 Same TinyGPT, same micro-batches and loss, 4 ranks, gloo on CPU, in one launch:
-- labkit: `ZeroBubbleSchedule` (ZB-H1) over `split_into_stages(model, 4)`, one stage per rank;
+- labkit: `ScheduleInterleavedZeroBubble` (run as ZB-H1) over `split_into_stages(model, 4)`,
+  one stage per rank;
 - torch ScheduleZBVZeroBubble: its zero-bubble schedule, which needs two stages per rank in a
   V: the model cut into 8 stages, rank r holding stages r and 7-r;
 - torch Schedule1F1B over the same 4 stages as labkit (1F1B, unsplit backward).
@@ -22,7 +23,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleZBVZeroBubble
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
 from labkit.parallel.pipeline import PipelineStage, split_into_stages  # noqa: E402
-from labkit.parallel.zero_bubble import ZeroBubbleSchedule  # noqa: E402
+from labkit.parallel.zero_bubble import ScheduleInterleavedZeroBubble  # noqa: E402
 from labkit.runs import reference  # noqa: E402
 import common  # noqa: E402
 
@@ -55,8 +56,8 @@ def bench_rank(ctx, cfg):
     ours, v_stages, (plain,) = copies["labkit"][0], copies["ScheduleZBVZeroBubble"], \
         copies["Schedule1F1B"]
     shape = (cfg.global_batch // MICRO, cfg.model_kwargs["seq"], cfg.model_kwargs["hidden"])
-    pipe = ZeroBubbleSchedule(PipelineStage(ours, rank, p, input_shape=None if rank == 0
-                                            else shape), loss_fn, MICRO)
+    stage = PipelineStage(ours, rank, p, input_shape=None if rank == 0 else shape)
+    pipe = ScheduleInterleavedZeroBubble(stage, MICRO, loss_fn)
     zbv = ScheduleZBVZeroBubble([TorchStage(m, s, 2 * p, cpu) for m, s in zip(v_stages, v_index)],
                                 MICRO, loss_fn=loss_fn)
     one_f_one_b = Schedule1F1B(TorchStage(plain, rank, p, cpu), MICRO, loss_fn=loss_fn)
@@ -100,6 +101,7 @@ def main():
     times = results[0]["times"]
     rows = []
     for name in TORCH_SIDES:
+        # labkit_impl keys the rows in data/bench.csv: kept from the executor's earlier name
         base = dict(benchmark="zero_bubble", labkit_impl="labkit.ZeroBubbleSchedule zb-h1",
                     torch_impl=f"torch.distributed.pipelining.{name}", world_size=WORLD)
         row = common.compared_row(base, "step_time_s", times["labkit"], times[name],

@@ -135,8 +135,8 @@ def syncing_wrapper(check, wrapper_class, device):
 
 
 def check_data_parallel(device):
-    from .parallel.data_parallel import DataParallel
-    return syncing_wrapper("DataParallel", DataParallel, device)
+    from .parallel.data_parallel import DistributedDataParallel
+    return syncing_wrapper("DataParallel", DistributedDataParallel, device)
 
 
 def check_sharded_optimizer(device):
@@ -154,23 +154,29 @@ def check_fully_shard(device):
 
 
 def check_tensor_parallel(device):
-    from .parallel.tensor_parallel import parallelize
+    from .parallel.parallel_styles import parallelize_module
     from .parallel.tensor_parallel_plan import gpt_plan
     return judged("parallelize (TP, vocab-parallel)",
-                  lambda m: train_losses(parallelize(m, gpt_plan()), plain_step, device),
+                  lambda m: train_losses(parallelize_module(m, None, gpt_plan()), plain_step,
+                                         device),
                   gpt, device)
 
 
 def check_pipeline(device):
-    from .parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
+    from .parallel.pipeline import PipelineStage, Schedule1F1B, split_into_stages
 
     def loss_fn(out, y):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
     def run(model):
         stage = PipelineStage(split_into_stages(model, 1)[0], 0, 1)
-        pipe = PipelineSchedule([stage], 2, loss_fn, schedule="1f1b")
-        return train_losses(model, lambda m, x, y: pipe.step(x, target=y), device)
+        pipe = Schedule1F1B([stage], 2, loss_fn)
+
+        def step(m, x, y):   # torch's step returns the outputs; the mean loss is reported
+            losses = []
+            pipe.step(x, target=y, losses=losses)
+            return torch.stack(losses).mean()
+        return train_losses(model, step, device)
     return judged("PipelineStage + 1F1B (2 micro-batches)", run, gpt, device)
 
 

@@ -68,6 +68,7 @@ def _run_plans(ctx, plans):
     of parameters this rank holds."""
     from .. import numerics
     from ..parallel import tensor_parallel as tp
+    from ..parallel.parallel_styles import parallelize_module
     single = build_phi()
     exact = numerics.exact_copy(build_phi())
     reference = (_train(single), _train(exact))
@@ -76,9 +77,9 @@ def _run_plans(ctx, plans):
     out = []
     for plan in plans:
         model = build_phi()
-        stage = "refused"           # an error in parallelize is labkit refusing the plan
+        stage = "refused"   # an error in parallelize_module is labkit refusing the plan
         try:
-            tp.parallelize(model, plan, verify=False)   # this checker is the check
+            parallelize_module(model, None, plan, verify=False)   # this checker is the check
             stage = "raised"        # after it, the run itself failed (a shape, the loss)
             losses = _train(model)
             with ctx.off_the_record():
@@ -214,7 +215,7 @@ def _judge(model, plan, result):
     refusal = result["error"].removeprefix("ValueError: ") \
         if result.get("stage") == "refused" else None
     found = _read_plan(model, plan)
-    if refusal is not None:      # labkit refused it in parallelize: nothing ran
+    if refusal is not None:      # labkit refused it in parallelize_module: nothing ran
         if found:
             return Check(False, found[0], f"Not yet: {found[1]} (labkit refuses: {refusal})")
         return Check(False, "refused", f"labkit refuses the plan: {refusal}")

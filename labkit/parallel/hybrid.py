@@ -3,16 +3,16 @@
 The world is a mesh (labkit.runtime.mesh: pp outermost, tp innermost, so a TP group sits inside
 a node). The model, as an nn.Sequential of layers, is cut into pp x v pipeline stages; rank
 (pp=i, dp=j, tp=k) holds stages i, i+pp, ... (v of them when interleaved), each split over its
-TP group by `parallelize` (heads and MLP columns, + sequence parallelism); the stages talk over
-the PP group with `PipelineSchedule`; the dp replicas of a stage average their gradients over
-the DP group after the pipeline flush (Megatron-LM's order, Narayanan et al. 2021,
-arXiv 2104.04473: TP inside a node, PP across nodes, DP outermost). An MoE model's experts are
-spread by `ExpertParallel` over EP groups carved out of DP, and with tp > 1 each expert split
-over the TP group as a dense MLP is (expert TP, parallel/expert_tp.py: the same tokens and rows
-on every TP rank, the partial outputs summed over TP at the layer's output); an expert's
-gradient is averaged over its replicas (`ep_dp`), every other one over DP. HybridParallel
-composes the blocks and nothing more: the optimizer (a plain one, or ZeRO-1's or ZeRO-2's
-`ShardedOptimizer` over each gradient group) and the loop are the trainer's
+TP group by `parallelize_module` (heads and MLP columns, + sequence parallelism); the stages
+talk over the PP group with `Schedule1F1B` (or another schedule); the dp replicas of a stage
+average their gradients over the DP group after the pipeline flush (Megatron-LM's order,
+Narayanan et al. 2021, arXiv 2104.04473: TP inside a node, PP across nodes, DP outermost). An
+MoE model's experts are spread by `ExpertParallel` over EP groups carved out of DP, and with tp
+> 1 each expert split over the TP group as a dense MLP is (expert TP, parallel/expert_tp.py: the
+same tokens and rows on every TP rank, the partial outputs summed over TP at the layer's
+output); an expert's gradient is averaged over its replicas (`ep_dp`), every other one over DP.
+HybridParallel composes the blocks and nothing more: the optimizer (a plain one, or ZeRO-1's or
+ZeRO-2's `ShardedOptimizer` over each gradient group) and the loop are the trainer's
 (labkit/runs/trainer.py, as torchtitan's `parallelize_llama` leaves them to its Trainer).
 
 `zero_stage=3` (ZeRO-3 / FSDP, torchtitan's order: TP -> PP stages -> FullyShard) wraps each of
@@ -96,6 +96,7 @@ import torch.nn as nn
 
 from ..runtime.context import context
 from .moe import ExpertParallel
+from . import pipeline
 from .pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from .serving import PipelineGenerator, generate, new_cache, split_requests
 from .flat import average_gradients, unwrapped_name
@@ -105,8 +106,19 @@ from .recompute import CheckpointedLayer, checkpoint_attention_cores
 from .mesh_dims import (SCHEDULES, check_layout, dp_cp_group, dp_groups, ep_dp_cp_group,
                         ep_shard_group, validate_dims)
 from .tp_shards import all_gather_dim, split_parts
-from .tensor_parallel import gather_params, parallelize
+from .parallel_styles import parallelize_module
+from .tensor_parallel import gather_params
 from .tensor_parallel_plan import plan_for
+
+
+def pipeline_schedule(stages, n_microbatches, loss_fn, schedule, recompute=False):
+    """torch's class for a schedule torch names (Schedule1F1B, ...), else labkit's executor
+    running the name ("naive") or the schedule's data."""
+    if isinstance(schedule, str) and schedule in pipeline.TORCH_NAMES:
+        torch_class = getattr(pipeline, pipeline.TORCH_NAMES[schedule])
+        return torch_class(stages, n_microbatches, loss_fn, recompute=recompute)
+    return PipelineSchedule(stages, n_microbatches, loss_fn, schedule=schedule,
+                            recompute=recompute)
 
 
 def moe_layers(module):
@@ -169,7 +181,7 @@ def check_recompute(recompute, k=None, virtual=1, zero_stage=0):
 class HybridParallel:
     """`model` (an nn.Sequential, or a model with `as_sequential()`) composed on a `mesh`.
 
-    loss_fn(output, target) on the last stage; tp_plan: `parallelize`'s plan with names of
+    loss_fn(output, target) on the last stage; tp_plan: `parallelize_module`'s string plan on
     the sequential (e.g. {"*.attn.qkv": "colwise", ...}); schedule / n_microbatches / virtual:
     the pipeline's; expert_parallel: wrap every MoE layer in ExpertParallel over mesh["ep"];
     zero_stage 0, 1 or 2 (the modules as they are: ZeRO-1/2 is the optimizer's, a
@@ -230,8 +242,8 @@ class HybridParallel:
         self.expert_params = 0   # of them, this rank's experts'
         for s in mine:
             if mesh.sizes["tp"] > 1 and tp_plan:
-                parallelize(modules[s], plan_for(modules[s], tp_plan), group=mesh["tp"],
-                            sequence_parallel=sequence_parallel)
+                parallelize_module(modules[s], mesh["tp"], plan_for(modules[s], tp_plan),
+                                   sequence_parallel=sequence_parallel)
             attention = []   # each attention layer as it sits in the stage (CP-wrapped)
             for parent, attr, layer in attention_layers(modules[s]):
                 if cp > 1:   # after TP (the attention sees this rank's heads), before FSDP
@@ -273,8 +285,8 @@ class HybridParallel:
                                  if getattr(p, "_tp_sum", False)]
         self.stages = [PipelineStage(modules[s], s, total, group=mesh["pp"]) for s in mine]
         self.module = nn.ModuleList(stage.module for stage in self.stages)
-        self.pipe = PipelineSchedule(self.stages, n_microbatches, loss_fn, schedule=schedule,
-                                     recompute=mode == "full" and recompute_layers is None)
+        self.pipe = pipeline_schedule(self.stages, n_microbatches, loss_fn, schedule,
+                                      recompute=mode == "full" and recompute_layers is None)
         params = list(self.module.parameters())
         expert_ids = {id(p) for _, _, layer in moe_layers(self.module)
                       for p in layer.experts.parameters()}
@@ -298,7 +310,9 @@ class HybridParallel:
     def forward_backward(self, x=None, target=None):
         """The pipeline's forward and backward of every micro-batch (x on the first stage,
         target on the last); returns the mean loss on the last stage's ranks, else None."""
-        return self.pipe.step(x, target=target)
+        losses = []   # torch's step returns the outputs; the last stage reports the mean loss
+        self.pipe.step(x, target=target, losses=losses)
+        return torch.stack(losses).mean() if losses else None
 
     def sync_gradients(self):
         """After backward: each gradient averaged over the ranks holding its parameter (ZeRO-2:
@@ -359,7 +373,7 @@ class HybridParallel:
 class HybridGenerator:
     """Greedy generation of `model` (a TinyGPT-shaped module with `cfg.hidden`) on a `mesh`.
 
-    tp > 1: split by `parallelize(model, tp_plan, mesh["tp"])` (each rank caches its own
+    tp > 1: split by `parallelize_module(model, mesh["tp"], tp_plan)` (each rank caches its own
     heads); expert_parallel and ep > 1: every MoE layer in ExpertParallel over mesh["ep"];
     pp > 1: cut into pp stages by layers, run by `PipelineGenerator` (the requests in pp
     micro-batches). Each dp rank (replicas x ep) generates its share of the requests. After
@@ -370,7 +384,7 @@ class HybridGenerator:
     def __init__(self, model, mesh, tp_plan=None, expert_parallel=False):
         self.model, self.mesh = model, mesh
         if mesh.sizes["tp"] > 1:
-            parallelize(model, tp_plan, mesh["tp"])
+            parallelize_module(model, mesh["tp"], tp_plan)
         if expert_parallel and mesh.ep > 1:
             for parent, attr, layer in moe_layers(model):
                 setattr(parent, attr, ExpertParallel(layer, group=mesh["ep"], tag="moe"))

@@ -321,11 +321,12 @@ def _matches(pattern, name):   # torch's rule: fnmatch atom by atom
 
 
 def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan=None,
-                       *, src_data_rank=0) -> nn.Module:
+                       *, src_data_rank=0, **string_plan_options) -> nn.Module:
     """Apply `parallelize_plan` (a ParallelStyle for `module` itself, or {glob: ParallelStyle})
     over the 1-D `device_mesh` in place; returns `module`. Every rank calls it on the same,
     identically initialised module. A plan of labkit's style strings ("colwise", ...) or None
-    (a Hugging Face preset) goes to the earlier `tensor_parallel.parallelize`."""
+    (a Hugging Face preset) goes to the earlier `tensor_parallel.parallelize`, with its options
+    (sequence_parallel, async_tp, regather, gather_output, verify) as keywords."""
     if src_data_rank != 0:
         raise ValueError("parallelize_module(src_data_rank=...): labkit slices every rank's "
                          "own copy; build the module identically on every rank")
@@ -333,7 +334,10 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan=Non
     if parallelize_plan is None or (isinstance(parallelize_plan, dict) and any(
             isinstance(v, str) for v in parallelize_plan.values())):
         from .tensor_parallel import _parallelize_by_strings
-        return _parallelize_by_strings(module, parallelize_plan, group)
+        return _parallelize_by_strings(module, parallelize_plan, group, **string_plan_options)
+    if string_plan_options:
+        raise ValueError(f"parallelize_module({', '.join(string_plan_options)}=...) goes with a "
+                         "plan of labkit's style strings; torch's styles carry their layouts")
     if isinstance(parallelize_plan, ParallelStyle):
         parallelize_plan.check(module, type(module).__name__, group.size, module)
         return parallelize_plan.apply(module, type(module).__name__, group, {})

@@ -2,7 +2,7 @@
 how much of the sequence communication the virtual clock sees hidden under the matmuls.
 
 `train_one(build, plan, loss, async_tp=...)` (on every rank of a launch) trains a module split
-by `parallelize(..., sequence_parallel=True, async_tp=...)` and returns its losses, gathered
+by `parallelize_module(..., sequence_parallel=True, async_tp=...)` and returns its losses, gathered
 parameters, wire bytes and the clock's exposed / hidden seconds per op; `train_single` the
 single-device reference (float32, float64 for labkit.numerics, or bf16). `compare` runs both
 TP paths and the references on TinyGPT and on a wide MLP block (big enough that one chunk's
@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import models, numerics
-from ..parallel.tensor_parallel import gather_params, parallelize
+from ..parallel.parallel_styles import parallelize_module
+from ..parallel.tensor_parallel import gather_params
 from ..runtime.context import context
 from ..runtime.trace import hidden_share, overlap_by_op
 from ..parallel.tensor_parallel_plan import gpt_plan
@@ -85,12 +86,12 @@ def train_single(build, loss_fn, *, steps=2, dtype=torch.float32, lr=0.1):
 def train_one(build, plan, loss_fn, *, async_tp, steps=2, dtype=torch.float32, lr=0.1,
               group=None, sharded_loss=False, regather=True):
     """The module split over `group` with sequence parallelism, plain or async (`regather`
-    as in parallelize); what the comparison looks at."""
+    as in parallelize_module); what the comparison looks at."""
     ctx = context()
     ctx.comm.reset()
     torch.manual_seed(0)
-    model = parallelize(build().to(dtype), plan, group, sequence_parallel=True, regather=regather,
-                        async_tp=async_tp)
+    model = parallelize_module(build().to(dtype), group, plan, sequence_parallel=True,
+                               regather=regather, async_tp=async_tp)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     first_event = len(ctx.clock.events)
     losses = _train(model, optimizer, loss_fn, steps)

@@ -1,7 +1,7 @@
-"""Data parallelism on N ranks: labkit's model trained with `DataParallel`, checked, reported.
+"""Data parallelism on N ranks: labkit's model trained with DDP, checked, reported.
 
 `python -m labkit run dp --world-size N [--mode naive|bucketed] [--bucket-mb X] [--no-overlap]
-[--accumulate K] --json`. Two modes: "bucketed" wraps the model in `labkit.DataParallel` (async
+[--accumulate K] --json`. Two modes: "bucketed" wraps the model in `DistributedDataParallel` (async
 bucket all-reduces started from backward hooks, what PyTorch DDP does); "naive": after
 backward, one blocking all-reduce per gradient (`average_gradients(per_tensor=True)`). Both
 end with the parameters of one device trained on the full batch. Also here, for lesson 01:
@@ -11,7 +11,7 @@ the formulas: labkit/theory/data_parallel.py.
 """
 import torch
 
-from ..parallel.data_parallel import DataParallel
+from ..parallel.data_parallel import DistributedDataParallel
 from ..parallel.flat import average_gradients
 from ..theory import data_parallel as theory
 from .reference import (RunConfig, batch, build_model, build_optimizer, check_batch, full_params,
@@ -48,14 +48,14 @@ def train(ctx, cfg=None, mode="bucketed", bucket_mb=DEFAULT_BUCKET_MB, overlap=T
     cfg = cfg or RunConfig()
     check_config(cfg, ctx.world_size, mode, accumulate)
     wrap = None if mode == "naive" else (
-        lambda model: DataParallel(model, bucket_mb=bucket_mb, overlap=overlap))
+        lambda model: DistributedDataParallel(model, bucket_cap_mb=bucket_mb, overlap=overlap))
 
     def synchronise():   # after backward: the gradients averaged over the ranks
         if mode == "naive":   # one blocking all-reduce per gradient
             average_gradients(trainer.module.parameters(), per_tensor=True, tag="grad")
         else:   # already done by the bucket hooks in backward; kept to show where it happens
             trainer.module.finish_gradient_synchronization()
-    # accumulating, DataParallel's inner micro-batches run under no_sync: the last one syncs
+    # accumulating, DDP's inner micro-batches run under no_sync: the last one syncs
     model = build_model(cfg)
     trainer = Trainer(ctx, cfg, model, wrap, optimizer=build_optimizer,
                       batch=rows(ctx, batch, cfg, model), accumulate=accumulate,
@@ -91,7 +91,7 @@ def infer(ctx, cfg=None, batches=()):
 def add_arguments(parser):
     """Options of `python -m labkit run dp`."""
     parser.add_argument("--mode", choices=MODES, default="bucketed",
-                        help="bucketed (DataParallel: DDP-style, async) or naive (one "
+                        help="bucketed (DistributedDataParallel, async) or naive (one "
                              "all-reduce per tensor after backward)")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
                         help="gradient bucket size in MB (1e6 bytes)")

@@ -1,15 +1,18 @@
 """Pipeline parallelism (schedules, micro-batches, the bubble) on labkit's GPT or MLP.
 
-The thin driver: the model is cut with `split_into_stages`, each rank runs its stage(s) with the
-`PipelineSchedule` executor (labkit.parallel.pipeline), and the run is compared with the
+The thin driver: the model is cut with `split_into_stages`, each rank runs its stage(s) with
+torch's schedule classes (`Schedule1F1B`, ...: labkit.parallel.pipeline; "naive" or a schedule
+given as data: `PipelineSchedule`), and the run is compared with the
 single-device reference and reported. `bubble_fraction` is *modelled*: read off the virtual
 clock's timeline (compute bars of every rank over the step's span), not measured wall time.
 The formulas: theory/pipeline.py (schedules, bubble), theory/pipeline_memory.py (bytes).
 """
+import torch
 import torch.nn as nn
 
 from .. import models
-from ..parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
+from ..parallel.hybrid import pipeline_schedule
+from ..parallel.pipeline import PipelineStage, split_into_stages
 from ..theory import pipeline as schedules
 from ..theory import pipeline_memory as theory
 from ..theory.memory import fp32_rank_bytes
@@ -76,10 +79,9 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
     # sends activations and gradients between ranks; only the last stage has a loss
     trainer = Trainer(ctx, cfg, model, pp_parallelize, optimizer=reference.build_optimizer,
                       batch=lambda step: reference.batch(model, cfg, step),
-                      forward_backward=lambda x, y: pipe.step(x, target=y),
+                      forward_backward=lambda x, y: mean_loss(pipe, x, y),
                       optimizer_region=None)   # no clock region, as this driver always stepped
-    pipe = PipelineSchedule(mine, n, reference.loss_fn(cfg), schedule=schedule,
-                            recompute=recompute)
+    pipe = pipeline_schedule(mine, n, reference.loss_fn(cfg), schedule, recompute=recompute)
     trainer.fit()
     own = {id(q) for q in trainer.module.parameters()}
     named = {k: q.detach().clone() for k, q in model.named_parameters() if id(q) in own}
@@ -89,6 +91,14 @@ def train(ctx, cfg, schedule="1f1b", microbatches=4, virtual=1, recompute=False,
                               pipe.schedule, ctx.rank, [a for a, _ in sizes], recompute),
                           in_flight=schedules.microbatches_in_flight(pipe.ops),
                           schedule=pipe.schedule)
+
+
+def mean_loss(pipe, x, target):
+    """One step of `pipe`; the micro-batches' mean loss on the last stage (torch's step
+    returns the outputs and fills `losses`), else None."""
+    losses = []
+    pipe.step(x, target=target, losses=losses)
+    return torch.stack(losses).mean() if losses else None
 
 
 def sweep(ctx, cfg, runs):

@@ -3,10 +3,10 @@
 `python -m labkit run serve --tp 2 [--pp 2] [--replicas 2] [--experts 8 --ep 2]
  --prompt-len 16 --new-tokens 8 --batch 8 [--json]`. The world is a mesh dp=replicas (x ep)
 by pp by tp, laid out by `labkit.parallel.hybrid.HybridGenerator`: each replica gets its
-share of the requests; inside it the model is split by `parallelize` (heads and MLP columns)
-over TP, cut by `split_into_stages` over PP and run by `PipelineGenerator` (the requests in pp
-micro-batches), or, for the MoE GPT, its experts spread by `ExpertParallel` over EP
-(attention replicated, requests split). The report adds to the run report:
+share of the requests; inside it the model is split by `parallelize_module` (heads and MLP
+columns) over TP, cut by `split_into_stages` over PP and run by `PipelineGenerator` (the
+requests in pp micro-batches), or, for the MoE GPT, its experts spread by `ExpertParallel` over
+EP (attention replicated, requests split). The report adds to the run report:
 tokens_equal_reference (greedy tokens of every request vs one device), kv_cache_bytes
 (measured, per rank) beside the formula, comm per generated token by group, wall tokens/s here
 and the modelled TTFT / TPOT of the same layout on the chosen cluster (labkit.theory.serving).

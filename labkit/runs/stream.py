@@ -7,7 +7,7 @@ cache, whole or chunked prefill; every request's tokens checked against it serve
 names of the last two). Requests (Poisson arrivals,
 seeded, or `--trace FILE`) are served by `labkit.parallel.batching.Engine`: with --replicas
 each rank serves the requests whose id % replicas is its own, with --tp every rank of the
-group runs the same scheduler on a model split by `parallelize` (heads and MLP columns; each
+group runs the same scheduler on a model split by `parallelize_module` (heads and MLP columns; each
 rank's cache holds its heads). The report: requests[{id, prompt, output, arrival_s,
 token_times, ttft_s, tpot_s, e2e_s}]; metrics, what `vllm bench serve` prints under its names
 (theory/serving_metrics.py: duration from the start, TTFT, TPOT over requests of more than one
@@ -32,7 +32,7 @@ from .. import models
 from ..parallel.batching import Engine, Request, synced_clock
 from ..parallel.paged_kv import PagedKVCache, ragged_forward
 from ..parallel.serving import generate
-from ..parallel.tensor_parallel import parallelize
+from ..parallel.parallel_styles import parallelize_module
 from ..parallel.tensor_parallel_plan import gpt_plan
 from ..theory import catalog, hardware, serving_stream as theory, stream_sim
 from ..runtime.cpus import available_memory
@@ -224,7 +224,7 @@ def serve(ctx, cfg):
     mesh = ctx.mesh(dp=cfg.replicas, tp=cfg.tp)
     model = build_model(cfg, stream)
     if cfg.tp > 1:
-        parallelize(model, gpt_plan(vocab=False), mesh["tp"])
+        parallelize_module(model, mesh["tp"], gpt_plan(vocab=False))
     dp_rank = mesh.coords["dp"]
     ids = prompts(cfg, stream)
     mine = [Request(r["id"], ids[r["id"]], r["output"], r["arrival_s"]) for r in stream

@@ -1,4 +1,5 @@
-"""Tensor parallelism on labkit's tiny GPT: `parallelize` with a Megatron plan, against one device.
+"""Tensor parallelism on labkit's tiny GPT: `parallelize_module` with a Megatron plan, against
+one device.
 
 `python -m labkit run tp --world-size 2 [--sequence-parallel] [--heads 8 --hidden 64] --json`.
 The world is the TP group; every rank sees the whole batch. The loss is the vocab-parallel
@@ -9,9 +10,9 @@ run and the comm log and memory with labkit.theory.tensor_parallel.
 import torch
 
 from .. import models
+from ..parallel.parallel_styles import parallelize_module
 from ..parallel.tensor_parallel import (gather_from_tp, gather_grads, gather_params,
-                                        parallelize, vocab_parallel_argmax,
-                                        vocab_parallel_cross_entropy)
+                                        vocab_parallel_argmax, vocab_parallel_cross_entropy)
 from ..parallel import serving
 from ..parallel.tensor_parallel_plan import gpt_plan, resolve_plan
 from ..theory import tensor_parallel as theory_tp
@@ -43,9 +44,10 @@ def tp_parallelize(group=None, sequence_parallel=False, regather=True, async_tp=
     """The technique as a function of the model (torchtitan's `parallelize_fn`): split by
     `gpt_plan` over `group`; the head keeps its logits split by vocabulary (for `gpt_loss`
     and generation)."""
-    return lambda model: parallelize(model, gpt_plan(sequence_parallel), group,
-                                     sequence_parallel, regather=regather, gather_output=False,
-                                     async_tp=async_tp)
+    return lambda model: parallelize_module(model, group, gpt_plan(sequence_parallel),
+                                            sequence_parallel=sequence_parallel,
+                                            regather=regather, gather_output=False,
+                                            async_tp=async_tp)
 
 
 def build_tp_model(cfg, group=None, sequence_parallel=False, regather=True, async_tp=False):

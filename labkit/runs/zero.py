@@ -11,7 +11,7 @@ The blocks: labkit/parallel/zero.py, labkit/parallel/fully_shard.py; formulas: t
 """
 import torch
 
-from ..parallel.data_parallel import DataParallel
+from ..parallel.data_parallel import DistributedDataParallel
 from ..parallel.fully_shard import (OFFLOAD_LINK, FullyShard, layer_units,
                                     one_unit_per_layer)
 from ..parallel.mixed_precision import MasterWeights
@@ -64,7 +64,8 @@ def _setup(ctx, cfg, stage, mixed_precision, offload, prefetch):
     module = model
     if stage == 1:   # its first broadcast is set-up (every rank built the same weights)
         with ctx.off_the_record():
-            module = DataParallel(model, bucket_mb=BUCKET_MB, gradient_as_bucket_view=True)
+            module = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB,
+                                             gradient_as_bucket_view=True)
     optimizer = ShardedOptimizer(model.parameters(), inner, stage=stage, bucket_mb=BUCKET_MB,
                                  **options)
     if mixed_precision:   # the masters start from the fp32 weights, not their bf16 rounding
