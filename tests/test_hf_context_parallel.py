@@ -14,7 +14,8 @@ sequence (the cores mask causally only); transformers' packed-sequence mask
 path (zigzag positions with use_cache=False: a 4-D mask on one rank only) is refused on both
 ranks before either enters the ring, so none waits forever. Falcon builds its own causal mask
 on every call: refused naming that cause, and built with `causal_sdpa()` (the advice) its
-gradients and loss equal one device.
+gradients and loss equal one device. A convolution along the sequence (Mamba-style mixers) is
+refused.
 """
 import pytest
 import torch
@@ -203,3 +204,21 @@ def test_falcon_refusal_names_its_own_mask_and_its_advice_works(runs):
         agreement = numerics.compare(mine["grads"], single, exact)
         assert agreement, f"rank {rank}: {agreement}"
         assert numerics.compare_loss([mine["loss"]], [single_loss], [exact_loss])
+
+
+def test_a_convolution_over_the_sequence_refused_in_one_line():
+    """Mamba's, gated-delta-net's and short-conv layers run an nn.Conv1d along the sequence: on a
+    shard it would see only this rank's tokens (the family matrix found Qwen3-Next, Mamba, LFM
+    off by 2e-2 to 2e-1), so ContextParallel refuses it, naming it, before any group is used."""
+    class ShortConv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(8, 8, 4, groups=8, padding=3)
+
+        def forward(self, x):
+            return self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+
+    with pytest.raises(ValueError, match=r"Conv1d conv \(kernel 4\) convolves along the "
+                                         "sequence") as err:
+        ContextParallel(ShortConv())
+    assert "\n" not in str(err.value)

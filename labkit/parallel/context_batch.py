@@ -80,6 +80,18 @@ def causal_sdpa():
     return CAUSAL_SDPA
 
 
+def refuse_sequence_mixers(module):
+    """ContextParallel's one-line refusal of a layer that mixes tokens outside attention: a
+    Conv1d sliding over the sequence (Mamba's and gated-delta-net's conv, a short conv) would
+    see only this rank's shard, silently wrong; only attention is made context-parallel."""
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] > 1:
+            raise ValueError(f"ContextParallel: {type(m).__name__} {name or 'the module'} "
+                             f"(kernel {m.kernel_size[0]}) convolves along the sequence (a Mamba"
+                             ", linear-attention or short-conv mixer), which would see only this "
+                             "rank's shard: only attention runs context-parallel here")
+
+
 def attn_mask_refusal(mask):
     """ContextParallel's one-line refusal of an SDPA call with `mask` (b|1, h|1, q, k), naming
     what the mask holds: the plain causal mask of the shard (a model that always builds one),

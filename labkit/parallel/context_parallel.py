@@ -68,7 +68,8 @@ import torch.nn as nn
 from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from ..runtime.mesh import group_of
-from .context_batch import ContextParallelBatch, attn_mask_refusal, context_parallel_batch
+from .context_batch import (ContextParallelBatch, attn_mask_refusal, context_parallel_batch,
+                            refuse_sequence_mixers)
 from .head_attention import all_gather_attention, check_ulysses_heads, ulysses_attention
 from .ring_attention import (LAYOUTS, SEQ_DIM, _check_layout, _sdpa, check_sequence,
                              gather_sequence, merge_partials, ring_attention,
@@ -146,6 +147,7 @@ class ContextParallel(nn.Module):
                  | None = None) -> None:
         super().__init__()
         _check_layout(layout)
+        refuse_sequence_mixers(module)   # a conv over the sequence would see only the shard
         if method not in CORES:
             raise ValueError(f"method must be one of {', '.join(CORES)}, got {method!r}")
         self.module, self.layout, self.method = module, layout, method
