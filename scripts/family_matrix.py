@@ -50,8 +50,13 @@ def tiny_config(model_type):
     config = shrunk_config(hf.AutoConfig.for_model(model_type), divisor=2)
     if getattr(config, "is_encoder_decoder", False):
         raise TypeError("an encoder-decoder model")
-    if getattr(config, "is_decoder", None) is False:   # BERT-style: causal only as a decoder
-        raise TypeError("an encoder (is_decoder=False), not a decoder-only model")
+    if getattr(config, "is_decoder", None) is False and hasattr(config, "type_vocab_size"):
+        raise TypeError("a BERT-style encoder (causal only with is_decoder=True)")
+    if getattr(config, "rotary_dim", None):   # GPT-J, CodeGen: rotary over part of a head
+        config.rotary_dim = min(config.rotary_dim, config.hidden_size
+                                // config.num_attention_heads)
+    if getattr(config, "num_experts_per_tok", 0) is None:   # DeepSeek-V2's default
+        config.num_experts_per_tok = 2
     if getattr(config, "kv_lora_rank", None):   # latent attention: as many kv heads as q
         config.num_key_value_heads = config.num_attention_heads
     config.vocab_size = VOCAB
@@ -63,6 +68,8 @@ def tiny_config(model_type):
             setattr(config, attr, 0)
     config.eos_token_id = None
     config.use_cache = True
+    if hasattr(config, "output_router_logits"):   # the loss: cross entropy alone, as the
+        config.output_router_logits = False       # pipeline's loss_fn computes it
     return config
 
 
@@ -73,11 +80,16 @@ def build(model_type, dtype=torch.float32, attn="sdpa"):
     config = tiny_config(model_type)
     torch.manual_seed(0)
     kwargs = dict(experts_implementation="eager")   # grouped_mm has no float64 kernel
-    try:
-        model = hf.AutoModelForCausalLM.from_config(config, attn_implementation=attn, **kwargs)
-    except (ValueError, TypeError):   # no SDPA for this family, or no experts switch
-        torch.manual_seed(0)
-        model = hf.AutoModelForCausalLM.from_config(config)
+    model = None
+    for tried in ((attn, kwargs), (attn, {}), ("eager", {})):   # no SDPA, no experts switch
+        try:
+            torch.manual_seed(0)
+            model = hf.AutoModelForCausalLM.from_config(config, attn_implementation=tried[0],
+                                                        **tried[1])
+            break
+        except (ValueError, TypeError):
+            if tried[0] == "eager":
+                raise
     if model.generation_config is not None:
         model.generation_config.eos_token_id = None
     return model.to(dtype).eval()
@@ -306,11 +318,12 @@ def buildable(families):
     return ok, skipped
 
 
-def run_matrix(families, blocks=BLOCKS, chunk=CHUNK, log=print):
+def run_matrix(families, blocks=BLOCKS, chunk=CHUNK, log=print, not_run=None):
     """{family: {block: (verdict, detail)}}: chunks of families per 2-rank launch; a chunk
-    that fails as a whole is run again family by family."""
+    that fails as a whole is run again family by family. A family whose launch dies (memory)
+    or whose one-device reference fails gets no cells: `not_run[family]` says why."""
     from labkit.runtime.launch import LaunchError
-    cells = {}
+    cells, not_run = {}, {} if not_run is None else not_run
     for start in range(0, len(families), chunk):
         part = families[start:start + chunk]
         began = time.perf_counter()
@@ -323,16 +336,14 @@ def run_matrix(families, blocks=BLOCKS, chunk=CHUNK, log=print):
                     results.update(_launch([family], blocks, FAMILY_TIMEOUT_S))
                 except LaunchError as error:
                     results[family] = None
-                    cells[family] = {b: ("ERROR", "the launch failed: "
-                                         + str(error).splitlines()[0][:200]) for b in blocks}
+                    not_run[family] = "the launch failed: " + str(error).splitlines()[0][:200]
         for family, ranks in results.items():
             if ranks is None:
                 continue
             try:
                 reference = one_device(family)
             except Exception as error:   # noqa: BLE001 - the reference itself fails
-                cells[family] = {b: ("ERROR", "one device: " + _first_line(error))
-                                 for b in blocks}
+                not_run[family] = "one device (float64 or generate): " + _first_line(error)
                 continue
             cells[family] = {b: judge(b, ranks, reference) for b in blocks}
         log(f"{', '.join(part)}: {time.perf_counter() - began:.0f} s")
@@ -389,9 +400,10 @@ def markdown(cells, skipped, blocks, seconds):
             if verdict in ("REFUSED", "WRONG", "ERROR"):
                 lines.append(f"- {family} / {block} ({verdict}): "
                              + detail.replace("|", "/").replace("\n", " "))
-    lines += ["", f"## Not built ({len(skipped)})", "",
+    lines += ["", f"## Not built or not run ({len(skipped)})", "",
               "Causal-LM model types whose default config does not build (or run a forward) at "
-              "this size, with why:", ""]
+              "this size, whose 2-rank launch died, or whose one-device reference fails, with "
+              "why:", ""]
     lines += [f"- {f}: {why.replace('|', '/')}" for f, why in sorted(skipped.items())]
     return "\n".join(lines) + "\n"
 
@@ -409,7 +421,7 @@ def main(argv=None):
     began = time.perf_counter()
     families, skipped = buildable(args.families or causal_lm_families())
     print(f"{len(families)} families build, {len(skipped)} do not", flush=True)
-    cells = run_matrix(families, blocks, log=lambda s: print(s, flush=True))
+    cells = run_matrix(families, blocks, log=lambda s: print(s, flush=True), not_run=skipped)
     text = markdown(cells, skipped, blocks, time.perf_counter() - began)
     if args.out == "-":
         print(text)
