@@ -34,10 +34,10 @@
 # fights this by **overlapping**: gradients are grouped into buckets and each bucket's all-reduce
 # starts while backward is still computing the earlier layers (Li et al. 2020).
 #
-# This lesson runs labkit's `DataParallel` on CPU ranks (gloo), checks it against one device,
-# puts it on a model and a training loop of your own, measures the traffic, builds the ring from
-# `send`/`recv`, shows the overlap on a modelled H100 timeline, and checks two claims of the
-# source article.
+# This lesson runs labkit's `DistributedDataParallel` (torch's name and signature) on CPU ranks
+# (gloo), checks it against one device, puts it on a model and a training loop of your own, measures
+# the traffic, builds the ring from `send`/`recv`, shows the overlap on a modelled H100 timeline,
+# and checks two claims of the source article.
 
 # %%
 import inspect
@@ -56,7 +56,7 @@ import labkit
 from labkit import numerics
 from labkit.exercises import reset_hints
 from labkit.exercises.data_parallel import check_ring_all_reduce, check_ring_bytes, show_solution
-from labkit.parallel.data_parallel import DataParallel, ring_all_reduce
+from labkit.parallel.data_parallel import DistributedDataParallel, ring_all_reduce
 from labkit.runs import data_parallel as dp
 from labkit.runs.reference import RunConfig, batch, build_model, float64_reference, train
 from labkit.theory import catalog, data_parallel as theory_dp, memory as tm, time as tt
@@ -71,12 +71,12 @@ pd.set_option("display.width", 120)
 # ## 1 · Run it: four replicas against one device
 #
 # `dp.train` (`labkit/runs/data_parallel.py`) builds the tiny GPT on every rank, wraps it in
-# `labkit.DataParallel` (the building block, `labkit/parallel/data_parallel.py`), takes its shard
-# of each batch with `data.shard(batch, rank, N)`, runs forward and backward, and steps. The
-# wrapper is the technique: when it is built, rank 0 broadcasts its weights so that every replica
-# starts equal; during backward a hook on each parameter copies its gradient into a flat
-# **bucket**, and a full bucket's all-reduce (average) starts at once, asynchronously; when
-# backward ends it waits for them and leaves the averaged gradients in `.grad`.
+# `labkit.DistributedDataParallel` (the building block, `labkit/parallel/data_parallel.py`), takes
+# its shard of each batch with `data.shard(batch, rank, N)`, runs forward and backward, and steps.
+# The wrapper is the technique: when it is built, rank 0 broadcasts its weights so that every
+# replica starts equal; during backward a hook on each parameter copies its gradient into a flat
+# **bucket**, and a full bucket's all-reduce (average) starts at once, asynchronously; when backward
+# ends it waits for them and leaves the averaged gradients in `.grad`.
 #
 # We use plain SGD for this check, so the comparison is about the parallelism only. (With Adam,
 # one tensor, the attention *key* bias, has a true gradient of exactly 0 that softmax cancels; its
@@ -128,17 +128,17 @@ print(f"4 ranks equal one device (parameters and losses, within float32 rounding
 # hooks fired in):
 
 # %%
-print(inspect.getsource(DataParallel._on_gradient))
-print(inspect.getsource(DataParallel._launch))
+print(inspect.getsource(DistributedDataParallel._on_gradient))
+print(inspect.getsource(DistributedDataParallel._launch))
 
 
 # %% [markdown]
 # ## 2 · Your own model, your own loop
 #
-# `labkit.DataParallel` works on any `nn.Module` in any training loop, like PyTorch's
-# `DistributedDataParallel`: wrap the model, give each rank its slice of the batch, and keep the
-# loop as it is. Below, a plain `nn.Sequential` regression trained with AdamW. The function runs
-# on 2 ranks under `labkit.launch`; in a script of your own you would start it with `torchrun` or
+# `labkit.DistributedDataParallel` works on any `nn.Module` in any training loop, as PyTorch's does
+# (same name, same arguments): wrap the model, give each rank its slice of the batch, and keep the
+# loop as it is. Below, a plain `nn.Sequential` regression trained with AdamW. The function runs on
+# 2 ranks under `labkit.launch`; in a script of your own you would start it with `torchrun` or
 # `mp.spawn` after `init_process_group`, and the wrapper finds the process group by itself. The
 # reference is *the same function* on one device (rank 0 of 1: the whole batch, no wrapper).
 
@@ -179,13 +179,13 @@ def my_training(ctx, wrap, steps=5, dtype=torch.float32):   # float64: the exact
 alone = SimpleNamespace(rank=0, world_size=1)
 one_device = my_training(alone, wrap=lambda model: model)
 exact = my_training(alone, wrap=lambda model: model, dtype=torch.float64)
-with_dp = labkit.launch(my_training, 2, labkit.DataParallel)[0]
+with_dp = labkit.launch(my_training, 2, labkit.DistributedDataParallel)[0]
 dp_check = numerics.compare(with_dp, one_device, exact)
-print(f"DataParallel on 2 ranks, after 5 AdamW steps, parameters: {dp_check}")
+print(f"DistributedDataParallel on 2 ranks, after 5 AdamW steps, parameters: {dp_check}")
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"DataParallel equals one device (within float32 rounding): {bool(dp_check)}")
+print(f"DistributedDataParallel equals one device (within float32 rounding): {bool(dp_check)}")
 
 # %% [markdown]
 # `labkit.FullyShard` (lesson 04's ZeRO stage 3) goes in the same place: each rank then keeps only
@@ -561,7 +561,7 @@ pd.DataFrame(rows).round(2)
 # %%
 from labkit.viz.overlap import overlap_timeline
 
-steps = {f"DataParallel, overlap={o}": last_step(runs[o]) for o in (True, False)}
+steps = {f"DDP, overlap={o}": last_step(runs[o]) for o in (True, False)}
 fig = overlap_timeline(steps, summaries={k: trace.overlap_by_op(v, rank=0)
                                          for k, v in steps.items()},
                        title=f"one step, bucket all-reduces (modelled on "
@@ -666,12 +666,12 @@ lanes are the lab's. Open both files at https://ui.perfetto.dev.
 # %% [markdown]
 # ## 10 · Gradient accumulation: what `no_sync` saves
 #
-# A global batch too large for memory is split into K **micro-batches** per optimizer step:
-# forward and backward each one, let the gradients add up in `.grad`, step once. Done naively,
-# every backward all-reduces its gradients: K all-reduces of the S gradient bytes per step. But
-# only the sum matters, and the average of sums is the sum of averages, so one all-reduce after
-# the last micro-batch gives the same gradient. `DataParallel.no_sync()` (as in PyTorch DDP) is
-# that switch: a forward and backward inside it only accumulate locally. Per optimizer step:
+# A global batch too large for memory is split into K **micro-batches** per optimizer step: forward
+# and backward each one, let the gradients add up in `.grad`, step once. Done naively, every
+# backward all-reduces its gradients: K all-reduces of the S gradient bytes per step. But only the
+# sum matters, and the average of sums is the sum of averages, so one all-reduce after the last
+# micro-batch gives the same gradient. `DistributedDataParallel.no_sync()` (as in PyTorch) is that
+# switch: a forward and backward inside it only accumulate locally. Per optimizer step:
 #
 #   bytes all-reduced = K·S without it,  S with it: **1/K of the traffic**.
 #
@@ -686,7 +686,7 @@ from labkit import data
 
 
 def accumulate(ctx, cfg, k, use_no_sync):
-    model = DataParallel(build_model(cfg), bucket_mb=dp.DEFAULT_BUCKET_MB)
+    model = DistributedDataParallel(build_model(cfg), bucket_cap_mb=dp.DEFAULT_BUCKET_MB)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     for step in range(cfg.steps):
         with ctx.step(step, cfg.steps):

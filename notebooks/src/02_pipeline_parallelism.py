@@ -43,7 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import labkit
-from labkit import PipelineSchedule, PipelineStage, numerics, split_into_stages
+from labkit import PipelineStage, numerics, split_into_stages
+from labkit.parallel import Schedule1F1B
 from labkit.exercises.pipeline import (check_dualpipe_idle, check_gpipe_bubble, check_stage_order,
                                        show_solution)
 from labkit.runs import pipeline as run_pp, reference
@@ -58,7 +59,8 @@ pd.set_option("display.width", 120)
 #
 # A schedule is, for every rank, the ordered list of ops `("F", micro-batch, chunk)` and
 # `("B", micro-batch, chunk)` (`labkit.theory.pipeline`: plain Python, no torch). One executor,
-# `labkit.PipelineSchedule`, runs any such list: on F it receives the activation, runs forward and
+# `labkit.PipelineSchedule` (behind torch's `ScheduleGPipe`, `Schedule1F1B`, ...), runs any such
+# list: on F it receives the activation, runs forward and
 # sends the output on; on B it receives the output's gradient, runs backward and sends the input's
 # gradient back. Sends are asynchronous, so a sender never waits for its receiver.
 
@@ -76,9 +78,9 @@ sched.print_schedule(sched.interleaved_schedule(2, 4, 2))
 #
 # `labkit`'s pipeline has PyTorch's shape (`torch.distributed.pipelining`): cut an
 # `nn.Sequential` into stages with `split_into_stages` (balanced by parameter count), wrap this
-# rank's stage in `PipelineStage(module, stage_index, num_stages, group=None)`, and let
-# `PipelineSchedule(stage, n_microbatches, loss_fn, schedule=...)` (torch's argument order, as
-# in `Schedule1F1B(stage, n_microbatches, loss_fn)`) run a step. `x` is read on the first
+# rank's stage in `PipelineStage(module, stage_index, num_stages, device=None, group=None)`, and
+# let `Schedule1F1B(stage, n_microbatches, loss_fn)` run a step (torch's names and arguments;
+# `step` fills `losses` and returns the outputs on the last stage). `x` is read on the first
 # stage, `target` on the last; every rank keeps only its stage's parameters and optimizer state.
 # Below, a learner's own loop on 2 ranks, checked against the same model trained on one device.
 
@@ -95,11 +97,11 @@ def my_training(ctx):
     model = my_model()
     stages = split_into_stages(model, ctx.world_size)            # one per rank
     stage = PipelineStage(stages[ctx.rank], ctx.rank, ctx.world_size)
-    pipe = PipelineSchedule(stage, n_microbatches=4, loss_fn=F.mse_loss, schedule="1f1b")
+    pipe = Schedule1F1B(stage, n_microbatches=4, loss_fn=F.mse_loss)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
     for step in range(3):
         optimizer.zero_grad()
-        pipe.step(x, target=y)                                   # the mean loss on the last rank
+        pipe.step(x, target=y)                                   # the outputs on the last rank
         optimizer.step()
     mine = {id(p) for p in stage.parameters()}
     return {name: p.detach() for name, p in model.named_parameters() if id(p) in mine}
@@ -335,7 +337,7 @@ pipeline_explorer()
 # activation memory. The schedule is plain data, with W ops:
 
 # %%
-from labkit.parallel.zero_bubble import ZeroBubbleSchedule
+from labkit.parallel import ScheduleInterleavedZeroBubble
 from labkit.viz import gantt
 
 zb = sched.zb_h1_schedule(4, 8)
@@ -382,13 +384,14 @@ pd.DataFrame({"1F1B: F done, B not": [sched.microbatches_in_flight(o)
              index=[f"rank {r}" for r in range(4)])
 
 # %% [markdown]
-# **On 4 ranks.** `ZeroBubbleSchedule(stage, loss_fn, n_microbatches)` runs any split schedule
-# over a `PipelineStage`. Its B walks autograd from the stage's output to its input only and
-# keeps the gradient at each layer's output; its W turns those into weight gradients
-# (PyTorch's own split, `torch.distributed.pipelining._backward`). Below, the same 8-layer
-# TinyGPT and batch through ZB-H1 and through 1F1B, every weight gradient compared with one
-# device's in float64; the verdict allows a few times what one device's float32 backward
-# itself differs from float64 (the lab's Numbers rule).
+# **On 4 ranks.** `ScheduleInterleavedZeroBubble(stage, n_microbatches, loss_fn)` (torch's name;
+# here ZB-H1, one stage per rank) runs the split schedule over a `PipelineStage`. Its B walks
+# autograd from the stage's output to its input only and keeps the gradient at each layer's output;
+# its W turns those into weight gradients (PyTorch's own split,
+# `torch.distributed.pipelining._backward`). Below, the same 8-layer TinyGPT and batch through ZB-H1
+# and through 1F1B, every weight gradient compared with one device's in float64; the verdict allows
+# a few times what one device's float32 backward itself differs from float64 (the lab's Numbers
+# rule).
 
 # %%
 zb_cfg = reference.RunConfig(steps=1, global_batch=8, optimizer="sgd",
@@ -407,8 +410,8 @@ def one_step(ctx, schedule):
     first = ctx.rank == 0
     stage = PipelineStage(modules[ctx.rank], ctx.rank, ctx.world_size,
                           input_shape=None if first else (1, 8, 16))   # one sequence
-    pipe = (ZeroBubbleSchedule(stage, lm_loss, 8) if schedule == "zb-h1"
-            else PipelineSchedule(stage, 8, lm_loss, schedule=schedule))
+    pipe = (ScheduleInterleavedZeroBubble(stage, 8, lm_loss) if schedule == "zb-h1"
+            else Schedule1F1B(stage, 8, lm_loss))
     ctx.comm.barrier()                    # both schedules start together on the clock
     start = len(ctx.clock.timeline())
     pipe.step(x if first else None, target=y if stage.is_last else None)
@@ -591,8 +594,9 @@ for share in (0.5, 0.25):
 # %% [markdown]
 # ## Takeaways
 #
-# - `split_into_stages`, `PipelineStage` and `PipelineSchedule` pipeline any `nn.Sequential`
-#   (or labkit's GPT) in your own loop, in any process group, like `torch.distributed.pipelining`.
+# - `split_into_stages`, `PipelineStage` and `Schedule1F1B` (torch's names) pipeline any
+#   `nn.Sequential` (or labkit's GPT) in your own loop, in any process group, like
+#   `torch.distributed.pipelining`.
 # - A pipeline splits the *layers*: Ψ/P of the model states per GPU, activations of the
 #   micro-batches in flight, and only the boundary activations on the wire (point to point).
 # - The bubble (P-1)/(V·M+P-1) is read off the modelled clock here (`bubble_fraction`): it

@@ -38,9 +38,10 @@
 # becomes a *reduce-scatter*, f an *all-gather*, the same bytes on the wire, while activation
 # memory per layer drops from sbh(10 + 24/t + 5as/(ht)) to sbh/t·(34 + 5as/h) bytes.
 #
-# labkit's building block is `labkit.parallelize(module, plan, group=None,
-# sequence_parallel=False)`, shaped like PyTorch's `parallelize_module`: the plan names layers
-# (globs) and says how to split each one, `"colwise"`, `"rowwise"` or `"vocab"`.
+# labkit's building block is `parallelize_module(module, device_mesh, parallelize_plan)`, PyTorch's
+# name and signature: the plan names layers (globs) and gives each a style, torch's
+# `ColwiseParallel()` / `RowwiseParallel()` or labkit's strings `"colwise"`, `"rowwise"`,
+# `"vocab"` (then `sequence_parallel=True` turns on SP).
 
 # %%
 import copy
@@ -56,7 +57,8 @@ import labkit
 from labkit import numerics
 from labkit.exercises.tensor_parallel import (check_block_bytes, check_break_even_tokens,
                                               check_row_parallel, show_solution)
-from labkit.parallel import mappings, tensor_parallel as tp
+from labkit.parallel import (ColwiseParallel, RowwiseParallel, mappings, parallelize_module,
+                             tensor_parallel as tp)
 from labkit.runs import tensor_parallel as run_tp
 from labkit.runs.reference import RunConfig, build_model
 from labkit.theory import hardware
@@ -87,7 +89,7 @@ print(inspect.getsource(tp.ColumnParallelLinear.forward))
 # %% [markdown]
 # ## Your own model, your own loop
 #
-# `parallelize` works on any module. Here a plain `nn.Sequential` MLP is split over 2 ranks
+# `parallelize_module` works on any module. Here a plain `nn.Sequential` MLP is split over 2 ranks
 # (first Linear column-parallel, last row-parallel) inside an ordinary training loop, beside an
 # unsplit copy of the same module. Each rank now holds half of each weight; the gathered
 # parameters must equal the unsplit run's after the same steps:
@@ -98,7 +100,7 @@ def my_mlp(ctx):
     net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
     single = copy.deepcopy(net)
     exact = numerics.exact_copy(net)          # float64: what rounding is measured from
-    labkit.parallelize(net, {"0": "colwise", "2": "rowwise"})
+    parallelize_module(net, None, {"0": ColwiseParallel(), "2": RowwiseParallel()})  # None: world
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, single, exact)]
     g = torch.Generator().manual_seed(0)
     for step in range(3):
@@ -385,7 +387,7 @@ tp_explorer()
 # %% [markdown]
 # ## Against PyTorch
 #
-# `bench/tensor_parallel.py` runs `labkit.parallelize` beside PyTorch's `parallelize_module` with
+# `bench/tensor_parallel.py` runs labkit's `parallelize_module` beside PyTorch's with
 # `ColwiseParallel` / `RowwiseParallel` (DTensor) on the same weights, input and 2 gloo ranks (an
 # MLP block and a whole transformer block), in interleaved rounds with instrumentation off on both
 # sides, and writes its rows into `data/bench.csv` (`labkit_over_torch`: labkit's number over
@@ -475,7 +477,7 @@ plt.show()
 # matmul is the same ring run the other way: the running sum of a chunk travels while the next
 # chunk multiplies. In backward the two swap (an all-gather's gradient is a reduce-scatter).
 #
-# `labkit.parallelize(model, plan, sequence_parallel=True, async_tp=True)` does this with
+# `parallelize_module(model, None, plan, sequence_parallel=True, async_tp=True)` does this with
 # visible `comm.send` / `comm.recv` calls (`labkit/parallel/async_tp.py`). It moves exactly
 # the bytes of the plain collectives, in t−1 messages. Below, 2 ranks train TinyGPT and a wider
 # MLP block one step each way, against one device (the lab's float64 rule), and the virtual
@@ -535,7 +537,7 @@ print(f"Modelled, Llama-3-70B fc1 at TP=8 on H100 NVLink, 4096 tokens: the plain
 # - Column-parallel then row-parallel needs **one all-reduce per MLP and one per attention** in
 #   forward (g) and the same in backward (f): 4 all-reduces of b·s·h per block, measured in the
 #   log exactly as the formula says, and the result equals one device to float32 rounding.
-# - `labkit.parallelize(model, plan)` applies this to any module: a plan of globs and styles,
+# - `parallelize_module(model, device_mesh, plan)` applies this to any module: globs and styles,
 #   the module changed in place, the layers holding this rank's shard of the original weights.
 # - Weights, gradients and optimizer state shrink to ~1/t; activations shrink only partly, since
 #   the LayerNorm regions stay replicated, until **sequence parallelism** shards them along the

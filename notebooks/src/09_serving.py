@@ -55,6 +55,7 @@ import labkit
 from labkit import models
 from labkit.exercises.serving import (check_kv_bytes, check_tp_decode_step, check_tpot_floor,
                                       show_solution)
+from labkit.parallel import parallelize_module
 from labkit.parallel.serving import KVCache, generate, generate_without_cache
 from labkit.runs import serve
 from labkit.theory import catalog, moe as tmoe, serving as theory
@@ -89,7 +90,7 @@ print(f"the cache now holds {cache.length} positions per request: {cache.nbytes(
 # %% [markdown]
 # ## 2 · The same tokens on ranks: TP, PP, replicas, experts
 #
-# First in your own function: split the GPT by heads and MLP columns with `parallelize` (the
+# First in your own function: split the GPT by heads and MLP columns with `parallelize_module` (the
 # training block, unchanged) and call the same `generate`. Each rank's attention now computes
 # only its heads, so its cache holds only those heads' keys and values.
 
@@ -98,7 +99,7 @@ PLAN = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
         "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
 
 def tp_generate(ctx):
-    model = labkit.parallelize(models.build("gpt", seq=64, layers=4).eval(), PLAN)
+    model = parallelize_module(models.build("gpt", seq=64, layers=4).eval(), None, PLAN)
     cache = KVCache()
     tokens = generate(model, prompt, 32, cache)
     return tokens, cache.nbytes(), ctx.comm.summary()
@@ -499,8 +500,8 @@ serving_explorer()
 #   a decode step reads every weight for a few rows, so batching requests is nearly free up to
 #   the roofline knee, and the KV cache, which grows with every token of every user, decides
 #   how many requests fit.
-# - The training blocks serve unchanged: `parallelize` splits heads (and so the cache), stages
-#   hold their layers and their cache, replicas split the requests, `ExpertParallel` moves
+# - The training blocks serve unchanged: `parallelize_module` splits heads (and so the cache),
+#   stages hold their layers and their cache, replicas split the requests, `ExpertParallel` moves
 #   tokens to experts; every layout gives exactly the single-device greedy tokens.
 # - TP lowers the time per token (each GPU reads 1/t of the weights) at 2 all-reduces per layer
 #   per token, whose latency matters at small batch; PP divides memory, not latency; replicas
