@@ -73,7 +73,7 @@ pd.set_option("display.width", 120)
 # Three building blocks, each usable on your own `nn.Module` in your own training loop (lesson 01
 # has a plain `nn.Sequential` trained with `FullyShard` against one device):
 #
-# - **stage 1**: `DataParallel(model)` averages the gradients, and
+# - **stage 1**: `DistributedDataParallel(model)` averages the gradients, and
 #   `ShardedOptimizer(model.parameters(), torch.optim.Adam, stage=1)` (like PyTorch's
 #   `ZeroRedundancyOptimizer`) gives each rank whole tensors worth about 1/N of the bytes: it
 #   keeps optimizer state for those only, steps them, and broadcasts them to the others.

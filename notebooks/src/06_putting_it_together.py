@@ -115,13 +115,13 @@ Markdown(
 # %% [markdown]
 # ## 2 · Run it: the tiny GPT on a 2 × 2 × 2 mesh
 #
-# `labkit.runs.hybrid.report` starts 8 ranks and lays them out as a mesh (`labkit.Mesh`):
-# **TP innermost** (ranks 0-1 share a TP group), then DP, then PP outermost. Each rank builds the
-# same GPT, keeps its pipeline stage (`split_into_stages`), splits that stage's matrices over its
-# TP group (`parallelize`), runs the 1F1B schedule with its stage neighbours (`PipelineSchedule`),
+# `labkit.runs.hybrid.report` starts 8 ranks and lays them out as a mesh (`labkit.Mesh`): **TP
+# innermost** (ranks 0-1 share a TP group), then DP, then PP outermost. Each rank builds the same
+# GPT, keeps its pipeline stage (`split_into_stages`), splits that stage's matrices over its TP
+# group (`parallelize_module`), runs the 1F1B schedule with its stage neighbours (`Schedule1F1B`),
 # and after the pipeline flush averages its gradients with the other replica of its stage (one
-# all-reduce over the DP group). All of it is `labkit.parallel.hybrid.HybridParallel`, composed
-# from the blocks of lessons 01-03. The modelled cluster is 2 nodes of 4 H100s.
+# all-reduce over the DP group). All of it is `labkit.parallel.hybrid.HybridParallel`, composed from
+# the blocks of lessons 01-03. The modelled cluster is 2 nodes of 4 H100s.
 
 # %%
 cfg = reference.RunConfig(steps=3)   # Adam, as every lesson's reference run

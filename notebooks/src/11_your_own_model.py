@@ -50,12 +50,13 @@ from labkit import numerics
 from labkit.exercises.your_own_model import build_phi, check_own_plan, show_solution
 from labkit.parallel import serving, tensor_parallel as tp
 from labkit.parallel.context_parallel import ContextParallel, context_parallel_batch
-from labkit.parallel.data_parallel import DataParallel
+from labkit.parallel.data_parallel import DistributedDataParallel
 from labkit.parallel.flat import average_gradients
 from labkit.parallel.fully_shard import FullyShard
 from labkit.parallel.hf_experts import stack_experts
 from labkit.parallel.moe import ExpertParallel, average_moe_gradients, full_parameters
-from labkit.parallel.pipeline import PipelineSchedule, PipelineStage, split_into_stages
+from labkit.parallel.parallel_styles import parallelize_module
+from labkit.parallel.pipeline import PipelineStage, Schedule1F1B, split_into_stages
 from labkit.parallel.self_check import SelfCheckError
 from labkit.parallel.tp_presets import tp_plan_for
 from labkit.theory.hf_shape import hf_shape
@@ -115,14 +116,14 @@ tp_plan_for(build("llama"))
 # %% [markdown]
 # ## 2 · Training: each block against one device and against PyTorch's own
 #
-# On 2 ranks, each block trains the Llama 2 AdamW steps: `DataParallel` and `FullyShard` with
-# half the batch per rank (their gradients averaged), `parallelize` with the whole batch (each
-# rank half of every layer). Beside each, PyTorch's own: `DistributedDataParallel`,
-# `fully_shard` (FSDP2) and `parallelize_module` (DTensor; the vocabulary entries left out, it
-# has no vocab-parallel loss for an HF head). After the steps every rank gathers the full
-# parameters, and we read what each rank holds (weights, gradients and AdamW's two moments,
-# measured from the tensors) and what labkit's comm log saw (ring-model bytes per rank,
-# modelled; torch's sides do not go through labkit's log).
+# On 2 ranks, each block trains the Llama 2 AdamW steps: `DistributedDataParallel` and `FullyShard`
+# with half the batch per rank (their gradients averaged), `parallelize_module` with the whole batch
+# (each rank half of every layer). Beside each, PyTorch's own: `DistributedDataParallel`,
+# `fully_shard` (FSDP2) and `parallelize_module` (DTensor; the vocabulary entries left out, it has
+# no vocab-parallel loss for an HF head). After the steps every rank gathers the full parameters,
+# and we read what each rank holds (weights, gradients and AdamW's two moments, measured from the
+# tensors) and what labkit's comm log saw (ring-model bytes per rank, modelled; torch's sides do not
+# go through labkit's log).
 
 # %%
 def train(model, batch_for, steps=2):
@@ -153,18 +154,18 @@ def is_layer(m):
 def six_ways(ctx):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
     half = lambda step: tokens(step)[ctx.rank * 2:(ctx.rank + 1) * 2]   # noqa: E731
     mesh = init_device_mesh("cpu", (ctx.world_size,))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     out = {}
-    for side in ("DataParallel", "DDP", "FullyShard", "fully_shard", "parallelize",
-                 "parallelize_module"):
+    for side in ("DistributedDataParallel", "torch DDP", "FullyShard", "fully_shard",
+                 "parallelize_module", "torch parallelize_module"):
         model, batch_for = build("llama"), half
-        if side == "DataParallel":
-            wrapped = DataParallel(model)
-        elif side == "DDP":
+        if side == "DistributedDataParallel":   # buffers (RoPE's) broadcast once, when built
+            wrapped = DistributedDataParallel(model, forward_sync_buffers=False)
+        elif side == "torch DDP":
             wrapped = nn.parallel.DistributedDataParallel(model)
         elif side == "FullyShard":
             wrapped = FullyShard(model, units=lambda m: m is model or is_layer(m))
@@ -172,11 +173,11 @@ def six_ways(ctx):
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh)
             wrapped = fully_shard(model, mesh=mesh)
-        elif side == "parallelize":
-            wrapped, batch_for = tp.parallelize(model), tokens      # the llama preset
+        elif side == "parallelize_module":
+            wrapped, batch_for = parallelize_module(model, None), tokens   # the llama preset
         else:
             plan = {k: v for k, v in tp_plan_for(model).items() if v != "vocab"}
-            wrapped, batch_for = parallelize_module(
+            wrapped, batch_for = torch_parallelize(
                 model, mesh, {k: styles[v]() for k, v in plan.items()}), tokens
         ctx.comm.reset()
         opt = train(wrapped, batch_for)
@@ -184,7 +185,7 @@ def six_ways(ctx):
         with ctx.off_the_record():
             if side == "FullyShard":
                 params = wrapped.full_state_dict()
-            elif side == "parallelize":
+            elif side == "parallelize_module":
                 params = tp.gather_params(model)
             else:
                 params = {n: getattr(p, "full_tensor", p.detach)().detach()
@@ -203,8 +204,8 @@ one = {n: p.detach() for n, p in single.named_parameters()}
 ref = {n: p.detach() for n, p in exact.named_parameters()}
 one_bytes = 4 * sum(p.nbytes for p in single.parameters())   # weights, grads, 2 AdamW moments
 rows = {}
-for mine, theirs in (("DataParallel", "DDP"), ("FullyShard", "fully_shard"),
-                     ("parallelize", "parallelize_module")):
+for mine, theirs in (("DistributedDataParallel", "torch DDP"), ("FullyShard", "fully_shard"),
+                     ("parallelize_module", "torch parallelize_module")):
     for side in (mine, theirs):
         r = ranks[0][side]
         got = {n: r["params"][n] for n in names}
@@ -221,7 +222,7 @@ pd.DataFrame(rows).T
 
 # %%
 layer_calls, other_calls = {}, {}
-for row in ranks[0]["parallelize"]["calls"]:
+for row in ranks[0]["parallelize_module"]["calls"]:
     module, _, direction = row["tag"].rpartition(" ")
     if ".layers." in module:                  # model.layers.<i>.<module path>
         key = (row["op"], direction, module.split(".layers.", 1)[1].split(".", 1)[1])
@@ -251,7 +252,7 @@ plots.memory_stack(held, unit="KB", title="weights, gradients and AdamW moments 
 # largest difference of any parameter between labkit's block and PyTorch's after the same
 # steps: 0 means bit for bit (the same sums in the same order); a difference of float32's
 # rounding (about 1e-7 of the values) would mean the same sums in another order. labkit's
-# `parallelize` used the whole preset, torch's `parallelize_module` only the attention and
+# `parallelize_module` used the whole preset, torch's only the attention and
 # MLP entries.
 #
 # The memory column is the point of the blocks: data parallelism keeps a whole copy on every
@@ -261,7 +262,7 @@ plots.memory_stack(held, unit="KB", title="weights, gradients and AdamW moments 
 # once per step; `FullyShard` gathers the weights in forward and again in backward and
 # reduce-scatters the gradients (1.5 times DP's bytes, the ZeRO paper's count, Rajbhandari et
 # al. 2020, arXiv 1910.02054);
-# `parallelize` sends activations: the cell below counts its collectives from rank 0's comm
+# `parallelize_module` sends activations: the cell below counts its collectives from rank 0's comm
 # log, per layer and step, forward and backward apart (a tag ending in "fwd" or "bwd"). In
 # forward each layer sums the partial outputs of its two rowwise layers (the attention's
 # o_proj, the MLP's down_proj); in backward every colwise layer sums its input's gradient on its
@@ -307,7 +308,7 @@ def other_blocks(ctx):
     model = build("llama")
     names = {id(p): n for n, p in model.named_parameters()}
     stage = PipelineStage(split_into_stages(model, 2)[ctx.rank], ctx.rank, 2)
-    pipe = PipelineSchedule(stage, n_microbatches=2, loss_fn=loss_on_logits)
+    pipe = Schedule1F1B(stage, n_microbatches=2, loss_fn=loss_on_logits)
     opt = torch.optim.SGD(stage.parameters(), lr=0.5)
     for step in range(2):
         ids = tokens(step)
@@ -383,7 +384,7 @@ print("ring attention's traffic, rank 0 (a send's bytes count at the sender, so 
 # ## 4 · Generation with HF's own cache
 #
 # `serving.cache_for(model)` gives an HF model its own cache (`DynamicCache`); `generate` is
-# lesson 09's greedy loop, prefill then one token at a time. Under `parallelize` each rank's
+# lesson 09's greedy loop, prefill then one token at a time. Under `parallelize_module` each rank's
 # attention holds only its heads, so its cache holds only their keys and values: with GQA,
 # 1 of the 2 KV heads per rank. The reference is transformers' own
 # `model.generate(do_sample=False)` on one device.
@@ -399,7 +400,7 @@ def hf_generate(model, new_tokens=8):
 
 
 def tp_generate(ctx, family):
-    model = tp.parallelize(build(family).eval())
+    model = parallelize_module(build(family).eval(), None)
     cache = serving.cache_for(model)
     ctx.comm.reset()
     out = serving.generate(model, prompt, 8, cache)
@@ -438,7 +439,8 @@ class Block(nn.Module):
 
 def refused(ctx):
     try:
-        tp.parallelize(nn.Sequential(Block()), {"0.Wqkv": "colwise", "0.out_proj": "rowwise"})
+        parallelize_module(nn.Sequential(Block()), None,
+                           {"0.Wqkv": "colwise", "0.out_proj": "rowwise"})
     except ValueError as error:
         return f"ValueError: {error}"
 
@@ -457,14 +459,15 @@ print(labkit.launch(refused, 2)[0])
 # (transformers marks them `replicated_with_grad_allreduce`; labkit's `qwen3` preset says
 # `"replicated_grad_sum"`: the gradient is summed over the TP group in backward.)
 #
-# So `parallelize` checks itself before it touches the model (on by default for a Hugging Face
-# model): it builds a miniature of the same class from the model's own config (2 layers, a few
-# heads), applies the same plan on the same ranks, runs one forward and backward on random
-# tokens against the unsplit miniature, and refuses in one line, naming where it first goes
-# wrong, if the output or any gradient differs beyond `labkit.numerics`' rule. Below: the
-# preset minus its two norm entries (the `qwen3` plan before the fix), then the preset itself,
-# timed with the check and without it (`verify=False`). The last lines show the refusal was
-# true: the same wrong plan with the check skipped, one step's gradients against one device.
+# So `parallelize_module` (with a plan of labkit's strings) checks itself before it touches the
+# model (on by default for a Hugging Face model): it builds a miniature of the same class from the
+# model's own config (2 layers, a few heads), applies the same plan on the same ranks, runs one
+# forward and backward on random tokens against the unsplit miniature, and refuses in one line,
+# naming where it first goes wrong, if the output or any gradient differs beyond `labkit.numerics`'
+# rule. Below: the preset minus its two norm entries (the `qwen3` plan before the fix), then the
+# preset itself, timed with the check and without it (`verify=False`). The last lines show the
+# refusal was true: the same wrong plan with the check skipped, one step's gradients against one
+# device.
 
 # %%
 def one_step_grads(model):
@@ -477,16 +480,16 @@ def qwen3_plans(ctx):
     wrong = {k: v for k, v in right.items() if v != "replicated_grad_sum"}   # before the fix
     out = {"left out": sorted(set(right) - set(wrong))}
     try:
-        tp.parallelize(build("qwen3"), wrong)           # the self-check is on: refused here
+        parallelize_module(build("qwen3"), None, wrong)   # the self-check is on: refused here
     except SelfCheckError as error:
         out["refusal"] = f"{type(error).__name__}: {error}"
     for verify in (True, False):
         model = build("qwen3")
         start = time.perf_counter()
-        tp.parallelize(model, right, verify=verify)
+        parallelize_module(model, None, right, verify=verify)
         out[f"seconds, verify={verify}"] = time.perf_counter() - start
     one_step_grads(model)                               # the preset, split without the check
-    unchecked = tp.parallelize(build("qwen3"), wrong, verify=False)
+    unchecked = parallelize_module(build("qwen3"), None, wrong, verify=False)
     one_step_grads(unchecked)
     with ctx.off_the_record():
         out["grads"] = {"preset": tp.gather_grads(model), "wrong": tp.gather_grads(unchecked)}
@@ -498,8 +501,9 @@ print("the plan without:", ", ".join(checked[0]["left out"]))
 print(checked[0]["refusal"])
 for rank, result in enumerate(checked):
     cost = result["seconds, verify=True"] - result["seconds, verify=False"]
-    print(f"rank {rank}: the preset passes: parallelize took {result['seconds, verify=True']:.2f}"
-          f" s with the check, {result['seconds, verify=False']:.2f} s with verify=False: the "
+    print(f"rank {rank}: the preset passes: parallelize_module took "
+          f"{result['seconds, verify=True']:.2f} s with the check, "
+          f"{result['seconds, verify=False']:.2f} s with verify=False: the "
           f"check costs {cost:.2f} s (measured)")
 g32 = one_step_grads(build("qwen3"))
 g64 = one_step_grads(build("qwen3", torch.float64))
