@@ -97,7 +97,9 @@ class Comm(CommLog):
                    tag: str = "") -> torch.Tensor | Handle:
         """Concatenate every rank's `tensor` along dim 0; returns a new tensor (n x larger)."""
         group = self.ctx.group(group)
-        tensor = tensor.contiguous()
+        # Only the values travel (the result is a new tensor outside autograd): gloo copies
+        # through views of the input, which a tensor that requires grad would refuse.
+        tensor = tensor.detach().contiguous()
         out = tensor.new_empty((group.size * tensor.shape[0],) + tuple(tensor.shape[1:]))
         record, timing = self._start("all_gather", tensor, group, async_op, tag)
         return self._issue(record, timing, group, out, None, async_op, lambda: (
@@ -108,7 +110,7 @@ class Comm(CommLog):
                        tag: str = "") -> torch.Tensor | Handle:
         """Reduce `tensor` over the group; this rank keeps its 1/n slice of dim 0."""
         group = self.ctx.group(group)
-        tensor = tensor.contiguous()
+        tensor = tensor.detach().contiguous()
         if tensor.shape[0] % group.size:
             raise ValueError(f"reduce_scatter: dim 0 ({tensor.shape[0]}) must divide by the "
                              f"group size ({group.size}); pad the tensor first")
@@ -133,7 +135,7 @@ class Comm(CommLog):
         sizes are exchanged first (one small all_to_all, logged too).
         """
         group = self.ctx.group(group)
-        tensor = tensor.contiguous()
+        tensor = tensor.detach().contiguous()
         if input_splits is not None and output_splits is None:
             sizes = torch.tensor(input_splits, dtype=torch.int64, device=tensor.device)
             output_splits = self.all_to_all(sizes, group=group, tag=f"{tag} sizes").tolist()
