@@ -87,7 +87,7 @@ def refused(ranks):
 def test_the_old_qwen3_preset_is_refused_naming_the_norm(refused):
     for result in refused:
         message = result["qwen3-old-preset"]
-        assert message.startswith("SelfCheckError: parallelize(plan) would train "
+        assert message.startswith("SelfCheckError: parallelize_module(plan) would train "
                                   "Qwen3ForCausalLM wrong") and "\n" not in message
         assert "the gradient of model.layers.1.self_attn.q_norm.weight is not one device's" \
             in message, message

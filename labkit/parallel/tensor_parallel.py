@@ -383,5 +383,5 @@ def _verify(module, plan, group, sequence_parallel, regather, async_tp):
         return _parallelize_by_strings(mini, mini_plan, group, sequence_parallel,
                                        regather=regather, async_tp=async_tp,
                                        verify=False) if mini_plan else mini
-    check_against_one_device(module, apply, group, what="parallelize(plan)",
+    check_against_one_device(module, apply, group, what="parallelize_module(plan)",
                              forward=lambda model, ids: model(ids), gradients=gather_grads)
