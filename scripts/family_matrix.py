@@ -36,10 +36,11 @@ OUT = os.path.join(os.path.dirname(__file__), "..", "docs", "family-matrix.md")
 # ------------------------------------------------------------------------ the tiny families
 
 def causal_lm_families():
-    """Model types transformers maps to a *ForCausalLM class (decoder-only candidates)."""
+    """Model types transformers maps to a *ForCausalLM or *LMHeadModel class (GPT-2, CTRL,
+    OpenAI GPT: decoder-only candidates; BERT-style ones are left out by `tiny_config`)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     return sorted(t for t, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
-                  if isinstance(cls, str) and cls.endswith("ForCausalLM"))
+                  if isinstance(cls, str) and cls.endswith(("ForCausalLM", "LMHeadModel")))
 
 
 def tiny_config(model_type):
