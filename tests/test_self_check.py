@@ -4,7 +4,14 @@ naming where it goes wrong (Qwen3 without the q/k norms' gradient sum: the norm;
 embedding split without its scale: the embedding's output), `verify=False` skips it, it runs
 off the record and leaves the random state alone; and the invariant over families labkit has
 no preset for: `parallelize(model)` either refuses in one line or splits the model so that its
-logits and gradients equal one device (labkit.numerics, float64 reference)."""
+logits and gradients equal one device (labkit.numerics, float64 reference). FullyShard,
+fully_shard, ContextParallel and ExpertParallel check themselves the same way (a tiny Llama, a
+Qwen2-MoE block): they pass off the record, and a fault through each one's own path (gradients
+summed instead of averaged, dK/dV never sent home, a router ignoring norm_topk_prob) is refused
+in one line."""
+import time
+from functools import partial
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -71,7 +78,7 @@ def wrong_plans(ctx):
 
 
 def both(ctx):   # one launch: the ranks' start (importing transformers) is most of the cost
-    return dict(wrong_plans(ctx), families=split_or_refuse(ctx))
+    return dict(wrong_plans(ctx), families=split_or_refuse(ctx), blocks=other_blocks(ctx))
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +177,118 @@ def test_the_families_that_must_split_do(families):
         split = {f for f, v in result.items() if not isinstance(v, str)}
         assert {"qwen3", "qwen3_moe", "gemma2", "gemma3", "phi", "olmo2",
                 "starcoder2"} <= split, sorted(split)
+
+
+# ------------------------------- FullyShard, ContextParallel, ExpertParallel check themselves
+
+def qwen2_moe(norm_topk_prob):
+    import transformers
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(transformers.Qwen2MoeConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts_per_tok=2, intermediate_size=64,
+        moe_intermediate_size=32, num_experts=4, shared_expert_intermediate_size=48,
+        norm_topk_prob=norm_topk_prob))
+
+
+def _checked(ctx, build):
+    """(seconds, collectives logged, random state untouched) of building a block that checks
+    itself; the refusal's text instead if it refuses."""
+    ctx.comm.reset()
+    state = torch.get_rng_state()
+    start = time.perf_counter()
+    try:
+        build()
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}"
+    return dict(seconds=time.perf_counter() - start, logged=len(ctx.comm.records),
+                same_rng=torch.equal(state, torch.get_rng_state()))
+
+
+def _patched(owner, name, value, call):
+    """call() with owner.name (owner[name] of a dict) replaced by value."""
+    space = owner if isinstance(owner, dict) else vars(owner)
+    kept = space.get(name, partial)   # partial: not there (an instance's method, its class's)
+    space[name] = value
+    try:
+        return call()
+    finally:
+        if kept is partial:
+            del space[name]
+        else:
+            space[name] = kept
+
+
+def fsdp2_bottom_up(model):
+    from labkit.parallel.fsdp2 import fully_shard
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def other_blocks(ctx):
+    from labkit.parallel import context_parallel as cp, moe
+    from labkit.parallel.fully_shard import FullyShard
+    out = {}
+    llama, other, block = hf_tiny.build("llama"), hf_tiny.build("llama"), \
+        qwen2_moe(True).model.layers[0].mlp
+    out["FullyShard"] = _checked(ctx, lambda: FullyShard(llama))
+    third = hf_tiny.build("llama")
+    out["fully_shard"] = _checked(ctx, lambda: fsdp2_bottom_up(third))
+    out["ContextParallel"] = _checked(ctx, lambda: cp.ContextParallel(other, layout="zigzag"))
+    out["ExpertParallel"] = _checked(ctx, lambda: moe.ExpertParallel(block))
+    # faults through each block's own path
+    summed = partial(ctx.comm.reduce_scatter.__func__, ctx.comm, op="sum")
+    out["FullyShard sums"] = _patched(ctx.comm, "reduce_scatter", lambda t, op, **kw: summed(
+        t, **kw), lambda: _checked(ctx, lambda: FullyShard(hf_tiny.build("llama"))))
+    out["fully_shard sums"] = _patched(ctx.comm, "reduce_scatter", lambda t, op, **kw: summed(
+        t, **kw), lambda: _checked(ctx, lambda: fsdp2_bottom_up(hf_tiny.build("llama"))))
+    ring = cp.CORES["ring"]   # dK, dV never travel home: forward right, k/v gradients lost
+    out["ContextParallel drops dK"] = _patched(cp.CORES, "ring", lambda q, k, v, group, **kw:
+                                               ring(q, k.detach(), v.detach(), group, **kw),
+                                               lambda: _checked(ctx, lambda: cp.ContextParallel(
+                                                   hf_tiny.build("llama"))))
+    gates = moe.top_k_gates   # a router that ignores norm_topk_prob
+    out["ExpertParallel unnormalised"] = _patched(
+        moe, "top_k_gates", lambda logits, k, norm: gates(logits, k, False),
+        lambda: _checked(ctx, lambda: moe.ExpertParallel(qwen2_moe(True).model.layers[0].mlp)))
+    out["skipped"] = _patched(moe, "top_k_gates", lambda logits, k, norm: gates(logits, k, False),
+                              lambda: _checked(ctx, lambda: moe.ExpertParallel(
+                                  qwen2_moe(True).model.layers[0].mlp, verify=False)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def blocks(ranks):
+    return [result["blocks"] for result in ranks]
+
+
+@pytest.mark.parametrize("block", ["FullyShard", "fully_shard", "ContextParallel",
+                                   "ExpertParallel"])
+def test_a_block_checks_itself_off_the_record_and_passes(blocks, block):
+    for result in blocks:
+        verdict = result[block]
+        assert isinstance(verdict, dict), verdict
+        print(f"{block}: checked in {verdict['seconds']:.2f} s")
+        assert verdict["logged"] == 0 and verdict["same_rng"]
+        assert verdict["seconds"] < 5.0     # ~0.1-0.5 s on a shared 2-core CPU
+
+
+@pytest.mark.parametrize("fault, refusal", [
+    ("FullyShard sums", "FullyShard would train LlamaForCausalLM wrong: on a miniature of it "
+     "over 2 ranks, the gradient of lm_head.weight is not one device's"),
+    ("fully_shard sums", "fully_shard would train LlamaForCausalLM wrong: on a miniature of "
+     "it over 2 ranks, the gradient of lm_head.weight is not one device's"),
+    ("ContextParallel drops dK", "ContextParallel would train LlamaForCausalLM wrong: on a "
+     "miniature of it over 2 ranks, the gradient of model.layers.1.self_attn.k_proj.weight"),
+    ("ExpertParallel unnormalised", "ExpertParallel would train Qwen2MoeSparseMoeBlock wrong: "
+     "on a miniature of it over 2 ranks, the output is not one device's")])
+def test_a_fault_in_the_blocks_path_is_refused_in_one_line(blocks, fault, refusal):
+    for result in blocks:
+        message = result[fault]
+        assert isinstance(message, str) and "\n" not in message, message
+        assert message.startswith(f"SelfCheckError: {refusal}"), message
+
+
+def test_verify_false_skips_the_blocks_check(blocks):
+    assert all(isinstance(result["skipped"], dict) for result in blocks)

@@ -58,6 +58,7 @@ from ..runtime import torch_compat
 from ..runtime.context import context
 from .fully_shard_layout import (_make_units, _GatherOnUse, _map_tensors, copy_views_of,
                                  gather_before_backward)
+from .self_check import BATCH, batch_share_forward, check_against_one_device, is_hugging_face
 from ..theory import hardware   # PCIe numbers for the modelled host <-> device copies
 
 OFFLOAD_LINK = "PCIe 5"        # what ZeRO-Offload's copies cross (modelled)
@@ -125,13 +126,22 @@ class FullyShard(nn.Module):
     units: predicate on modules choosing what is sharded (default `holds_parameters`); a unit
         owns the parameters of its subtree that no unit below it owns.
     prefetch: gather the next unit (in forward order; previous in backward) asynchronously.
+    verify: None (default) checks a Hugging Face model (not labkit's own, not one holding
+        FullyShards of its own) before sharding it: the same wrapping of a miniature of it,
+        each rank its own rows of a batch, must give one device's logits and gradients
+        (self_check.py; in float32, the compute_dtype left out: its rounding is a choice, not
+        a fault). Cost, measured on 2 gloo ranks of a busy 2-core CPU (tests/test_self_check.py):
+        0.15-0.2 s for a tiny Llama. True forces it, False skips it.
     """
 
     def __init__(self, module: nn.Module, group: GroupLike = None,
                  compute_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
                  offload: bool = False, units: Callable[[nn.Module], bool] | None = None, *,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, verify: bool | None = None) -> None:
         _refuse_sharded_twice(module)
+        if verify or (verify is None and is_hugging_face(module) and not nested_shards(module)):
+            _verify(module, context().group(group), reshard_after_forward, offload, units,
+                    prefetch)
         super().__init__()
         self.module = module
         for m in module.modules():   # marked: a second FullyShard over any of them is refused
@@ -365,23 +375,58 @@ class FullyShard(nn.Module):
     def padded_numel(self):
         return sum(f.padded for f in self._flats if f.sharded)
 
-    @torch.no_grad()
     def full_state_dict(self):
         """{original name: the full parameter} gathered from every rank (off the record)."""
+        return self._gathered(grads=False)
+
+    def full_gradients(self):
+        """{original name: the full averaged gradient} gathered from every rank (off the
+        record): one device's `.grad`, zeros where none came (the self-check compares them)."""
+        return self._gathered(grads=True)
+
+    @torch.no_grad()
+    def _gathered(self, grads):
         full = {}
         with self._ctx.off_the_record():
             for flat in self._flats:
-                data = flat.shard.to(flat.full.device)
+                data = (self._shard_gradient(flat) if grads else flat.shard).to(flat.full.device)
                 if flat.sharded:
                     data = self._ctx.comm.all_gather(data, group=self.group)
                 for e in flat.entries:
                     full[e.piece] = flat.view(e.slot, data).clone()
         nested = {f"{prefix}.module.{name}": tensor   # each gathered over its own group
                   for prefix, inner in self._nested
-                  for name, tensor in inner.full_state_dict().items()}
+                  for name, tensor in inner._gathered(grads).items()}
         return {name: nested[name] if name in nested else full[p]
                 for name, p in self.module.named_parameters()}
+
+    @staticmethod
+    def _shard_gradient(flat):
+        """This rank's shard of `flat`'s gradient, from its pieces' `.grad`."""
+        shard = torch.zeros_like(flat.shard)
+        for piece, view in zip(flat.pieces, flat.shard_views(shard)):
+            if piece.grad is not None:
+                view.copy_(piece.grad.reshape(view.shape))
+        return shard
 
     def extra_repr(self):
         return (f"group={list(self.group.ranks)}, units={len(self._units)}, "
                 f"compute_dtype={self.compute_dtype}, offload={self.offload}")
+
+
+def _verify(module, group, reshard_after_forward, offload, units, prefetch):
+    """The self-check (self_check.py): the same FullyShard (the same units, by name) over a
+    miniature of `module`, each rank its own rows of the batch, against one device."""
+    picked = None
+    if units is not None:
+        picked = {name for name, m in module.named_modules() if units(m)}
+
+    def apply(mini):
+        names = {id(m): name for name, m in mini.named_modules()}
+        pick = None if picked is None else (lambda m: names.get(id(m)) in picked)
+        return FullyShard(mini, group, None, reshard_after_forward, offload, pick,
+                          prefetch=prefetch, verify=False)
+    check_against_one_device(module, apply, group, what="FullyShard", batch=BATCH * group.size,
+                             forward=batch_share_forward(
+                                 lambda m: isinstance(m, FullyShard), group),
+                             gradients=lambda sharded: sharded.full_gradients())

@@ -64,10 +64,12 @@ from ..runtime.comm import GroupLike
 from ..runtime.context import context
 from . import expert_tp
 from .flat import FlatBuffer, average_gradients
-from .hf_experts import as_expert_layer, is_hf_module, router_logits
+from .hf_experts import as_expert_layer, is_hf_module, router_logits, stack_experts
 from .mappings import all_to_all_rows
 from .moe_routing import (capacity, choice_counts, kept_per_rank,  # noqa: F401
                           queue_positions, top_k_gates)
+from .self_check import (BATCH, COPY_LIMIT, TOKENS, batch_share_forward,
+                         check_against_one_device)
 from .tp_shards import gather_params
 
 
@@ -89,15 +91,24 @@ def check_expert_parallel(experts, top_k, capacity_factor, ranks):
 # --------------------------------------------------------------------------------- the block
 
 class ExpertParallel(nn.Module):
-    """`layer`'s experts spread over `group` (None: the world); see the module docstring."""
+    """`layer`'s experts spread over `group` (None: the world); see the module docstring.
+    verify: None (default) checks a transformers block (not labkit's own layers; not under
+    expert TP) first: on a copy of it, each rank routing its own rows of random hidden states,
+    the output and every gradient (replicated ones averaged, experts gathered) must be one
+    device's (self_check.py; cost, measured on 2 gloo ranks of a busy 2-core CPU: ~0.03 s per
+    block of a tiny Qwen2-MoE). True forces it, False skips it."""
 
     def __init__(self, moe_layer: nn.Module, group: GroupLike = None, tag: str = "moe", *,
                  tp_group: GroupLike = None, sequence_parallel: bool = False,
-                 expert_plan=None) -> None:
+                 expert_plan=None, verify: bool | None = None) -> None:
         super().__init__()
+        given = moe_layer
         if is_hf_module(moe_layer) or not _has_setting(moe_layer, "capacity_factor"):
             # transformers' blocks name no capacity: re-expressed and checked (hf_experts)
             moe_layer = as_expert_layer(moe_layer)
+        if verify or (verify is None and tp_group is None and is_hf_module(given) and sum(
+                p.numel() for p in given.parameters()) <= COPY_LIMIT):
+            _verify(given, context().group(group), tag)
         self.group = context().group(group)
         self.tag = tag
         experts = _expert_list(getattr(moe_layer, "experts", None))
@@ -230,8 +241,22 @@ class ExpertParallel(nn.Module):
         calls it."""
         out = {k: t.detach().clone() for k, t in self.module.state_dict().items()
                if not k.startswith("experts.")}
+        return self._gather_experts(out, self._whole_state)
+
+    def full_gradients(self):
+        """{name: gradient} by the single-device names: the replicated parameters' averaged
+        over the group (each rank's tokens' share, as data parallelism averages them), every
+        expert's gathered (zeros where no token came). A collective (the self-check's)."""
+        comm = context().comm
+        out = {k: comm.all_reduce(p.grad.clone(), op="avg", group=self.group)
+               for k, p in self.module.named_parameters()
+               if not k.startswith("experts.") and p.grad is not None}
+        return self._gather_experts(out, lambda expert: [
+            torch.zeros_like(p) if p.grad is None else p.grad for p in expert.parameters()])
+
+    def _gather_experts(self, out, tensors_of):
         mine = FlatBuffer([t.detach() for e in self.local_experts
-                           for t in self._whole_state(self.module.experts[str(e)])])
+                           for t in tensors_of(self.module.experts[str(e)])])
         layouts = [FlatBuffer([torch.empty(shape, device="meta") for e in self._rank_experts(r)
                                for _, shape, _ in self._expert_state[e]])
                    for r in range(self.group.size)]    # every rank holds at least one expert
@@ -336,6 +361,31 @@ def parameter_counts(model):
     for name, p in model.named_parameters():
         (expert if is_expert(name) else dense).append(p.numel())
     return sum(dense), len(dense), sum(expert), len(expert)
+
+
+# ------------------------------------------------------------------------ the self-check
+
+def _verify(block, group, tag):
+    """The self-check (self_check.py) on a copy of `block`: each rank routes its own rows of a
+    random batch of hidden states through the same ExpertParallel, the outputs gathered, the
+    replicated gradients averaged and the experts' gathered, against the block on one device."""
+    hidden = _router_width(block)
+    check_against_one_device(
+        block, lambda mini: ExpertParallel(mini, group, tag, verify=False), group,
+        what="ExpertParallel", batch=BATCH * group.size,
+        inputs=lambda mini, batch: torch.randn(batch, TOKENS, hidden),
+        forward=batch_share_forward(lambda m: isinstance(m, ExpertParallel), group,
+                                    run=lambda m, x: m(x.to(next(m.parameters()).dtype))),
+        gradients=lambda ep: stack_experts(ep.full_gradients()))
+
+
+def _router_width(block):
+    router = getattr(block, "router", None) or getattr(block, "gate", None)
+    weight = getattr(router, "weight", None)
+    if weight is None:
+        raise ValueError(f"ExpertParallel: {type(block).__name__} has no router weight to "
+                         "read the hidden size from; pass verify=False to skip the check")
+    return weight.shape[-1]
 
 
 # ------------------------------------------------------------------------ the duck type

@@ -14,16 +14,21 @@ layer with a failure). A plan that would train wrong never reaches the first ste
 judges its own gradients (under TP a replicated parameter's gradient is this rank's copy, so
 ranks that disagree fail) and the worst verdict over the group is everyone's: all ranks raise
 together, no rank is left waiting in a collective. The check runs off the record (no comm log,
-no clock) and leaves the caller's random state as it was.
+no clock, the memory tracker as it was) and leaves the caller's random state as it was.
 
 Any block calls it with its own `apply` (split, shard, wrap the miniature: return the module to
 run), `forward` (module, ids) -> output and `gradients` (module) -> {name: whole gradient}
-under the model's own parameter names. Cost, measured on 2 gloo ranks of a 2-core CPU
-(tests/test_self_check.py prints it): about 0.3 s per call for a tiny Hugging Face model
+under the model's own parameter names; a block whose ranks each take a share of the batch
+(FullyShard, fully_shard, ExpertParallel) runs it through `batch_share_forward`, its output
+gathered and each rank's loss the mean over its own rows (`own_mean`, as data parallelism
+averages). Callers: parallelize_module, FullyShard, fully_shard, ContextParallel,
+ExpertParallel (split_into_stages' probe builds its `miniature`). Cost, measured on 2 gloo ranks
+of a 2-core CPU (tests/test_self_check.py prints it): 0.03-0.3 s per call for a tiny HF model
 (three miniatures built, three forward and backward passes, one all-reduce of the verdicts).
 """
 import copy
 import time
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -133,6 +138,10 @@ def _miniature(model, divisor):
             mini.set_experts_implementation("eager")   # grouped_mm has no float64 on CPU
     elif sum(p.numel() for p in model.parameters()) <= COPY_LIMIT:
         mini = copy.deepcopy(model).float()
+        for module in mini.modules():   # a copied HF block's experts: eager (as above)
+            config = getattr(module, "config", None)
+            if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+                config._experts_implementation = "eager"
     else:
         raise SelfCheckError(f"{type(model).__name__} is not a Hugging Face model and too large "
                              "to check on a copy; pass verify=False to skip the check")
@@ -209,21 +218,24 @@ def _culprit(names, failed):
 
 
 def check_against_one_device(model, apply, group: GroupLike = None, *, what="the block",
-                             forward=None, gradients=None, seed=0):
+                             forward=None, gradients=None, seed=0, batch=BATCH, inputs=None):
     """Run `apply` on a miniature of `model` and compare with one device (module doc).
     `apply(mini)` returns the module to run; `forward(module, ids)` its output (default: the
     module called on the ids); `gradients(module)` {name: whole gradient} (default: the
-    miniature's own). Returns {seconds, checks, worst}; raises
-    SelfCheckError in one line."""
+    miniature's own); `inputs(mini, batch)` what the three runs are fed (default: `batch`
+    sequences of random token ids, the same on every rank). Returns {seconds, checks, worst};
+    raises SelfCheckError in one line."""
     ctx = context()
     group = ctx.group(group)
     forward = forward or (lambda module, ids: module(ids))
     start = time.perf_counter()
-    with torch.random.fork_rng(devices=[]), ctx.off_the_record():
+    with torch.random.fork_rng(devices=[]), ctx.off_the_record(), _memory_kept(ctx.memory):
         device = next((p.device for p in model.parameters() if not p.is_meta), "cpu")
         single = miniature(model, group.size, seed).to(device)   # on the model's device (NCCL)
         exact, mine = numerics.exact_copy(single), copy.deepcopy(single)
-        ids = torch.randint(0, _vocabulary(single), (BATCH, TOKENS)).to(device)
+        torch.manual_seed(seed)   # the same inputs on every rank (the fork restores the state)
+        ids = (inputs(single, batch) if inputs else
+               torch.randint(0, _vocabulary(single), (batch, TOKENS))).to(device)
         runs = [_run(m, ids, seed, forward) for m in (single, exact)]
         try:
             applied = apply(mine)
@@ -264,6 +276,55 @@ def check_against_one_device(model, apply, group: GroupLike = None, *, what="the
     worst = max(range(len(checks)), key=ratios.__getitem__)
     return dict(seconds=seconds, checks=len(checks),
                 worst=(checks[worst][0].rsplit(" ", 1)[0], ratios[worst]))
+
+
+@contextmanager
+def _memory_kept(memory):
+    """The rank's memory tracker as it was before the check (a sharding block registers what
+    it holds and samples its peaks: the miniature's must not count)."""
+    kept = {k: copy.copy(v) if isinstance(v, (dict, list, set)) else v
+            for k, v in vars(memory).items()}
+    try:
+        yield
+    finally:
+        vars(memory).update(kept)
+
+
+class _GatherShares(torch.autograd.Function):
+    """Every rank's share along dim 0, concatenated in rank order; backward: this rank's part
+    (every rank computes the same thing from the whole)."""
+
+    @staticmethod
+    def forward(fctx, x, group):
+        fctx.group = group
+        return context().comm.all_gather(x, group=group, tag="self-check gather")
+
+    @staticmethod
+    def backward(fctx, grad):
+        return grad.chunk(fctx.group.size)[fctx.group.rank], None
+
+
+def own_mean(local, size):
+    """`local` unchanged, its gradient `size` times: each rank's loss is then the mean over its
+    own share (data parallelism's convention), its gradient size x its share of the whole
+    batch's mean, and the group's average of the gradients is the whole batch's."""
+    return local + (size - 1) * (local - local.detach())
+
+
+def batch_share_forward(is_applied, group: GroupLike = None, run=None):
+    """A `forward` for a block whose ranks each run their own rows of the batch (data
+    parallel, ZeRO-3, experts): the applied module on this rank's rows, its output gathered
+    (`own_mean`), the same as one device's on the whole batch; the others on the whole batch.
+    Pass batch=BATCH * the group's size to check_against_one_device."""
+    group = context().group(group)
+    run = run or (lambda module, ids: module(ids))
+
+    def forward(module, ids):
+        if not is_applied(module):
+            return run(module, ids)
+        local = logits_of(run(module, ids.chunk(group.size)[group.rank]))
+        return _GatherShares.apply(own_mean(local, group.size), group)
+    return forward
 
 
 def _vocabulary(mini):
