@@ -47,3 +47,17 @@ def test_a_result_off_by_a_gradient_is_wrong():
     tokens[0, -1] += 1
     ranks = [{"generate": ("ran", tokens)}] * 2
     assert fm.judge("generate", ranks, reference) == ("WRONG", "1 tokens differ")
+
+
+def test_a_family_whose_cache_is_its_own_is_refused_by_generate_in_one_line():
+    """CPM-Ant's forward does not take transformers' cache as labkit passes it (the matrix's
+    one ERROR cell before): generate says so in one line, and the matrix counts it REFUSED."""
+    from labkit.parallel import serving
+    try:
+        model = fm.build("cpmant")
+    except Exception as error:  # noqa: BLE001 - a transformers without CPM-Ant
+        pytest.skip(f"cpmant does not build here: {error}")
+    with pytest.raises(ValueError, match=r"^generate: CpmAntForCausalLM failed on transformers' "
+                       r"cache as labkit passes it .*use model\.generate$") as caught:
+        serving.generate(model, fm.data()[:, :fm.PROMPT], fm.NEW)
+    assert "\n" not in str(caught.value) and fm.refused_by_labkit(caught.value)

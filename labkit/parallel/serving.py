@@ -81,7 +81,13 @@ def _logits(out):
 def _run(module, x, cache):
     """Run `module` (or each layer of an nn.Sequential that does not take a cache itself)."""
     if isinstance(cache, HFCache):
-        return cache.forward(module, x)
+        try:
+            return cache.forward(module, x)
+        except (RuntimeError, IndexError) as error:   # a family whose cache is not HF's layout
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ValueError(f"generate: {type(module).__name__} failed on transformers' cache "
+                             f"as labkit passes it ({type(error).__name__}: {first}); its forward "
+                             "keeps its own cache layout: use model.generate") from None
     if _accepts_cache(module):
         return module(x, kv_cache=cache)
     if isinstance(module, nn.Sequential):
