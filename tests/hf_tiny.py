@@ -61,6 +61,17 @@ def build(family, attn="sdpa", tied=False, heads=4, kv_heads=2, hidden=HIDDEN, s
     return hf.AutoModelForCausalLM.from_config(config).eval()
 
 
+def perturbed(model):
+    """Norm weights and biases start constant (1, 0): noise, so that a norm applied to the
+    wrong head, or a gradient summed over the wrong ranks, shows (as the self-check does)."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            if bool((p == p.reshape(-1)[0]).all()):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
 def prompt(batch=4, length=6, seed=1):
     return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 

@@ -59,7 +59,7 @@ def _train(model, opt):
 def train_on_ranks(ctx, cases):
     out = {}
     for name, (family, attn, tied, plan) in cases.items():
-        runs = [perturbed(hf_tiny.build(family, attn, tied).train()) for _ in range(3)]
+        runs = [hf_tiny.perturbed(hf_tiny.build(family, attn, tied).train()) for _ in range(3)]
         runs[1] = numerics.exact_copy(runs[1])
         tp.parallelize(runs[2], plan, verify=False)   # the split itself (self-check: its tests)
         losses = [_train(m, torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6,
@@ -74,17 +74,6 @@ def train_on_ranks(ctx, cases):
                                      if p.tp_split is None},
                          heads=getattr(getattr(runs[2], "transformer", None), "num_heads", None))
     return out
-
-
-def perturbed(model):
-    """Norm weights and biases start constant (1, 0): noise, so that a norm applied to the
-    wrong head, or a gradient summed over the wrong ranks, shows."""
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            if bool((p == p.reshape(-1)[0]).all()):
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
 
 
 @pytest.fixture(scope="module")

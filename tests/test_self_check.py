@@ -33,16 +33,6 @@ FAMILIES = {   # family -> attention implementation (transformers' plan unless l
 }
 
 
-def perturbed(model):
-    """Noise on the parameters that start constant (norms, biases), as the self-check does."""
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            if bool((p == p.reshape(-1)[0]).all()):
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
-
-
 def _refusal(call):
     try:
         call()
@@ -127,7 +117,7 @@ def split_or_refuse(ctx):
     out = {}
     for family, attn in FAMILIES.items():
         kwargs = dict(kv_heads=4) if family == "deepseek_v2" else {}
-        runs = [perturbed(hf_tiny.build(family, attn, **kwargs).train()) for _ in range(3)]
+        runs = [hf_tiny.perturbed(hf_tiny.build(family, attn, **kwargs).train()) for _ in range(3)]
         for model in runs:   # CPU's grouped_mm has no float64: the reference's experts eager
             if any(getattr(model.config, a, None) for a in EXPERTS):
                 model.set_experts_implementation("eager")

@@ -19,10 +19,9 @@ not apply beside it); the stream's options need a stream, the fixed batch's opti
 """
 import csv
 import io
-import json
 import math
 
-from ..theory.user_files import read_user_text
+from ..theory.user_files import parse_user_json, read_user_text
 
 FIELDS = ("arrival_s", "prompt", "output")
 MAX_TRACE_BYTES = 16 << 20       # 16 MiB: about 500,000 rows, far beyond what CPU ranks serve
@@ -63,12 +62,7 @@ def read_trace(path):
 
 def _json_rows(text, where):
     """[(label, row)] of a JSON trace: a list of objects."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not JSON ({error.msg}, line {error.lineno})") from None
-    except RecursionError:
-        raise ValueError(f"{where}: nested too deeply to be a trace") from None
+    data = parse_user_json(text, where, "a trace")
     if not isinstance(data, list):
         raise ValueError(f"{where}: a JSON trace is a list of objects "
                          f"{{arrival_s, prompt, output}}, got {type(data).__name__}")

@@ -20,11 +20,10 @@ This module imports no torch (`plan` stays quick).
 from __future__ import annotations
 
 import dataclasses
-import json
 import unicodedata
 
 from . import hardware
-from .user_files import read_user_text
+from .user_files import parse_user_json, read_user_text
 
 LISTS = {"gemm": {"m": int, "n": int, "k": int, "dtype": str, "tflops": float},
          "decode_step_s": {"model": str, "batch": int, "context": int, "seconds": float},
@@ -102,12 +101,7 @@ def load_profile(path):
     where = f"--gpu-profile {printable(str(path))}"
     text = read_user_text(path, where, MAX_BYTES,
                           "give the UTF-8 JSON file that `calibrate --out` wrote")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not JSON ({error.msg}, line {error.lineno})") from None
-    except RecursionError:
-        raise ValueError(f"{where}: nested too deeply to be a profile") from None
+    data = parse_user_json(text, where, "a profile")
     check_profile(data, where=where)
     return dict(data, gpu=printable(data["gpu"]), torch=printable(data["torch"]))
 

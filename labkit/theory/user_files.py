@@ -2,8 +2,9 @@
 
 A user's path may be a folder, a FIFO with no writer (open(2) would block forever), a device, a
 huge file or not UTF-8; each is refused before anything parses it, in one line that names the
-flag and the file (`where`) and says what is wrong. Parsing stays with the caller.
+flag and the file (`where`) and says what is wrong; so is JSON that does not parse.
 """
+import json
 import os
 import stat
 
@@ -27,6 +28,17 @@ def read_user_text(path, where, max_bytes, kind):
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         raise ValueError(f"{where}: not UTF-8 text (byte {error.start}); {kind}") from None
+
+
+def parse_user_json(text, where, what):
+    """`text` parsed as JSON; malformed or nested too deeply (a RecursionError): one-line
+    ValueError starting with `where`, naming `what` the file should be."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not JSON ({error.msg}, line {error.lineno})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply to be {what}") from None
 
 
 def _open_nonblocking(path, flags):
