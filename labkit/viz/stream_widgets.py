@@ -61,16 +61,17 @@ def stream_explorer(serve_stream):
     change and drawn (the budget with chunked prefill; "none": no cap, whole prompts)."""
     import ipywidgets as widgets
     from .widgets import figure_explorer
+    wide = dict(style={"description_width": "initial"})   # vLLM's names, whole
     controls = dict(
         policy=widgets.ToggleButtons(options=["static", "continuous"], value="continuous",
                                      description="policy"),
         rate=widgets.SelectionSlider(options=[25, 50, 100, 200, 400, 800], value=100,
                                      description="req/s"),
         max_num_seqs=widgets.SelectionSlider(options=[1, 2, 4, 8, 16], value=8,
-                                             description="max_num_seqs"),
+                                             description="max_num_seqs", **wide),
         max_num_batched_tokens=widgets.SelectionSlider(
             options=["none", 16, 32, 64, 128, 256], value="none",
-            description="max_num_batched_tokens"))
+            description="max_num_batched_tokens", **wide))
 
     def draw(fig, policy, rate, max_num_seqs, max_num_batched_tokens):
         budget = None if max_num_batched_tokens == "none" else max(max_num_batched_tokens,
