@@ -4,7 +4,8 @@ For a model, a cluster and a global batch it enumerates every legal plan (dp, tp
 interleave v, micro-batch size, ZeRO stage 0-3, recompute none/selective/full of k layers per
 stage, sequence parallel), predicts memory per GPU (worst pipeline stage) and the step time, and
 ranks the plans that fit. Everything is modelled from first principles with named terms
-(plan_terms.py, recompute.py, overlap.py, kernels.py); nothing is fitted to a published run:
+(plan_terms.py, recompute.py, overlap.py, kernels.py); one number is fitted, on the declared
+calibration rows only (kernels.TRAINING_GEMM_FRACTION, published.fit_training_gemm_fraction):
 
 - Compute: kernel by kernel (kernels.py): each forward kernel of a layer the max of its FLOPs at
   peak x the GPU's measured MAMF ceiling x its shape's tile and wave quantization and its bytes
@@ -215,7 +216,7 @@ def _micro_batch_work(m, c, seq, p, tokens, layers, share, kept):
         m, tokens, seq, c.gpu, tp, p["ep"], mbs, c.causal, flash,
         terms.message_bytes(c.precision), terms.gemm_flops_rate(c, c.precision),
         c.gpu.bf16_flops * c.achievable, c.kernel_launch_s, p["sequence_parallel"],
-        tf.is_gpt(m) if c.dropout is None else c.dropout, p["cp"])
+        tf.is_gpt(m) if c.dropout is None else c.dropout, p["cp"], c.training_gemm_fraction)
     gemm = layers * (fwd["gemm"] + fwd["gemm_backward"])
     attention = layers * (fwd["attention"] + fwd["attention_backward"])
     head = fwd["head"] + fwd["head_backward"]
@@ -272,17 +273,20 @@ parse_model = inputs.parse_model      # a catalog name, a ModelShape or a shape 
 def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_link=None,
          global_batch=None, global_batch_tokens=None, seq=4096, fix=None, top=None,
          achievable=None, flash_attention=True, precision="bf16",
-         dropout=None, stack=None, causal=True, fp8_recipe="delayed"):
+         dropout=None, stack=None, causal=True, fp8_recipe="delayed",
+         training_gemm_fraction=None):
     """Rank every legal plan; returns {"model", "cluster", "considered", "plans"}.
 
     flash_attention=False models a stack that stores the softmax (Megatron-LM in 2021);
     precision "fp8" runs the linear layers in fp8 (Transformer Engine), "fp32" is all fp32 (4 +
     4 + 8 bytes of Adam states per parameter); fp8_recipe: Transformer Engine's "delayed" or
     "current" scaling (plan_terms.fp8_cast_time); stack: overlap.STACKS (default "megatron");
-    gpu: a catalog name or a hardware.GPU (hardware.custom_gpu)."""
+    gpu: a catalog name or a hardware.GPU (hardware.custom_gpu); training_gemm_fraction: the
+    in-step GEMM factor (None: data/kernels.csv's, kernels.TRAINING_GEMM_FRACTION)."""
     m = parse_model(model)
     c = make_cluster(gpu, gpus, gpus_per_node, intra_link, inter_link, achievable,
-                     flash_attention, precision, dropout, stack, causal, fp8_recipe)
+                     flash_attention, precision, dropout, stack, causal, fp8_recipe,
+                     training_gemm_fraction)
     seq = inputs.count("seq", seq)
     note = ""
     if global_batch is None:

@@ -29,8 +29,8 @@
 # 1. trains the tiny GPT on a **2 × 2 × 2 mesh** (8 CPU ranks: DP × TP × PP, each dimension one
 #    of the building blocks of `labkit.parallel`) and checks it against one device;
 # 2. asks a **planner** (`labkit.theory.planner`) which layouts of a real model fit a real cluster
-#    and how fast each would go (modelled from measured and published constants, none fitted to
-#    a run), checked against published runs.
+#    and how fast each would go (modelled from measured and published constants and one
+#    declared fitted factor), checked against published runs it was not fitted to.
 
 # %%
 import pandas as pd
@@ -353,10 +353,12 @@ plan_table(out70, 4)
 # launch cost per kernel (`data/kernels.csv`, each constant with its source). Element-wise
 # kernels (norms, rotary, activations, residual adds, dropout, the fp32 loss over the logits)
 # move their own bytes, forward and backward; backward GEMMs run at their own (dgrad, wgrad)
-# shapes. **Nothing is fitted to a run.** One published table (Narayanan et al. 2021, Table 1:
-# GPT models from 1.7B to 1T parameters on 32 to 3,072 A100s, with their layouts) once was,
-# and its rows were looked at while the model was designed, so they are shown apart
-# (`calibration`). The rest are
+# shapes. **One number is fitted, and only to one table.** Built from microbenchmarks alone, the
+# model was 18% optimistic on Narayanan et al. 2021, Table 1 (GPT models from 1.7B to 1T
+# parameters on 32 to 3,072 A100s) and 14% on every other run: a GEMM inside a training step runs
+# slower than the same GEMM timed alone on an idle GPU. So training GEMMs run at a factor of
+# the microbenchmark's rate, fitted so that Table 1's rows (`calibration`) average no error,
+# and the other rows (`check`) test it. The rest are
 # datasheets (FLOP/s, HBM, links) and named assumptions, printed below: link efficiency,
 # latencies, the allocator's reserve and the SMs overlapped communication takes from compute.
 # Then it predicts runs it never looked at while it was designed
@@ -389,6 +391,8 @@ from labkit.theory import kernels
 h100 = hardware.gpu("H100")
 attention_at_8k = {way: kernels.attention_rate(h100, 128, 8192, True, way) / h100.bf16_flops
                    for way in ("forward", "backward")}
+print(f"fitted on the calibration rows only: training GEMMs at "
+      f"{kernels.TRAINING_GEMM_FRACTION:.2f} of the microbenchmark's rate")
 print(f"measured, not fitted: H100 GEMM ceiling {kernels.ceiling(h100):.2f} of peak (MAMF), "
       f"HBM {kernels.HBM_FRACTION:.0%} of the datasheet, {kernels.LAUNCH_S * 1e6:g} us per "
       f"kernel launch; causal attention at 8K tokens, head dim 128: forward "
@@ -606,7 +610,8 @@ Markdown(
 # - The mesh is the blocks of lessons 01-03 composed, nothing more, and it trains exactly what one
 #   device trains.
 # - The planner turns "which layout?" into arithmetic, kernel by kernel, from measured and
-#   published constants, and it is checked on runs it was not fitted to: trust its ranking,
+#   published constants (one factor fitted on a declared table), and it is checked on runs it
+#   was not fitted to: trust its ranking,
 #   and its absolute MFU within the errors shown.
 # - First make it fit (shard states, layers or activations), then make it fast (the largest
 #   overhead says what to change).
