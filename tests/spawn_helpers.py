@@ -18,6 +18,9 @@ def _free_port():
 
 def _entry(rank, world_size, port, fn, args, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # the clock's file store (runtime/clock_board.run_store) is removed by FileStore's own
+    # clean-up at a normal exit; os._exit below skips it, so put it where spawn() tidies
+    tempfile.tempdir = out_dir
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
