@@ -252,7 +252,8 @@ def _serve_run_parser(techniques, chosen):
     serve_modes.add_arguments(stream.add_arguments(sub))  # --requests N: a stream (lesson 10)
     sub.add_argument("--world-size", type=int, default=None,
                      help="default: replicas x ep x tp x pp")
-    sub.add_argument("--seed", type=int, default=0)
+    sub.add_argument("--seed", type=int, default=0, help="the model's, the prompts' and (with "
+                     "--temperature) each request's draws (vLLM's --seed)")
     sub.add_argument("--cluster", default="8xH100-NVLink",
                      help="the modelled cluster for TTFT/TPOT")
     shape = sub.add_argument_group("model shape (defaults: 4 layers, 4 heads, hidden 64)")

@@ -216,8 +216,8 @@ def serve_plan_main(argv):
     parser.add_argument("--context", type=int, default=None, help="same as --prompt-len")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=None,
-                        help="requests served at once (default 1; with --rate: the most "
-                             "running per GPU, default 64)")
+                        help="requests served at once (default 1; with --rate: the old name "
+                             "of --max-num-seqs)")
     parser.add_argument("--weights", choices=serving.WEIGHTS, default=None,
                         help="default: try each")
     parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
@@ -231,14 +231,31 @@ def serve_plan_main(argv):
         "--new-tokens (labkit.theory.stream_sim; modelled)")
     rate.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
     rate.add_argument("--requests", type=int, default=200, help="requests in the stream")
-    rate.add_argument("--chunk", type=int, default=512, help="prefill tokens per step (chunked)")
+    rate.add_argument("--max-num-seqs", type=int, default=None,
+                      help="vLLM's: the most requests running per GPU (default 64)")
+    rate.add_argument("--max-num-batched-tokens", "--chunk", dest="chunk", type=int,
+                      default=None, help="vLLM's: tokens per step of the chunked policy, "
+                      "decodes and prompt tokens together (default 512; --chunk: the old name)")
+    rate.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                      help="vLLM's: the fraction of each GPU's memory the engine may use; the "
+                      "KV pool is what the weights and the activation peak leave of it")
+    rate.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                      help="vLLM's: the KV pool's blocks (of 16 tokens) per GPU instead")
+    rate.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                      default=False, help="vLLM v1's automatic prefix caching (off here "
+                      "unless given; it matters with --shared-prefix)")
+    rate.add_argument("--shared-prefix", type=int, default=0,
+                      help="tokens of one system prompt every prompt begins with")
+    rate.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                      help="vLLM's (the modelled stream's requests all have priority 0: "
+                      "priority then differs from fcfs only in whom it preempts)")
     rate.add_argument("--ttft-ms", type=float, default=None, help="goodput's TTFT limit")
     rate.add_argument("--tpot-ms", type=float, default=None, help="goodput's TPOT limit")
     rate.add_argument("--seed", type=int, default=0, help="the stream's seed")
     args = parser.parse_args(argv)
     try:
         for name in ("gpus", "new_tokens", "batch", "prompt_len", "context", "top", "requests",
-                     "chunk"):
+                     "chunk", "max_num_seqs", "num_gpu_blocks_override"):
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
@@ -254,7 +271,11 @@ def serve_plan_main(argv):
                                            args.gpu if "--gpu" in argv else None)
         if args.rate is not None or args.ttft_ms is not None or args.tpot_ms is not None:
             return _stream_plan(args, argv, gpu, header)
-        stream_only = [f for f in ("--requests", "--chunk", "--seed")
+        stream_only = [f for f in ("--requests", "--chunk", "--seed", "--max-num-seqs",
+                                   "--max-num-batched-tokens", "--gpu-memory-utilization",
+                                   "--num-gpu-blocks-override", "--enable-prefix-caching",
+                                   "--no-enable-prefix-caching", "--shared-prefix",
+                                   "--scheduling-policy")
                        if any(a == f or a.startswith(f + "=") for a in argv)]
         if stream_only:
             raise ValueError(f"{stream_only[0]} shapes a request stream (--rate R); without "
@@ -294,11 +315,18 @@ def _stream_plan(args, argv, gpu, header):
     if layout:
         raise ValueError(f"--rate models one bf16 replica per GPU, so {layout[0]} (a layout "
                          "planner option) does not apply; drop it or drop --rate")
+    if args.batch is not None and args.max_num_seqs is not None:
+        raise ValueError("--batch is the old name of --max-num-seqs: give one of them")
     out = stream_sim.plan_stream(
         args.model, args.gpus, gpu, rate=args.rate, requests=args.requests,
         prompt_len=args.prompt_len or args.context or 1024, new_tokens=args.new_tokens,
-        max_batch=args.batch or 64, chunk=args.chunk, ttft_ms=args.ttft_ms,
-        tpot_ms=args.tpot_ms, kv_dtype=args.kv_dtype, seed=args.seed)
+        max_num_seqs=args.max_num_seqs or args.batch or 64,
+        max_num_batched_tokens=args.chunk or stream_sim.CHUNK, ttft_ms=args.ttft_ms,
+        tpot_ms=args.tpot_ms, kv_dtype=args.kv_dtype, seed=args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_prefix_caching=args.enable_prefix_caching, shared_prefix=args.shared_prefix,
+        scheduling_policy=args.scheduling_policy)
     if args.json:
         return finish(json.dumps(out, indent=2))
     return finish((header + "\n" if header else "") + stream_sim.format_stream_plan(out))

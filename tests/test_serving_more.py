@@ -87,7 +87,8 @@ def test_the_simulated_scheduler_keeps_the_engines_times(policy, chunk, blocks):
     rows = theory.poisson_stream(10, 300.0, (3, 20), (6, 14), seed=1)
     reqs = [Request(r["id"], _ids(r["prompt"], r["id"]), r["output"], r["arrival_s"])
             for r in rows]
-    done = Engine(model, PagedKVCache(1, 64, blocks, 4), policy, max_batch=4, chunk=chunk,
+    done = Engine(model, PagedKVCache(1, 64, blocks, 4), policy, max_num_seqs=4,
+                  max_num_batched_tokens=chunk,
                   step_time=LLAMA_H100).run(reqs)
     sim = stream_sim.simulate(rows, LLAMA_H100, policy, 4, chunk, blocks, 4)
     assert [len(r.token_times) for r in sim] == [r.output for r in done]
@@ -111,7 +112,7 @@ def test_plan_stream_orders_the_policies_and_refuses_what_does_not_fit():
     # a decode step reads the weights at least once: TPOT is above weights / HBM bandwidth
     floor = catalog.model("llama-3-8b").param_count() * 2 / hardware.gpu("H100").memory_bw
     assert all(p["latency"]["tpot_s"]["p50"] > floor for p in out["policies"])
-    with pytest.raises(ValueError, match="do not fit one"):
+    with pytest.raises(ValueError, match="do not fit --gpu-memory-utilization 0.9 of one"):
         stream_sim.plan_stream("llama-3-70b", 8, "H100", rate=5)
 
 

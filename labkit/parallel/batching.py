@@ -1,7 +1,7 @@
 """Iteration-level scheduling of a request stream: continuous batching and chunked prefill.
 
 Static batching (request-level, as servers before Orca): when the engine is idle it takes up
-to `max_batch` waiting requests and runs them until the last one finishes; a request arriving
+to `max_num_seqs` waiting requests and runs them until the last one finishes; a request arriving
 meanwhile waits for the whole batch, and a finished request's slot stays empty.
 Continuous batching (Yu et al. OSDI'22, "Orca", iteration-level scheduling): the batch is
 re-formed at every step: finished requests leave, arrived ones join (while the batch has room
@@ -23,8 +23,13 @@ request against its own keys and values read through the paged cache (`PagedKVCa
 piece that reaches the end of its sequence yields the request's next token: greedy, or drawn
 with its temperature, top-p and seed (`paged_kv.SamplingParams`, vLLM's per-request sampling).
 
-When the paged cache runs out of blocks mid-decode the newest running request is preempted
-(its blocks freed, its sequence recomputed when it is re-admitted: vLLM's recompute policy).
+When the paged cache runs out of blocks mid-decode a running request is preempted (its blocks
+freed, its sequence recomputed when it is re-admitted: vLLM's recompute policy), in vLLM v1's
+order (`theory.stream_sim.preemption_victim`): under `scheduling_policy="fcfs"` the request
+admitted last (`self.running.pop()`), under `"priority"` the running request with the largest
+(priority, arrival), the lowest priority. The priority policy also admits the arrived request
+of the lowest priority value first (`next_waiting`; vLLM's `--scheduling-policy priority`,
+each request's `priority`, lower served first).
 With the cache's prefix caching on, a request admitted starts from its longest cached prefix
 (`PagedKVCache.admit`) and each step caches the blocks it filled (`commit`).
 The engine works on any rank: under tensor parallelism every rank of the group runs the same
@@ -38,7 +43,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime.context import context
-from ..theory.stream_sim import check_budget, check_fits_budget, step_pieces
+from ..theory.stream_sim import (check_budget, check_fits_budget, check_scheduling_policy,
+                                  next_waiting, preemption_victim, step_pieces)
 from .paged_kv import SamplingParams, check_model, next_token, ragged_forward
 
 POLICIES = ("static", "continuous")
@@ -58,6 +64,7 @@ class Request:
     token_times: list = field(default_factory=list)
     cached: int = 0            # tokens of the sequence in the KV cache
     preemptions: int = 0
+    priority: int = 0          # vLLM's: lower is served first under the priority policy
     _generator: torch.Generator | None = field(default=None, repr=False)
 
     def pick(self, logits):
@@ -102,6 +109,9 @@ def check_requests(requests):
         if r.id in seen:
             raise ValueError(f"request id {r.id!r} is given twice; each request needs its own "
                              "id (the KV cache keys its blocks by id)")
+        if isinstance(r.priority, bool) or not isinstance(r.priority, int):
+            raise ValueError(f"request {r.id}: priority must be an integer (lower is served "
+                             f"first), got {r.priority!r}")
         if not isinstance(r.sampling, SamplingParams):
             raise ValueError(f"request {r.id}: sampling must be a SamplingParams, got "
                              f"{type(r.sampling).__name__}")
@@ -132,12 +142,13 @@ class Engine:
     that much, waiting jumps to the next arrival), so the latencies are those of the modelled
     machine while the tokens are still computed here. Deprecated names: max_batch (=
     max_num_seqs) and chunk=C (= max_num_batched_tokens=C with chunked prefill: the budget now
-    counts the decodes too)."""
+    counts the decodes too). scheduling_policy: "fcfs" or "priority" (vLLM's; see the module
+    docstring); `preempted` lists the ids preempted, in order."""
 
     def __init__(self, model, cache, policy="continuous", max_num_seqs=8,
                  max_num_batched_tokens=None, clock=time.perf_counter, sleep=time.sleep,
                  on_finish=None, step_time=None, *, enable_chunked_prefill=True,
-                 max_batch=None, chunk=None):
+                 scheduling_policy="fcfs", max_batch=None, chunk=None):
         check_model(model)
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -151,6 +162,8 @@ class Engine:
                 raise ValueError(f"chunk must be >= 1 token per step, got {chunk}")
             max_num_batched_tokens, enable_chunked_prefill = chunk, True
         check_budget(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+        check_scheduling_policy(scheduling_policy)
+        self.scheduling_policy, self.preempted = scheduling_policy, []
         self.model, self.cache, self.policy = model, cache, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -166,23 +179,27 @@ class Engine:
     def _admit(self, waiting, running, now):
         if self.policy == "static" and running:
             return       # request-level: nobody joins a batch under way
-        while waiting and waiting[0].arrival_s <= now and len(running) < self.max_num_seqs:
-            hit = self.cache.admit(waiting[0].id, waiting[0].sequence())
+        while len(running) < self.max_num_seqs:
+            r = next_waiting(waiting, now, self.scheduling_policy)
+            hit = None if r is None else self.cache.admit(r.id, r.sequence())
             if hit is None:
                 break
-            waiting[0].cached = hit          # prefix caching: these tokens are not prefilled
-            running.append(waiting.popleft())
+            r.cached = hit                   # prefix caching: these tokens are not prefilled
+            waiting.remove(r)
+            running.append(r)
 
     def _pieces(self, running):
         """Decodes first (one token each), then prompt pieces, all within the token budget."""
         return step_pieces(running, self.max_num_batched_tokens, self.enable_chunked_prefill)
 
     def _grow(self, running, pieces):
-        """Reserve blocks for each piece; preempt the newest request while the pool is short."""
+        """Reserve blocks for each piece; preempt (the policy's victim) while the pool is
+        short."""
         kept = list(pieces)
         for r, todo in pieces:
             while r in running and not self.cache.reserve(r.id, r.cached + todo):
-                victim = running[-1]
+                victim = preemption_victim(running, self.scheduling_policy)
+                self.preempted.append(victim.id)
                 self.cache.free(victim.id)
                 victim.cached, victim.preemptions = 0, victim.preemptions + 1
                 running.remove(victim)

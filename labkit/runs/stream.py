@@ -3,8 +3,16 @@ cache, whole or chunked prefill; every request's tokens checked against it serve
 
 `python -m labkit run serve --requests 32 --rate 40 --policy continuous [--paged
 --block-size 8] [--max-num-batched-tokens 16 [--no-enable-chunked-prefill]] [--max-num-seqs 8]
-[--tp 2 | --replicas 2] [--json]` (vLLM's flag names; `--max-batch` and `--chunk` are the old
-names of the last two). Requests (Poisson arrivals,
+[--enable-prefix-caching --shared-prefix 16] [--scheduling-policy priority]
+[--num-gpu-blocks-override N | --gpu-memory-utilization 0.9 --time-model llama-3-8b]
+[--temperature 0.8 --top-p 0.9 --seed 1] [--tp 2 | --replicas 2] [--json]` (vLLM's flag
+names; `--max-batch` and `--chunk` are the old names of max_num_seqs and
+max_num_batched_tokens). The KV pool per rank: --num-gpu-blocks-override blocks, or the blocks
+the modelled GPU of --time-model holds at --gpu-memory-utilization (theory/stream_sim.kv_pool;
+only the blocks the stream can ever hold are allocated, which schedules alike), or
+--kv-tokens slots (default max_num_seqs x the longest request). Sampling: each request draws
+with --temperature and --top-p from a generator seeded by --seed and its id, and is checked
+against itself served alone with the same seed. Requests (Poisson arrivals,
 seeded, or `--trace FILE`) are served by `labkit.parallel.batching.Engine`: with --replicas
 each rank serves the requests whose id % replicas is its own, with --tp every rank of the
 group runs the same scheduler on a model split by `parallelize_module` (heads and MLP columns; each
@@ -30,7 +38,7 @@ import torch
 
 from .. import models
 from ..parallel.batching import Engine, Request, synced_clock
-from ..parallel.paged_kv import PagedKVCache, ragged_forward
+from ..parallel.paged_kv import PagedKVCache, SamplingParams, ragged_forward
 from ..parallel.serving import generate
 from ..parallel.parallel_styles import parallelize_module
 from ..parallel.tensor_parallel_plan import gpt_plan
@@ -57,6 +65,11 @@ class StreamConfig:
     max_num_batched_tokens: int | None = None   # tokens per step, decodes + prompt (None: no cap)
     enable_chunked_prefill: bool = True         # cut prompts to the budget (else whole)
     enable_prefix_caching: bool = False         # vLLM v1's automatic prefix caching (--paged)
+    scheduling_policy: str = "fcfs"             # or "priority" (a trace's priority column)
+    num_gpu_blocks_override: int | None = None  # KV blocks per rank (vLLM's name)
+    gpu_memory_utilization: float | None = None  # of the --time-model GPU: its pool's blocks
+    temperature: float = 0.0                    # vLLM's SamplingParams (0: greedy)
+    top_p: float = 1.0
     shared_prefix: int = 0             # tokens of a system prompt every prompt begins with
     tp: int = 1
     replicas: int = 1
@@ -84,12 +97,55 @@ class StreamConfig:
     def as_dict(self):
         return asdict(self)
 
+    def sampling(self, rid):
+        """Request rid's SamplingParams: greedy, or its own generator from the seed and id."""
+        if self.temperature == 0:
+            return SamplingParams()
+        return SamplingParams(self.temperature, self.top_p, 1_000_003 * self.seed + rid)
+
+    def pool(self, gpt, stream):
+        """(blocks, block size, where the count comes from, blocks allocated): the KV pool of
+        one rank. A pool larger than every request of the stream at once schedules as that
+        many blocks (nothing is preempted or evicted), so no more are allocated."""
+        block = self.block_size if self.paged else gpt.seq
+        if self.num_gpu_blocks_override is not None:
+            blocks, source = self.num_gpu_blocks_override, "num_gpu_blocks_override"
+        elif self.gpu_memory_utilization is not None:
+            blocks = stream_sim.kv_pool(
+                self.time_model, self.time_gpu, gpu_memory_utilization=self.gpu_memory_utilization,
+                block_size=block, profile_tokens=self.max_num_batched_tokens or max(
+                    r["prompt"] + r["output"] for r in stream) * self.max_num_seqs,
+                max_num_seqs=self.max_num_seqs)["num_blocks"]
+            source = (f"gpu_memory_utilization {self.gpu_memory_utilization:g} of one "
+                      f"{self.time_gpu} for {self.time_model}")
+        else:
+            slots = self.kv_tokens or self.max_num_seqs * gpt.seq
+            return slots // block, block, "--kv-tokens" if self.kv_tokens else "default", \
+                slots // block
+        need = sum(1 if not self.paged else -(-(r["prompt"] + r["output"]) // block)
+                   for r in stream)
+        return blocks, block, source, min(blocks, need)
+
 
 def check_config(cfg):
     """Everything checkable before ranks start, one line each."""
     for name in ("tp", "replicas", "max_num_seqs", "block_size"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+    stream_sim.check_scheduling_policy(cfg.scheduling_policy)
+    SamplingParams(cfg.temperature, cfg.top_p)       # one line for a bad temperature or top-p
+    if cfg.num_gpu_blocks_override is not None and (cfg.kv_tokens is not None or
+                                                    cfg.gpu_memory_utilization is not None):
+        raise ValueError("--num-gpu-blocks-override gives the KV pool's blocks: drop "
+                         "--kv-tokens and --gpu-memory-utilization")
+    if cfg.num_gpu_blocks_override is not None and cfg.num_gpu_blocks_override < 1:
+        raise ValueError(f"--num-gpu-blocks-override must be a positive number of blocks, got "
+                         f"{cfg.num_gpu_blocks_override}")
+    if cfg.gpu_memory_utilization is not None and (cfg.kv_tokens is not None or
+                                                   not cfg.time_model):
+        raise ValueError("--gpu-memory-utilization sizes the KV pool of a modelled GPU: give "
+                         "--time-model MODEL (and --time-gpu), without --kv-tokens; on these "
+                         "CPU ranks give --num-gpu-blocks-override or --kv-tokens instead")
     if cfg.enable_prefix_caching and not cfg.paged:
         raise ValueError("--enable-prefix-caching caches full blocks of a paged KV cache: give "
                          "--paged too")
@@ -139,7 +195,8 @@ def check_fits(cfg, gpt, stream, timeout_s=TIMEOUT_S, available=None):
     available = available_memory() if available is None else available
     if available is not None:
         bound = serve_fit.memory(alone)
-        slots = (cfg.kv_tokens or cfg.max_num_seqs * gpt.seq) + gpt.seq     # the pool + scratch
+        _, block, _, allocated = cfg.pool(gpt, stream)
+        slots = allocated * block + gpt.seq                                 # the pool + scratch
         pool = 2 * gpt.layers * slots * (gpt.hidden // cfg.tp) * BYTES
         need = cfg.world_size * (bound["per_rank"] - bound["parts"]["kv_cache"] + pool)
         if max(need, bound["reference"]) > available:
@@ -156,10 +213,12 @@ def check_fits(cfg, gpt, stream, timeout_s=TIMEOUT_S, available=None):
 def check_pool(cfg, gpt, stream):
     """The KV pool the ranks will build (make_cache) holds at least one block and the largest
     request whole: else a rank would raise, or the request wait for blocks forever."""
-    slots = cfg.kv_tokens or cfg.max_num_seqs * gpt.seq
-    flag = f"--kv-tokens {slots}" if cfg.kv_tokens else \
-        f"the pool of --max-num-seqs {cfg.max_num_seqs} x {gpt.seq} positions ({slots:,} slots)"
-    block = cfg.block_size if cfg.paged else gpt.seq
+    blocks, block, source, _ = cfg.pool(gpt, stream)
+    slots = blocks * block if source not in ("default", "--kv-tokens") else \
+        cfg.kv_tokens or cfg.max_num_seqs * gpt.seq
+    flag = f"--kv-tokens {slots}" if source == "--kv-tokens" else \
+        f"the pool of --max-num-seqs {cfg.max_num_seqs} x {gpt.seq} positions ({slots:,} " \
+        "slots)" if source == "default" else f"{blocks:,} blocks ({source})"
     if block > slots:
         what = f"--block-size {cfg.block_size}" if cfg.paged else \
             f"one request's maximum length ({gpt.seq} slots, the contiguous cache's block)"
@@ -208,13 +267,13 @@ def prompts(cfg, stream):
     return out
 
 
-def make_cache(cfg, gpt, kv_width):
-    """The paged cache, or the contiguous one (max length reserved), in the same token slots."""
-    slots = cfg.kv_tokens or cfg.max_num_seqs * gpt.seq
+def make_cache(cfg, gpt, kv_width, stream):
+    """The paged cache, or the contiguous one (max length reserved), of cfg.pool's blocks."""
+    _, block, _, allocated = cfg.pool(gpt, stream)
     if cfg.paged:
-        return PagedKVCache(gpt.layers, kv_width, slots // cfg.block_size, cfg.block_size,
+        return PagedKVCache(gpt.layers, kv_width, allocated, block,
                             enable_prefix_caching=cfg.enable_prefix_caching)
-    return PagedKVCache.contiguous(gpt.layers, kv_width, gpt.seq, slots)
+    return PagedKVCache.contiguous(gpt.layers, kv_width, gpt.seq, allocated * block)
 
 
 def serve(ctx, cfg):
@@ -227,9 +286,8 @@ def serve(ctx, cfg):
         parallelize_module(model, mesh["tp"], gpt_plan(vocab=False))
     dp_rank = mesh.coords["dp"]
     ids = prompts(cfg, stream)
-    mine = [Request(r["id"], ids[r["id"]], r["output"], r["arrival_s"]) for r in stream
-            if r["id"] % cfg.replicas == dp_rank]
-    cache = make_cache(cfg, gpt, gpt.hidden // cfg.tp)
+    mine = [_request(cfg, r, ids) for r in stream if r["id"] % cfg.replicas == dp_rank]
+    cache = make_cache(cfg, gpt, gpt.hidden // cfg.tp, stream)
     scratch = PagedKVCache(gpt.layers, gpt.hidden // cfg.tp, 1, gpt.seq)   # warm-up, untimed
     scratch.reserve(0, gpt.seq)
     ragged_forward(model, [(0, torch.zeros(gpt.seq, dtype=torch.int64), 0)], scratch)
@@ -237,12 +295,12 @@ def serve(ctx, cfg):
     engine = Engine(model, cache, cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                     enable_chunked_prefill=cfg.enable_chunked_prefill, clock=clock,
                     on_finish=lambda done, total: ctx.progress(done, total),
-                    step_time=step_time(cfg))
+                    step_time=step_time(cfg), scheduling_policy=cfg.scheduling_policy)
     done = engine.run(mine)
     return dict(rank=ctx.rank, tp_rank=mesh.coords["tp"], backend=ctx.backend,
                 requests=[dict(id=r.id, tokens=r.generated, token_times=r.token_times,
                                preemptions=r.preemptions) for r in done],
-                steps=engine.steps, peak_blocks=cache.peak_blocks,
+                steps=engine.steps, peak_blocks=cache.peak_blocks, preempted=engine.preempted,
                 prefix_cache=cache.prefix_stats(),
                 bytes_per_slot=cache.bytes_per_slot)
 
@@ -254,22 +312,36 @@ def serve_locally(cfg):
     stream = cfg.stream()
     gpt, model = cfg.gpt_config(stream), build_model(cfg, stream)
     ids = prompts(cfg, stream)
-    cache = make_cache(cfg, gpt, gpt.hidden)
+    cache = make_cache(cfg, gpt, gpt.hidden, stream)
     engine = Engine(model, cache, cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                    step_time=step_time(cfg), enable_chunked_prefill=cfg.enable_chunked_prefill)
-    done = {r.id: r for r in engine.run([Request(r["id"], ids[r["id"]], r["output"],
-                                                 r["arrival_s"]) for r in stream])}
+                    step_time=step_time(cfg), enable_chunked_prefill=cfg.enable_chunked_prefill,
+                    scheduling_policy=cfg.scheduling_policy)
+    done = {r.id: r for r in engine.run([_request(cfg, r, ids) for r in stream])}
     records = [dict(r, preemptions=done[r["id"]].preemptions, **theory.request_metrics(
         r["arrival_s"], done[r["id"]].token_times, r["output"])) for r in stream]
     gaps = [b - a for q in done.values() for a, b in zip(q.token_times, q.token_times[1:])]
     return records, theory.summarise(records, cfg.ttft_ms, cfg.tpot_ms, gaps), engine
 
 
+def _request(cfg, row, ids):
+    return Request(row["id"], ids[row["id"]], row["output"], row["arrival_s"],
+                   sampling=cfg.sampling(row["id"]), priority=row.get("priority", 0))
+
+
 def reference_tokens(cfg, stream):
-    """Each request's greedy tokens generated alone on one device (lesson 09's generate)."""
+    """Each request's tokens generated alone on one device: greedy, lesson 09's generate;
+    sampled, the engine serving it alone with its own seed (one request at a time)."""
     model, ids = build_model(cfg, stream), prompts(cfg, stream)
-    return {r["id"]: generate(model, ids[r["id"]][None], r["output"])[0].tolist()
-            for r in stream}
+    if cfg.temperature == 0:
+        return {r["id"]: generate(model, ids[r["id"]][None], r["output"])[0].tolist()
+                for r in stream}
+    gpt, out = cfg.gpt_config(stream), {}
+    for r in stream:
+        alone = Engine(model, PagedKVCache(gpt.layers, gpt.hidden, 1, gpt.seq), "continuous", 1,
+                       step_time=lambda pieces: 0.0)
+        q = alone.run([_request(cfg, dict(r, arrival_s=0.0), ids)])[0]
+        out[r["id"]] = q.generated
+    return out
 
 
 def kv_summary(steps):
@@ -310,6 +382,7 @@ def report(cfg=None, timeout_s=300):
     steps = [s for r in leaders for s in r["steps"]]
     kv = dict(kv_summary(steps), used=max(r["peak_blocks"] for r in leaders),
               bytes_per_slot=leaders[0]["bytes_per_slot"])
+    blocks, block, source, allocated = cfg.pool(cfg.gpt_config(stream), stream)
     gaps = [b - a for q in served.values()
             for a, b in zip(q["token_times"], q["token_times"][1:])]
     summary = theory.summarise(records, cfg.ttft_ms, cfg.tpot_ms, gaps)
@@ -325,6 +398,10 @@ def report(cfg=None, timeout_s=300):
                 duration_s=summary["duration_s"],
                 tokens_differing=int(differing), tokens_equal_reference=differing == 0,
                 kv_blocks=kv, prefix_cache=prefix_summary([r["prefix_cache"] for r in leaders]),
+                kv_pool=dict(num_blocks=blocks, block_size=block, source=source,
+                             allocated_blocks=allocated),
+                scheduling_policy=cfg.scheduling_policy,
+                preempted=[i for r in leaders for i in r["preempted"]],
                 peak_running=max(s["batch"] for s in steps),
                 steps=len(steps), step_tokens_max=max(s["tokens"] for s in steps),
                 preemptions=sum(r["preemptions"] for r in records), wall_s=wall,
@@ -358,7 +435,12 @@ def format_report(r):
               f"{r['total_tokens_per_s']:.1f} total tokens/s; {slo}",
               f"KV: peak {kv['used']} of {kv['total']} blocks, mean {kv['wasted_bytes']:.0f} "
               f"bytes reserved but unused ({kv['wasted_fraction']:.0%}); peak "
-              f"{r['peak_running']} requests running, {r['preemptions']} preemption(s)"]
+              f"{r['peak_running']} requests running, {r['preemptions']} preemption(s)"
+              + (f" ({c['scheduling_policy']}: requests {', '.join(map(str, r['preempted']))})"
+                 if r["preempted"] else ""),
+              f"KV pool per rank: {r['kv_pool']['num_blocks']:,} blocks of "
+              f"{r['kv_pool']['block_size']} ({r['kv_pool']['source']}; "
+              f"{r['kv_pool']['allocated_blocks']:,} allocated)"]
     if c["enable_prefix_caching"]:
         p = r["prefix_cache"]
         lines.append(f"prefix cache: {p['hits']:,} of {p['queries']:,} prompt tokens found "
@@ -387,8 +469,22 @@ def add_arguments(parser):
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="cut prompts to the budget left (default) or take them "
                    "whole")
-    g.add_argument("--enable-prefix-caching", action="store_true",
-                   help="vLLM v1's automatic prefix caching of full blocks (--paged)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=False, help="vLLM v1's automatic prefix caching of full blocks "
+                   "(--paged; off by default here)")
+    g.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every prompt begins with the same N-token system prompt")
+    g.add_argument("--scheduling-policy", choices=stream_sim.SCHEDULING_POLICIES,
+                   default="fcfs", help="vLLM's: fcfs, or priority (a trace's priority column, "
+                   "lower first; the lowest-priority running request is preempted)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                   help="KV blocks per rank (vLLM's name; else --kv-tokens or the default)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="the KV pool the --time-model GPU holds at this fraction of its memory "
+                   "(vLLM's; weights and the activation peak come off it)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="vLLM's sampling temperature (0: greedy, the default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="vLLM's nucleus sampling mass")
     g.add_argument("--stream-prompt-len", type=int, nargs=2, default=(8, 32), metavar=("LO", "HI"))
     g.add_argument("--stream-output-len", type=int, nargs=2, default=(4, 16), metavar=("LO", "HI"))
     g.add_argument("--time-model", default=None,
@@ -411,6 +507,10 @@ def config_from_args(args, shape):
         kv_tokens=args.kv_tokens, max_num_batched_tokens=args.chunk,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching, tp=args.tp, replicas=args.replicas,
+        shared_prefix=args.shared_prefix, scheduling_policy=args.scheduling_policy,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        gpu_memory_utilization=args.gpu_memory_utilization, temperature=args.temperature,
+        top_p=args.top_p,
         prompt_len=tuple(args.stream_prompt_len), output_len=tuple(args.stream_output_len),
         ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, time_model=args.time_model,
         time_gpu=args.time_gpu, seed=args.seed, model_kwargs=shape)

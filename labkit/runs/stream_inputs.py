@@ -1,7 +1,8 @@
 """The inputs of `run serve`'s request streams, checked before any rank starts.
 
 A stream comes from `--requests N --rate R` (Poisson) or from `--trace FILE`, a CSV with the
-columns arrival_s, prompt, output or a JSON list of such objects. Every row is checked here, and
+columns arrival_s, prompt, output (and optionally priority: vLLM's, lower served first under
+--scheduling-policy priority) or a JSON list of such objects. Every row is checked here, and
 a mistake is one ValueError naming the file, the row and the field: a prompt or output that is
 not a positive whole number (0, -8, 8.5 are refused, not truncated), an arrival that is not a
 finite number of seconds >= 0 (NaN or inf never comes; -5 would count a wait that never
@@ -35,7 +36,9 @@ STREAM_OPTIONS = ("rate", "policy", "max_batch", "paged", "block_size", "kv_toke
                   "ttft_ms", "tpot_ms",
                   # vLLM's names of the batch and the step's token budget (issue 41)
                   "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-                  "no_enable_chunked_prefill", "enable_prefix_caching")
+                  "no_enable_chunked_prefill", "enable_prefix_caching",
+                  "no_enable_prefix_caching", "shared_prefix", "scheduling_policy",
+                  "num_gpu_blocks_override", "gpu_memory_utilization", "temperature", "top_p")
 POISSON_OPTIONS = ("rate", "stream_prompt_len", "stream_output_len")
 FIXED_BATCH_OPTIONS = ("batch", "prompt_len", "new_tokens", "ep", "top_k")
 
@@ -108,7 +111,15 @@ def check_row(row, label):
     if not 0 <= arrival < math.inf:
         raise ValueError(f"{label}: arrival_s must be a finite number of seconds >= 0 (since "
                          f"the stream starts), got {_show(row['arrival_s'])}")
-    return dict(prompt=prompt, output=output, arrival_s=arrival)
+    out = dict(prompt=prompt, output=output, arrival_s=arrival)
+    if row.get("priority") not in (None, ""):       # optional: vLLM's, lower served first
+        priority = _number(row["priority"], f"{label}: priority")
+        if not (math.isfinite(priority) and priority == int(priority)):
+            raise ValueError(f"{label}: priority must be a whole number (lower is served "
+                             f"first under --scheduling-policy priority), got "
+                             f"{_show(row['priority'])}")
+        out["priority"] = int(priority)
+    return out
 
 
 def _number(value, label):

@@ -1,28 +1,46 @@
 """A request stream served on a modelled GPU without running a model: the batching engine's
 scheduler (labkit.parallel.batching.Engine: static or continuous batching, at most
 max_num_seqs running, a token budget max_num_batched_tokens per step with or without chunked
-prefill, blocks of a paged KV cache, preemption by recompute) replayed on token counts, each
+prefill, blocks of a paged KV cache with or without automatic prefix caching, preemption by
+recompute in vLLM's order under its fcfs or priority scheduling policy) replayed on token
+counts, each
 step timed by `serving_stream.modelled_step_s` (a roofline per step). The tokens do not matter
 to the schedule, only how many there are, so the times are those the engine's modelled clock
 gives (tests/test_serving_more.py checks them step for step against the engine).
+
+Prefix caching without tokens: a request's full block i is named by what its tokens are, the
+shared system prompt's ("prefix", prefix_id, i) while the block lies inside it (a row's
+`prefix_len` tokens, or simulate's `shared_prefix`), its own ("request", id, i) beyond (its
+tokens are its own), as the engine's chained hashes name them; `BlockPool` keeps vLLM v1's
+free queue (LRU), cached blocks and hit counts as `parallel/paged_kv.PagedKVCache` does, so a
+stream of n requests sharing a P-token prefix in blocks of B hits (n - 1) x floor(P / B) blocks
+when each arrives after the one before is prefilled.
+
+The KV pool of a modelled GPU (`kv_pool`, vLLM's gpu_memory_utilization): the engine may use
+that fraction of the GPU's memory; the weights and the activation peak of a profiling forward
+of max_num_batched_tokens tokens come off it, the rest is KV blocks (vLLM's
+`determine_available_memory`; num_gpu_blocks_override gives the count instead).
 
 `plan_stream` answers `plan --serve --rate R`: TTFT, TPOT and vLLM's request_goodput
 (requests per second meeting --ttft-ms and --tpot-ms; serving_metrics.py) of each policy, for
 a catalog model whose weights fit one GPU, one replica per GPU, the stream dealt round robin.
 All modelled. Plain Python: no torch.
 """
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 
 from . import hardware, serving as model_serving, serving_stream as stream_theory
-from .planner import RESERVED_BYTES, parse_model
+from .planner import parse_model
 
 BLOCK_SIZE = 16         # tokens per KV block: vLLM's default block size (vLLM docs, --block-size)
 CHUNK = 512             # max_num_batched_tokens of the chunked policy: the token budget
                         # Sarathi-Serve (arXiv 2403.02310) runs under strict latency SLOs
 POLICIES = (("static", None), ("continuous", None), ("continuous", CHUNK))
+SCHEDULING_POLICIES = ("fcfs", "priority")    # vLLM's --scheduling-policy
+GPU_MEMORY_UTILIZATION = 0.9                  # vLLM's default --gpu-memory-utilization
 MAX_REQUESTS = 10_000   # a longer stream simulates for minutes (its percentiles settle sooner)
 MAX_STREAM_S = 3.2e7    # a year of arrivals: beyond it, float64 seconds lose the microseconds
                         # a step takes (1e300 + 0.005 == 1e300: every latency would read 0)
@@ -38,31 +56,144 @@ class SimRequest:
     cached: int = 0
     preemptions: int = 0
     token_times: list = field(default_factory=list)
+    priority: int = 0              # vLLM's: lower is served first (--scheduling-policy priority)
+    prefix_id: object = 0          # which system prompt its first prefix_len tokens are
+    prefix_len: int = 0
 
     @property
     def length(self):
         return self.prompt + self.generated
 
+    def block_name(self, i, block_size):
+        """Full block i's name: the system prompt's while the block lies inside it, else the
+        request's own (the engine's chained hash of the tokens up to the block's end)."""
+        if (i + 1) * block_size <= min(self.prefix_len, self.prompt):
+            return ("prefix", self.prefix_id, i)
+        return ("request", self.id, i)
 
-class BlockCounts:
-    """The paged cache's bookkeeping without its tensors: blocks held per request."""
 
-    def __init__(self, num_blocks, block_size):
+class BlockPool:
+    """The paged cache's bookkeeping without its tensors (`PagedKVCache`'s rules): block ids
+    handed out from a free queue (never-used blocks first, then the least recently freed),
+    the blocks each request holds and, with enable_prefix_caching, the cached full blocks
+    (name -> block), hits, queries and evictions, counted as the engine counts them."""
+
+    def __init__(self, num_blocks, block_size, enable_prefix_caching=False):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.held, self.free_count = {}, num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.fresh, self.recycled = 0, deque()        # never used: fresh.., freed: LRU first
+        self.tables, self.refs = {}, {}
+        self.block_name, self.cached, self.chains = {}, {}, {}
+        self.queries = self.hits = self.evictions = 0
+
+    @property
+    def free_count(self):
+        return self.num_blocks - self.fresh + len(self.recycled)
+
+    def _take(self):
+        if self.fresh < self.num_blocks:
+            self.fresh += 1
+            block = self.fresh - 1
+        else:
+            block = self.recycled.popleft()
+        if block in self.block_name:               # a cached free block handed out: evicted
+            del self.cached[self.block_name.pop(block)]
+            self.evictions += 1
+        self.refs[block] = 1
+        return block
 
     def reserve(self, rid, tokens):
-        need = -(-tokens // self.block_size) - self.held.get(rid, 0)
+        table = self.tables.setdefault(rid, [])
+        need = -(-tokens // self.block_size) - len(table)
         if tokens > self.num_blocks * self.block_size or need > self.free_count:
             return False
-        if need > 0:
-            self.held[rid] = self.held.get(rid, 0) + need
-            self.free_count -= need
-        self.held.setdefault(rid, 0)
+        for _ in range(max(0, need)):
+            table.append(self._take())
         return True
 
+    def admit(self, r):
+        """Room for request r's sequence, its longest cached prefix first (as
+        PagedKVCache.admit): the tokens found cached, or None when too few blocks are free."""
+        if not self.enable_prefix_caching:
+            return 0 if self.reserve(r.id, r.length) else None
+        chain, hit = [], []
+        for i in range((r.length - 1) // self.block_size):
+            name = r.block_name(i, self.block_size)
+            if name not in self.cached:
+                break
+            chain.append(name)
+            hit.append(self.cached[name])
+        revived = sum(self.refs.get(b, 0) == 0 for b in hit)
+        need = -(-r.length // self.block_size) - len(hit)
+        if r.length > self.num_blocks * self.block_size or need + revived > self.free_count:
+            return None
+        for block in hit:
+            if self.refs.get(block, 0) == 0:
+                self.recycled.remove(block)
+            self.refs[block] = self.refs.get(block, 0) + 1
+        self.tables[r.id], self.chains[r.id] = list(hit), chain
+        self.reserve(r.id, r.length)
+        self.queries += r.length
+        self.hits += len(hit) * self.block_size
+        return len(hit) * self.block_size
+
+    def commit(self, r):
+        """Name and cache r's full blocks now written (its first r.cached tokens)."""
+        if not self.enable_prefix_caching:
+            return
+        chain, table = self.chains.setdefault(r.id, []), self.tables[r.id]
+        for i in range(len(chain), r.cached // self.block_size):
+            name = r.block_name(i, self.block_size)
+            chain.append(name)
+            if name not in self.cached and table[i] not in self.block_name:
+                self.cached[name], self.block_name[table[i]] = table[i], name
+
     def free(self, rid):
-        self.free_count += self.held.pop(rid, 0)
+        for block in reversed(self.tables.pop(rid, [])):      # the tail is evicted first
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.recycled.append(block)
+        self.chains.pop(rid, None)
+
+    def prefix_stats(self):
+        """As PagedKVCache.prefix_stats: queries, hits (tokens), hit rate, prefill tokens
+        saved, blocks cached now, evictions."""
+        return dict(queries=self.queries, hits=self.hits,
+                    hit_rate=self.hits / self.queries if self.queries else 0.0,
+                    prefill_tokens_saved=self.hits, cached_blocks=len(self.cached),
+                    evictions=self.evictions)
+
+
+def check_scheduling_policy(policy):
+    if policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} (vLLM's "
+                         f"--scheduling-policy), got {policy!r}")
+
+
+def _rank(r):
+    """vLLM's order of requests under the priority policy: priority, then arrival (then id)."""
+    return (r.priority, r.arrival_s, r.id)
+
+
+def next_waiting(waiting, now, scheduling_policy="fcfs"):
+    """The waiting request admitted next (None: none has arrived): under fcfs the head of the
+    queue (arrival order, preempted requests put back at its front, as vLLM's
+    waiting.prepend_request); under priority the arrived request of the lowest priority
+    value, the earliest arrival among equals (vLLM's priority queue). `waiting` holds the
+    preempted requests first, then the rest in arrival order (some not arrived yet)."""
+    if not waiting or waiting[0].arrival_s > now:
+        return None
+    if scheduling_policy == "fcfs":
+        return waiting[0]
+    return min(itertools.takewhile(lambda r: r.arrival_s <= now, waiting), key=_rank)
+
+
+def preemption_victim(running, scheduling_policy="fcfs"):
+    """The running request preempted when the KV pool is short (vLLM v1's scheduler): under
+    fcfs the one admitted last (`self.running.pop()`: with no re-admission, the latest
+    arrival); under priority the largest (priority, arrival): the lowest priority, latest
+    arrived among equals."""
+    return running[-1] if scheduling_policy == "fcfs" else max(running, key=_rank)
 
 
 def check_budget(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill=True):
@@ -123,33 +254,48 @@ def step_pieces(running, max_num_batched_tokens=None, enable_chunked_prefill=Tru
 
 def simulate(stream, step_time, policy="continuous", max_num_seqs=8, max_num_batched_tokens=None,
              num_blocks=10**9, block_size=BLOCK_SIZE, *, enable_chunked_prefill=True,
-             steps=None):
-    """stream: [{id, prompt, output, arrival_s}]; step_time([(new, cached)]) -> seconds.
-    Returns the SimRequests, finished, with token_times (seconds), in the order of the
-    Engine's steps (admit up to max_num_seqs, pieces within max_num_batched_tokens with the
-    decodes first, grow or preempt the newest, step). `steps`: a list to which each step's
-    {time_s, batch, tokens, prefill_tokens} is appended, as the Engine's `steps`."""
+             steps=None, scheduling_policy="fcfs", enable_prefix_caching=False,
+             shared_prefix=0, cache=None):
+    """stream: [{id, prompt, output, arrival_s[, priority, prefix_id, prefix_len]}];
+    step_time([(new, cached)]) -> seconds. Returns the SimRequests, finished, with
+    token_times (seconds), in the order of the Engine's steps (admit up to max_num_seqs in the
+    scheduling policy's order, from the longest cached prefix with prefix caching; pieces
+    within max_num_batched_tokens with the decodes first; grow or preempt the policy's victim;
+    step). `steps`: a list to which each step's {time_s, batch, tokens, prefill_tokens} is
+    appended, as the Engine's `steps`. shared_prefix: tokens of one system prompt every
+    prompt begins with (a row's prefix_len overrides it). `cache`: a BlockPool to use (its
+    prefix_stats() after the run: hits, hit rate, prefill tokens saved)."""
     check_budget(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+    check_scheduling_policy(scheduling_policy)
     check_stream(stream, num_blocks * block_size)
     for r in stream:
         check_fits_budget(r["id"], r["prompt"], r["output"], max_num_batched_tokens,
                           enable_chunked_prefill)
-    cache = BlockCounts(num_blocks, block_size)
-    waiting = deque(SimRequest(r["id"], r["prompt"], r["output"], r["arrival_s"])
+    cache = cache if cache is not None else BlockPool(num_blocks, block_size,
+                                                      enable_prefix_caching)
+    waiting = deque(SimRequest(r["id"], r["prompt"], r["output"], r["arrival_s"],
+                               priority=r.get("priority", 0), prefix_id=r.get("prefix_id", 0),
+                               prefix_len=r.get("prefix_len", shared_prefix))
                     for r in sorted(stream, key=lambda r: r["arrival_s"]))
     running, finished, now = [], [], 0.0
     while waiting or running:
-        if not (policy == "static" and running):
-            while (waiting and waiting[0].arrival_s <= now and len(running) < max_num_seqs
-                   and cache.reserve(waiting[0].id, waiting[0].length)):
-                running.append(waiting.popleft())
+        joining = not (policy == "static" and running)    # static: nobody joins a batch
+        while joining and len(running) < max_num_seqs:
+            r = next_waiting(waiting, now, scheduling_policy)
+            hit = None if r is None else cache.admit(r)
+            if hit is None:
+                break
+            r.cached = hit               # prefix caching: these tokens are not prefilled
+            waiting.remove(r)
+            running.append(r)
         if not running:
             now += max(0.0, waiting[0].arrival_s - now)
             continue
         pieces = step_pieces(running, max_num_batched_tokens, enable_chunked_prefill)
         for r, todo in list(pieces):
             while r in running and not cache.reserve(r.id, r.cached + todo):
-                victim = running.pop()
+                victim = preemption_victim(running, scheduling_policy)
+                running.remove(victim)
                 cache.free(victim.id)
                 victim.cached, victim.preemptions = 0, victim.preemptions + 1
                 waiting.appendleft(victim)
@@ -161,6 +307,7 @@ def simulate(stream, step_time, policy="continuous", max_num_seqs=8, max_num_bat
                                                  r.cached < r.prompt)))
         for r, todo in pieces:
             r.cached += todo
+            cache.commit(r)
             if r.cached == r.length:
                 r.generated += 1
                 r.token_times.append(now)
@@ -209,39 +356,106 @@ def check_plan_inputs(rate, requests, ttft_ms, tpot_ms):
                              f"{value!r}")
 
 
+def activation_peak_bytes(m, tokens, max_num_seqs=1):
+    """The activations a forward of `tokens` tokens holds at its peak (an estimate, bf16):
+    inside one layer the residual, its normed copy, attention's input and output (~4 x
+    hidden per token) beside the MLP's gate, up and activated rows (3 x ffn per routed
+    expert); plus the fp32 logits of the max_num_seqs rows sampled. vLLM measures this peak
+    with a profiling forward of max_num_batched_tokens tokens."""
+    return tokens * (4 * m.hidden + 3 * m.ffn * m.top_k) * 2 + max_num_seqs * m.vocab * 4
+
+
+def kv_pool(model, gpu="H100", *, gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+            num_gpu_blocks_override=None, block_size=BLOCK_SIZE, kv_dtype="bf16",
+            profile_tokens=8192, max_num_seqs=256):
+    """The KV blocks one GPU holds for `model` (bf16 weights, one replica), as vLLM sizes its
+    pool: the engine may use gpu_memory_utilization x the GPU's memory; the weights and the
+    activation peak of a profiling forward of `profile_tokens` tokens come off it, the rest
+    is blocks of block_size tokens; num_gpu_blocks_override gives the count instead (vLLM's
+    name; the memory still has to hold the weights). Returns {memory_bytes, budget_bytes,
+    weights_bytes, activation_bytes, kv_bytes, bytes_per_block, num_blocks, source}; weights
+    and activations beyond the fraction: one-line ValueError."""
+    m, g = parse_model(model), hardware.gpu(gpu) if isinstance(gpu, str) else gpu
+    u = gpu_memory_utilization
+    if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be a fraction in (0, 1] of the GPU's "
+                         f"memory, got {u!r}")
+    n = num_gpu_blocks_override
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"--num-gpu-blocks-override must be a positive number of blocks, got "
+                         f"{n!r}")
+    budget, weights = u * g.memory_bytes, m.param_count() * 2
+    activations = activation_peak_bytes(m, profile_tokens, max_num_seqs)
+    per_block = block_size * model_serving.kv_bytes_per_token(m, kv_dtype)
+    kv = budget - weights - activations
+    share = (f"--gpu-memory-utilization {u:g} of one {g.name} ({budget / 1e9:.1f} of "
+             f"{g.memory_bytes / 1e9:.1f} GB)")
+    if weights >= budget:
+        raise ValueError(f"{m.display_name}'s bf16 weights ({weights / 1e9:.1f} GB) do not fit "
+                         f"{share}: raise the fraction or give the model more GPUs (plan "
+                         "--serve without --rate)")
+    if kv < per_block:
+        raise ValueError(f"{m.display_name}'s bf16 weights ({weights / 1e9:.1f} GB) and "
+                         f"activation peak ({activations / 1e9:.2f} GB) leave no KV block in "
+                         f"{share}: raise the fraction or lower --max-num-batched-tokens")
+    blocks = int(kv // per_block)
+    return dict(memory_bytes=g.memory_bytes, gpu_memory_utilization=u, budget_bytes=budget,
+                weights_bytes=weights, activation_bytes=activations, profile_tokens=profile_tokens,
+                kv_bytes=kv, bytes_per_block=per_block, block_size=block_size,
+                num_blocks=n if n is not None else blocks,
+                source="num_gpu_blocks_override" if n is not None else "gpu_memory_utilization")
+
+
 def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
-                new_tokens=128, max_batch=64, chunk=CHUNK, ttft_ms=None, tpot_ms=None,
-                kv_dtype="bf16", seed=0):
-    """Each policy (static, continuous, continuous + chunked prefill) on `gpus` replicas of
-    one GPU each, modelled: {model, cluster, workload, modelled, policies[{policy, chunk,
-    latency, throughput_tokens_per_s, goodput, preemptions, steps}]}. Prompt and output
-    lengths are uniform within +-50 % of prompt_len and new_tokens (seeded)."""
+                new_tokens=128, max_num_seqs=64, max_num_batched_tokens=CHUNK, ttft_ms=None,
+                tpot_ms=None, kv_dtype="bf16", seed=0,
+                gpu_memory_utilization=GPU_MEMORY_UTILIZATION, num_gpu_blocks_override=None,
+                enable_prefix_caching=False, shared_prefix=0, scheduling_policy="fcfs",
+                max_batch=None, chunk=None):
+    """Each policy (static, continuous, continuous + chunked prefill within a budget of
+    max_num_batched_tokens) on `gpus` replicas of one GPU each, modelled: {model, cluster,
+    workload, kv_pool, modelled, policies[{policy, max_num_batched_tokens, latency,
+    throughput_tokens_per_s, goodput, preemptions, prefix_cache}]}. Prompt and output lengths
+    are uniform within +-50 % of prompt_len and new_tokens (seeded); shared_prefix: tokens of
+    one system prompt every prompt begins with (prefix caching hits it). The KV pool per GPU:
+    `kv_pool` (gpu_memory_utilization, or num_gpu_blocks_override). max_batch and chunk: the
+    old names of max_num_seqs and max_num_batched_tokens."""
+    max_num_seqs = max_batch if max_batch is not None else max_num_seqs
+    budget = chunk if chunk is not None else max_num_batched_tokens
     check_plan_inputs(rate, requests, ttft_ms, tpot_ms)
+    check_scheduling_policy(scheduling_policy)
     m, g = parse_model(model), hardware.gpu(gpu)
-    usable, weights = g.memory_bytes - RESERVED_BYTES, m.param_count() * 2
-    if weights >= usable:
-        raise ValueError(f"--rate models one replica per GPU: {m.display_name}'s bf16 weights "
-                         f"({weights / 1e9:.0f} GB) do not fit one {g.name} "
-                         f"({usable / 1e9:.0f} GB usable)")
-    for name, value in dict(gpus=gpus, max_batch=max_batch, chunk=chunk).items():
+    for name, value in dict(gpus=gpus, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=budget).items():
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
                              f"got {value!r}")
-    slots = (usable - weights) / model_serving.kv_bytes_per_token(m, kv_dtype)
+    if isinstance(shared_prefix, bool) or not isinstance(shared_prefix, int) or \
+            shared_prefix < 0:
+        raise ValueError(f"--shared-prefix must be a whole number of tokens >= 0, got "
+                         f"{shared_prefix!r}")
     lengths = [(max(1, n // 2), max(1, n * 3 // 2)) for n in (prompt_len, new_tokens)]
-    pool = int(slots // BLOCK_SIZE) * BLOCK_SIZE
-    if lengths[0][1] + lengths[1][1] > pool:
+    pool = kv_pool(m, g, gpu_memory_utilization=gpu_memory_utilization,
+                   num_gpu_blocks_override=num_gpu_blocks_override, kv_dtype=kv_dtype,
+                   profile_tokens=budget,
+                   max_num_seqs=max_num_seqs)
+    slots = pool["num_blocks"] * BLOCK_SIZE
+    if lengths[0][1] + lengths[1][1] > slots:
         raise ValueError(f"--prompt-len {prompt_len} and --new-tokens {new_tokens}: the "
                          f"longest request (+50%: {lengths[0][1]:,} + {lengths[1][1]:,} tokens) "
-                         f"exceeds the KV pool one {g.name} holds beside the weights "
-                         f"({pool:,} token slots)")
+                         f"exceeds the KV pool of one {g.name} ({slots:,} token slots, "
+                         f"{pool['source']})")
     stream = stream_theory.poisson_stream(requests, rate, *lengths, seed=seed)
     step = partial(stream_theory.modelled_step_s, m, g, kv_dtype=kv_dtype)
     rows = []
-    for policy, c in ((p, chunk if c else None) for p, c in POLICIES):
-        done = [r for replica in range(min(gpus, requests)) for r in simulate(
-            [r for r in stream if r["id"] % gpus == replica], step, policy, max_batch, c,
-            int(slots // BLOCK_SIZE))]
+    for policy, c in ((p, budget if c else None) for p, c in POLICIES):
+        done, caches = [], []
+        for replica in range(min(gpus, requests)):
+            caches.append(BlockPool(pool["num_blocks"], BLOCK_SIZE, enable_prefix_caching))
+            done += simulate([r for r in stream if r["id"] % gpus == replica], step, policy,
+                             max_num_seqs, c, pool["num_blocks"],
+                             scheduling_policy=scheduling_policy, shared_prefix=shared_prefix,
+                             cache=caches[-1])
         records = [dict(arrival_s=r.arrival_s, prompt=r.prompt, output=r.output,
                         **stream_theory.request_metrics(r.arrival_s, r.token_times, r.output))
                    for r in done]
@@ -250,13 +464,27 @@ def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
         rows.append(dict(policy=policy, chunk=c, max_num_batched_tokens=c, latency=s["latency"],
                          throughput_tokens_per_s=s["throughput_tokens_per_s"],
                          goodput=s["goodput"], request_goodput=s["request_goodput"],
-                         preemptions=sum(r.preemptions for r in done)))
+                         preemptions=sum(r.preemptions for r in done),
+                         prefix_cache=prefix_totals([c.prefix_stats() for c in caches])))
     return dict(model=dict(name=m.name, display_name=m.display_name, params=m.param_count()),
-                cluster=dict(gpu=g.name, gpus=gpus, replicas=gpus, kv_token_slots=int(slots)),
+                cluster=dict(gpu=g.name, gpus=gpus, replicas=gpus, kv_token_slots=slots),
+                kv_pool=pool,
                 workload=dict(requests=requests, rate=rate, prompt_len=prompt_len,
-                              new_tokens=new_tokens, max_batch=max_batch, block_size=BLOCK_SIZE,
-                              kv_dtype=kv_dtype, ttft_ms=ttft_ms, tpot_ms=tpot_ms, seed=seed),
+                              new_tokens=new_tokens, max_num_seqs=max_num_seqs,
+                              max_batch=max_num_seqs, max_num_batched_tokens=budget,
+                              block_size=BLOCK_SIZE, kv_dtype=kv_dtype, ttft_ms=ttft_ms,
+                              tpot_ms=tpot_ms, seed=seed, scheduling_policy=scheduling_policy,
+                              enable_prefix_caching=enable_prefix_caching,
+                              shared_prefix=shared_prefix),
                 modelled=True, policies=rows)
+
+
+def prefix_totals(stats):
+    """Several pools' prefix_stats together: queries, hits, hit rate, prefill tokens saved,
+    evictions."""
+    queries, hits = sum(s["queries"] for s in stats), sum(s["hits"] for s in stats)
+    return dict(queries=queries, hits=hits, hit_rate=hits / queries if queries else 0.0,
+                prefill_tokens_saved=hits, evictions=sum(s["evictions"] for s in stats))
 
 
 def format_stream_plan(out):
@@ -266,14 +494,32 @@ def format_stream_plan(out):
            if w["ttft_ms"] is not None or w["tpot_ms"] is not None else "no SLO given")
     lines = [f"{out['model']['display_name']} on {c['gpus']} x {c['gpu']} (one replica each): "
              f"{w['requests']} requests at {w['rate']:g}/s, prompts ~{w['prompt_len']}, outputs "
-             f"~{w['new_tokens']} tokens, at most {w['max_batch']} running per GPU; modelled",
+             f"~{w['new_tokens']} tokens, max_num_seqs {w['max_num_seqs']} per GPU, "
+             f"{w['scheduling_policy']}; modelled",
+             f"KV pool per GPU: {out['kv_pool']['num_blocks']:,} blocks of {w['block_size']} "
+             f"({out['kv_pool']['source'].replace('_', ' ')}"
+             + (f" {_pool_words(out)}" if out['kv_pool']['source'] == 'gpu_memory_utilization'
+                else "") + ")",
              f"{'policy':<26}{'TTFT p50':>9}{'p99':>9}{'TPOT p50':>10}{'p99':>8}"
              f"{'tok/s':>9}{'goodput':>9}  ({slo}; ms, req/s)"]
     for p in out["policies"]:
         lat = p["latency"]
-        name = p["policy"] + (f" + chunks of {p['chunk']}" if p["chunk"] else "")
+        name = p["policy"] + (f" + budget {p['chunk']}" if p["chunk"] else "")
         lines.append(f"{name:<26}{lat['ttft_s']['p50'] * 1e3:9.1f}{lat['ttft_s']['p99'] * 1e3:9.1f}"
                      f"{lat['tpot_s']['p50'] * 1e3:10.2f}{lat['tpot_s']['p99'] * 1e3:8.2f}"
                      f"{p['throughput_tokens_per_s']:9.0f}"
                      f"{p['goodput']['requests_per_s']:9.2f}")
+    if w["enable_prefix_caching"]:
+        lines.append("prefix cache hit rate: " + ", ".join(
+            f"{p['policy']}{' + budget' if p['chunk'] else ''} "
+            f"{p['prefix_cache']['hit_rate']:.1%}" for p in out["policies"])
+            + f" (system prompt of {w['shared_prefix']} tokens)")
     return "\n".join(lines)
+
+
+def _pool_words(out):
+    """'0.9 of 85.5 GB = 77.0 GB - weights 16.1 - activations 0.21 GB': the pool line's."""
+    k = out["kv_pool"]
+    return (f"{k['gpu_memory_utilization']:g} of {k['memory_bytes'] / 1e9:.1f} GB = "
+            f"{k['budget_bytes'] / 1e9:.1f} GB - weights {k['weights_bytes'] / 1e9:.1f} - "
+            f"activations {k['activation_bytes'] / 1e9:.2f} GB")
