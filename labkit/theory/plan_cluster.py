@@ -9,7 +9,7 @@ overrides the bf16 GEMM ceiling with a fraction of the user's own (a measured GP
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import hardware, kernels, overlap, plan_inputs as inputs, plan_terms as terms
 
@@ -37,6 +37,22 @@ class ClusterSpec:
     def link(self, span):
         """The link of a group whose members lie within `span` consecutive ranks."""
         return self.intra if span <= self.gpus_per_node else self.inter
+
+    def ring_link(self, group_size, span):
+        """The link a ring collective (all-reduce, all-gather, reduce-scatter) of `group_size`
+        ranks spread evenly over `span` consecutive ranks runs at. Across nodes NCCL lays one
+        ring per channel and each channel crosses between nodes through the NIC of a different
+        member (one NIC per GPU), so a node's k members move the ring's bytes over k NICs at
+        once: k x the NIC's bandwidth, never faster than the node's own link (NVLink). With
+        one member per node (TP filling the node) it is one NIC; inside a node, NVLink."""
+        if span <= self.gpus_per_node:
+            return self.intra
+        per_node = max(1, group_size * self.gpus_per_node // span)
+        if per_node == 1:
+            return self.inter
+        wide = min(per_node * self.inter.effective_bandwidth, self.intra.effective_bandwidth)
+        return replace(self.inter, name=f"{self.inter.name} x {per_node} NICs",
+                       bandwidth=wide / self.inter.efficiency)
 
     @property
     def capacity_bytes(self):

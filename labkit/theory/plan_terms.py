@@ -210,7 +210,7 @@ def dp_traffic(c, stage_params, zero_stage, shard, span, weight_bytes=2):
     grad_reductions_per_step times (ZeRO-2: per micro-batch), the all-gather once; ZeRO-3's
     per-layer traffic is fsdp_traffic's."""
     grads = GRAD_BYTES * stage_params
-    link = c.link(span)
+    link = c.ring_link(shard, span)
     payload = dp_traffic_bytes(stage_params, zero_stage, shard, weight_bytes)
     reduce_op = "all_reduce" if zero_stage == 0 else "reduce_scatter"
     reduce_s = collective_time(reduce_op, payload[reduce_op], shard, link)
@@ -223,7 +223,7 @@ def dp_traffic(c, stage_params, zero_stage, shard, span, weight_bytes=2):
 def fsdp_traffic(c, stage_params, shard, span, weight_bytes=2):
     """(gather, reduce) seconds per micro-batch of ZeRO-3 / FSDP on one stage: every weight
     gathered before forward and again before backward, every gradient reduce-scattered (fp32)."""
-    link = c.link(span)
+    link = c.ring_link(shard, span)
     payload = fsdp_traffic_bytes(stage_params, shard, weight_bytes)
     gather = 2 * collective_time("all_gather", payload["all_gather"], shard, link)
     reduce = collective_time("reduce_scatter", payload["reduce_scatter"], shard, link)
