@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import labkit  # noqa: E402
 from common import compared_row, interleaved_rounds, replace_rows  # noqa: E402
-from labkit.parallel import context_parallel as cp  # noqa: E402
+from labkit.parallel import context_parallelism as cp  # noqa: E402
 from labkit.runtime.memory import MemoryTracker  # noqa: E402
 
 WORLDS, BATCH, HEADS, SEQ, HEAD_DIM = (2, 4), 1, 8, 1024, 64

@@ -124,7 +124,8 @@ def main(world_sizes=(2, 4)):
                          f"{x['diff']:11.1e}")
                 note = (f"{setting}; per-round ratio {a:.2f}-{b:.2f}; instrumentation off; "
                         "shared, loaded machine")
-                base = dict(benchmark="data_parallel", labkit_impl=f"DataParallel ({side[7:]})",
+                base = dict(benchmark="data_parallel",
+                            labkit_impl=f"DistributedDataParallel ({side[7:]})",
                             torch_impl="DDP gradient_as_bucket_view=True", world_size=n)
                 rows += [
                     dict(base, metric="step_time_s_median", labkit=f"{x['step']:.4e}",

@@ -1,9 +1,10 @@
 """labkit's `parallelize_module` against PyTorch's (DTensor tensor parallelism).
 
-Same weights (one seeded reference module, copied), same input, same world size, one launch:
-labkit's parallelize_module(module, None, {"fc1": "colwise", "fc2": "rowwise", ...}) against
-torch.distributed.tensor.parallel.parallelize_module(module, init_device_mesh("cpu", (N,)),
-{"fc1": ColwiseParallel(), "fc2": RowwiseParallel(), ...}) over gloo, on labkit's MLP block
+Same weights (one seeded reference module, copied), same input, same world size, one launch,
+the same call on both sides with only the import differing:
+parallelize_module(module, init_device_mesh("cpu", (N,)), {"fc1": ColwiseParallel(),
+"fc2": RowwiseParallel(), ...}) from labkit.parallel and from torch.distributed.tensor.parallel,
+over gloo, on labkit's MLP block
 (h -> ffn -> h) and on a whole transformer block (attention split by heads: labkit splits the
 fused qkv part by part; torch gets q, k and v as three Linears, since its ColwiseParallel would
 cut a fused weight in contiguous thirds). Per side:
@@ -33,12 +34,11 @@ import labkit  # noqa: E402
 from common import replace_rows  # noqa: E402
 from labkit import models  # noqa: E402
 from labkit.parallel import tensor_parallel as tp  # noqa: E402
-from labkit.parallel import parallel_styles  # noqa: E402
 
 WORLD, BATCH, SEQ, HIDDEN, HEADS, FFN = 2, 4, 128, 256, 8, 1024
 WARMUP, TIMED, ROUNDS = 2, 5, 7
 SIDES = ("labkit", "torch")
-PLANS = {"mlp": {"fc1": "colwise", "fc2": "rowwise"},
+PLANS = {"mlp": {"fc1": "colwise", "fc2": "rowwise"},   # the style of each module, by name
          "block": {"attn.qkv": "colwise", "attn.proj": "rowwise",
                    "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}}
 
@@ -156,23 +156,34 @@ def _grad_shards(module):
     return out
 
 
+def plan(kind, styles, split_qkv):
+    """{module name: ColwiseParallel() / RowwiseParallel()} from `styles` (labkit's or
+    torch's); split_qkv: q, k and v as three names where labkit has the fused qkv."""
+    colwise, rowwise = styles
+    out = {}
+    for name, style in PLANS[kind].items():
+        for one in ([name.replace("qkv", p) for p in "qkv"] if split_qkv and "qkv" in name
+                    else [name]):
+            out[one] = colwise() if style == "colwise" else rowwise()
+    return out
+
+
 def compare(ctx, kind):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor import parallel as torch_tp
+    from labkit import parallel as labkit_tp
     torch.manual_seed(0)
     cfg = models.GPTConfig(vocab=128, seq=SEQ, hidden=HIDDEN, heads=HEADS, ffn=FFN, layers=1)
     full = models.MLPBlock(HIDDEN, FFN) if kind == "mlp" else models.Block(cfg)
     x = torch.randn(BATCH, SEQ, HIDDEN)
     expected = _step(full, x)
     theirs = copy.deepcopy(full) if kind == "mlp" else TorchBlock(full)
-    torch_plan = {}
-    for name, style in PLANS[kind].items():   # torch gets q, k, v where labkit has qkv
-        for one in ([name.replace("qkv", p) for p in "qkv"] if "qkv" in name else [name]):
-            torch_plan[one] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
-    sides = dict(labkit=parallel_styles.parallelize_module(copy.deepcopy(full), None, PLANS[kind]),
-                 torch=parallelize_module(theirs, init_device_mesh("cpu", (ctx.world_size,)),
-                                          torch_plan))
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    sides = {}
+    for side, lib, module in (("labkit", labkit_tp, copy.deepcopy(full)),
+                              ("torch", torch_tp, theirs)):
+        styles = (lib.ColwiseParallel, lib.RowwiseParallel)
+        sides[side] = lib.parallelize_module(module, mesh, plan(kind, styles, side == "torch"))
     with ctx.off_the_record():
         outs = {side: _step(m, x) for side, m in sides.items()}
         ok = all(torch.allclose(o, expected, atol=1e-5) for o in outs.values())
@@ -228,7 +239,8 @@ def main():
               f"and gradients equal: {s['equal']}; labkit comm-log rows while off: {s['logged']}")
         assert s["equal"], "the two implementations disagree"
         base = dict(benchmark="tensor_parallel", world_size=WORLD,
-                    labkit_impl=f"parallelize ({kind}: {', '.join(PLANS[kind])})",
+                    labkit_impl=(f"parallelize_module Colwise/RowwiseParallel ({kind}: "
+                                 f"{', '.join(PLANS[kind])})"),
                     torch_impl="parallelize_module Colwise/RowwiseParallel (DTensor)")
         note = (f"{setting}; per-round ratio {a:.2f}-{b:.2f}; instrumentation off; shared, "
                 "loaded machine")

@@ -1,10 +1,14 @@
 """labkit's ZeRO blocks against PyTorch's own, in one launch, on the same ranks, model and data.
 
-  stage 1: labkit DDP + ShardedOptimizer(stage=1)            vs  DDP + ZeroRedundancyOptimizer
-  stage 3: labkit FullyShard                                 vs  torch.distributed.fsdp.fully_shard
+  stage 1: labkit DistributedDataParallel + ShardedOptimizer(stage=1)
+                                                        vs  DDP + ZeroRedundancyOptimizer
+  stage 3: labkit fully_shard (FSDP2, per-parameter)    vs  torch.distributed.fsdp.fully_shard
+  stage 3: labkit FullyShard (the FSDP1 variant, flat)  vs  torch.distributed.fsdp.fully_shard
 Both sides: the same tiny GPT from the same seed, Adam (eps 1e-6, foreach=False), gradients as
-bucket views (labkit's and torch's DDP), stage 3 units = each block plus the root (fully_shard on
-each block, then on the model). Every rank runs the two sides of a pair in interleaved rounds
+bucket views (labkit's and torch's DDP); stage 3 applied bottom-up on both sides with the same
+lines (fully_shard on each block, then on the model, over init_device_mesh("cpu", (N,))), only
+the import differs; FullyShard's units are the same modules. Every rank runs the two sides of a
+pair in interleaved rounds
 (the order alternates, so neither side always runs second on a warmer machine):
   step_time_s  the slowest rank's median wall time per step in each round (warm-up excluded);
                the median over rounds, the spread (min-max over rounds), and labkit_over_torch
@@ -35,6 +39,7 @@ import labkit  # noqa: E402
 import common  # noqa: E402
 from labkit import data, models  # noqa: E402
 from labkit.parallel.data_parallel import DistributedDataParallel  # noqa: E402
+from labkit.parallel import fsdp2  # noqa: E402
 from labkit.parallel.fully_shard import FullyShard  # noqa: E402
 from labkit.parallel.zero import ShardedOptimizer  # noqa: E402
 from labkit.runs import reference  # noqa: E402
@@ -71,32 +76,44 @@ def torch_zero1(ctx):
     return module, optimizer, lambda: {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
-def labkit_stage3(ctx):
+def labkit_fsdp1(ctx):
     model = reference.build_model(CFG)
     module = FullyShard(model, units=lambda m: m is model or isinstance(m, models.Block))
     optimizer = torch.optim.Adam(module.parameters(), **ADAM)
     return module, optimizer, module.full_state_dict
 
 
+def fsdp2_side(fully_shard, full_tensor):
+    """The learner's FSDP2 lines, the same for both sides: only `fully_shard` differs."""
+    def build(ctx):
+        from torch.distributed.device_mesh import init_device_mesh
+        model = reference.build_model(CFG)
+        mesh = init_device_mesh("cpu", (ctx.world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.Adam(model.parameters(), **ADAM)
+        return model, optimizer, lambda: {k: full_tensor(p).detach().clone()
+                                          for k, p in model.named_parameters()}
+    return build
+
+
 def torch_fsdp2(ctx):
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    model = reference.build_model(CFG)
-    mesh = init_device_mesh("cpu", (ctx.world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.Adam(model.parameters(), **ADAM)
-    return model, optimizer, lambda: {k: p.full_tensor().detach().clone()
-                                      for k, p in model.named_parameters()}
+    return fsdp2_side(fully_shard, lambda p: p.full_tensor())(ctx)
 
 
-# the labels key this bench's rows in data/bench.csv: kept from labkit's earlier names
+labkit_fsdp2 = fsdp2_side(fsdp2.fully_shard, fsdp2.full_tensor)
+
+# the labels key this bench's rows in data/bench.csv
+TORCH_FSDP2 = "torch.distributed.fsdp.fully_shard (FSDP2; blocks + root)"
 PAIRS = (("stage 1", labkit_stage1, torch_zero1,
-          "labkit DataParallel + ShardedOptimizer(stage=1)",
+          "labkit DistributedDataParallel + ShardedOptimizer(stage=1)",
           "DDP(gradient_as_bucket_view) + torch.distributed.optim.ZeroRedundancyOptimizer"),
-         ("stage 3", labkit_stage3, torch_fsdp2, "labkit FullyShard (blocks + root)",
-          "torch.distributed.fsdp.fully_shard (FSDP2; blocks + root)"))
+         ("stage 3", labkit_fsdp2, torch_fsdp2,
+          "labkit fully_shard (FSDP2; blocks + root)", TORCH_FSDP2),
+         ("stage 3, FSDP1 variant", labkit_fsdp1, torch_fsdp2,
+          "labkit FullyShard (FSDP1 variant, flat; blocks + root)", TORCH_FSDP2))
 
 
 def step(ctx, side, index):

@@ -34,9 +34,9 @@ _LAZY = {
     "PipelineSchedule": "labkit.parallel.pipeline",
     "split_into_stages": "labkit.parallel.pipeline",
     "ExpertParallel": "labkit.parallel.moe",
-    "ContextParallel": "labkit.parallel.context_parallel",
-    "ring_attention": "labkit.parallel.context_parallel",
-    "ulysses_attention": "labkit.parallel.context_parallel",
+    "ContextParallel": "labkit.parallel.context_parallelism",
+    "ring_attention": "labkit.parallel.context_parallelism",
+    "ulysses_attention": "labkit.parallel.context_parallelism",
     "ZeroBubbleSchedule": "labkit.parallel.zero_bubble",
 }
 

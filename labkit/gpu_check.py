@@ -191,7 +191,7 @@ def check_expert_parallel(device):
 
 
 def check_context_parallel(device):
-    from .parallel.context_parallel import ContextParallel
+    from .parallel.context_parallelism import ContextParallel
     from .parallel.ring_attention import sequence_positions, shard_sequence
     positions = sequence_positions(SMALL.seq, 0, 1, "zigzag").to(device)
 

@@ -183,7 +183,7 @@ def _pipeline_generate(ctx, model_type):
 
 
 def _cp(ctx, model_type):
-    from labkit.parallel.context_parallel import ContextParallel, context_parallel_batch
+    from labkit.parallel.context_parallelism import ContextParallel, context_parallel_batch
     from labkit.parallel.flat import average_gradients
     model = build(model_type)
     wrapped = ContextParallel(model, layout="zigzag")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import labkit
 from labkit import models, numerics
 from labkit.exercises import context_parallel as exercise
-from labkit.parallel import context_parallel as cp
+from labkit.parallel import context_parallelism as cp
 from labkit.runs.attention_check import attention_check
 from labkit.theory import context_parallel as theory
 from spawn_helpers import spawn
@@ -349,7 +349,7 @@ def test_ring_schedule_and_explorer_figure():
 
 def test_context_parallel_front_end_refuses_before_anything_starts():
     """torch's context manager: each misuse refused in one line before any buffer is sharded."""
-    from labkit.parallel.context_parallel import context_parallel
+    from labkit.parallel import context_parallel   # torch's name, the function
 
     x, weight = torch.randn(1, 8, 4), nn.Parameter(torch.randn(1, 8, 4))
     cases = [(dict(buffers=[x], buffer_seq_dims=[]), "buffer_seq_dims"),

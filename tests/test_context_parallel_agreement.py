@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import labkit
 from labkit import models
-from labkit.parallel.context_parallel import ContextParallel, shard_sequence
+from labkit.parallel.context_parallelism import ContextParallel, shard_sequence
 
 GUARD_TAG = "context parallel: can every rank run this call?"
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 import labkit
 from labkit import numerics
 from labkit.parallel.context_batch import causal_sdpa
-from labkit.parallel.context_parallel import ContextParallel, context_parallel_batch
+from labkit.parallel.context_parallelism import ContextParallel, context_parallel_batch
 from labkit.parallel.flat import average_gradients
 
 transformers = pytest.importorskip("transformers")

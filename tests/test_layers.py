@@ -39,7 +39,7 @@ TECHNIQUES = {
                                          "async_tp"],
     "pipeline": ["pipeline", "zero_bubble", "hf_stages"],
     "expert parallel": ["moe", "moe_*", "expert_tp", "hf_experts"],
-    "context parallel": ["context_parallel", "ring_attention", "head_attention",
+    "context parallel": ["context_parallelism", "ring_attention", "head_attention",
                          "context_batch"],
     "selective recompute": ["recompute"],
     "serving (generation)": ["serving", "hf_cache"],
@@ -146,7 +146,7 @@ def test_techniques_do_not_import_each_other():
 @pytest.mark.parametrize("source, caught", [
     ("from .fully_shard import FullyShard", "parallel.moe (expert parallel) imports "
      "labkit.parallel.fully_shard (fully sharded (ZeRO-3))"),
-    ("from . import context_parallel", "imports labkit.parallel.context_parallel"),
+    ("from . import context_parallelism", "imports labkit.parallel.context_parallelism"),
     ("from labkit.parallel.recompute import checkpoint_attention_cores", "parallel.recompute"),
 ])
 def test_the_technique_rule_catches_a_crossing_import(tmp_path, monkeypatch, source, caught):

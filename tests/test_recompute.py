@@ -105,7 +105,7 @@ def test_k_of_l_blocks_on_the_mesh():
 def cp_runs(ctx):
     """On 2 ranks: TinyGPT with each attention in ContextParallel (ring, all-gather), with and
     without selective recompute on the wrappers: loss, gradients, saved and wire bytes."""
-    from labkit.parallel.context_parallel import ContextParallel, shard_sequence
+    from labkit.parallel.context_parallelism import ContextParallel, shard_sequence
     out = {}
     for method in ("ring", "all_gather"):
         for selective in (False, True):

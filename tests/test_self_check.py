@@ -217,7 +217,7 @@ def fsdp2_bottom_up(model):
 
 
 def other_blocks(ctx):
-    from labkit.parallel import context_parallel as cp, moe
+    from labkit.parallel import context_parallelism as cp, moe
     from labkit.parallel.fully_shard import FullyShard
     out = {}
     llama, other, block = hf_tiny.build("llama"), hf_tiny.build("llama"), \

@@ -149,7 +149,7 @@ def swap_body(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
 
     import labkit.parallel as labkit_pp
-    from labkit.parallel.context_parallel import context_parallel
+    from labkit.parallel import context_parallel   # torch's name, the function
     from labkit.runtime.mesh import init_device_mesh as labkit_mesh
     out = {}
     for name in ("ScheduleGPipe", "Schedule1F1B"):
@@ -233,3 +233,31 @@ def test_old_pipeline_stage_order_runs_with_a_deprecation(ranks):
         assert group_ranks == (0, 1)
         assert any("PipelineStage(module, stage, num_stages, device" in m for m in messages)
         assert any("use ScheduleGPipe(stages, n_microbatches, loss_fn)" in m for m in messages)
+
+
+def test_torch_names_in_labkit_parallel_are_the_callables():
+    """`from labkit.parallel import context_parallel` (or fully_shard) is torch's function, in
+    a fresh interpreter, before and after every module of labkit.parallel is imported (a
+    submodule of that name would rebind the package attribute); the package pickles by name
+    (a function `launch` sends may hold `import labkit.parallel as lp` in its globals). The
+    `with context_parallel(mesh, buffers=..., buffer_seq_dims=...)` it gives runs in swap_body."""
+    import subprocess
+    import sys
+    script = """
+import importlib, pickle, pkgutil
+import cloudpickle
+from labkit.parallel import context_parallel, fully_shard
+import labkit.parallel as lp
+for info in pkgutil.iter_modules(lp.__path__):
+    importlib.import_module(f"labkit.parallel.{info.name}")
+from labkit.parallel import context_parallel as again
+assert again is context_parallel is lp.context_parallel, lp.context_parallel
+assert lp.fully_shard is fully_shard and callable(fully_shard)
+assert callable(context_parallel)
+assert context_parallel.__module__ == "labkit.parallel.context_parallelism"
+assert pickle.loads(cloudpickle.dumps(lambda: lp.ScheduleGPipe))() is lp.ScheduleGPipe
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import labkit
 from labkit import models
-from labkit.parallel import context_parallel as cp
+from labkit.parallel import context_parallelism as cp
 from labkit.theory import context_parallel as theory
 
 B, H, D, SEQ = 2, 8, 8, 64

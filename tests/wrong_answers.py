@@ -30,7 +30,7 @@ def blocking_ring(ctx, tensor):
 
 def blocking_ring_attention(ctx, q, k, v):
     from labkit.exercises.context_parallel import partial_attention
-    from labkit.parallel.context_parallel import merge_partials
+    from labkit.parallel.context_parallelism import merge_partials
     n, r = ctx.world_size, ctx.rank
     out, lse = partial_attention(q, k, v)
     for _ in range(n - 1):
@@ -211,7 +211,7 @@ def _own_keys_only(ctx, q, k, v):
 
 def _ring_one_pass_too_many(ctx, q, k, v):
     from labkit.exercises.context_parallel import partial_attention
-    from labkit.parallel.context_parallel import merge_partials
+    from labkit.parallel.context_parallelism import merge_partials
     n, r = ctx.world_size, ctx.rank
     out, lse = partial_attention(q, k, v)
     for step in range(n):                                # N passes: the last brings k, v back

@@ -52,8 +52,9 @@ _BLOCKS = {
     "ScheduleInterleaved1F1B": "pipeline",
     "ScheduleInterleavedZeroBubble": "zero_bubble",
     "ExpertParallel": "moe",
-    "ContextParallel": "context_parallel",
-    "ulysses_attention": "context_parallel",
+    "ContextParallel": "context_parallelism",
+    "context_parallel": "context_parallelism",
+    "ulysses_attention": "context_parallelism",
     "context_parallel_batch": "context_batch",
     "cache_for": "serving",
     "tp_plan_for": "tp_presets",
@@ -69,11 +70,18 @@ __all__ = sorted(_BLOCKS)
 
 class _Package(types.ModuleType):
     """`fully_shard` is torch's function here (as in torch.distributed.fsdp): importing the
-    module parallel/fully_shard.py (FSDP1's FullyShard) must not rebind the name to it."""
+    module parallel/fully_shard.py (FSDP1's FullyShard) must not rebind the name to it.
+    (torch's `context_parallel` has no such clash: its module is context_parallelism.py.)"""
 
     def __setattr__(self, name, value):
         if not (name == "fully_shard" and isinstance(value, types.ModuleType)):
             super().__setattr__(name, value)
+
+    def __reduce__(self):
+        # pickled by name, as a plain module is: `launch` sends a function whose globals
+        # hold `import labkit.parallel as lp` to its ranks (cloudpickle knows only ModuleType)
+        import importlib
+        return importlib.import_module, (self.__name__,)
 
 
 sys.modules[__name__].__class__ = _Package

@@ -100,7 +100,7 @@ from . import pipeline
 from .pipeline import PipelineSchedule, PipelineStage, split_into_stages
 from .serving import PipelineGenerator, generate, new_cache, split_requests
 from .flat import average_gradients, unwrapped_name
-from .context_parallel import ContextParallel
+from .context_parallelism import ContextParallel
 from .fully_shard import FullyShard, one_unit_per_layer
 from .recompute import CheckpointedLayer, checkpoint_attention_cores
 from .mesh_dims import (SCHEDULES, check_layout, dp_cp_group, dp_groups, ep_dp_cp_group,

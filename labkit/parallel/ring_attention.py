@@ -1,5 +1,5 @@
 """Ring attention: the sequence split across ranks, keys and values passed around a ring
-(the core of context parallelism; `context_parallel.py` tells the whole idea and applies it).
+(the core of context parallelism; `context_parallelism.py` tells the whole idea and applies it).
 
 Rank r keeps its queries Q_r; in N steps the key/value block of every rank travels past it
 (send to r+1, receive from r-1). Each block gives a partial output O_b and its log-sum-exp

@@ -1,7 +1,7 @@
 """One distributed attention call checked against one device: the values, the work, the bytes.
 
 `attention_check` runs one forward and backward of a context-parallel attention core (ring,
-all-gather or Ulysses, from parallel/context_parallel's `CORES`) on random (b, h, s, d) q, k,
+all-gather or Ulysses, from parallel/context_parallelism's `CORES`) on random (b, h, s, d) q, k,
 v, with this rank holding its shard of the sequence (`shard_sequence`), and compares its output
 and q, k, v gradients with single-device fp64 attention, judged by fp32 single-device
 attention's own error (labkit.numerics). It also returns what this rank's instruments counted
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .. import numerics
 from ..runtime.memory import MemoryTracker
-from ..parallel.context_parallel import CORES, shard_sequence
+from ..parallel.context_parallelism import CORES, shard_sequence
 
 ATTENTION_TAGS = {"ring": "ring attention", "all_gather": "all-gather attention",
                   "ulysses": "ulysses attention"}   # the cores' comm tags and clock regions

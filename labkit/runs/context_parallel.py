@@ -15,7 +15,7 @@ labkit.theory.context_parallel.
 """
 import argparse
 
-from ..parallel.context_parallel import (CORES, LAYOUTS, ContextParallel, check_sequence,
+from ..parallel.context_parallelism import (CORES, LAYOUTS, ContextParallel, check_sequence,
                                          check_ulysses_heads, sequence_positions, shard_sequence)
 from ..parallel.flat import average_gradients, unwrapped_name
 from ..theory import context_parallel as theory_cp

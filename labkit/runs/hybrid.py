@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch.nn as nn
 
 from .. import data, models
-from ..parallel.context_parallel import LAYOUTS, sequence_positions, shard_sequence
+from ..parallel.context_parallelism import LAYOUTS, sequence_positions, shard_sequence
 from ..parallel.hybrid import HybridParallel, check_recompute
 from ..parallel.mesh_dims import SCHEDULES, check_layout
 from ..runtime.mesh import DIMS, comm_by_dim

@@ -63,7 +63,7 @@ import labkit
 from labkit.exercises.context_parallel import (check_merge, check_ring_attention,
                                                check_ring_bytes, partial_attention,
                                                show_solution)
-from labkit.parallel import context_parallel as cp, ring_attention
+from labkit.parallel import context_parallelism as cp, ring_attention
 from labkit.runs import context_parallel as run_cp
 from labkit.runs.reference import RunConfig
 from labkit.theory import catalog, hardware

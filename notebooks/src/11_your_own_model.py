@@ -49,7 +49,7 @@ import labkit
 from labkit import numerics
 from labkit.exercises.your_own_model import build_phi, check_own_plan, show_solution
 from labkit.parallel import serving, tensor_parallel as tp
-from labkit.parallel.context_parallel import ContextParallel, context_parallel_batch
+from labkit.parallel.context_parallelism import ContextParallel, context_parallel_batch
 from labkit.parallel.data_parallel import DistributedDataParallel
 from labkit.parallel.flat import average_gradients
 from labkit.parallel.fully_shard import FullyShard
