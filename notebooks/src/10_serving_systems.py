@@ -568,6 +568,24 @@ def serve_stream(policy, rate, max_num_seqs, max_num_batched_tokens):
 stream_explorer(serve_stream)
 
 # %% [markdown]
+# ### The KV pool from a memory fraction
+#
+# vLLM is not given token slots: `--gpu-memory-utilization` (default 0.9) is the share of the
+# GPU's memory the engine may use. The weights and the activation peak of a profiling forward
+# of `max_num_batched_tokens` tokens come off it; the rest is cut into KV blocks
+# (`labkit.theory.stream_sim.kv_pool`, modelled; `plan --serve --rate` sizes its pool so, and
+# `run serve --time-model` takes the flag too). Llama 3 8B on one H100, blocks of 16:
+
+# %%
+for fraction in (0.5, 0.9, 0.95):
+    k = stream_sim.kv_pool("llama-3-8b", "H100", gpu_memory_utilization=fraction,
+                           profile_tokens=8192, max_num_seqs=256)
+    print(f"{fraction:.2f} x {k['memory_bytes'] / 1e9:.1f} GB = {k['budget_bytes'] / 1e9:5.1f} "
+          f"GB - weights {k['weights_bytes'] / 1e9:.1f} - activations "
+          f"{k['activation_bytes'] / 1e9:.2f} = KV {k['kv_bytes'] / 1e9:5.1f} GB: "
+          f"{k['num_blocks']:,} blocks, {k['num_blocks'] * 16:,} tokens")
+
+# %% [markdown]
 # ## The same knobs in vLLM and SGLang
 #
 # | labkit (`run serve` flag) | vLLM (`vllm serve`) | SGLang (`launch_server`) |
@@ -576,10 +594,12 @@ stream_explorer(serve_stream)
 # | `--max-num-batched-tokens` | `--max-num-batched-tokens` | `--chunked-prefill-size` |
 # | `--[no-]enable-chunked-prefill` | the same | `--chunked-prefill-size -1`: off |
 # | `--paged --block-size` | always paged; `--block-size` | always paged; `--page-size` |
-# | `--kv-tokens` (token slots) | `--gpu-memory-utilization` | `--mem-fraction-static` |
+# | `--num-gpu-blocks-override`, `--kv-tokens` | `--num-gpu-blocks-override` | none |
+# | `--gpu-memory-utilization` | the same | `--mem-fraction-static` |
+# | `--scheduling-policy fcfs\|priority` | the same | `--schedule-policy` (fcfs, lpm, ...) |
 # | `--enable-prefix-caching` | the same (v1: on by default) | radix cache, on by default |
 # | `--policy static` | none: always continuous | none: always continuous |
-# | `SamplingParams(temperature, top_p, seed)` | the same names | `temperature`, `top_p` |
+# | `--temperature`, `--top-p`, `--seed` | the same (`SamplingParams`) | `temperature`, `top_p` |
 # | `--draft-len`, `--draft-layers` | `--speculative-config` | `--speculative-algorithm` and co. |
 # | `--tp`, `--replicas` | `--tensor-parallel-size`, `--data-parallel-size` | `--tp`, `--dp` |
 # | `--ttft-ms`, `--tpot-ms` | `vllm bench serve --goodput ttft:MS tpot:MS` | none |
