@@ -8,7 +8,7 @@ the bf16 peak. Errors are predicted / published - 1 in TFLOP/s per GPU (labkit's
 6 N + 12 L h s per token; rows that publish tokens/s are compared in tokens). MAE: the mean of
 |error|. Calibration rows are what labkit was fitted on; check rows were never fitted to.
 Run: python bench/planner.py [--rounds N] [--write] [--fit]; --fit refits the one fitted number
-(kernels.TRAINING_GEMM_FRACTION) on the calibration rows and prints it beside the stored one
+(kernels.IN_STEP_GEMM_FRACTION) on the calibration rows and prints it beside the stored one
 (data/kernels.csv keeps the stored value; tests/test_planner_fit.py holds the two equal);
 --write saves both tools' predictions to
 data/planner_check.csv (lesson 06 reads llm-analysis's column from it, so the lesson needs no
@@ -162,12 +162,12 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--write", action="store_true", help="save data/planner_check.csv")
     parser.add_argument("--fit", action="store_true",
-                        help="refit training_gemm_fraction on the calibration rows and stop")
+                        help="refit in_step_gemm_fraction on the calibration rows and stop")
     args = parser.parse_args()
     if args.fit:
         from labkit.theory import kernels
-        print(f"training_gemm_fraction fitted on the calibration rows: "
-              f"{published.fit_training_gemm_fraction()} (data/kernels.csv: "
-              f"{kernels.TRAINING_GEMM_FRACTION})")
+        print(f"in_step_gemm_fraction fitted on the calibration rows: "
+              f"{published.fit_in_step_gemm_fraction()} (data/kernels.csv: "
+              f"{kernels.IN_STEP_GEMM_FRACTION})")
     else:
         main(args.rounds, args.write)

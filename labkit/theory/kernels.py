@@ -21,10 +21,11 @@ For one kernel (Williams et al. 2009's roofline, kernel by kernel):
   datasheet bandwidth (sustained inside a model's kernels, data/kernels.csv).
 - launch: LAUNCH_S per kernel (the middle of a measured range, data/kernels.csv), so a batch-1
   decode of ~200 small kernels takes longer than its bytes alone.
-Every constant has one public source in data/kernels.csv but one: TRAINING_GEMM_FRACTION, the
-rate of a GEMM inside a training step over the microbenchmark's (training_forward), fitted on the
-declared calibration rows (Narayanan et al. 2021 Table 1: published.fit_training_gemm_fraction),
-none of the check rows (theory/error_band.py); serving keeps the microbenchmark's rate. A measured profile (theory/profile.py)
+Every constant has one public source in data/kernels.csv but one: IN_STEP_GEMM_FRACTION, the
+rate of a GEMM inside a model's step over the microbenchmark's (training_forward, and a serving
+pass's linear layers: pricing.linear_layer_rate), fitted on the declared calibration rows
+(Narayanan et al. 2021 Table 1: published.fit_in_step_gemm_fraction), none of the check rows
+(theory/error_band.py). A measured profile (theory/profile.py)
 replaces the peak and the bandwidth with its own (ceiling and hbm_fraction then 1).
 No torch here: `plan` stays quick.
 """
@@ -55,7 +56,7 @@ HBM_FRACTION = _number("hbm_fraction")
 LAUNCH_S = _number("launch_s")
 DEFAULT_MAMF_FRACTION = _number("default_mamf_fraction")
 DEFAULT_ATTENTION_FRACTION = _number("attention_default_fraction")
-TRAINING_GEMM_FRACTION = _number("training_gemm_fraction")
+IN_STEP_GEMM_FRACTION = _number("in_step_gemm_fraction")
 
 
 @functools.lru_cache(maxsize=None)
@@ -373,7 +374,7 @@ def roofline_time(kernels, flops_rate, bandwidth) -> float:
 @functools.lru_cache(maxsize=4096)
 def training_forward(m, tokens, seq, gpu, tp, ep, sequences, causal, flash, value_bytes,
                      linear_rate, bf16_rate, launch=LAUNCH_S, sp=False, dropout=False,
-                     ring=1, gemm_fraction=TRAINING_GEMM_FRACTION) -> dict:
+                     ring=1, gemm_fraction=IN_STEP_GEMM_FRACTION) -> dict:
     """Seconds of one layer's forward on one GPU for the training planner, by part: the
     linear-layer GEMMs at `linear_rate` (the precision's peak x ceiling), attention and the
     logits at `bf16_rate`, each forward and backward (backward(): dgrad and wgrad at their own
@@ -382,7 +383,7 @@ def training_forward(m, tokens, seq, gpu, tp, ep, sequences, causal, flash, valu
     forward and backward, the head's (final norm), and `softmax` (the unfused softmax and
     attention dropout forward, what selective recompute runs again). The GEMMs (linear layers
     and logits, not the fused attention, measured on its own) run at `gemm_fraction` of their
-    microbenchmark rate: TRAINING_GEMM_FRACTION, the module docstring's one fitted number."""
+    microbenchmark rate: IN_STEP_GEMM_FRACTION, the module docstring's one fitted number."""
     layer = layer_kernels(m, tokens, seq, gpu, tp=tp, ep=ep, sequences=sequences,
                           causal=causal, flash=flash, value_bytes=value_bytes, sp=sp,
                           dropout=dropout, ring=ring)

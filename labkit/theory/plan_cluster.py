@@ -3,8 +3,8 @@ the planner's constants.
 
 GEMMs run at the kernel model's efficiency (theory/kernels.py: the GPU's measured MAMF ceiling x
 each kernel's tile and wave quantization, data/kernels.csv) and element-wise kernels at their own
-bytes (plan_terms.elementwise_time); inside a training step GEMMs run at
-`training_gemm_fraction` of that rate, the one number fitted (on the calibration rows only). `achievable`
+bytes (plan_terms.elementwise_time); inside a step GEMMs run at `in_step_gemm_fraction` of
+that rate, the one number fitted (on the calibration rows only). `achievable`
 overrides the bf16 GEMM ceiling with a fraction of the user's own (a measured GPU, a what-if).
 """
 from __future__ import annotations
@@ -30,9 +30,9 @@ class ClusterSpec:
     achievable_fp8: float = None     # fp8 GEMM ceiling (precision="fp8")
     kernel_launch_s: float = kernels.LAUNCH_S   # per kernel (data/kernels.csv)
     fp8_recipe: str = "delayed"      # TE scaling: "current" reads each tensor twice to cast it
-    # GEMMs inside a training step against the microbenchmark's (data/kernels.csv: a declared
-    # fit on the calibration rows, published.fit_training_gemm_fraction)
-    training_gemm_fraction: float = kernels.TRAINING_GEMM_FRACTION
+    # GEMMs inside a step against the microbenchmark's (data/kernels.csv: a declared
+    # fit on the calibration rows, published.fit_in_step_gemm_fraction)
+    in_step_gemm_fraction: float = kernels.IN_STEP_GEMM_FRACTION
 
     def link(self, span):
         """The link of a group whose members lie within `span` consecutive ranks."""
@@ -67,7 +67,7 @@ class ClusterSpec:
 def make_cluster(gpu="H100", gpus=8, gpus_per_node=None, intra_link=None, inter_link=None,
                  achievable=None, flash_attention=True, precision="bf16",
                  dropout=None, stack=None, causal=True, fp8_recipe="delayed",
-                 training_gemm_fraction=None):
+                 in_step_gemm_fraction=None):
     g = gpu if isinstance(gpu, hardware.GPU) else _gpu(gpu)
     gpus = inputs.count("gpus", gpus)
     gpus_per_node = inputs.count("gpus_per_node", g.nvlink_domain if gpus_per_node is None
@@ -83,8 +83,8 @@ def make_cluster(gpu="H100", gpus=8, gpus_per_node=None, intra_link=None, inter_
                        precision, dropout, overlap.stack(stack or overlap.DEFAULT_STACK), causal,
                        achievable_fraction(g, "fp8", achievable) if g.fp8_flops else None,
                        fp8_recipe=fp8_recipe,
-                       training_gemm_fraction=kernels.TRAINING_GEMM_FRACTION
-                       if training_gemm_fraction is None else training_gemm_fraction)
+                       in_step_gemm_fraction=kernels.IN_STEP_GEMM_FRACTION
+                       if in_step_gemm_fraction is None else in_step_gemm_fraction)
 
 
 def _gpu(name):

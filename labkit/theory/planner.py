@@ -5,7 +5,7 @@ interleave v, micro-batch size, ZeRO stage 0-3, recompute none/selective/full of
 stage, sequence parallel), predicts memory per GPU (worst pipeline stage) and the step time, and
 ranks the plans that fit. Everything is modelled from first principles with named terms
 (plan_terms.py, recompute.py, overlap.py, kernels.py); one number is fitted, on the declared
-calibration rows only (kernels.TRAINING_GEMM_FRACTION, published.fit_training_gemm_fraction):
+calibration rows only (kernels.IN_STEP_GEMM_FRACTION, published.fit_in_step_gemm_fraction):
 
 - Compute: kernel by kernel (kernels.py): each forward kernel of a layer the max of its FLOPs at
   peak x the GPU's measured MAMF ceiling x its shape's tile and wave quantization and its bytes
@@ -216,7 +216,7 @@ def _micro_batch_work(m, c, seq, p, tokens, layers, share, kept):
         m, tokens, seq, c.gpu, tp, p["ep"], mbs, c.causal, flash,
         terms.message_bytes(c.precision), terms.gemm_flops_rate(c, c.precision),
         c.gpu.bf16_flops * c.achievable, c.kernel_launch_s, p["sequence_parallel"],
-        tf.is_gpt(m) if c.dropout is None else c.dropout, p["cp"], c.training_gemm_fraction)
+        tf.is_gpt(m) if c.dropout is None else c.dropout, p["cp"], c.in_step_gemm_fraction)
     gemm = layers * (fwd["gemm"] + fwd["gemm_backward"])
     attention = layers * (fwd["attention"] + fwd["attention_backward"])
     head = fwd["head"] + fwd["head_backward"]
@@ -274,19 +274,19 @@ def plan(model, gpus, gpu="H100", gpus_per_node=None, intra_link=None, inter_lin
          global_batch=None, global_batch_tokens=None, seq=4096, fix=None, top=None,
          achievable=None, flash_attention=True, precision="bf16",
          dropout=None, stack=None, causal=True, fp8_recipe="delayed",
-         training_gemm_fraction=None):
+         in_step_gemm_fraction=None):
     """Rank every legal plan; returns {"model", "cluster", "considered", "plans"}.
 
     flash_attention=False models a stack that stores the softmax (Megatron-LM in 2021);
     precision "fp8" runs the linear layers in fp8 (Transformer Engine), "fp32" is all fp32 (4 +
     4 + 8 bytes of Adam states per parameter); fp8_recipe: Transformer Engine's "delayed" or
     "current" scaling (plan_terms.fp8_cast_time); stack: overlap.STACKS (default "megatron");
-    gpu: a catalog name or a hardware.GPU (hardware.custom_gpu); training_gemm_fraction: the
-    in-step GEMM factor (None: data/kernels.csv's, kernels.TRAINING_GEMM_FRACTION)."""
+    gpu: a catalog name or a hardware.GPU (hardware.custom_gpu); in_step_gemm_fraction: the
+    in-step GEMM factor (None: data/kernels.csv's, kernels.IN_STEP_GEMM_FRACTION)."""
     m = parse_model(model)
     c = make_cluster(gpu, gpus, gpus_per_node, intra_link, inter_link, achievable,
                      flash_attention, precision, dropout, stack, causal, fp8_recipe,
-                     training_gemm_fraction)
+                     in_step_gemm_fraction)
     seq = inputs.count("seq", seq)
     note = ""
     if global_batch is None:

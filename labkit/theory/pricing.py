@@ -10,12 +10,14 @@ A serving pass of ragged requests, pieces = [(new tokens, tokens already cached)
 of a tp x pp x ep replica (Williams et al. 2009's roofline, kernel by kernel, kernels.py):
     compute = the stage's layers x (the GEMMs of all new tokens + each piece's attention over
               its cached + new keys) + the head's share, each kernel at peak x MAMF ceiling x
-              its shape efficiency (attention at its measured rate)
+              its shape efficiency (attention at its measured rate; the linear layers x the
+              in-step GEMM fraction, at fp8's peak for fp8 weights: linear_layer_rate)
     memory  = (the stage's dense weights + the experts the tokens pick + the pieces' KV cache)
               / the sustained HBM bandwidth
     launch  = the stage's kernels x kernels.LAUNCH_S
     total   = max(compute, memory) + launch
-All constants are data/kernels.csv's, each with its public source; nothing here is fitted.
+All constants are data/kernels.csv's, each with its public source, but the in-step GEMM
+fraction, fitted on the training calibration rows only (kernels.py).
 No torch: `plan` stays quick.
 """
 from __future__ import annotations
@@ -50,15 +52,16 @@ def weight_split(m, weights="bf16", tp=1, pp=1, ep=1):
 
 
 @functools.lru_cache(maxsize=4096)
-def _dense_part(m, gpu, tokens, tp, ep, rate):
-    """(seconds, launches) of one layer's kernels but attention for `tokens` new tokens, and
-    of the head (the attention kernels are priced per piece: _attention_part)."""
+def _dense_part(m, gpu, tokens, tp, ep, linear_rate, head_rate):
+    """(seconds, launches) of one layer's kernels but attention for `tokens` new tokens (the
+    linear layers at `linear_rate`), and of the head at `head_rate` (the attention kernels are
+    priced per piece: _attention_part)."""
     layer = kernels.layer_kernels(m, tokens, 1, gpu, tp=tp, ep=ep, sequences=tokens)
     head = kernels.head_kernels(m, tokens, gpu, tp=tp)
     rest = [k for k in layer if not _is_attention(k)]
-    return (sum(k.flops / (rate * k.efficiency) for k in rest),
+    return (sum(k.flops / (linear_rate * k.efficiency) for k in rest),
             sum(k.launches for k in rest),
-            sum(k.flops / (rate * k.efficiency) for k in head),
+            sum(k.flops / (head_rate * k.efficiency) for k in head),
             sum(k.launches for k in head))
 
 
@@ -76,6 +79,15 @@ def _is_attention(k):
         k.name.startswith("attention v")
 
 
+def linear_layer_rate(g, weights="bf16") -> float:
+    """FLOP/s of the linear layers' GEMMs: fp8 weights on a GPU with fp8 tensor cores run
+    fp8 x fp8 GEMMs (TensorRT-LLM's and vLLM's fp8 W8A8) at the fp8 peak x its MAMF ceiling;
+    weight-only formats (int8, int4) dequantise to bf16 and run at bf16's."""
+    if weights == "fp8" and g.fp8_flops:
+        return g.flops("fp8") * achievable_fraction(g, "fp8") * kernels.IN_STEP_GEMM_FRACTION
+    return g.bf16_flops * achievable_fraction(g) * kernels.IN_STEP_GEMM_FRACTION
+
+
 def serving_pass(m, gpu, pieces, *, tp=1, pp=1, ep=1, weights="bf16", kv_dtype="bf16",
                  routed=None) -> dict:
     """Seconds of one forward pass of `pieces` [(new, cached)] through one pipeline stage on
@@ -84,9 +96,11 @@ def serving_pass(m, gpu, pieces, *, tp=1, pp=1, ep=1, weights="bf16", kv_dtype="
     experts they pick."""
     g = hardware.gpu(gpu)
     rate = g.bf16_flops * achievable_fraction(g)
+    linear_rate = linear_layer_rate(g, weights)
     tokens = sum(n for n, _ in pieces)
     layers = m.layers / pp
-    dense_s, dense_k, head_s, head_k = _dense_part(m, g, tokens, tp, ep, rate)
+    dense_s, dense_k, head_s, head_k = _dense_part(m, g, tokens, tp, ep, linear_rate,
+                                                   rate * kernels.IN_STEP_GEMM_FRACTION)
     attention_s = attention_k = 0.0
     for (new, cached), count in Counter(pieces).items():
         s, k = _attention_part(m, g, new, cached, count, tp, rate)

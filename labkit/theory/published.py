@@ -1,7 +1,7 @@
 """The planner against published runs (data/published_runs.csv): one declared fit, then checks.
 
 The "calibration" rows (Narayanan et al. 2021 Table 1) fix the planner's one fitted number,
-kernels.TRAINING_GEMM_FRACTION (fit_training_gemm_fraction); the "check" rows are never fitted
+kernels.IN_STEP_GEMM_FRACTION (fit_in_step_gemm_fraction); the "check" rows are never fitted
 to and make the error band (theory/error_band.py). A row fixes the layout
 its source states; the rest is searched (a recompute the source leaves unsaid: the least that
 fits). Where a row gives tokens/s/GPU the comparison is in tokens (no FLOPs convention
@@ -26,7 +26,7 @@ def _fix(r, m):
     return planner.parse_fix(fix)
 
 
-def predict(r, achievable=None, training_gemm_fraction=None):
+def predict(r, achievable=None, in_step_gemm_fraction=None):
     """labkit's best plan for row `r` with the row's layout held."""
     m = planner.parse_model(r["model"])
     return planner.plan(m, int(r["gpus"]), r["gpu"], int(r["gpus_per_node"]), r["intra_link"],
@@ -36,7 +36,7 @@ def predict(r, achievable=None, training_gemm_fraction=None):
                         precision=r.get("precision") or "bf16",
                         stack=r.get("stack") or None,
                         fp8_recipe=r.get("fp8_recipe") or "delayed",
-                        training_gemm_fraction=training_gemm_fraction)["plans"][0]
+                        in_step_gemm_fraction=in_step_gemm_fraction)["plans"][0]
 
 
 def published_tflops(r):
@@ -47,12 +47,12 @@ def published_tflops(r):
     return float(r["tflops_per_gpu"])
 
 
-def check(rows, achievable=None, training_gemm_fraction=None):
+def check(rows, achievable=None, in_step_gemm_fraction=None):
     """Each row with `predicted` TFLOP/s per GPU, `published` (same convention), `error`
     (predicted / published - 1) and the `plan`."""
     out = []
     for r in rows:
-        best = predict(r, achievable, training_gemm_fraction)
+        best = predict(r, achievable, in_step_gemm_fraction)
         if r["metric"] == "hfu":       # FLOPs run: the planner's HFU counts them (unfused)
             predicted = best["hfu"] * hardware.gpu(r["gpu"]).bf16_flops / 1e12
         else:                           # the published convention, from predicted tokens/s
@@ -65,8 +65,8 @@ def check(rows, achievable=None, training_gemm_fraction=None):
     return out
 
 
-def fit_training_gemm_fraction(rows=None, tolerance=1e-3):
-    """The one fitted number (kernels.TRAINING_GEMM_FRACTION): the factor on every training
+def fit_in_step_gemm_fraction(rows=None, tolerance=1e-3):
+    """The one fitted number (kernels.IN_STEP_GEMM_FRACTION): the factor on every in-step
     GEMM's rate that makes the calibration rows' mean signed error zero, by bisection (the
     error falls as the factor falls). Only `use == calibration` rows are looked at; the check
     rows stay a test of it."""
@@ -75,7 +75,7 @@ def fit_training_gemm_fraction(rows=None, tolerance=1e-3):
         raise ValueError("no calibration rows to fit on")
 
     def mean_error(fraction):
-        return sum(r["error"] for r in check(rows, training_gemm_fraction=fraction)) / len(rows)
+        return sum(r["error"] for r in check(rows, in_step_gemm_fraction=fraction)) / len(rows)
     low, high = 0.3, 1.0
     if mean_error(high) <= 0:
         return high

@@ -7,7 +7,8 @@ roofline, and time to first token (TTFT) and time per output token (TPOT) per la
 - Weights: the layers' matrices at `weights` precision, plus one bf16 scale per group of
   weights (int4: groups of 128 as GPTQ/AWQ, Frantar et al. 2022, Lin et al. 2023; int8: one
   per output channel, as LLM.int8(); fp8: one per tensor); embeddings, head and norms in bf16.
-  Weight-only formats compute in bf16 (weights dequantised on the fly).
+  fp8 runs fp8 x fp8 GEMMs (W8A8); weight-only formats compute in bf16 (weights dequantised on
+  the fly). Linear layers run at the in-step GEMM fraction (pricing.linear_layer_rate).
 - Roofline (Williams et al. 2009; Pope et al. 2022, arXiv 2211.05102) with kernels
   (theory/kernels.py): a stage takes max(compute, bytes / achievable HBM bandwidth) + launches,
   compute the sum of its kernels' FLOPs each at peak x MAMF ceiling x its shape efficiency

@@ -392,7 +392,7 @@ h100 = hardware.gpu("H100")
 attention_at_8k = {way: kernels.attention_rate(h100, 128, 8192, True, way) / h100.bf16_flops
                    for way in ("forward", "backward")}
 print(f"fitted on the calibration rows only: training GEMMs at "
-      f"{kernels.TRAINING_GEMM_FRACTION:.2f} of the microbenchmark's rate")
+      f"{kernels.IN_STEP_GEMM_FRACTION:.2f} of the microbenchmark's rate")
 print(f"measured, not fitted: H100 GEMM ceiling {kernels.ceiling(h100):.2f} of peak (MAMF), "
       f"HBM {kernels.HBM_FRACTION:.0%} of the datasheet, {kernels.LAUNCH_S * 1e6:g} us per "
       f"kernel launch; causal attention at 8K tokens, head dim 128: forward "
