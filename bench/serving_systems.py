@@ -32,9 +32,11 @@ with the batch (per-request Python loops), so batching gains little there, while
 step is bound by reading the weights once for the whole batch.
 Every run's tokens must equal each request served alone (the bench stops otherwise).
 Measured on 2 shared cores (load about 2.2-2.5, three runs): continuous over static x1.05-1.19
-tokens/s, x0.77-0.91 p99 TTFT, x0.88-1.00 p99 E2E (wall; noisy), x1.54, x0.26, x0.52 on the
-modelled H100 clock; paged ran x4 the requests (16 vs 4) holding x0.01 the unused bytes;
-chunked prefill's p99 TBT x0.11-0.14 (wall), x0.21 (modelled), p99 TPOT x0.31-0.33.
+tokens/s, x0.77-0.91 p99 TTFT, x0.88-1.00 p99 E2E (wall; noisy); paged ran x4 the requests (16
+vs 4) holding x0.01 the unused bytes; chunked prefill's p99 TBT x0.11-0.14 (wall), p99 TPOT
+x0.29-0.33. On the modelled H100 clock (deterministic; the pricing of lesson 09's one time
+model, rerun 2026-12-06 with vLLM's names, fcfs): continuous over static x1.45 tokens/s, x0.44
+p99 TTFT, x0.62 p99 E2E; chunked prefill x0.29 p99 TBT, x0.45 p99 TPOT.
 Run: python bench/serving_systems.py   (rows replace their own in data/bench.csv)
 """
 import os
