@@ -222,7 +222,7 @@ def error_band_figure(band, calibration=(), ax=None, *, group="source",
     at its rates (error_band.rates: a time drawn as 1 / time, so above y = x the model is
     optimistic whatever the row's unit): each check row a numbered dot named in the key beside
     it, coloured by its `group` field (training: the source; serving: "kind", throughput or
-    TTFT), the calibration rows (looked at while the model was designed, so not in the band) as
+    TTFT), the calibration rows (the one fitted number was fitted on them, so not in the band) as
     hollow grey circles, y = x and the band (modelled = (1 + error) x published, error from low
     to high) shaded between its two dashed edges; `unit` and `model` name the axes. Returns the
     figure."""
@@ -245,7 +245,7 @@ def error_band_figure(band, calibration=(), ax=None, *, group="source",
     if calibration:
         ax.scatter([points[id(r)][0] for r in calibration],
                    [points[id(r)][1] for r in calibration], facecolors="none", edgecolors="0.5",
-                   s=40, label=f"calibration rows ({len(calibration)}, looked at: not in the "
+                   s=40, label=f"calibration rows ({len(calibration)}, fitted on: not in the "
                                "band)")
     ax.set(xscale="log", yscale="log", xlim=line, ylim=line, xlabel=f"published {unit}",
            ylabel=f"{model}, modelled {unit}",
