@@ -4,7 +4,8 @@ A `LlamaForCausalLM` built from a config (random weights, nothing downloaded; GQ
 heads, 4 key/value heads), AdamW, gloo on CPU, world size 2. Three pairs, each the same model
 and data on both sides:
   DistributedDataParallel(model, bucket_cap_mb=25)  vs  torch's (bucket_cap_mb=25 / 1.048576)
-  FullyShard(model, units=decoder layers + root)  vs  fully_shard on each decoder layer + root
+  FullyShard (the FSDP1 variant; units=decoder layers + root)  vs  torch's fully_shard (FSDP2)
+      on each decoder layer, then the root
   parallelize_module(model, None, the llama preset's attention and MLP entries)  vs  torch's
       (ColwiseParallel / RowwiseParallel on the same names; the vocab entries left out on both,
       torch has no vocab-parallel cross-entropy for an HF head)
@@ -33,12 +34,13 @@ CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidde
               bos_token_id=0, eos_token_id=None, pad_token_id=0)
 WORLD, BATCH, SEQ = 2, 8, 64
 TIMED, ROUNDS = 3, 5
-# the labels key this bench's rows in data/bench.csv: kept from labkit's earlier names
+# the labels key this bench's rows in data/bench.csv: torch's names on both sides
 PAIRS = {
-    "data_parallel": ("DataParallel(bucket_mb=25)", "DDP(bucket_cap_mb=25 MB)"),
-    "fully_shard": ("FullyShard(units=decoder layers + root)",
-                    "fully_shard(each decoder layer, then the root)"),
-    "tensor_parallel": ("parallelize(llama preset, attention + MLP)",
+    "data_parallel": ("DistributedDataParallel(bucket_cap_mb=25)",
+                      "DistributedDataParallel(bucket_cap_mb=25 MB)"),
+    "fully_shard": ("FullyShard (FSDP1 variant; decoder layers + root)",
+                    "fully_shard (FSDP2; each decoder layer, then the root)"),
+    "tensor_parallel": ("parallelize_module(llama preset, attention + MLP)",
                         "parallelize_module(Colwise/RowwiseParallel, same names)"),
 }
 

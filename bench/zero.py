@@ -4,6 +4,9 @@
                                                         vs  DDP + ZeroRedundancyOptimizer
   stage 3: labkit fully_shard (FSDP2, per-parameter)    vs  torch.distributed.fsdp.fully_shard
   stage 3: labkit FullyShard (the FSDP1 variant, flat)  vs  torch.distributed.fsdp.fully_shard
+  stage 3, explicit prefetch: both fully_shards with torchtitan's prefetch lines (each block
+           prefetches the next in forward and the previous in backward, the root the first
+           block in forward and the last in backward)
 Both sides: the same tiny GPT from the same seed, Adam (eps 1e-6, foreach=False), gradients as
 bucket views (labkit's and torch's DDP); stage 3 applied bottom-up on both sides with the same
 lines (fully_shard on each block, then on the model, over init_device_mesh("cpu", (N,))), only
@@ -21,7 +24,8 @@ pair in interleaved rounds
                allocates (weights, grads, optimizer state, activations, comm buffers).
   max_param_diff  labkit vs torch after the same steps from the same weights.
 Rows replace their configurations' rows in data/bench.csv (column `labkit_over_torch`).
-Run: python bench/zero.py [--dry-run]
+Run: python bench/zero.py [--dry-run] [--only "stage 3|stage 3, explicit prefetch"]
+(--only: the pairs named, '|' between names; the other rows stay as they are)
 """
 import ctypes
 import gc
@@ -83,7 +87,7 @@ def labkit_fsdp1(ctx):
     return module, optimizer, module.full_state_dict
 
 
-def fsdp2_side(fully_shard, full_tensor):
+def fsdp2_side(fully_shard, full_tensor, prefetch=False):
     """The learner's FSDP2 lines, the same for both sides: only `fully_shard` differs."""
     def build(ctx):
         from torch.distributed.device_mesh import init_device_mesh
@@ -92,18 +96,32 @@ def fsdp2_side(fully_shard, full_tensor):
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if prefetch:   # torchtitan's explicit prefetch
+            blocks = list(model.blocks)
+            model.set_modules_to_forward_prefetch([blocks[0]])
+            model.set_modules_to_backward_prefetch([blocks[-1]])
+            for i, block in enumerate(blocks):
+                if i + 1 < len(blocks):
+                    block.set_modules_to_forward_prefetch([blocks[i + 1]])
+                if i > 0:
+                    block.set_modules_to_backward_prefetch([blocks[i - 1]])
         optimizer = torch.optim.Adam(model.parameters(), **ADAM)
         return model, optimizer, lambda: {k: full_tensor(p).detach().clone()
                                           for k, p in model.named_parameters()}
     return build
 
 
-def torch_fsdp2(ctx):
+def torch_fsdp2(ctx, prefetch=False):
     from torch.distributed.fsdp import fully_shard
-    return fsdp2_side(fully_shard, lambda p: p.full_tensor())(ctx)
+    return fsdp2_side(fully_shard, lambda p: p.full_tensor(), prefetch)(ctx)
+
+
+def torch_fsdp2_prefetch(ctx):
+    return torch_fsdp2(ctx, prefetch=True)
 
 
 labkit_fsdp2 = fsdp2_side(fsdp2.fully_shard, fsdp2.full_tensor)
+labkit_fsdp2_prefetch = fsdp2_side(fsdp2.fully_shard, fsdp2.full_tensor, prefetch=True)
 
 # the labels key this bench's rows in data/bench.csv
 TORCH_FSDP2 = "torch.distributed.fsdp.fully_shard (FSDP2; blocks + root)"
@@ -113,7 +131,22 @@ PAIRS = (("stage 1", labkit_stage1, torch_zero1,
          ("stage 3", labkit_fsdp2, torch_fsdp2,
           "labkit fully_shard (FSDP2; blocks + root)", TORCH_FSDP2),
          ("stage 3, FSDP1 variant", labkit_fsdp1, torch_fsdp2,
-          "labkit FullyShard (FSDP1 variant, flat; blocks + root)", TORCH_FSDP2))
+          "labkit FullyShard (FSDP1 variant, flat; blocks + root)", TORCH_FSDP2),
+         ("stage 3, explicit prefetch", labkit_fsdp2_prefetch, torch_fsdp2_prefetch,
+          "labkit fully_shard (FSDP2; blocks + root; torchtitan's explicit prefetch)",
+          "torch.distributed.fsdp.fully_shard (FSDP2; blocks + root; torchtitan's explicit "
+          "prefetch)"))
+
+
+def chosen_pairs(argv):
+    """The pairs `--only "name|name"` names (all without it)."""
+    if "--only" not in argv:
+        return PAIRS
+    names = argv[argv.index("--only") + 1].split("|")
+    unknown = set(names) - {p[0] for p in PAIRS}
+    if unknown:
+        raise SystemExit(f"--only: no pair named {sorted(unknown)}")
+    return tuple(p for p in PAIRS if p[0] in names)
 
 
 def step(ctx, side, index):
@@ -184,11 +217,13 @@ def heap_peak(ctx, build):
 
 # ------------------------------------------------------------------------------ one launch
 
-def compare(ctx):
+def compare(ctx, names=None):
     ctx.memory = Quiet()
     out = {}
     with ctx.off_the_record():
         for name, ours, theirs, _, _ in PAIRS:
+            if names is not None and name not in names:
+                continue
             sides = {"labkit": ours(ctx), "torch": theirs(ctx)}
             for side in sides.values():   # warm-up, also imports and one-off set-up
                 for i in range(WARMUP):
@@ -213,14 +248,15 @@ def replace_rows(benchmark, rows):
 
 
 def main():
-    ranks = labkit.launch(compare, WORLD_SIZE, timeout_s=900)
+    pairs = chosen_pairs(sys.argv)
+    ranks = labkit.launch(compare, WORLD_SIZE, [p[0] for p in pairs], timeout_s=900)
     psi = sum(p.numel() for p in reference.build_model(CFG).parameters())
     where = (f"tiny GPT {psi} params (h128 L4 seq64 vocab256), batch {CFG.global_batch}, "
              f"Adam fp32, {WORLD_SIZE} ranks gloo CPU (2 shared, busy cores); {ROUNDS} "
              f"interleaved rounds of {TIMED} steps after {WARMUP} warm-up")
     print(where)
     rows = []
-    for name, _, _, ours, theirs in PAIRS:
+    for name, _, _, ours, theirs in pairs:
         # per round: the slowest rank's median step, for each side
         per_round = {who: [max(r[name]["rounds"][who][k] for r in ranks) for k in range(ROUNDS)]
                      for who in ("labkit", "torch")}

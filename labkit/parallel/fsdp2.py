@@ -23,12 +23,19 @@ step: all-gathers of Ψ before forward and again before backward, a reduce-scatt
     optimizer = torch.optim.Adam(model.parameters())   # this rank's rows of every parameter
 
 The module keeps its class: it becomes an instance of a subclass `FSDP<Class>` of
-(`FSDPModule`, its class), as torch does; `unshard()`/`reshard()` gather and free by hand. The
-parameters it then shows are plain tensors holding this rank's rows (torch: DTensors with the
-full shape, `.to_local()` the rows); `full_tensor(p)` gathers one. The flat-buffer wrapper
-(`FullyShard`, fully_shard.py) is the FSDP1 design (one FlatParameter per unit).
+(`FSDPModule`, its class), as torch does, with torch's methods: `unshard()`/`reshard()` gather
+and free by hand; `set_requires_gradient_sync(False)` accumulates micro-batches' full gradients
+without a reduce-scatter (one, of their sum, on the step it is back on);
+`set_modules_to_forward_prefetch([next])` / `set_modules_to_backward_prefetch([previous])`
+issue those modules' all-gathers, asynchronously, as soon as this module's own is in, so they
+run while this module computes (torchtitan: each block prefetches the next; one more group's
+full parameters held meanwhile). The parameters it then shows are plain tensors holding this
+rank's rows (torch: DTensors with the full shape, `.to_local()` the rows); `full_tensor(p)`
+gathers one. The flat-buffer wrapper (`FullyShard`, fully_shard.py) is the FSDP1 design (one
+FlatParameter per unit).
 """
 from dataclasses import dataclass
+import itertools
 import math
 import weakref
 
@@ -66,18 +73,78 @@ class CPUOffloadPolicy(OffloadPolicy):
 
 _STATES = weakref.WeakSet()   # every group of this process, for the memory tracker
 _RUNNING = []                 # the groups whose forward is running now (root: the first)
+_NUMBER = itertools.count()   # a group's number: two "Block"s' buffers keep apart
 
 
 class FSDPModule:
-    """What `fully_shard` mixes into a module's class (torch's FSDPModule, its core methods)."""
+    """What `fully_shard` mixes into a module's class: torch's FSDPModule methods a training
+    script calls (torchtitan's), with torch's signatures. Not recursive unless `recurse`."""
 
-    def unshard(self):
-        """All-gather this module's parameters now (they stay until `reshard()`)."""
+    def unshard(self, async_op: bool = False):
+        """All-gather this module's parameters now (they stay until `reshard()`). async_op:
+        only issue the all-gather and return a handle; `wait()` (or the module's forward)
+        copies the gathered rows out."""
+        if async_op:
+            self._fsdp_state.prefetch()
+            return UnshardHandle(self._fsdp_state)
         self._fsdp_state.unshard()
+        return None
 
     def reshard(self):
         """Free the full parameters; the module shows its shards again."""
         self._fsdp_state.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        """False: backward keeps each full gradient (added to the last micro-batch's, in the
+        reduce dtype) and reduce-scatters nothing; the first backward with True reduce-scatters
+        the sum once (torch's gradient accumulation without communication; FSDP1's no_sync)."""
+        for state in self._states(recurse):
+            state.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        """False: the full parameters stay after backward, so the next micro-batch's forward
+        gathers nothing (set it back to True before the step: the optimizer moves the shards)."""
+        for state in self._states(recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
+        """`fully_shard`'s reshard_after_forward, changed between steps (e.g. the root: True)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError("reshard_after_forward should be a bool, got "
+                             f"{type(reshard_after_forward)}")
+        for state in self._states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]):
+        """When this module's forward starts (its own parameters gathered), issue `modules`'
+        all-gathers without waiting: they run while this module computes."""
+        self._fsdp_state.forward_prefetch = _states_of(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]):
+        """The same in backward: when this module's backward starts, issue `modules`'."""
+        self._fsdp_state.backward_prefetch = _states_of(modules)
+
+    def _states(self, recurse):
+        return [m._fsdp_state for m in (self.modules() if recurse else [self])
+                if isinstance(m, FSDPModule)]
+
+
+def _states_of(modules):
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"Expects FSDPModule but got {type(m)}: {m}")
+    return [m._fsdp_state for m in modules]
+
+
+class UnshardHandle:
+    """What `unshard(async_op=True)` returns: `wait()` finishes the all-gather and shows the
+    full parameters (the module's forward waits by itself)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def wait(self):
+        self.state.unshard()
 
 
 def full_tensor(param):
@@ -184,6 +251,7 @@ class _ShardedParam:
         # before backward does not look to autograd like a change of a saved tensor
         self.unsharded.data = self.full
         self.full.untyped_storage().resize_(0)
+        self.accumulated = None   # sync off: the full gradients kept so far (reduce dtype)
         if param.requires_grad:
             self.unsharded.register_post_accumulate_grad_hook(state.on_gradient)
 
@@ -202,6 +270,7 @@ class _Group:
     def __init__(self, module, group, reshard_after_forward, mp, offload):
         self.ctx, self.group, self.mp = context(), group, mp
         self.name = type(module).__name__
+        self.buffer = f"{self.name}#{next(_NUMBER)}"   # its name in the memory tracker
         self.offload = offload if isinstance(offload, CPUOffloadPolicy) else None
         self.reshard_after_forward, self.is_root = reshard_after_forward, None
         uses = {}
@@ -216,30 +285,36 @@ class _Group:
         self.params = [_ShardedParam(self, p, where) for p, where in uses.items()]
         for p in self.params:
             p.show(p.sharded)
-        self.gathered = False
+        self.gathered, self.inflight = False, None   # inflight: an issued all-gather
         self.arrived, self.reduced, self.backward_started = set(), False, False
+        self.requires_gradient_sync, self.reshard_after_backward = True, True
+        self.forward_prefetch, self.backward_prefetch = [], []   # groups (set_modules_to_...)
         _STATES.add(self)
         ctx = self.ctx
         ctx.memory.watch(params=lambda: [p.padded for s in _STATES if s.ctx is ctx
                                          for p in s.params if not s.offload],
                          grads=lambda: [t for s in _STATES if s.ctx is ctx for p in s.params
-                                        for t in (p.unsharded.grad, p.sharded.grad)
+                                        for t in (p.unsharded.grad, p.accumulated,
+                                                  p.sharded.grad)
                                         if t is not None])
 
     # --- all-gather and free ---------------------------------------------------------------
-    def gather(self, params, off_the_record=False):
+    def gather(self, params, off_the_record=False, async_op=False):
         """All-gather `params` in one collective: each rank's padded rows copied into one
-        buffer (in the compute dtype), gathered, each parameter's rows copied out; returns the
-        full tensors."""
+        buffer (in the compute dtype), gathered; `split` copies each parameter's rows out.
+        async_op: issue it and return the handle (its `wait()` gives the gathered buffer)."""
         dtype = self.mp.param_dtype
         local = torch.cat([p.padded.to(p.full.device, dtype or p.padded.dtype).reshape(-1)
                            for p in params])
         if off_the_record:
             with self.ctx.off_the_record():
-                gathered = self.ctx.comm.all_gather(local, group=self.group)
-        else:
-            gathered = self.ctx.comm.all_gather(local, group=self.group,
-                                                tag=f"params {self.name}")
+                return self.split(params, self.ctx.comm.all_gather(local, group=self.group))
+        gathered = self.ctx.comm.all_gather(local, group=self.group, async_op=async_op,
+                                            tag=f"params {self.name}")
+        return gathered if async_op else self.split(params, gathered)
+
+    def split(self, params, gathered):
+        """The full tensors in the gathered buffer: rank by rank, each parameter's rows."""
         by_rank, out, at = gathered.view(self.group.size, -1), [], 0
         for p in params:
             size = p.chunk * p.row_numel
@@ -248,15 +323,28 @@ class _Group:
             at += size
         return out
 
+    def prefetch(self):
+        """Issue this group's all-gather now and go on (explicit prefetch); `unshard` waits."""
+        if self.gathered or self.inflight is not None or not self.params:
+            return
+        self.inflight = self.gather(self.params, async_op=True)
+        self.ctx.memory.add_buffer(f"prefetch {self.buffer}", self.inflight.result)
+
     def unshard(self):
         if self.gathered or not self.params:
             return
-        for i, (p, value) in enumerate(zip(self.params, self.gather(self.params))):
+        if self.inflight is not None:   # prefetched: wait for it
+            values = self.split(self.params, self.inflight.wait())
+            self.inflight = None
+            self.ctx.memory.remove_buffer(f"prefetch {self.buffer}")
+        else:
+            values = self.gather(self.params)
+        for i, (p, value) in enumerate(zip(self.params, values)):
             p.full.untyped_storage().resize_(p.full.numel() * p.full.element_size())
             with torch.no_grad():
                 p.full.copy_(value)
             self.ctx.memory.exclude(p.full)   # saved for backward: not an activation
-            self.ctx.memory.add_buffer(f"gathered {self.name} {i}", p.full)
+            self.ctx.memory.add_buffer(f"gathered {self.buffer} {i}", p.full)
             p.show(p.unsharded)
         self.gathered = True
 
@@ -267,7 +355,7 @@ class _Group:
             p.show(p.sharded)
             self.ctx.memory.include(p.full)
             p.full.untyped_storage().resize_(0)   # `unsharded` stays valid, its bytes go
-            self.ctx.memory.remove_buffer(f"gathered {self.name} {i}")
+            self.ctx.memory.remove_buffer(f"gathered {self.buffer} {i}")
         self.gathered = False
 
     # --- forward ------------------------------------------------------------------------------
@@ -276,6 +364,8 @@ class _Group:
             self.is_root = not _RUNNING
         _RUNNING.append(self)
         self.unshard()
+        for target in self.forward_prefetch:   # after its own gather, before its compute
+            target.prefetch()
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(self.mp.param_dtype)
                                         if t.is_floating_point() else t)
@@ -306,22 +396,53 @@ class _Group:
         self.start_backward()
         if not self.reduced:
             self.unshard()
+            for target in self.backward_prefetch:
+                if not target.reduced:   # its backward is still to come
+                    target.prefetch()
 
     def on_gradient(self, unsharded):
         self.start_backward()
         self.arrived.add(id(unsharded))
         if len(self.arrived) == sum(p.sharded.requires_grad for p in self.params):
+            self.gradients_in()
+
+    def gradients_in(self):
+        """Every gradient of the group is in: reduce-scatter them (sync off: keep them)."""
+        if self.requires_gradient_sync:
             self.reduce_scatter()
+        else:
+            self.accumulate()
+        self.reduced = True
+        if self.reshard_after_backward and all(p.sharded.requires_grad for p in self.params):
+            self.reshard()   # a frozen weight may still be read: wait for the end
+
+    def accumulate(self):
+        """Sync off: each full gradient is kept (in the reduce dtype), added to what the earlier
+        micro-batches left; the next reduce-scatter sends the sum."""
+        for p in self.params:
+            grad, p.unsharded.grad = p.unsharded.grad, None
+            if grad is not None:
+                dtype = self.mp.reduce_dtype or self.mp.param_dtype or grad.dtype
+                p.accumulated = grad.to(dtype) if p.accumulated is None else \
+                    p.accumulated.add_(grad)
 
     def reduce_scatter(self):
-        """One reduce-scatter (average) of the group's gradients: each padded to c N rows, laid
-        out rank by rank; this rank's rows land in its shards' `.grad` (in their dtype)."""
-        with_grad = [p for p in self.params if p.unsharded.grad is not None]
+        """One reduce-scatter (average) of the group's gradients (with what sync-off backwards
+        kept): each padded to c N rows, laid out rank by rank; this rank's rows land in its
+        shards' `.grad` (in their dtype)."""
+        with_grad = [p for p in self.params
+                     if p.unsharded.grad is not None or p.accumulated is not None]
         if with_grad:
             n, dtype = self.group.size, self.mp.reduce_dtype or self.mp.param_dtype
             pieces = []
             for p in with_grad:
-                grad = p.unsharded.grad.to(dtype or p.unsharded.grad.dtype)
+                grad = p.unsharded.grad
+                if grad is None:
+                    grad = p.accumulated
+                elif p.accumulated is not None:   # as torch: the kept sum + this one
+                    grad = p.accumulated.add_(grad)
+                grad = grad.to(dtype or grad.dtype)
+                p.accumulated = None
                 padded = grad.new_zeros((p.chunk * n,) + tuple(p.shape[1:]))
                 padded[:p.rows] = grad
                 pieces.append(padded.view(n, -1))
@@ -334,17 +455,20 @@ class _Group:
                 at += p.chunk * p.row_numel
                 grad = rows[:len(p.sharded)].to(p.padded.dtype).to(p.sharded.device)
                 p.sharded.grad = grad if p.sharded.grad is None else p.sharded.grad.add_(grad)
-        self.reduced = True
-        if all(p.sharded.requires_grad for p in self.params):   # a frozen weight may still
-            self.reshard()                                       # be read: wait for the end
 
     def finish_backward(self):
         """At the end of backward: reduce what did not come in full (a parameter unused this
-        step), free the full parameters, ready for the next step."""
+        step), free the full parameters, ready for the next step; a prefetch nobody used
+        lands and is dropped (the optimizer is about to move the shards)."""
         if not self.reduced and self.arrived:
-            self.reduce_scatter()
-        self.reshard()
+            self.gradients_in()
+        if self.reshard_after_backward:
+            self.reshard()
         self.arrived, self.reduced, self.backward_started = set(), False, False
+        for state in [s for s in _STATES if s.ctx is self.ctx and s.inflight is not None]:
+            state.inflight.wait()
+            state.inflight = None
+            self.ctx.memory.remove_buffer(f"prefetch {state.buffer}")
 
 
 def _own_modules(module):
