@@ -47,7 +47,7 @@ def test_shared_blocks_are_counted_and_copied_on_write():
     cache.free("b")
     assert cache.blocks_used == 2           # a still holds the first block and its copy
     cache.free("a")
-    assert cache.blocks_used == 0 and set(cache.refs) == {0}
+    assert cache.blocks_used == 0 and set(cache.refs.values()) == {0}
     with pytest.raises(ValueError, match="paged cache"):
         PagedKVCache.contiguous(1, 2, 8, 16).share("x", "y", 1)
 

@@ -121,7 +121,7 @@ def test_paged_cache_reads_back_through_interleaved_blocks():
     stats = cache.stats()
     assert stats["used"] == 6 and stats["wasted_bytes"] == 2 * 1 * cache.bytes_per_slot
     cache.free(7)
-    assert cache.reserve(11, 5) and len(cache.free_blocks) == 0
+    assert cache.reserve(11, 5) and cache.free_count == 0
     with pytest.raises(ValueError, match="reserved"):
         cache.write(0, 9, 5, torch.zeros(2, 3), torch.zeros(2, 3))
 

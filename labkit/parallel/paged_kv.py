@@ -41,24 +41,26 @@ at temperature 0).
 """
 import hashlib
 import math
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
+from ..theory.block_pool import BlockPool
 
-class PagedKVCache:
+
+class PagedKVCache(BlockPool):
     """Blocks of `block_size` token slots for `layers` layers of `kv_width` keys and values.
 
-    reserve(rid, tokens) makes room for a request's first `tokens` tokens (False when the pool
-    has too few free blocks); write(layer, rid, start, k, v) stores rows start.. of (n, width)
-    k and v; read(layer, rid, length) gathers its first `length` keys and values; free(rid)
-    returns its blocks (those no other request shares); share(rid, parent, tokens) points a new
-    request at the parent's blocks of its first `tokens` tokens (the paper's copy-on-write
-    sharing). `reserve_whole`: a request takes all blocks it may ever need at once (the
-    contiguous cache reserving the maximum length). enable_prefix_caching: admit(rid, ids)
-    reuses cached full blocks, commit(rid, ids) caches them (vLLM v1's automatic prefix
-    caching)."""
+    The block tables are theory/block_pool.BlockPool's (the simulator's too): reserve(rid,
+    tokens) makes room for a request's first `tokens` tokens (False when the pool has too few
+    free blocks); free(rid) returns its blocks (those no other request shares); share(rid,
+    parent, tokens) points a new request at the parent's blocks of its first `tokens` tokens
+    (the paper's copy-on-write sharing). `reserve_whole`: a request takes all blocks it may
+    ever need at once (the contiguous cache reserving the maximum length).
+    enable_prefix_caching: admit(rid, ids) reuses cached full blocks, commit(rid, ids) caches
+    them (vLLM v1's automatic prefix caching). Here: write(layer, rid, start, k, v) stores rows
+    start.. of (n, width) k and v; read(layer, rid, length) gathers its first `length` keys and
+    values."""
 
     def __init__(self, layers, kv_width, num_blocks, block_size, dtype=torch.float32,
                  reserve_whole=False, enable_prefix_caching=False):
@@ -66,19 +68,8 @@ class PagedKVCache:
                             ("num_blocks", num_blocks), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"PagedKVCache needs {name} >= 1, got {value}")
-        if enable_prefix_caching and reserve_whole:
-            raise ValueError("prefix caching names full blocks of a paged cache; the contiguous "
-                             "cache's one block per request is never full and shared")
-        self.block_size, self.num_blocks, self.reserve_whole = block_size, num_blocks, reserve_whole
+        super().__init__(num_blocks, block_size, reserve_whole, enable_prefix_caching)
         self.pool = torch.zeros(layers, 2, num_blocks, block_size, kv_width, dtype=dtype)
-        self.free_blocks = deque(range(num_blocks))   # the free queue: popleft() is the LRU
-        self.tables, self.lengths = {}, {}
-        self.refs = [0] * num_blocks          # tables holding each block (prefix sharing)
-        self.peak_blocks, self.copies = 0, 0
-        self.enable_prefix_caching = enable_prefix_caching
-        self.block_hash, self.cached = {}, {}          # block -> hash, hash -> block
-        self.chains = {}                               # request -> hashes of its full blocks
-        self.queries = self.hits = self.evictions = 0
 
     @classmethod
     def contiguous(cls, layers, kv_width, max_len, budget_tokens, dtype=torch.float32):
@@ -86,141 +77,30 @@ class PagedKVCache:
         `budget_tokens` slots: one block of max_len each, taken at admission."""
         return cls(layers, kv_width, budget_tokens // max_len, max_len, dtype, reserve_whole=True)
 
-    # -------------------------------------------------------------------------- allocation
-    def blocks_for(self, tokens):
-        return 1 if self.reserve_whole else -(-tokens // self.block_size)
-
-    def _shared_ahead(self, rid, tokens):
-        """Indices in rid's table of shared blocks its tokens length..tokens-1 land in: each
-        must be copied before it is written (copy-on-write)."""
-        table, have = self.tables.get(rid, ()), self.lengths.get(rid, 0)
-        if tokens <= have:
-            return []
-        return [i for i in range(have // self.block_size, len(table)) if self.refs[table[i]] > 1]
-
-    def can_reserve(self, rid, tokens):
-        """Whether reserve(rid, tokens) would succeed (without doing it); a count of tokens
-        that is not a positive integer is refused (ValueError)."""
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise ValueError(f"reserve: tokens must be a positive integer (the request's first "
-                             f"tokens to hold), got {tokens!r} for request {rid!r}")
-        if tokens > self.num_blocks * self.block_size or (
-                self.reserve_whole and tokens > self.block_size):
-            return False
-        need = self.blocks_for(tokens) - len(self.tables.get(rid, ()))
-        return max(0, need) + len(self._shared_ahead(rid, tokens)) <= len(self.free_blocks)
-
-    def _take(self):
-        block = self.free_blocks.popleft()
-        if block in self.block_hash:          # a cached free block handed out: evicted
-            del self.cached[self.block_hash.pop(block)]
-            self.evictions += 1
-        self.refs[block] = 1
-        return block
+    def _copy_block(self, old, new):
+        self.pool[:, :, new] = self.pool[:, :, old]
 
     # -------------------------------------------------------------------------- prefix caching
-    def _hash(self, parent, ids):
-        """A full block's name: SHA-256 of its parent's name and its token ids (chained)."""
-        return hashlib.sha256(parent + b"|" + ",".join(map(str, ids)).encode()).digest()
+    def _names(self, ids):
+        """Full block i's name: SHA-256 of its parent's name and its token ids (chained)."""
+        def name(i, parent):
+            block = ids[i * self.block_size:(i + 1) * self.block_size]
+            return hashlib.sha256(parent + b"|" + ",".join(map(str, block)).encode()).digest()
+        return name
 
     def admit(self, rid, ids):
         """Make room for a new request's tokens `ids` (its sequence, a list or 1-D tensor),
         taking the cached blocks of its longest cached prefix first (prefix caching on).
         Returns the tokens found cached (0 without prefix caching), or None when the pool has
         too few free blocks (nothing taken, nothing counted)."""
-        if rid in self.tables:
-            raise ValueError(f"request {rid} holds blocks already; admit it once")
-        ids = [int(t) for t in ids]
-        if not self.enable_prefix_caching:
-            return 0 if self.reserve(rid, len(ids)) else None
-        chain, hit, parent = [], [], b""
-        for i in range((len(ids) - 1) // self.block_size):
-            parent = self._hash(parent, ids[i * self.block_size:(i + 1) * self.block_size])
-            if parent not in self.cached:
-                break
-            chain.append(parent)
-            hit.append(self.cached[parent])
-        revived = sum(self.refs[b] == 0 for b in hit)      # cached blocks now on the free queue
-        need = self.blocks_for(len(ids)) - len(hit)
-        if len(ids) > self.num_blocks * self.block_size or need + revived > len(
-                self.free_blocks):
-            return None
-        for block in hit:
-            if self.refs[block] == 0:
-                self.free_blocks.remove(block)
-            self.refs[block] += 1
-        found = len(hit) * self.block_size
-        self.tables[rid], self.chains[rid], self.lengths[rid] = list(hit), chain, found
-        self.reserve(rid, len(ids))          # fits: checked above
-        self.queries += len(ids)
-        self.hits += found
-        return found
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(t) for t in ids]
+        return self.admit_named(rid, len(ids), self._names(ids))
 
     def commit(self, rid, ids):
         """Name the full blocks of `ids`, the request's first tokens whose keys and values are
         written now, and cache each block whose name is new (prefix caching on)."""
-        if not self.enable_prefix_caching:
-            return
-        chain, table = self.chains.setdefault(rid, []), self.tables[rid]
-        for i in range(len(chain), len(ids) // self.block_size):
-            parent = chain[-1] if chain else b""
-            name = self._hash(parent, [int(t) for t in ids[i * self.block_size:
-                                                           (i + 1) * self.block_size]])
-            chain.append(name)
-            if name not in self.cached and table[i] not in self.block_hash:
-                self.cached[name], self.block_hash[table[i]] = table[i], name
-
-    def prefix_stats(self):
-        """Prefix caching so far (measured): prompt tokens looked up at admission, tokens found
-        cached (prefill saved), hit rate = hits / queries, blocks cached now, evictions."""
-        return dict(queries=self.queries, hits=self.hits,
-                    hit_rate=self.hits / self.queries if self.queries else 0.0,
-                    prefill_tokens_saved=self.hits, cached_blocks=len(self.cached),
-                    evictions=self.evictions)
-
-    def reserve(self, rid, tokens):
-        """Give `rid` blocks for its first `tokens` tokens; False (nothing taken) if too few.
-        A shared block the new tokens land in is copied first (copy-on-write)."""
-        if not self.can_reserve(rid, tokens):
-            return False
-        table = self.tables.setdefault(rid, [])
-        for i in self._shared_ahead(rid, tokens):
-            old, table[i] = table[i], self._take()
-            self.pool[:, :, table[i]] = self.pool[:, :, old]
-            self.refs[old] -= 1
-            self.copies += 1
-        while len(table) < self.blocks_for(tokens):
-            table.append(self._take())
-        self.lengths[rid] = max(self.lengths.get(rid, 0), tokens)
-        self.peak_blocks = max(self.peak_blocks, self.blocks_used)
-        return True
-
-    def share(self, rid, parent, tokens):
-        """Point new request `rid` at `parent`'s blocks holding its first `tokens` tokens
-        (written already: a common prompt); the blocks count one more holder."""
-        if self.reserve_whole:
-            raise ValueError("prefix sharing needs a paged cache (blocks), not the contiguous "
-                             "one: each request's single block holds its whole sequence")
-        if rid in self.tables:
-            raise ValueError(f"request {rid} holds blocks already; share a prefix before "
-                             "reserving")
-        if not 1 <= tokens <= self.lengths.get(parent, 0):
-            raise ValueError(f"request {parent} holds {self.lengths.get(parent, 0)} tokens, "
-                             f"cannot share {tokens}")
-        self.tables[rid] = self.tables[parent][:self.blocks_for(tokens)]
-        for block in self.tables[rid]:
-            self.refs[block] += 1
-        self.lengths[rid] = tokens
-
-    def free(self, rid):
-        """Drop the request's hold on its blocks (it finished or was preempted); those no
-        other request holds go back to the pool."""
-        for block in reversed(self.tables.pop(rid, [])):   # the tail is evicted first
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                self.free_blocks.append(block)
-        self.lengths.pop(rid, None)
-        self.chains.pop(rid, None)
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(t) for t in ids]
+        self.commit_named(rid, len(ids), self._names(ids))
 
     # -------------------------------------------------------------------------- data
     def _slots(self, rid, start, stop):
@@ -254,10 +134,6 @@ class PagedKVCache:
         layers, two, _, _, width = self.pool.shape
         return layers * two * width * self.pool.element_size()
 
-    @property
-    def blocks_used(self):
-        return self.num_blocks - len(self.free_blocks)
-
     def nbytes(self):
         """The pool's bytes (allocated once, used or not)."""
         return self.pool.nbytes
@@ -276,7 +152,7 @@ class PagedKVCache:
         return dict(used=self.blocks_used, total=self.num_blocks, block_size=self.block_size,
                     tokens=sum(self.lengths.values()), reserved_tokens=held,
                     wasted_bytes=(held - sum(filled.values())) * self.bytes_per_slot,
-                    shared_blocks=sum(r > 1 for r in self.refs), copies=self.copies,
+                    shared_blocks=sum(r > 1 for r in self.refs.values()), copies=self.copies,
                     saved_bytes=(listed - self.blocks_used) * self.block_size
                     * self.bytes_per_slot, pool_bytes=self.nbytes())
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from . import hardware, serving as model_serving, serving_stream as stream_theory
+from .block_pool import BlockPool
 from .planner import parse_model
 
 BLOCK_SIZE = 16         # tokens per KV block: vLLM's default block size (vLLM docs, --block-size)
@@ -66,102 +67,16 @@ class SimRequest:
 
     def block_name(self, i, block_size):
         """Full block i's name: the system prompt's while the block lies inside it, else the
-        request's own (the engine's chained hash of the tokens up to the block's end)."""
+        request's own (what the engine's chained hash of the tokens up to the block's end
+        tells apart)."""
         if (i + 1) * block_size <= min(self.prefix_len, self.prompt):
             return ("prefix", self.prefix_id, i)
         return ("request", self.id, i)
 
 
-class BlockPool:
-    """The paged cache's bookkeeping without its tensors (`PagedKVCache`'s rules): block ids
-    handed out from a free queue (never-used blocks first, then the least recently freed),
-    the blocks each request holds and, with enable_prefix_caching, the cached full blocks
-    (name -> block), hits, queries and evictions, counted as the engine counts them."""
-
-    def __init__(self, num_blocks, block_size, enable_prefix_caching=False):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.fresh, self.recycled = 0, deque()        # never used: fresh.., freed: LRU first
-        self.tables, self.refs = {}, {}
-        self.block_name, self.cached, self.chains = {}, {}, {}
-        self.queries = self.hits = self.evictions = 0
-
-    @property
-    def free_count(self):
-        return self.num_blocks - self.fresh + len(self.recycled)
-
-    def _take(self):
-        if self.fresh < self.num_blocks:
-            self.fresh += 1
-            block = self.fresh - 1
-        else:
-            block = self.recycled.popleft()
-        if block in self.block_name:               # a cached free block handed out: evicted
-            del self.cached[self.block_name.pop(block)]
-            self.evictions += 1
-        self.refs[block] = 1
-        return block
-
-    def reserve(self, rid, tokens):
-        table = self.tables.setdefault(rid, [])
-        need = -(-tokens // self.block_size) - len(table)
-        if tokens > self.num_blocks * self.block_size or need > self.free_count:
-            return False
-        for _ in range(max(0, need)):
-            table.append(self._take())
-        return True
-
-    def admit(self, r):
-        """Room for request r's sequence, its longest cached prefix first (as
-        PagedKVCache.admit): the tokens found cached, or None when too few blocks are free."""
-        if not self.enable_prefix_caching:
-            return 0 if self.reserve(r.id, r.length) else None
-        chain, hit = [], []
-        for i in range((r.length - 1) // self.block_size):
-            name = r.block_name(i, self.block_size)
-            if name not in self.cached:
-                break
-            chain.append(name)
-            hit.append(self.cached[name])
-        revived = sum(self.refs.get(b, 0) == 0 for b in hit)
-        need = -(-r.length // self.block_size) - len(hit)
-        if r.length > self.num_blocks * self.block_size or need + revived > self.free_count:
-            return None
-        for block in hit:
-            if self.refs.get(block, 0) == 0:
-                self.recycled.remove(block)
-            self.refs[block] = self.refs.get(block, 0) + 1
-        self.tables[r.id], self.chains[r.id] = list(hit), chain
-        self.reserve(r.id, r.length)
-        self.queries += r.length
-        self.hits += len(hit) * self.block_size
-        return len(hit) * self.block_size
-
-    def commit(self, r):
-        """Name and cache r's full blocks now written (its first r.cached tokens)."""
-        if not self.enable_prefix_caching:
-            return
-        chain, table = self.chains.setdefault(r.id, []), self.tables[r.id]
-        for i in range(len(chain), r.cached // self.block_size):
-            name = r.block_name(i, self.block_size)
-            chain.append(name)
-            if name not in self.cached and table[i] not in self.block_name:
-                self.cached[name], self.block_name[table[i]] = table[i], name
-
-    def free(self, rid):
-        for block in reversed(self.tables.pop(rid, [])):      # the tail is evicted first
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                self.recycled.append(block)
-        self.chains.pop(rid, None)
-
-    def prefix_stats(self):
-        """As PagedKVCache.prefix_stats: queries, hits (tokens), hit rate, prefill tokens
-        saved, blocks cached now, evictions."""
-        return dict(queries=self.queries, hits=self.hits,
-                    hit_rate=self.hits / self.queries if self.queries else 0.0,
-                    prefill_tokens_saved=self.hits, cached_blocks=len(self.cached),
-                    evictions=self.evictions)
+def _names(r, cache):
+    """BlockPool's name(i, parent) for request r's full blocks (no tokens: block_name)."""
+    return lambda i, parent: r.block_name(i, cache.block_size)
 
 
 def check_scheduling_policy(policy):
@@ -282,7 +197,7 @@ def simulate(stream, step_time, policy="continuous", max_num_seqs=8, max_num_bat
         joining = not (policy == "static" and running)    # static: nobody joins a batch
         while joining and len(running) < max_num_seqs:
             r = next_waiting(waiting, now, scheduling_policy)
-            hit = None if r is None else cache.admit(r)
+            hit = None if r is None else cache.admit_named(r.id, r.length, _names(r, cache))
             if hit is None:
                 break
             r.cached = hit               # prefix caching: these tokens are not prefilled
@@ -307,7 +222,7 @@ def simulate(stream, step_time, policy="continuous", max_num_seqs=8, max_num_bat
                                                  r.cached < r.prompt)))
         for r, todo in pieces:
             r.cached += todo
-            cache.commit(r)
+            cache.commit_named(r.id, r.cached, _names(r, cache))
             if r.cached == r.length:
                 r.generated += 1
                 r.token_times.append(now)
