@@ -247,9 +247,9 @@ def _serve_run_parser(techniques, chosen):
                                 "(TP, PP, replicas, experts), checked against one device")
     if chosen != ["serve"]:
         return
-    from .runs import serve, serve_modes, stream
+    from .runs import serve, serve_modes, stream_inputs
     serve.add_arguments(sub)
-    serve_modes.add_arguments(stream.add_arguments(sub))  # --requests N: a stream (lesson 10)
+    serve_modes.add_arguments(stream_inputs.add_arguments(sub))  # --requests N: lesson 10
     sub.add_argument("--world-size", type=int, default=None,
                      help="default: replicas x ep x tp x pp")
     sub.add_argument("--seed", type=int, default=0, help="the model's, the prompts' and (with "

@@ -16,12 +16,15 @@ far in the future) is refused instead of running into the launch's timeout; unde
 `--trace FILE` (its rows are the requests, so `--requests`, `--rate` and the length ranges do
 not apply beside it); the stream's options need a stream, the fixed batch's options
 (--batch, --prompt-len, --new-tokens) do not apply to one, `--block-size` needs `--paged`, and
-`--world-size` must be the ranks the layout runs on. Plain Python: no torch.
+`--world-size` must be the ranks the layout runs on; `add_arguments` declares the options
+themselves (vLLM's names). Plain Python: no torch.
 """
+import argparse
 import csv
 import io
 import math
 
+from ..theory.stream_sim import SCHEDULING_POLICIES
 from ..theory.user_files import parse_user_json, read_user_text
 
 FIELDS = ("arrival_s", "prompt", "output")
@@ -214,3 +217,52 @@ def check_options(args, explicit):
 
 def _flag(dest):
     return "--" + dest.replace("_", "-")
+
+
+def add_arguments(parser):
+    """The stream options of `run serve` (one block; --requests switches to a stream)."""
+    g = parser.add_argument_group("request stream (serving systems, lesson 10)")
+    g.add_argument("--requests", type=int, default=None,
+                   help="serve a Poisson stream of N requests (or give --trace instead)")
+    g.add_argument("--rate", type=float, default=50.0, help="Poisson arrivals per second")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="serve a recorded stream instead of --requests: CSV (header arrival_s,"
+                        "prompt,output) or a JSON list of such objects; every row is checked")
+    g.add_argument("--policy", choices=("static", "continuous"), default="continuous")
+    g.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=8,
+                   help="most requests running at once (vLLM's name; --max-batch: the old one)")
+    g.add_argument("--paged", action="store_true", help="a paged KV cache (else contiguous)")
+    g.add_argument("--block-size", type=int, default=8, help="tokens per KV block (--paged)")
+    g.add_argument("--kv-tokens", type=int, default=None, help="KV token slots per rank")
+    g.add_argument("--max-num-batched-tokens", "--chunk", dest="chunk", type=int, default=None,
+                   help="tokens per step, decodes and prompt tokens together (vLLM's name; "
+                   "--chunk: the old one)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="cut prompts to the budget left (default) or take them "
+                   "whole")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=False, help="vLLM v1's automatic prefix caching of full blocks "
+                   "(--paged; off by default here)")
+    g.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every prompt begins with the same N-token system prompt")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                   default="fcfs", help="vLLM's: fcfs, or priority (a trace's priority column, "
+                   "lower first; the lowest-priority running request is preempted)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                   help="KV blocks per rank (vLLM's name; else --kv-tokens or the default)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="the KV pool the --time-model GPU holds at this fraction of its memory "
+                   "(vLLM's; weights and the activation peak come off it)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="vLLM's sampling temperature (0: greedy, the default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="vLLM's nucleus sampling mass")
+    g.add_argument("--stream-prompt-len", type=int, nargs=2, default=(8, 32), metavar=("LO", "HI"))
+    g.add_argument("--stream-output-len", type=int, nargs=2, default=(4, 16), metavar=("LO", "HI"))
+    g.add_argument("--time-model", default=None,
+                   help="latencies modelled for this catalog model (e.g. llama-3-8b)")
+    g.add_argument("--time-gpu", default="H100", help="the GPU of --time-model")
+    g.add_argument("--ttft-ms", type=float, default=None,
+                   help="request_goodput's TTFT limit (ms)")
+    g.add_argument("--tpot-ms", type=float, default=None,
+                   help="request_goodput's TPOT limit (ms)")
+    return g
