@@ -517,11 +517,12 @@ fig = step_breakdown_figure([
 table5.style.format({"modelled / published - 1": "{:+.1%}"})
 
 # %% [markdown]
-# What the model leaves out, so the errors can be read. **Kernels**: every GEMM of a large
-# enough shape runs at the best matmul a microbenchmark found (MAMF), and GEMMs are the largest
-# part of every modelled step above, so wherever a run's real GEMMs fall short of that best case
-# the model is optimistic; the cells above print which way the check rows err, on average and
-# row by row, and how far each published step is from its model. **Conventions**: some runs
+# What the model leaves out, so the errors can be read. **Kernels**: every GEMM runs at one
+# fitted fraction of the best matmul a microbenchmark found (MAMF), whatever the run's stack,
+# and GEMMs are the largest part of every modelled step above, so wherever a run's real GEMMs
+# fall further short the model is optimistic, where they come closer it is pessimistic; the
+# cells above print which way the check rows err, on average and row by row, and how far each
+# published step is from its model. **Conventions**: some runs
 # keep bf16 gradients (16 bytes per parameter, not 18), so a layout that fits them needs
 # recompute here (GPT3-20B), and the Llama 3 paper does not say whether its MFU halves the
 # causal attention FLOPs (at 128K the scores are most of the FLOPs counted).

@@ -326,10 +326,10 @@ plt.show()
 
 # %% [markdown]
 # The throughput rows fall on both sides of the line, most of them inside the band, while the
-# TTFT rows split by prompt: a long prompt's prefill is compute-bound and the model lands close,
-# a short one does so little work that costs the model leaves out, most likely the fixed work of
-# an engine step (scheduling, sampling, copies between host and GPU), decide it, and the model is
-# optimistic. So read `plan --serve`'s tokens/s as the range it prints under its table, and its
+# TTFT rows split by prompt: a long prompt's prefill is compute-bound and the model lands nearer
+# (the rows above), a short one does so little work that costs the model leaves out, most likely
+# the fixed work of an engine step (scheduling, sampling, copies between host and GPU), decide
+# it, and the model is far too optimistic. So read `plan --serve`'s tokens/s as the range it prints under its table, and its
 # TTFT for a short prompt as a lower bound.
 
 # %% [markdown]
