@@ -25,7 +25,9 @@ latency{ttft_s, tpot_s, itl_s, e2e_s -> {mean, median, std, p50, p99}}, requests
 throughput_tokens_per_s, total_tokens_per_s, request_goodput and slo{ttft_ms, tpot_ms,
 attainment}; prefix_cache{queries, hits, hit_rate, prefill_tokens_saved, evictions} (measured,
 under --enable-prefix-caching); tokens_differing (against each request's greedy tokens
-generated alone on one device: must be 0), kv_blocks{used, total, wasted_bytes, ...} (peak
+generated alone on one device: must be 0), batch_logit_gap (the largest |logit| difference
+between a request alone and all of them in one ragged pass: 0 would be batch invariance),
+kv_blocks{used, total, wasted_bytes, ...} (peak
 blocks, mean bytes reserved but unused over the steps; measured) and the peak requests running.
 All latencies are measured wall seconds on these CPU ranks.
 """
@@ -37,7 +39,7 @@ import torch
 
 from .. import models
 from ..parallel.batching import Engine, Request, synced_clock
-from ..parallel.paged_kv import PagedKVCache, SamplingParams, ragged_forward
+from ..parallel.paged_kv import PagedKVCache, SamplingParams, batch_logit_gap, ragged_forward
 from ..parallel.serving import generate
 from ..parallel.parallel_styles import parallelize_module
 from ..parallel.tensor_parallel_plan import gpt_plan
@@ -372,6 +374,10 @@ def report(cfg=None, timeout_s=300):
     served = {q["id"]: q for r in leaders for q in r["requests"]}
     ref = reference_tokens(cfg, stream)
     differing = tokens_differing({i: q["tokens"] for i, q in served.items()}, ref)
+    ids = prompts(cfg, stream)
+    gap = batch_logit_gap(build_model(cfg, stream),
+                          [torch.cat([ids[i], torch.tensor(ref[i][:-1], dtype=ids[i].dtype)])
+                           for i in sorted(ref)])
     records = [dict(id=r["id"], prompt=r["prompt"], output=r["output"], arrival_s=r["arrival_s"],
                     preemptions=served[r["id"]]["preemptions"],
                     token_times=served[r["id"]]["token_times"],
@@ -396,6 +402,7 @@ def report(cfg=None, timeout_s=300):
                          attainment=summary["goodput"]["fraction"]),
                 duration_s=summary["duration_s"],
                 tokens_differing=int(differing), tokens_equal_reference=differing == 0,
+                batch_logit_gap=gap,
                 kv_blocks=kv, prefix_cache=prefix_summary([r["prefix_cache"] for r in leaders]),
                 kv_pool=dict(num_blocks=blocks, block_size=block, source=source,
                              allocated_blocks=allocated),
@@ -418,6 +425,8 @@ def format_report(r):
                  if c["max_num_batched_tokens"] else "")
              + f" on {r['world_size']} rank(s) (tp {c['tp']}, replicas {c['replicas']})",
              f"tokens differing from each request served alone: {r['tokens_differing']}",
+             f"largest |logit alone - logit batched| (every request in one ragged pass): "
+             f"{r['batch_logit_gap']:.1e} (0 would be batch invariance)",
              f"latency ({r['latency_source']}; as `vllm bench serve` reports it)",
              "  ms                  mean    median       std       p99"]
     for k in [k for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s") if k in lat]:

@@ -114,22 +114,12 @@ pd.DataFrame({p: {"tokens differing from alone": r["tokens_differing"],
 
 # %%
 from labkit.models import build
-from labkit.parallel.paged_kv import PagedKVCache, ragged_forward
+from labkit.parallel.paged_kv import batch_logits
 
 gpt = build("gpt", seed=0, seq=48, layers=2).eval()
 seqs = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
         for n in (9, 14, 5)]
-
-
-def last_logits(batch):
-    cache = PagedKVCache(2, gpt.cfg.hidden, 16, 4)
-    for rid, s in batch:
-        cache.reserve(rid, s.numel())
-    return ragged_forward(gpt, [(rid, s, 0) for rid, s in batch], cache)
-
-
-together = last_logits(list(enumerate(seqs)))
-alone_rows = torch.cat([last_logits([(0, s)]) for s in seqs])
+together, alone_rows = batch_logits(gpt, seqs)     # every position, batched and alone
 margin = together.topk(2).values.diff(dim=-1).abs().min()
 print(f"largest |logit alone - logit batched|: {(together - alone_rows).abs().max():.1e}; "
       f"narrowest top-1 margin: {margin:.2f}; same tokens: "
