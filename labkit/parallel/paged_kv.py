@@ -217,23 +217,24 @@ def ragged_forward(model, pieces, cache, every_token=False):
 
 
 def batch_logits(model, sequences):
-    """(together, alone): the logits at every position of `sequences` (1-D token ids) run all
-    together in one ragged pass, and each run alone, both (all tokens, vocab) in order."""
+    """(together, alone): the logits of each of `sequences`' (1-D token ids) last token, from
+    all of them run together in one ragged pass and from each run alone, both (len(sequences),
+    vocab): the next-token logits an engine step computes, with and without neighbours."""
     width = model.blocks[0].attn.qkv.out_features // 3
 
     def logits(batch):
         cache = PagedKVCache(len(model.blocks), width, sum(s.numel() for _, s in batch), 1)
         for rid, s in batch:
             cache.reserve(rid, s.numel())
-        return ragged_forward(model, [(rid, s, 0) for rid, s in batch], cache, every_token=True)
+        return ragged_forward(model, [(rid, s, 0) for rid, s in batch], cache)
     with torch.no_grad():
         return logits(list(enumerate(sequences))), torch.cat([logits([(0, s)])
                                                                for s in sequences])
 
 
 def batch_logit_gap(model, sequences):
-    """Largest |logit alone - logit batched| over every position (batch_logits; measured): 0
-    is batch invariance; a token can flip only where its top two logits are closer than it."""
+    """Largest |logit alone - logit batched| of the next tokens (batch_logits; measured): 0 is
+    batch invariance; a token can flip only where its top two logits are closer than it."""
     together, alone = batch_logits(model, sequences)
     return (together - alone).abs().max().item()
 

@@ -25,8 +25,9 @@ latency{ttft_s, tpot_s, itl_s, e2e_s -> {mean, median, std, p50, p99}}, requests
 throughput_tokens_per_s, total_tokens_per_s, request_goodput and slo{ttft_ms, tpot_ms,
 attainment}; prefix_cache{queries, hits, hit_rate, prefill_tokens_saved, evictions} (measured,
 under --enable-prefix-caching); tokens_differing (against each request's greedy tokens
-generated alone on one device: must be 0), batch_logit_gap (the largest |logit| difference
-between a request alone and all of them in one ragged pass: 0 would be batch invariance),
+generated alone on one device: must be 0), batch_logit_gap (the largest |logit| difference of
+the next token between a request alone and all of them in one ragged pass: 0 would be batch
+invariance),
 kv_blocks{used, total, wasted_bytes, ...} (peak
 blocks, mean bytes reserved but unused over the steps; measured) and the peak requests running.
 All latencies are measured wall seconds on these CPU ranks.
@@ -425,7 +426,7 @@ def format_report(r):
                  if c["max_num_batched_tokens"] else "")
              + f" on {r['world_size']} rank(s) (tp {c['tp']}, replicas {c['replicas']})",
              f"tokens differing from each request served alone: {r['tokens_differing']}",
-             f"largest |logit alone - logit batched| (every request in one ragged pass): "
+             f"largest |logit alone - logit batched| (next tokens, all requests in one pass): "
              f"{r['batch_logit_gap']:.1e} (0 would be batch invariance)",
              f"latency ({r['latency_source']}; as `vllm bench serve` reports it)",
              "  ms                  mean    median       std       p99"]

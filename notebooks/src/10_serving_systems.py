@@ -119,7 +119,7 @@ from labkit.parallel.paged_kv import batch_logits
 gpt = build("gpt", seed=0, seq=48, layers=2).eval()
 seqs = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
         for n in (9, 14, 5)]
-together, alone_rows = batch_logits(gpt, seqs)     # every position, batched and alone
+together, alone_rows = batch_logits(gpt, seqs)     # next-token logits, batched and alone
 margin = together.topk(2).values.diff(dim=-1).abs().min()
 print(f"largest |logit alone - logit batched|: {(together - alone_rows).abs().max():.1e}; "
       f"narrowest top-1 margin: {margin:.2f}; same tokens: "
