@@ -254,3 +254,12 @@ def test_one_short_run_with_the_new_flags():
     assert r["scheduling_policy"] == "priority" and r["prefix_cache"]["hits"] > 0
     assert len(r["preempted"]) == r["preemptions"]
     assert max(s for s in [r["step_tokens_max"]]) <= 16
+
+
+def test_a_request_no_empty_pool_can_hold_is_refused_not_looped_on():
+    """simulate's own check sizes the stream against num_blocks; a cache handed in smaller
+    than that must still end in one line, not an endless wait for room."""
+    rows = [dict(id=0, prompt=40, output=2, arrival_s=0.0)]
+    with pytest.raises(ValueError, match="does not fit the whole KV pool"):
+        stream_sim.simulate(rows, _priced, "continuous", 4, None, 100, 4,
+                            cache=stream_sim.BlockPool(2, 4))

@@ -68,7 +68,8 @@ class PagedKVCache(BlockPool):
                             ("num_blocks", num_blocks), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"PagedKVCache needs {name} >= 1, got {value}")
-        super().__init__(num_blocks, block_size, reserve_whole, enable_prefix_caching)
+        super().__init__(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+                         reserve_whole=reserve_whole)
         self.pool = torch.zeros(layers, 2, num_blocks, block_size, kv_width, dtype=dtype)
 
     @classmethod

@@ -24,7 +24,8 @@ class BlockPool:
     `reserve_whole`: a request takes one block of `block_size` slots at once (the contiguous
     cache reserving the maximum length)."""
 
-    def __init__(self, num_blocks, block_size, reserve_whole=False, enable_prefix_caching=False):
+    def __init__(self, num_blocks, block_size, *, enable_prefix_caching=False,
+                 reserve_whole=False):
         if enable_prefix_caching and reserve_whole:
             raise ValueError("prefix caching names full blocks of a paged cache; the contiguous "
                              "cache's one block per request is never full and shared")

@@ -186,8 +186,8 @@ def simulate(stream, step_time, policy="continuous", max_num_seqs=8, max_num_bat
     for r in stream:
         check_fits_budget(r["id"], r["prompt"], r["output"], max_num_batched_tokens,
                           enable_chunked_prefill)
-    cache = cache if cache is not None else BlockPool(num_blocks, block_size,
-                                                      enable_prefix_caching)
+    cache = cache if cache is not None else BlockPool(
+        num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
     waiting = deque(SimRequest(r["id"], r["prompt"], r["output"], r["arrival_s"],
                                priority=r.get("priority", 0), prefix_id=r.get("prefix_id", 0),
                                prefix_len=r.get("prefix_len", shared_prefix))
@@ -198,6 +198,9 @@ def simulate(stream, step_time, policy="continuous", max_num_seqs=8, max_num_bat
         while joining and len(running) < max_num_seqs:
             r = next_waiting(waiting, now, scheduling_policy)
             hit = None if r is None else cache.admit_named(r.id, r.length, _names(r, cache))
+            if hit is None and r is not None and not running:   # an empty pool: never fits
+                raise ValueError(f"request {r.id} ({r.length} tokens) does not fit the whole KV "
+                                 f"pool ({cache.num_blocks} blocks of {cache.block_size})")
             if hit is None:
                 break
             r.cached = hit               # prefix caching: these tokens are not prefilled
@@ -366,7 +369,8 @@ def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
     for policy, c in ((p, budget if c else None) for p, c in POLICIES):
         done, caches = [], []
         for replica in range(min(gpus, requests)):
-            caches.append(BlockPool(pool["num_blocks"], BLOCK_SIZE, enable_prefix_caching))
+            caches.append(BlockPool(pool["num_blocks"], BLOCK_SIZE,
+                                    enable_prefix_caching=enable_prefix_caching))
             done += simulate([r for r in stream if r["id"] % gpus == replica], step, policy,
                              max_num_seqs, c, pool["num_blocks"],
                              scheduling_policy=scheduling_policy, shared_prefix=shared_prefix,
