@@ -236,7 +236,7 @@ def test_stage_order_mistakes_are_named(ops, problem):
 @pytest.mark.parametrize("layout, problem", [
     (dict(tp=8, pp=12), "not answered"), (dict(dp=8, tp=8, pp=2), "illegal"),
     (dict(dp=96, tp=1, pp=1, zero_stage=0), "does not fit"),
-    (dict(dp=96, tp=1, pp=1), "too slow")])
+    (dict(dp=1, tp=8, pp=12), "too slow")])   # one replica of 12 stages: the bubble
 def test_layout_mistakes_are_named(layout, problem):
     from labkit.exercises.hybrid import check_layout
     check = check_layout(layout, verbose=False)
