@@ -222,6 +222,10 @@ def serve_plan_main(argv):
                         help="default: try each")
     parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--max-tpot-ms", type=float, default=None)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="vLLM's: no CUDA graphs, the host enqueues kernel by kernel "
+                        "(modelled at the fitted host time per kernel of TensorRT-LLM's C++ "
+                        "engine; Python's eager loop is slower still)")
     parser.add_argument("--fix", default="", help="hold fields: tp=8,pp=1,ep=1,replicas=1")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--json", action="store_true")
@@ -285,7 +289,8 @@ def serve_plan_main(argv):
             new_tokens=args.new_tokens, batch=args.batch or 1, weights=args.weights,
             kv_dtype=args.kv_dtype, max_tpot_ms=args.max_tpot_ms, fix=args.fix,
             gpus_per_node=args.gpus_per_node, intra_link=args.intra_link,
-            inter_link=args.inter_link, top=args.top)
+            inter_link=args.inter_link, top=args.top,
+            execution="enqueue" if args.enforce_eager else "graph")
         check_serving_rate(out, args)
         from .theory import error_band
         # the published rows ran on their own H100s, so a profile changes only the H200 rows
@@ -326,7 +331,8 @@ def _stream_plan(args, argv, gpu, header):
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_prefix_caching=args.enable_prefix_caching, shared_prefix=args.shared_prefix,
-        scheduling_policy=args.scheduling_policy)
+        scheduling_policy=args.scheduling_policy,
+        execution="enqueue" if args.enforce_eager else "graph")
     if args.json:
         return finish(json.dumps(out, indent=2))
     return finish((header + "\n" if header else "") + stream_sim.format_stream_plan(out))

@@ -15,9 +15,16 @@ of a tp x pp x ep replica (Williams et al. 2009's roofline, kernel by kernel, ke
     memory  = (the stage's dense weights + the experts the tokens pick + the pieces' KV cache)
               / the sustained HBM bandwidth
     launch  = the stage's kernels x kernels.LAUNCH_S
-    total   = max(compute, memory) + launch
-All constants are data/kernels.csv's, each with its public source, but the in-step GEMM
-fraction, fitted on the training calibration rows only (kernels.py).
+    host    = the stage's kernels x the host's enqueue time per kernel (`execution`)
+    total   = max(max(compute, memory) + launch, host)            (step_total)
+The host queues kernels ahead of the GPU, so it costs time only when it is the slower side: a
+stack that replays a CUDA graph (vLLM, SGLang, TensorRT-LLM with graphs) enqueues one graph
+a step ("graph", host 0); one that enqueues kernel by kernel ("enqueue": TensorRT-LLM's C++
+session without graphs, as its 2023 tables ran) spends ENQUEUE_S per kernel, which makes a
+short prefill or a batch-1 decode host-bound.
+All constants are data/kernels.csv's, each with its public source, but two fitted ones, each
+on its own declared calibration rows: the in-step GEMM fraction (training rows, kernels.py)
+and ENQUEUE_S (serving rows of other models, published_serving.fit_enqueue_s).
 No torch: `plan` stays quick.
 """
 from __future__ import annotations
@@ -30,6 +37,9 @@ from .memory import dtype_bytes
 from .plan_cluster import achievable_fraction
 from .time import collective_time  # noqa: F401  (the collectives' price, alpha-beta)
 from .weights import layer_param_split, weight_bytes
+
+EXECUTIONS = ("graph", "enqueue")
+ENQUEUE_S = float(kernels.constants()["enqueue_s"])
 
 kernel_time = kernels.kernel_time          # one kernel: max(FLOPs, bytes) + launches
 training_layer = kernels.training_forward  # one layer's training kernels, by part
@@ -88,12 +98,25 @@ def linear_layer_rate(g, weights="bf16") -> float:
     return g.bf16_flops * achievable_fraction(g) * kernels.IN_STEP_GEMM_FRACTION
 
 
+def host_time(kernels_, execution="graph", enqueue_s=None) -> float:
+    """Seconds the host takes to enqueue a step of `kernels_` kernels (module docstring)."""
+    if execution not in EXECUTIONS:
+        raise ValueError(f"execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")
+    return 0.0 if execution == "graph" else kernels_ * (ENQUEUE_S if enqueue_s is None
+                                                        else enqueue_s)
+
+
+def step_total(gpu_s, kernels_, execution="graph", enqueue_s=None) -> float:
+    """A step's seconds: the GPU's or the host's, whichever is slower (module docstring)."""
+    return max(gpu_s, host_time(kernels_, execution, enqueue_s))
+
+
 def serving_pass(m, gpu, pieces, *, tp=1, pp=1, ep=1, weights="bf16", kv_dtype="bf16",
-                 routed=None) -> dict:
+                 routed=None, execution="graph", enqueue_s=None) -> dict:
     """Seconds of one forward pass of `pieces` [(new, cached)] through one pipeline stage on
-    one GPU (module docstring): {compute, memory, launch, total}. `routed`: the tokens of the
-    whole EP group that reach the experts (default the pass's own), for how many of this GPU's
-    experts they pick."""
+    one GPU (module docstring): {compute, memory, launch, host, kernels, total}. `routed`: the
+    tokens of the whole EP group that reach the experts (default the pass's own), for how
+    many of this GPU's experts they pick; `execution`: "graph" or "enqueue" (EXECUTIONS)."""
     g = hardware.gpu(gpu)
     rate = g.bf16_flops * achievable_fraction(g)
     linear_rate = linear_layer_rate(g, weights)
@@ -106,7 +129,8 @@ def serving_pass(m, gpu, pieces, *, tp=1, pp=1, ep=1, weights="bf16", kv_dtype="
         s, k = _attention_part(m, g, new, cached, count, tp, rate)
         attention_s, attention_k = attention_s + s, attention_k + k
     compute = layers * (dense_s + attention_s) + head_s / pp
-    launch = (layers * (dense_k + attention_k) + head_k / pp) * kernels.LAUNCH_S
+    count = layers * (dense_k + attention_k) + head_k / pp
+    launch = count * kernels.LAUNCH_S
     dense, experts = weight_split(m, weights, tp, pp, ep)
     touched = 1.0
     if m.experts > 1:       # the experts this GPU holds that the group's tokens pick
@@ -117,5 +141,6 @@ def serving_pass(m, gpu, pieces, *, tp=1, pp=1, ep=1, weights="bf16", kv_dtype="
     keys = sum(n + c for n, c in pieces)
     cache = keys * kv_bytes_per_token(m, kv_dtype) / (min(tp, m.kv_heads) * pp)
     memory = (dense + experts * touched + cache) / kernels.hbm_bandwidth(g)
-    return dict(compute=compute, memory=memory, launch=launch,
-                total=max(compute, memory) + launch)
+    return dict(compute=compute, memory=memory, launch=launch, kernels=count,
+                host=host_time(count, execution, enqueue_s),
+                total=step_total(max(compute, memory) + launch, count, execution, enqueue_s))

@@ -34,13 +34,17 @@ roofline, and time to first token (TTFT) and time per output token (TPOT) per la
   (ceil(b / ep) on the busiest), 2 all-to-alls per layer of its tokens x k x h values (GShard,
   arXiv 2006.16668); the busiest GPU reads min(its experts, the experts the group's tokens
   pick): with few tokens they may all sit on one GPU (the worst case a step waits for).
+- Host: a stack that replays CUDA graphs hides the host; one that enqueues kernel by kernel
+  (`execution="enqueue"`, `plan --serve --enforce-eager`) takes max(GPU, kernels x
+  pricing.ENQUEUE_S) a step, so a short prefill or a batch-1 decode becomes host-bound.
 - TTFT: the prefill of the replica's batch (through the pipeline: (M + pp - 1) stage times).
   TPOT: averaged over the generated tokens (context P + T/2).
 
 Constants: none fitted. Kernels as theory/kernels.py (data/kernels.csv, each with its public
-source); links x their modelled efficiency (data/hardware.csv); ACTIVATION_FACTOR is an
-assumption (below). Left out: paged-cache fragmentation, continuous batching, speculative
-decoding, CUDA graphs' lower launch cost (the profile's decode steps replay one).
+source) but two declared fits (the in-step GEMM fraction and ENQUEUE_S, each on its own
+calibration rows); links x their modelled efficiency (data/hardware.csv); ACTIVATION_FACTOR is
+an assumption (below). Left out: paged-cache fragmentation, continuous batching, speculative
+decoding, a CUDA graph's shorter gaps between kernels (launch_s prices every kernel alike).
 """
 from __future__ import annotations
 
@@ -146,9 +150,11 @@ def knee_batch(model, gpu="H100", weights="bf16", context=0, kv_dtype="bf16") ->
 
 def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, prompt_len=1024,
                  new_tokens=128, weights="bf16", kv_dtype="bf16", gpus_per_node=8,
-                 intra_link=None, inter_link=None, microbatches=None) -> dict:
+                 intra_link=None, inter_link=None, microbatches=None, execution="graph",
+                 enqueue_s=None) -> dict:
     """TTFT, TPOT and throughput of `batch` requests on `replicas` copies of a tp x pp x ep
-    layout; every number modelled (see the module docstring)."""
+    layout; every number modelled (see the module docstring). `execution`: "graph" (the
+    stack replays CUDA graphs) or "enqueue" (kernel by kernel: pricing.step_total)."""
     m = parse_model(model)
     g = hardware.gpu(gpu)
     intra = hardware.link(intra_link or g.link)
@@ -171,15 +177,19 @@ def serving_time(model, *, gpu="H100", tp=1, pp=1, ep=1, replicas=1, batch=1, pr
         tokens = requests * new
         # tokens of the whole EP group reach the experts
         part = pricing.serving_pass(m, g, [(new, context)] * requests, tp=tp, pp=pp, ep=ep,
-                                    weights=weights, kv_dtype=kv_dtype, routed=group_mb * new)
+                                    weights=weights, kv_dtype=kv_dtype, routed=group_mb * new,
+                                    execution=execution, enqueue_s=enqueue_s)
         compute, memory, launch = part["compute"], part["memory"], part["launch"]
         act = tokens * m.hidden * 2
         tp_comm = 2 * layers * small_all_reduce_time(act, tp, tp_link) if tp > 1 else 0
         # dispatch and combine (no backward): the planner's payload, the same bytes
         ep_comm = (2 * layers * collective_time("all_to_all", ep_all_to_all_bytes(m, tokens),
                                                 ep, ep_link) if ep > 1 else 0.0)
+        gpu_s = max(compute, memory) + launch + tp_comm + ep_comm
+        comm_kernels = 2 * layers * ((tp > 1) + (ep > 1))      # one kernel per collective
+        host = pricing.host_time(part["kernels"] + comm_kernels, execution, enqueue_s)
         return dict(compute=compute, memory=memory, launch=launch, tp_comm=tp_comm,
-                    ep_comm=ep_comm, total=max(compute, memory) + launch + tp_comm + ep_comm,
+                    ep_comm=ep_comm, host=host, total=max(gpu_s, host),
                     hop=collective_time("send", act, 2, pp_link) if pp > 1 else 0.0)
 
     pre = stage_time(b_mb, 0, prompt_len)
@@ -270,10 +280,10 @@ def why_not(m, gpus, plan, batch):
 
 def plan_serving(model, gpus, gpu="H100", *, prompt_len=1024, new_tokens=128, batch=1,
                  weights=None, kv_dtype="bf16", max_tpot_ms=None, fix=None, gpus_per_node=8,
-                 intra_link=None, inter_link=None, top=None) -> dict:
+                 intra_link=None, inter_link=None, top=None, execution="graph") -> dict:
     """Every TP x PP x EP x replicas x weight precision layout, modelled; plans that fit and
     meet the TPOT bound first, by output tokens/s per GPU; then the slow ones, then those that
-    do not fit (each with its reason)."""
+    do not fit (each with its reason). `execution`: "graph" or "enqueue" (serving_time)."""
     m = parse_model(model)
     g = hardware.gpu(gpu)
     for name, value in dict(gpus=gpus, prompt_len=prompt_len, new_tokens=new_tokens,
@@ -305,7 +315,7 @@ def plan_serving(model, gpus, gpu="H100", *, prompt_len=1024, new_tokens=128, ba
                 for w in precisions:
                     plans.append(_serve_plan(m, g, layout, w, kv_dtype, batch, prompt_len,
                                              new_tokens, usable, max_tpot_ms, gpus_per_node,
-                                             intra_link, inter_link))
+                                             intra_link, inter_link, execution))
     if not plans:
         raise ValueError(f"no legal serving layout for {m.display_name} on {gpus} {g.name}"
                          + (f" with {fix}" if fix else "") + ": "
@@ -316,15 +326,16 @@ def plan_serving(model, gpus, gpu="H100", *, prompt_len=1024, new_tokens=128, ba
                 cluster=dict(gpu=g.name, gpus=gpus, gpus_per_node=gpus_per_node,
                              usable_bytes=usable, achievable=achievable_fraction(g)),
                 workload=dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                              kv_dtype=kv_dtype, max_tpot_ms=max_tpot_ms),
+                              kv_dtype=kv_dtype, max_tpot_ms=max_tpot_ms, execution=execution),
                 considered=len(plans), plans=plans[:top] if top else plans)
 
 
 def _serve_plan(m, g, layout, w, kv_dtype, batch, prompt_len, new_tokens, usable, max_tpot_ms,
-                gpus_per_node, intra_link, inter_link):
+                gpus_per_node, intra_link, inter_link, execution):
     t = serving_time(m, gpu=g, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                      weights=w, kv_dtype=kv_dtype, gpus_per_node=gpus_per_node,
-                     intra_link=intra_link, inter_link=inter_link, **layout)
+                     intra_link=intra_link, inter_link=inter_link, execution=execution,
+                     **layout)
     mem = t["memory_bytes"]
     fits = mem["total"] <= usable
     reason = ""
@@ -345,7 +356,10 @@ def format_serving_plans(out):
     c, m, w = out["cluster"], out["model"], out["workload"]
     lines = [f"{m['display_name']} ({m['params'] / 1e9:.1f}B params) served on {c['gpus']} x "
              f"{c['gpu']}: batch {w['batch']}, prompt {w['prompt_len']}, {w['new_tokens']} new "
-             f"tokens, KV {w['kv_dtype']}; {out['considered']} layouts, modelled",
+             f"tokens, KV {w['kv_dtype']}"
+             + ("; no CUDA graphs (the host enqueues every kernel)"
+                if w.get("execution") == "enqueue" else "")
+             + f"; {out['considered']} layouts, modelled",
              f"{'tp':>3} {'pp':>3} {'ep':>3} {'repl':>4} {'weights':>7} {'GB/GPU':>7} "
              f"{'TTFT ms':>8} {'TPOT ms':>8} {'tok/s':>9} {'tok/s/GPU':>9}  ok"]
     for p in out["plans"]:

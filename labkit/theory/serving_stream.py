@@ -149,13 +149,14 @@ def decode_stall_tokens(prompt_len, chunk=None):
 
 # ------------------------------------------------------------------------------ a modelled step
 
-def modelled_step_s(model, gpu, pieces, weights="bf16", kv_dtype="bf16"):
+def modelled_step_s(model, gpu, pieces, weights="bf16", kv_dtype="bf16", execution="graph"):
     """Modelled seconds of one ragged step of `model` (a catalog ModelShape) on one `gpu`
     (hardware.GPU): pieces = [(new tokens, tokens already cached)] of the requests in it.
     The same price as serving.serving_time's (lesson 09): pricing.serving_pass, kernel by
-    kernel, max(compute, weights and KV bytes / sustained HBM bandwidth) + launches."""
+    kernel, max(compute, weights and KV bytes / sustained HBM bandwidth) + launches, or the
+    host's enqueueing when it is slower (`execution="enqueue"`: pricing.step_total)."""
     return pricing.serving_pass(model, gpu, list(pieces), weights=weights,
-                                kv_dtype=kv_dtype)["total"]
+                                kv_dtype=kv_dtype, execution=execution)["total"]
 
 
 # ------------------------------------------------------------------------------ disaggregation

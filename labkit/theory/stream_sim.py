@@ -329,7 +329,7 @@ def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
                 tpot_ms=None, kv_dtype="bf16", seed=0,
                 gpu_memory_utilization=GPU_MEMORY_UTILIZATION, num_gpu_blocks_override=None,
                 enable_prefix_caching=False, shared_prefix=0, scheduling_policy="fcfs",
-                max_batch=None, chunk=None):
+                max_batch=None, chunk=None, execution="graph"):
     """Each policy (static, continuous, continuous + chunked prefill within a budget of
     max_num_batched_tokens) on `gpus` replicas of one GPU each, modelled: {model, cluster,
     workload, kv_pool, modelled, policies[{policy, max_num_batched_tokens, latency,
@@ -364,7 +364,7 @@ def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
                          f"exceeds the KV pool of one {g.name} ({slots:,} token slots, "
                          f"{pool['source']})")
     stream = stream_theory.poisson_stream(requests, rate, *lengths, seed=seed)
-    step = partial(stream_theory.modelled_step_s, m, g, kv_dtype=kv_dtype)
+    step = partial(stream_theory.modelled_step_s, m, g, kv_dtype=kv_dtype, execution=execution)
     rows = []
     for policy, c in ((p, budget if c else None) for p, c in POLICIES):
         done, caches = [], []
@@ -393,6 +393,7 @@ def plan_stream(model, gpus, gpu="H100", *, rate, requests=200, prompt_len=1024,
                               max_batch=max_num_seqs, max_num_batched_tokens=budget,
                               block_size=BLOCK_SIZE, kv_dtype=kv_dtype, ttft_ms=ttft_ms,
                               tpot_ms=tpot_ms, seed=seed, scheduling_policy=scheduling_policy,
+                              execution=execution,
                               enable_prefix_caching=enable_prefix_caching,
                               shared_prefix=shared_prefix),
                 modelled=True, policies=rows)
