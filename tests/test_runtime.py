@@ -13,11 +13,13 @@ from labkit.runs import reference
 from labkit.runtime import flops
 from labkit.runtime.clock import replay
 from labkit.runtime.memory import MemoryTracker, storage_bytes
+from labkit.theory import hardware, kernels
 from previous_clock import PREVIOUS_CLOCK
 
 # The modelled cluster by hand from data/hardware.csv (not through theory/'s formulas): an H100
-# does 989e12 bf16 FLOP/s at the clock's mfu 0.5; NVLink 4 moves 450e9 * 0.8 bytes/s after 2 us.
-H100_FLOP_S = 989e12 * 0.5
+# runs compute at its measured MAMF (bf16) x the fitted in-step GEMM fraction (data/kernels.csv);
+# NVLink 4 moves 450e9 * 0.8 bytes/s after 2 us.
+H100_FLOP_S = hardware.gpu("H100").mamf_bf16_flops * kernels.IN_STEP_GEMM_FRACTION
 NVLINK_B_S, NVLINK_ALPHA = 450e9 * 0.8, 2e-6
 
 
@@ -81,7 +83,7 @@ def test_every_collective_works_and_is_logged(dtype):
 
 def late_rank_then_all_reduce(ctx):
     if ctx.rank == 1:
-        ctx.clock.add_compute("extra work", 1e12)  # 1 TFLOP: ~2 ms on a modelled H100
+        ctx.clock.add_compute("extra work", 1e12)  # 1 TFLOP: ~1.6 ms on a modelled H100
     ctx.comm.all_reduce(torch.ones(1000))
     return ctx.clock.now(), ctx.clock.timeline(), ctx.clock.cluster.name
 
@@ -233,8 +235,24 @@ def scenario():
     return labkit.launch(fixed_scenario, 4)
 
 
+def at_the_previous_rate(scenario):
+    """The run's logs, each compute span re-timed at the previous clock's rate (0.5 x peak;
+    the clock now computes at the in-step GEMM rate, tests/test_clock_rate.py) from the FLOPs
+    it logged, replayed: the events placed as the run placed them, so the pins check where
+    the run's clock puts every event (test_each_ranks_log_replays_to_its_timeline)."""
+    previous = 0.5 * hardware.gpu("H100").bf16_flops
+    logs = {r: [e[:3] + (e[4] / previous,) + e[4:] if e[0] == "span" and e[1] == "compute"
+                else e for e in out["log"]] for r, out in enumerate(scenario)}
+    clocks = replay(logs)
+    return [dict(now=clocks[r].now(), steps=clocks[r].step_times(),
+                 events=[(e["lane"], e["kind"], e["name"], e["start"], e["end"])
+                         for e in clocks[r].timeline()]) for r in range(len(scenario))]
+
+
 def test_modelled_times_are_those_of_the_previous_clock(scenario):
-    for got, pinned in zip(scenario, PREVIOUS_CLOCK):
+    assert all(e[4] > 0 for out in scenario for e in out["log"]
+               if e[0] == "span" and e[1] == "compute")       # every span logged its FLOPs
+    for got, pinned in zip(at_the_previous_rate(scenario), PREVIOUS_CLOCK):
         assert got["now"] == pytest.approx(pinned["now"], rel=1e-12)
         assert got["steps"] == pytest.approx(pinned["steps"], rel=1e-12)
         assert [e[:3] for e in got["events"]] == [tuple(e[:3]) for e in pinned["events"]]

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from labkit.theory import catalog, hardware, memory, time as ttime
+from labkit.theory.step_rate import in_step_gemm_rate
 
 GB = 1e9
 
@@ -116,7 +117,7 @@ def test_cluster_errors():
         hardware.cluster("8xH100-NVLink").link_for([0, 8])
 
 
-def test_cluster_compute_time():
+def test_cluster_compute_time():   # the constant-MFU rule, a comparison
     c = hardware.cluster("8xH100-NVLink")
     assert c.compute_time(989e12 * 0.5, "bf16") == pytest.approx(1.0)
     assert c.compute_time(67e12 * 0.5) == pytest.approx(1.0)   # default dtype fp32
@@ -296,7 +297,8 @@ def test_collective_time_values_and_monotone():
 
 
 def test_compute_time_and_flops():
-    assert ttime.compute_time(989e12 * 0.5, "H100") == pytest.approx(1.0)
+    assert ttime.compute_time(in_step_gemm_rate("H100"), "H100") == pytest.approx(1.0)
+    assert ttime.compute_time(989e12 * 0.5, "H100", mfu=0.5) == pytest.approx(1.0)
     assert ttime.training_flops(1e9, 1e6) == 6e15
     assert ttime.training_flops(1e9, 1e6, layers=2, hidden=10, seq=100) == 6e15 + 12 * 2000 * 1e6
 
@@ -331,7 +333,7 @@ def test_dp_step_time():
     assert one["comm"] == 0 and one["total"] == one["compute"]
     n = catalog.model("llama-3-8b").param_count()
     assert one["compute"] == pytest.approx(llama_3_8b_flops_per_token(4096) * 2**20
-                                           / (989e12 * 0.5))
+                                           / in_step_gemm_rate("H100"))   # the clock's rate
     eight = ttime.dp_step_time("llama-3-8b", gpus=8, cluster="8xH100-NVLink",
                                global_batch_tokens=2**20)
     assert eight["compute"] == pytest.approx(one["compute"] / 8)

@@ -8,19 +8,21 @@ import torch
 import labkit
 from labkit.cli import main
 from labkit.runtime import trace
+from labkit.theory import hardware, kernels
 
-# By hand from data/hardware.csv (not through theory/): an H100 does 989e12 bf16 FLOP/s at the
-# clock's mfu 0.5; NVLink 4 moves 450e9 * 0.8 bytes/s after 2 us per ring step.
-H100_FLOP_S = 989e12 * 0.5
+# By hand from data/hardware.csv (not through theory/'s formulas): an H100 runs compute at its
+# measured MAMF (bf16) x the fitted in-step GEMM fraction (data/kernels.csv); NVLink 4 moves
+# 450e9 * 0.8 bytes/s after 2 us per ring step.
+H100_FLOP_S = hardware.gpu("H100").mamf_bf16_flops * kernels.IN_STEP_GEMM_FRACTION
 NVLINK_B_S, NVLINK_ALPHA = 450e9 * 0.8, 2e-6
 # a 1 MB all-reduce on 2 ranks: 2 ring steps, 2 (n-1)/n * 1e6 = 1e6 bytes sent by each rank
 ALL_REDUCE_1MB = 2 * NVLINK_ALPHA + 1e6 / NVLINK_B_S
-SHORT_FLOPS = 1e9     # 2 us of compute: shorter than the all-reduce
+SHORT_FLOPS = 1e9     # 1.6 us of compute: shorter than the all-reduce
 
 
 def overlapped_and_not(ctx):
     hidden = ctx.comm.all_reduce(torch.ones(250_000), async_op=True, tag="hidden")
-    ctx.clock.add_compute("long independent work", 2e11)        # ~400 us
+    ctx.clock.add_compute("long independent work", 2e11)        # ~330 us
     hidden.wait()
     partly = ctx.comm.all_reduce(torch.ones(250_000), async_op=True, tag="partly hidden")
     ctx.clock.add_compute("short independent work", SHORT_FLOPS)

@@ -97,7 +97,8 @@ RING_HINTS = Hints(
             "covers the message from the T where the growing difference pays for alpha.",
     code="2 (T/t) h_in (h_out/t) / (mfu x peak) = alpha + (T/t) h_in x 2 bytes / effective "
          "bandwidth, solved for T: T = t alpha / (h_in (2 (h_out/t) / (mfu x peak) - 2 / "
-         "bandwidth)).", exercise=3, kind="formula")
+         "bandwidth)), mfu x peak the constant-MFU rule the question states "
+         "(cluster.mfu).", exercise=3, kind="formula")
 HINTS = {1: ROW_HINTS, 2: BLOCK_HINTS, 3: RING_HINTS}
 
 
@@ -205,10 +206,12 @@ def check_break_even_tokens(answer, in_features=RING["in_features"],
                             out_features=RING["out_features"], tp=RING["tp"],
                             cluster=RING["cluster"], verbose=True):
     """Tokens per micro-batch at which one chunk's matmul (colwise, SP, bf16) lasts as long as
-    the ring message carrying the chunk (theory.async_tp.break_even_tokens)."""
+    the ring message carrying the chunk (theory.async_tp.break_even_tokens), the matmul at the
+    constant-MFU rule the question states (cluster.mfu x peak; the lab's own modelled steps
+    and the run clock compute at step_rate.in_step_gemm_rate)."""
     c = hardware.cluster(cluster)
     link, peak = c.link_for(range(tp)), c.gpu.flops("bf16")
-    expected = break_even_tokens(in_features, out_features, tp, cluster=cluster)
+    expected = break_even_tokens(in_features, out_features, tp, cluster=cluster, mfu=c.mfu)
 
     def solve(flops_per_s=peak * c.mfu, bytes_per_value=2, bandwidth=link.effective_bandwidth,
               outputs=out_features / tp):
@@ -217,8 +220,8 @@ def check_break_even_tokens(answer, in_features=RING["in_features"],
     mistakes = [
         Mistake(0.0, "no latency", "without the latency alpha both times grow in proportion to "
                 "T, so no T is special: it is alpha, paid per message, that the matmul covers"),
-        Mistake(solve(flops_per_s=peak), "peak", f"that runs the matmul at peak; the lab "
-                f"models mfu = {c.mfu} of it"),
+        Mistake(solve(flops_per_s=peak), "peak", f"that runs the matmul at peak; the "
+                f"question takes mfu = {c.mfu} of it (cluster.mfu)"),
         Mistake(solve(bytes_per_value=4), "fp32", "that sends 4 bytes per value; bf16 is 2"),
         Mistake(solve(bandwidth=link.bandwidth), "line rate", f"that uses the line rate; the "
                 f"link delivers {link.efficiency:.0%} of it (effective_bandwidth)"),

@@ -3,12 +3,16 @@
 The clock logs what its rank does (`Clock.log`): compute spans with their counted FLOPs (as
 PyTorch's FlopCounterMode counts them, see flops.py), each collective's issue and wait points,
 each message sent and received, the step marks. It replays that log as it goes through
-theory/'s pricing: compute takes FLOPs / (peak FLOP/s x MFU); a collective starts on the
-modelled cluster when its last member issues it and lasts `theory.time.collective_time`; a
-message arrives at its sender's time plus its transfer time. Async collectives run on a second
-lane (the comm stream), in issue order, so communication hidden under compute shows as
-overlap: each collective's event records `exposed_s` (the part the compute lane waited for it)
-and `hidden_s` (the part that ran under compute). All times are *modelled*.
+theory/'s pricing: compute takes FLOPs / the planner's in-step GEMM rate (peak x the GPU's
+measured MAMF ceiling x the fitted in-step fraction, theory/step_rate.in_step_gemm_rate; not
+the cluster's constant-MFU `mfu`). Each op's own shape is not priced: a miniature's tiny
+matmuls would be launch-bound on an H100, so the clock times the FLOPs as if the modelled
+model's large GEMMs ran them. A collective starts on the modelled cluster when its last member issues it and
+lasts `theory.time.collective_time`; a message arrives at its sender's time plus its transfer
+time. Async collectives run on a second lane (the comm stream), in issue order, so
+communication hidden under compute shows as overlap: each collective's event records
+`exposed_s` (the part the compute lane waited for it) and `hidden_s` (the part that ran under
+compute). All times are *modelled*.
 
 What a rank needs from the others is only when each member issued an op. Each rank posts its
 issue times on a board: the launch's key-value store, beside the ops and never inside them (a
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ..theory import hardware
 from ..theory import time as theory_time
+from ..theory.step_rate import in_step_gemm_rate
 from .clock_board import DictBoard, NotPosted, StoreBoard, run_store
 from .flops import start_counting, stop_counting
 
@@ -88,7 +93,8 @@ class Clock:
     # --- compute ---------------------------------------------------------------------------
     @property
     def flops_per_s(self) -> float:
-        return self.cluster.gpu.flops(self.compute_dtype) * self.cluster.mfu
+        """The FLOP/s a compute span runs at: the in-step GEMM rate (module docstring)."""
+        return in_step_gemm_rate(self.cluster.gpu, self.compute_dtype)
 
     def compute(self, name: str = "compute", **meta: object) -> "_ComputeRegion":
         """Context manager: count the FLOPs run inside and advance the clock by their time."""

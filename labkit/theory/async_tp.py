@@ -3,15 +3,18 @@
 The all-gather matmul of a sequence-parallel colwise layer (labkit.parallel.async_tp; "collective
 matmul", Wang et al. 2023, ASPLOS) on t ranks: b*s tokens, each rank holding s/t of them.
 - plain: all-gather the input ((t-1) ring steps of one chunk), then the whole matmul;
-- async: t chunk matmuls of C = 2 (b s / t) h_in (h_out / t) FLOPs / (mfu * peak) each; the chunk
-  for step k+1 travels (S = alpha + chunk bytes / bandwidth) while step k multiplies.
+- async: t chunk matmuls of C = 2 (b s / t) h_in (h_out / t) FLOPs / F each (F the in-step
+  GEMM rate, step_rate.compute_rate); the chunk for step k+1 travels (S = alpha + chunk bytes /
+  bandwidth) while step k multiplies.
 Step k+1 starts when both its chunk has arrived and step k is done, so the exposed time is
 max(0, S - C) per step after the first (the first chunk is this rank's own): the message hides
 completely once C >= S. The reduce-scatter after a rowwise matmul is the same ring run backward
 (its chunk sums travel while the next chunk multiplies), with the same schedule.
-All times are *modelled* (the alpha-beta link model and the mfu assumption of theory.time).
+All times are *modelled* (the alpha-beta link model and the in-step GEMM rate of theory.time,
+the run clock's rate).
 """
 from . import hardware
+from .step_rate import compute_rate
 from .time import collective_time, send_time
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -47,7 +50,8 @@ def all_gather_matmul(tokens, in_features, out_features, tp, *, cluster="8xH100-
     link = c.link_for(range(tp))
     chunk_tokens = tokens // tp
     chunk_bytes = chunk_tokens * in_features * BYTES[dtype]
-    compute_s = c.compute_time(2 * chunk_tokens * in_features * (out_features // tp), dtype)
+    flops = 2 * chunk_tokens * in_features * (out_features // tp)
+    compute_s = flops / compute_rate(c.gpu, dtype)
     send_s = send_time(chunk_bytes, link)
     out = chunk_schedule(compute_s, send_s, tp)
     out.update(compute_s=compute_s, send_s=send_s, chunk_bytes=chunk_bytes, link=link.name,
@@ -55,16 +59,18 @@ def all_gather_matmul(tokens, in_features, out_features, tp, *, cluster="8xH100-
     return out
 
 
-def break_even_tokens(in_features, out_features, tp, *, cluster="8xH100-NVLink", dtype="bf16"):
+def break_even_tokens(in_features, out_features, tp, *, cluster="8xH100-NVLink", dtype="bf16",
+                      mfu=None):
     """Tokens per micro-batch (b*s) at which one chunk's matmul takes as long as its message:
-    2 (T/t) h_in (h_out/t) / F = alpha + (T/t) h_in e / B, with F = mfu * peak FLOP/s, B the
+    2 (T/t) h_in (h_out/t) / F = alpha + (T/t) h_in e / B, with F = the in-step GEMM rate, B the
     link's effective bandwidth and e bytes per value, so
         T* = t alpha / (h_in (2 h_out / (t F) - e / B));
     above it async TP hides the whole all-gather. inf if the matmul never keeps up (a chunk's
-    FLOPs per byte below the link's F / B)."""
+    FLOPs per byte below the link's F / B). A given `mfu` takes F = mfu x peak instead, the
+    constant-MFU rule (lesson 03's exercise states it), a comparison."""
     c = hardware.cluster(cluster)
     link = c.link_for(range(tp))
-    flops_per_s = c.gpu.flops(dtype) * c.mfu
+    flops_per_s = compute_rate(c.gpu, dtype, mfu)
     per_token = in_features * (2 * out_features / tp / flops_per_s
                                - BYTES[dtype] / link.effective_bandwidth)
     return tp * link.latency / per_token if per_token > 0 else float("inf")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from . import hardware
 from .memory import model_state_bytes
+from .step_rate import compute_rate
 from .time import collective_time, wire_bytes_per_rank
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -167,16 +168,18 @@ def _step_work(rank, step, cp, layout, causal):
 
 
 def ring_schedule(batch, heads, seq, head_dim, cp, layout="contiguous", causal=True, *,
-                  kv_heads=None, gpu="H100", link="NVLink 4", mfu=0.5, dtype_bytes=2,
+                  kv_heads=None, gpu="H100", link="NVLink 4", mfu=None, dtype_bytes=2,
                   overlap=True):
     """The forward ring of one attention layer as events {rank, lane, kind, name, start, end}
     (modelled seconds; what labkit.viz.gantt draws), and the layer's time.
 
-    Each step a rank computes its (useful part of the) block at mfu x peak and sends the KV
+    Each step a rank computes its (useful part of the) block at the in-step GEMM rate
+    (step_rate.compute_rate, the run clock's; a given `mfu`: the constant-MFU rule mfu x
+    peak, for comparison) and sends the KV
     block on; the next step starts when both its block arrived (the slowest neighbour's send)
     and its own compute ended. overlap=False sends after computing (no overlap)."""
-    g, ln = hardware.gpu(gpu), hardware.link(link)
-    rate = g.flops("bf16") * mfu
+    ln = hardware.link(link)
+    rate = compute_rate(gpu, "bf16", mfu)
     local = seq / cp
     block_s = FORWARD_MATMULS * 2 * batch * heads * local * local * head_dim / rate
     send_s = collective_time("send", kv_block_bytes(batch, kv_heads or heads, seq, head_dim,
@@ -209,11 +212,12 @@ def ring_schedule(batch, heads, seq, head_dim, cp, layout="contiguous", causal=T
                             if e["rank"] == r and e["kind"] == "compute") for r in range(cp)])
 
 
-def min_block_tokens(heads, head_dim, *, kv_heads=None, gpu="H100", link="NVLink 4", mfu=0.5,
+def min_block_tokens(heads, head_dim, *, kv_heads=None, gpu="H100", link="NVLink 4", mfu=None,
                      dtype_bytes=2, causal_fraction=0.5):
     """Tokens per rank from which one block's computation hides its KV transfer (bandwidth
-    term only): 4 L^2 d h f / F >= 2 L d h_kv bytes / B  ->  L >= h_kv bytes F / (2 h f B)."""
-    g, ln = hardware.gpu(gpu), hardware.link(link)
-    rate = g.flops("bf16") * mfu
+    term only): 4 L^2 d h f / F >= 2 L d h_kv bytes / B  ->  L >= h_kv bytes F / (2 h f B),
+    F the in-step GEMM rate (ring_schedule's)."""
+    ln = hardware.link(link)
+    rate = compute_rate(gpu, "bf16", mfu)
     return (kv_heads or heads) * dtype_bytes * rate / (2 * heads * causal_fraction
                                                        * ln.effective_bandwidth)

@@ -1,6 +1,8 @@
 """Hardware numbers from labkit/tables/hardware.csv (data/ links to it): GPUs, links, clusters.
 
-A GPU does `flops(dtype)` FLOP/s at peak; a cluster achieves `mfu` of that (an assumption).
+A GPU does `flops(dtype)` FLOP/s at peak; a cluster's `mfu` (Cluster.compute_time) is the
+constant-MFU rule, a stated assumption lessons compare against: the run clock and the modelled
+step times compute at theory/step_rate.in_step_gemm_rate instead.
 A link moves `bandwidth * efficiency` bytes/s per direction after `latency` seconds.
 A GPU's `memory_bytes` is what the driver reports (H100: 81559 MiB = 85.5e9 bytes), so that
 "fits" compares like with like; `mamf_*` the measured maximum achievable matmul FLOP/s (a
@@ -74,7 +76,8 @@ class Cluster:
     nodes: int
     intra: Link
     inter: Link | None = None
-    mfu: float = 0.5   # modelled fraction of peak FLOP/s achieved: an assumption, not a measurement
+    mfu: float = 0.5   # the constant-MFU rule (compute_time): an assumption, not a measurement;
+    # the lab's own model of compute inside a step is step_rate.in_step_gemm_rate
 
     @property
     def world_size(self) -> int:
@@ -93,7 +96,8 @@ class Cluster:
         return self.inter
 
     def compute_time(self, flops: float, dtype="fp32") -> float:
-        """Seconds for `flops` at mfu * peak FLOP/s of one GPU."""
+        """Seconds for `flops` at mfu * peak FLOP/s of one GPU: the constant-MFU rule, for
+        comparison (the lab's modelled steps use step_rate.in_step_gemm_rate)."""
         return flops / (self.gpu.flops(dtype) * self.mfu)
 
 

@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 
 from . import catalog, hardware
+from .step_rate import compute_rate
 from .time import collective_time, wire_bytes_per_rank
 
 
@@ -207,12 +208,14 @@ def padded_rows(tokens, experts, top_k, capacity_factor=None) -> int:
 
 
 def moe_step(model, *, gpus=1, ep=None, tokens_per_gpu=4096, phase="prefill", gpu="H100 SXM",
-             link="NVLink 4", bytes_per_param=2, mfu=0.5, overlap=False,
+             link="NVLink 4", bytes_per_param=2, mfu=None, overlap=False,
              capacity_factor=None) -> dict:
     """Modelled seconds for one forward step of `tokens_per_gpu` tokens on each of `gpus` GPUs.
 
     Dense part data-parallel (a replica per GPU), experts spread E/ep per GPU, balanced routing.
-    compute = 2 * (tokens * dense params + expert rows * one expert's params) / (peak * mfu),
+    compute = 2 * (tokens * dense params + expert rows * one expert's params) / F, F the
+    in-step GEMM rate (step_rate.compute_rate; a given `mfu`: the constant-MFU rule, mfu x
+    peak, for comparison),
     expert rows = tokens * k without a capacity, padded_rows(...) with one (the padding a
     capacity factor above 1 costs). memory = bytes of weights read once per step: the dense
     part + the local experts that any token touches (decode reads weights for a few tokens:
@@ -229,7 +232,7 @@ def moe_step(model, *, gpus=1, ep=None, tokens_per_gpu=4096, phase="prefill", gp
     local = m.experts / ep
     rows = padded_rows(tokens_per_gpu, m.experts, m.top_k, capacity_factor)
     flops = 2 * (tokens_per_gpu * (s["active"] - m.top_k * per_expert) + rows * per_expert)
-    compute = flops / (g.flops("bf16") * mfu)
+    compute = flops / compute_rate(g, "bf16", mfu)
     touched = experts_touched(local, m.experts, m.top_k, tokens_per_gpu * ep)
     weights_read = (s["dense"] + touched * per_expert) * bytes_per_param
     memory = weights_read / g.memory_bw
@@ -246,12 +249,13 @@ def moe_step(model, *, gpus=1, ep=None, tokens_per_gpu=4096, phase="prefill", gp
 
 
 def dense_step(model, *, gpus=1, tokens_per_gpu=4096, gpu="H100 SXM", bytes_per_param=2,
-               mfu=0.5, params=None) -> dict:
+               mfu=None, params=None) -> dict:
     """A dense model of `params` parameters (default: the MoE's total) as pure data parallelism:
-    every token runs every weight; step = max(compute, weights read)."""
+    every token runs every weight; step = max(compute, weights read), compute at moe_step's
+    rate."""
     g = hardware.gpu(gpu)
     n = params or param_split(model)["total"]
-    compute = 2 * tokens_per_gpu * n / (g.flops("bf16") * mfu)
+    compute = 2 * tokens_per_gpu * n / compute_rate(g, "bf16", mfu)
     memory = n * bytes_per_param / g.memory_bw
     step = max(compute, memory)
     return dict(compute_s=compute, memory_s=memory, step_s=step,

@@ -4,7 +4,8 @@ the planner's constants.
 GEMMs run at the kernel model's efficiency (theory/kernels.py: the GPU's measured MAMF ceiling x
 each kernel's tile and wave quantization, data/kernels.csv) and element-wise kernels at their own
 bytes (plan_terms.elementwise_time); inside a step GEMMs run at `in_step_gemm_fraction` of
-that rate, the one number fitted (on the calibration rows only). `achievable`
+that rate, the one number fitted (on the calibration rows only): together, theory/step_rate.py's
+in_step_gemm_rate, the run clock's rate too. `achievable`
 overrides the bf16 GEMM ceiling with a fraction of the user's own (a measured GPU, a what-if).
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from . import hardware, kernels, overlap, plan_inputs as inputs, plan_terms as terms
+from .step_rate import achievable_fraction, in_step_gemm_rate  # noqa: F401  (theirs, here too)
 
 
 @dataclass(frozen=True)
@@ -100,15 +102,3 @@ def _link(name, option):
         return hardware.link(name)
     except KeyError as error:
         raise ValueError(f"{option}: {error.args[0]}") from None
-
-
-def achievable_fraction(gpu, precision="bf16", override=None):
-    """Fraction of the dense peak of `precision` the best large GEMM reaches on `gpu`: the
-    ceiling of theory/kernels.py's per-kernel efficiency, measured (MAMF / peak, the public
-    microbenchmark in data/hardware.csv; kernels.DEFAULT_MAMF_FRACTION without one), not fitted.
-    Each GEMM then runs at this x its shape efficiency. `override` (the user's own fraction, or
-    a custom GPU's `achievable`) replaces the bf16 ceiling; fp8 keeps its ratio to bf16."""
-    base = override or getattr(gpu, "achievable", None)
-    if base is None:
-        return kernels.ceiling(gpu, precision)
-    return base * kernels.ceiling(gpu, precision) / kernels.ceiling(gpu, "bf16")

@@ -12,6 +12,7 @@ import pandas as pd
 from . import catalog, hardware
 from .memory import (activation_bytes_per_layer, dtype_bytes, inference_memory,
                      model_state_bytes, training_memory)
+from .step_rate import compute_rate
 from .time import collective_time, training_flops, wire_bytes_per_rank
 
 # ------------------------------------------------------------------------ comm per block
@@ -190,19 +191,20 @@ def step_time(model, tp, *, batch=1, seq=4096, cluster=None, link=None,
               sequence_parallel=False, dtype="bf16", overlap=0.0) -> dict:
     """Modelled seconds for one training micro-batch of `batch` x `seq` tokens on a TP group.
 
-    compute = (6 N_matmul + 12 L h s) * tokens / t / (peak * mfu) (theory.time.training_flops);
+    compute = (6 N_matmul + 12 L h s) * tokens / t / F (theory.time.training_flops; F the
+    in-step GEMM rate, step_rate.compute_rate, the run clock's);
     comm = layers * the collectives of `block_comm` (alpha-beta over the group's link: NVLink
     inside a node, InfiniBand once the group spans nodes). Megatron's TP collectives sit on the
     critical path (each layer waits for its all-reduce), so exposed = comm * (1 - overlap);
     SP's backward regather can hide under the weight-gradient matmul and is never exposed.
     `link` (a name) overrides the link the group would use on `cluster`. Not modelled:
-    smaller matmuls running below the mfu assumption at large t.
+    smaller matmuls running below the in-step GEMM rate at large t.
     """
     m = catalog.model(model) if not isinstance(model, catalog.ModelShape) else model
     c = hardware.cluster(cluster) if cluster is not None else cluster_for(tp)
     link = hardware.link(link) if link is not None else c.link_for(range(tp))
     flops = training_flops(m, batch * seq, seq=seq)   # matmuls + attention, no embedding
-    compute = c.compute_time(flops / tp, dtype)
+    compute = flops / tp / compute_rate(c.gpu, dtype)
     comm = hidden_comm = 0.0
     if tp > 1:
         for r in block_comm(batch, seq, m.hidden, tp, sequence_parallel=sequence_parallel,

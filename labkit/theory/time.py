@@ -1,4 +1,5 @@
-"""Closed-form step times: compute at mfu * peak FLOP/s, collectives by the alpha-beta model.
+"""Closed-form step times: compute at the in-step GEMM rate (step_rate.in_step_gemm_rate, the
+planner's and the run clock's one rate), collectives by the alpha-beta model.
 
 A ring collective over n ranks takes steps * alpha + the busiest rank's bytes / beta (all-reduce:
 2(n-1) steps, 2(n-1)/n * S bytes; broadcast: the root sends all S); training costs 6 FLOPs per
@@ -11,6 +12,7 @@ import math
 
 from . import catalog, hardware
 from .memory import dtype_bytes
+from .step_rate import compute_rate
 from .transformer import model_flops_per_token
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv",
@@ -107,9 +109,10 @@ def send_time(nbytes, link) -> float:
     return collective_time("send", nbytes, 2, link)
 
 
-def compute_time(flops, gpu, dtype="bf16", mfu=0.5) -> float:
-    """Seconds for `flops` on one GPU at mfu * peak (mfu is a modelling assumption)."""
-    return flops / (hardware.gpu(gpu).flops(dtype) * mfu)
+def compute_time(flops, gpu, dtype="bf16", mfu=None) -> float:
+    """Seconds for `flops` on one GPU at step_rate.compute_rate(gpu, dtype, mfu): the in-step
+    GEMM rate, or with `mfu` given the constant-MFU rule mfu x peak (a comparison)."""
+    return flops / compute_rate(gpu, dtype, mfu)
 
 
 def default_seq(model) -> int:
@@ -160,9 +163,10 @@ def dp_step_time(model, *, gpus, cluster, global_batch_tokens, dtype="bf16", ove
                  bucket_bytes=25e6, seq=None) -> dict:
     """Modelled data-parallel step time in seconds for a fixed global batch.
 
-    compute = training_flops(model, tokens / gpus, seq=seq) / (peak FLOP/s * mfu): for a catalog
-    model the matmuls and the attention scores (the compute model of lesson 03's TP step),
-    for a bare count 6 * N * tokens;
+    compute = training_flops(model, tokens / gpus, seq=seq) / the in-step GEMM rate
+    (step_rate.compute_rate; not the cluster's constant-MFU `mfu`): for a catalog model the
+    matmuls and the attention scores (the compute model of lesson 03's TP step), for a bare
+    count 6 * N * tokens;
     comm = all-reduce of the N gradients (dtype bytes each, so 2N for bf16) in buckets of
     bucket_bytes over the cluster's link (inter-node once gpus > gpus_per_node), ring alpha-beta.
     Overlap (PyTorch DDP style, Li et al. 2020 arXiv 2006.15704): buckets reduce while backward
@@ -175,7 +179,8 @@ def dp_step_time(model, *, gpus, cluster, global_batch_tokens, dtype="bf16", ove
     if gpus > c.world_size:
         raise ValueError(f"{gpus} GPUs requested but cluster {c.name!r} has {c.world_size}")
     flops_of = n_params if isinstance(model, (int, float)) else model
-    compute = c.compute_time(training_flops(flops_of, global_batch_tokens / gpus, seq=seq), dtype)
+    compute = training_flops(flops_of, global_batch_tokens / gpus, seq=seq) / compute_rate(
+        c.gpu, dtype)
     comm, last_bucket = 0.0, 0.0
     if gpus > 1:
         grad_bytes = n_params * dtype_bytes(dtype)

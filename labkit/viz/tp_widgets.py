@@ -51,7 +51,8 @@ def _tp_numbers(model="Llama 3 70B", tp=8, sequence_parallel=False, link="NVLink
                          f"TP={tp}\n{link}": dict(compute=timing["compute"],
                                                   exposed_comm=timing["exposed_comm"])},
                    unit="s" if timing["total"] >= 1 else "ms",
-                   title=f"step time, modelled (H100 at mfu 0.5)\nbatch {batch} x {seq} tokens"),
+                   title=f"step time, modelled (H100, in-step GEMM rate)\n"
+                         f"batch {batch} x {seq} tokens"),
         text=(f"{m.display_name}, TP={tp}{' + SP' if sequence_parallel else ''} over {link}: "
               f"<b>{fmt(total / 1e9)} GB</b> per GPU, step {fmt(timing['total'] * 1e3)} ms "
               f"(modelled), of which exposed communication "
