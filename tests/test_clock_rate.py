@@ -1,8 +1,9 @@
 """The run clock prices compute at the planner's in-step GEMM rate (issue 43, one time model):
 peak x the GPU's measured MAMF ceiling x the fitted in-step fraction
-(theory/step_rate.in_step_gemm_rate, also plan_cluster's), not a constant MFU. A run's compute span of F counted FLOPs
-lasts F / that rate; the planner's price of a large GEMM (shape efficiency 1) of the same FLOPs
-is the same number; changing the fitted fraction moves the clock (negative control)."""
+(theory/step_rate.in_step_gemm_rate, also plan_cluster's), not a constant MFU. A run's compute
+span of F counted FLOPs lasts F / that rate; the planner's price of a large GEMM (shape
+efficiency 1) of the same FLOPs is the same number; changing the fitted fraction moves the
+clock (negative control)."""
 import pytest
 import torch
 

@@ -7,9 +7,9 @@ theory/'s pricing: compute takes FLOPs / the planner's in-step GEMM rate (peak x
 measured MAMF ceiling x the fitted in-step fraction, theory/step_rate.in_step_gemm_rate; not
 the cluster's constant-MFU `mfu`). Each op's own shape is not priced: a miniature's tiny
 matmuls would be launch-bound on an H100, so the clock times the FLOPs as if the modelled
-model's large GEMMs ran them. A collective starts on the modelled cluster when its last member issues it and
-lasts `theory.time.collective_time`; a message arrives at its sender's time plus its transfer
-time. Async collectives run on a second lane (the comm stream), in issue order, so
+model's large GEMMs ran them. A collective starts on the modelled cluster when its last member
+issues it and lasts `theory.time.collective_time`; a message arrives at its sender's time plus
+its transfer time. Async collectives run on a second lane (the comm stream), in issue order, so
 communication hidden under compute shows as overlap: each collective's event records
 `exposed_s` (the part the compute lane waited for it) and `hidden_s` (the part that ran under
 compute). All times are *modelled*.
