@@ -153,6 +153,21 @@ def test_prefix_cache_evicts_the_least_recently_freed_block_tail_first():
         PagedKVCache(1, 2, 2, 8, reserve_whole=True, enable_prefix_caching=True)
 
 
+def test_shared_blocks_count_once_in_what_the_cache_holds():
+    """Requests sharing a prefix hold its blocks once: the unused share of the held slots
+    stays a fraction (counting a shared slot per request made it negative)."""
+    cache = PagedKVCache(1, 2, 8, 4, enable_prefix_caching=True)
+    prompt = list(range(8))                              # two full blocks, shared by all
+    cache.admit("first", prompt)
+    cache.commit("first", prompt)
+    for rid in ("second", "third"):
+        assert cache.admit(rid, prompt) > 0              # prefix hits
+    s = cache.stats()
+    assert s["tokens"] > s["reserved_tokens"] >= s["filled_tokens"] > 0
+    summary = stream.kv_summary([dict(kv=s)])
+    assert 0 <= summary["wasted_fraction"] < 1
+
+
 def test_prefix_cache_hit_rate_is_the_formula_on_shared_system_prompts():
     """n requests arriving one after another, each a P-token system prompt and a suffix of its
     own: every request after the first finds floor(P / B) blocks cached, so the hit rate is
@@ -383,6 +398,8 @@ def test_stream_on_ranks_equals_each_request_alone(layout):
                                           "measured")
     caching = r["prefix_cache"]
     assert (caching["hits"] > 0) == layout.get("enable_prefix_caching", False)
+    # a shared block's slots count once, so the unused share of what is held is a fraction
+    assert 0 <= r["kv_blocks"]["wasted_fraction"] < 1
     assert caching["hit_rate"] == caching["hits"] / max(1, caching["queries"])
 
 

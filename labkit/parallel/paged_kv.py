@@ -141,8 +141,9 @@ class PagedKVCache(BlockPool):
 
     def stats(self):
         """Measured from the block tables now: blocks in use, token slots in use (each
-        request's, shared ones counted per request) and held, the bytes held but holding no
-        token, and the bytes sharing saves (blocks in the tables beyond those in use)."""
+        request's, shared ones counted per request), slots held and those of them holding a
+        token (shared ones once), the bytes held but holding no token, and the bytes sharing
+        saves (blocks in the tables beyond those in use)."""
         filled = {}                 # block -> its slots holding a token of some request
         for rid, table in self.tables.items():
             for i, block in enumerate(table):
@@ -152,6 +153,7 @@ class PagedKVCache(BlockPool):
         listed = sum(len(t) for t in self.tables.values())
         return dict(used=self.blocks_used, total=self.num_blocks, block_size=self.block_size,
                     tokens=sum(self.lengths.values()), reserved_tokens=held,
+                    filled_tokens=sum(filled.values()),
                     wasted_bytes=(held - sum(filled.values())) * self.bytes_per_slot,
                     shared_blocks=sum(r > 1 for r in self.refs.values()), copies=self.copies,
                     saved_bytes=(listed - self.blocks_used) * self.block_size

@@ -348,12 +348,13 @@ def reference_tokens(cfg, stream):
 
 def kv_summary(steps):
     """The cache over a run's steps (measured): blocks, pool bytes, and the bytes and fraction
-    of reserved slots holding nothing, averaged over the steps."""
+    of reserved slots holding nothing, averaged over the steps (a shared prefix block's slots
+    count once: requests sharing it hold it once)."""
     kv = [s["kv"] for s in steps]
     return dict(used=max(k["used"] for k in kv), total=kv[0]["total"],
                 block_size=kv[0]["block_size"], pool_bytes=kv[0]["pool_bytes"],
                 wasted_bytes=sum(k["wasted_bytes"] for k in kv) / len(kv),
-                wasted_fraction=sum(1 - k["tokens"] / max(1, k["reserved_tokens"])
+                wasted_fraction=sum(1 - k["filled_tokens"] / max(1, k["reserved_tokens"])
                                     for k in kv) / len(kv))
 
 

@@ -299,7 +299,10 @@ plt.show()
 # far to trust it: the spread of the model's error over published serving runs it was never
 # fitted to (`labkit/tables/published_serving.csv`: NVIDIA's TensorRT-LLM tables for Llama 2 7B
 # and 70B in fp8 on H100s, static batches, each row with its source), each predicted by
-# `serving_time` with the run's own settings. A throughput row compares output tokens/s per GPU;
+# `serving_time` with the run's own settings. Those engines ran without CUDA graphs: the host
+# enqueued every kernel, and the one number the serving model fits, the host's time per kernel
+# (`pricing.ENQUEUE_S`), comes from other rows of the same tables (GPT-J 6B and Falcon 180B,
+# `use=calibration`), never from these. A throughput row compares output tokens/s per GPU;
 # a TTFT row compares 1 / TTFT, the rate of first tokens, so on both a positive error means the
 # model promised more than was measured, and a real run is expected near modelled / (1 + error).
 # The band keeps the central errors (the share printed below) so one outlier does not set it.
@@ -325,12 +328,24 @@ fig = error_band_figure(serving_band, group="kind", model="serving_time",
 plt.show()
 
 # %% [markdown]
-# The throughput rows fall on both sides of the line, most of them inside the band, while the
-# TTFT rows split by prompt: a long prompt's prefill is compute-bound and the model lands nearer
-# (the rows above), a short one does so little work that costs the model leaves out, most likely
-# the fixed work of an engine step (scheduling, sampling, copies between host and GPU), decide
-# it, and the model is far too optimistic. So read `plan --serve`'s tokens/s as the range it prints under its table, and its
-# TTFT for a short prompt as a lower bound.
+# The throughput rows fall on both sides of the line. The TTFT rows split by prompt: a long
+# prompt's prefill is compute-bound, while a 128-token one does so little work per kernel that
+# the GPU waits for the host to enqueue the next: the step takes the larger of the GPU's time
+# and the host's (`pricing.step_total`). A stack that replays a CUDA graph (vLLM, SGLang, later
+# TensorRT-LLM) enqueues a whole step at once and hides the host; `plan --serve
+# --enforce-eager` (vLLM's flag) prices a stack that does not. The same request both ways:
+
+# %%
+for prompt in (128, 2048):
+    graph, enqueue = (theory.serving_time("llama-3-8b", gpu="H100", batch=1, prompt_len=prompt,
+                                          new_tokens=64, execution=e) for e in ("graph", "enqueue"))
+    print(f"Llama 3 8B, one H100, prompt {prompt:>5,}: TTFT {graph['ttft_s'] * 1e3:5.1f} ms with "
+          f"CUDA graphs, {enqueue['ttft_s'] * 1e3:5.1f} ms enqueued kernel by kernel; TPOT "
+          f"{graph['tpot_s'] * 1e3:.2f} vs {enqueue['tpot_s'] * 1e3:.2f} ms (modelled)")
+
+# %% [markdown]
+# Read `plan --serve`'s tokens/s as the range it prints under its table; a batch-1 token and a
+# short prompt's first token depend on the stack's host as much as on the GPU.
 
 # %% [markdown]
 # ## 6 · Experts across GPUs
