@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from labkit import editions
-from labkit.theory import catalog
+from labkit.theory import catalog, kernels
 
 LESSONS = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11"]
 
@@ -177,7 +177,9 @@ def _number_exercises():
     node = hardware.cluster("8xH100-NVLink")
     alpha, eff, line = node.intra.latency, node.intra.effective_bandwidth, node.intra.bandwidth
 
-    def tokens(flops=h100.bf16_flops * node.mfu, value_bytes=2, bw=eff, outs=28672 / 8, per=8):
+    in_step = h100.mamf_bf16_flops * kernels.IN_STEP_GEMM_FRACTION  # the measured MAMF x fit
+
+    def tokens(flops=in_step, value_bytes=2, bw=eff, outs=28672 / 8, per=8):
         return per * alpha / (8192 * (2 * outs / flops - value_bytes / bw))
     p8 = 8.03e9                                                   # 04-2, as the lesson gives
     ib = hardware.link("InfiniBand NDR")
@@ -216,7 +218,8 @@ def _number_exercises():
             (block / t, "divided by t"), (8 * block, "bits"), (block / 1e9, "GB, not bytes")]),
         "03-3": (tp.check_break_even_tokens, [
             (tokens(flops=h100.bf16_flops), "peak"),
-            (tokens(flops=2 * h100.bf16_flops * node.mfu), "FLOPs per multiply-add"),
+            (tokens(flops=2 * in_step), "FLOPs per multiply-add"),
+            (tokens(flops=h100.bf16_flops * node.mfu), "constant MFU"),
             (tokens(value_bytes=4), "fp32"), (tokens(bw=line), "line rate"),
             (tokens(outs=28672), "all outputs"), (tokens(per=1), "chunk = T"),
             (0, "no latency")]),

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from . import (Check, Hints, Mistake, check_number, not_a_function, not_started, say, show,
                with_hint)
 from ..theory import hardware
+from ..theory.step_rate import in_step_gemm_rate
 from ..theory.async_tp import break_even_tokens
 from ..theory.tensor_parallel import block_wire_bytes
 from ..parallel.tensor_parallel import reduce_from_tp
@@ -207,27 +208,28 @@ def check_break_even_tokens(answer, in_features=RING["in_features"],
                             cluster=RING["cluster"], verbose=True):
     """Tokens per micro-batch at which one chunk's matmul (colwise, SP, bf16) lasts as long as
     the ring message carrying the chunk (theory.async_tp.break_even_tokens), the matmul at the
-    constant-MFU rule the question states (cluster.mfu x peak; the lab's own modelled steps
-    and the run clock compute at step_rate.in_step_gemm_rate)."""
+    in-step GEMM rate (step_rate.in_step_gemm_rate: the planner's and the run clock's)."""
     c = hardware.cluster(cluster)
-    link, peak = c.link_for(range(tp)), c.gpu.flops("bf16")
-    expected = break_even_tokens(in_features, out_features, tp, cluster=cluster, mfu=c.mfu)
+    link, peak, rate = c.link_for(range(tp)), c.gpu.flops("bf16"), in_step_gemm_rate(c.gpu)
+    expected = break_even_tokens(in_features, out_features, tp, cluster=cluster)
 
-    def solve(flops_per_s=peak * c.mfu, bytes_per_value=2, bandwidth=link.effective_bandwidth,
+    def solve(flops_per_s=rate, bytes_per_value=2, bandwidth=link.effective_bandwidth,
               outputs=out_features / tp):
         per_token = in_features * (2 * outputs / flops_per_s - bytes_per_value / bandwidth)
         return tp * link.latency / per_token
     mistakes = [
         Mistake(0.0, "no latency", "without the latency alpha both times grow in proportion to "
                 "T, so no T is special: it is alpha, paid per message, that the matmul covers"),
-        Mistake(solve(flops_per_s=peak), "peak", f"that runs the matmul at peak; the "
-                f"question takes mfu = {c.mfu} of it (cluster.mfu)"),
+        Mistake(solve(flops_per_s=peak), "peak", f"that runs the matmul at peak; inside a step "
+                f"a GEMM runs at {rate / peak:.0%} of it (in_step_gemm_rate)"),
+        Mistake(solve(flops_per_s=peak * c.mfu), "constant MFU", f"that is the constant-MFU "
+                f"rule (cluster.mfu = {c.mfu}); the lab prices a GEMM at in_step_gemm_rate"),
         Mistake(solve(bytes_per_value=4), "fp32", "that sends 4 bytes per value; bf16 is 2"),
         Mistake(solve(bandwidth=link.bandwidth), "line rate", f"that uses the line rate; the "
                 f"link delivers {link.efficiency:.0%} of it (effective_bandwidth)"),
         Mistake(solve(outputs=out_features), "all outputs", "a rank multiplies only its h_out/t "
                 "output features (colwise)"),
-        Mistake(solve(flops_per_s=2 * peak * c.mfu), "FLOPs per multiply-add", "a "
+        Mistake(solve(flops_per_s=2 * rate), "FLOPs per multiply-add", "a "
                 "multiply-add is 2 FLOPs: a matmul of m x k by k x n costs 2 m k n"),
         Mistake(expected / tp, "chunk = T", f"that solves for a chunk's tokens, T/t; the "
                 f"question asks for the micro-batch's T, t = {tp} chunks"),

@@ -265,7 +265,8 @@ print(pd.DataFrame(rows).to_string(index=False))
 # ## 5 · Overlap on the virtual timeline
 #
 # The CPU ranks also run a **modelled clock**: each compute region advances by its counted FLOPs
-# at 50% of an H100's bf16 peak, each collective by its alpha-beta time on NVLink. Async
+# at an H100's in-step GEMM rate (`theory.step_rate.in_step_gemm_rate`: the planner's rate of a
+# large GEMM inside a step), each collective by its alpha-beta time on NVLink. Async
 # all-reduces run on a separate *comm lane* (the thin bar under each rank), so overlap shows.
 #
 # On a tiny model communication dominates: the overlap can hide at most the backward pass. What
@@ -374,8 +375,8 @@ there to show that the modelled picture comes from a real run.
 # ## 6 · How far does it scale? Modelled on H100s, measured here
 #
 # `theory.time.dp_step_time` is the closed form: compute (6 FLOPs per matmul weight + 12·L·h·s for
-# the attention scores) per token, tokens/N of them per GPU, at 50% of peak (lesson 03's compute
-# model; the input embedding is a lookup, no FLOPs; s = 4,096 for Llama 3 8B), plus the
+# the attention scores) per token, tokens/N of them per GPU, at the in-step GEMM rate (the run
+# clock's and the planner's; the input embedding is a lookup, no FLOPs; s = 4,096 for Llama 3 8B), plus the
 # all-reduce of 2Ψ bytes of bf16 gradients in 25 MiB buckets, of which everything but the last
 # bucket hides under backward. Within a node the ring runs on NVLink; beyond 8 GPUs it crosses
 # InfiniBand, and the curve bends.

@@ -286,13 +286,14 @@ print(pd.DataFrame(rows).round(1).to_string(index=False))
 # is the same as on one GPU plus P-1 hops: the *runtime* barely changes, but each GPU works only
 # 1/P of the time, so the cost in GPU-hours grows P-fold. That is the sense in which the claim
 # holds. With M micro-batches the step shrinks to (M+P-1)/(M·P) of one GPU's time. Modelled on
-# 8×H100 NVLink for a 4096-token prefill (2·Ψ FLOPs per token at 50% of peak; activations
+# 8×H100 NVLink for a 4096-token prefill (2·Ψ FLOPs per token at the in-step GEMM rate, as the
+# run clock times compute; activations
 # 4096·8192·2 bytes per hop):
 
 # %%
 # NBVAL_CHECK_OUTPUT
 h100 = hardware.cluster("8xH100-NVLink")
-t1 = h100.compute_time(2 * llama.param_count() * 4096, "bf16")
+t1 = tt.compute_time(2 * llama.param_count() * 4096, h100.gpu)
 hop = tt.send_time(4096 * llama.hidden * 2, h100.intra)
 rows = []
 for p in (1, 2, 4, 8):

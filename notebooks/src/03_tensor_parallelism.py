@@ -63,6 +63,7 @@ from labkit.runs import tensor_parallel as run_tp
 from labkit.runs.reference import RunConfig, build_model
 from labkit.theory import hardware
 from labkit.theory import tensor_parallel as ttp
+from labkit.theory.step_rate import in_step_gemm_rate
 from labkit.viz import comm_bars, memory_stack
 from labkit.viz.tp_widgets import tp_explorer
 
@@ -284,7 +285,8 @@ plt.show()
 #
 # TP's collectives sit on the critical path: every layer waits for its all-reduce before the next
 # matmul. On a real model the modelled step time (compute: 6 FLOPs per matmul weight + 12·L·h·s
-# per token, as in lesson 01, at 50% of the H100's bf16 peak,
+# per token, as in lesson 01, at the in-step GEMM rate `in_step_gemm_rate` (the planner's and
+# the run clock's: peak × the measured MAMF ceiling × the one fitted in-step fraction),
 # alpha-beta collectives over the group's link) for Llama 3 70B, one micro-batch of 4,096 tokens:
 
 # %%
@@ -314,7 +316,8 @@ print(f"GPU-seconds per step against one GPU: {s.gpu_seconds_vs_tp1[8]:.2f}x at 
 # the node boundary, where the GPU-seconds at TP=16 over InfiniBand are several times a single
 # GPU's. (It is closest to the truth for a naive pipeline without micro-batches, where one stage
 # works while the others wait: lesson 02.) What the model leaves out makes large t worse still:
-# smaller per-GPU matmuls run below the assumed 50% of peak.
+# smaller per-GPU matmuls run below the in-step rate of a large GEMM assumed here (lesson 06's
+# planner prices each GEMM's shape).
 #
 # ## Serving Llama 3 70B with TP: weights and KV cache per GPU
 #
@@ -376,7 +379,7 @@ print(f"KV cache on each rank: {cache_bytes:,} bytes (half of the heads)")
 #
 # Pick a model, TP degree, sequence parallelism, the link and the batch shape. All three panels
 # are modelled by `labkit.theory` (mixed-precision Adam training memory; ring collectives; compute
-# at 50% of peak); a redraw takes milliseconds. An NVLink domain is one 8-GPU node, so at TP=16
+# at the in-step GEMM rate); a redraw takes milliseconds. An NVLink domain is one 8-GPU node, so at TP=16
 # the group spans two nodes and the link list offers InfiniBand only. Compare TP=8 over NVLink
 # with TP=8 over PCIe (no NVLink) and with TP=16 over InfiniBand, and watch SP take the
 # activations down.
@@ -593,14 +596,14 @@ check_block_bytes(block_bytes_per_gpu);
 # %% [markdown]
 # **3 · When does the ring hide?** Llama 3 70B's fc1 (h_in = 8,192 → h_out = 28,672) runs with
 # TP = 8 and sequence parallelism on H100s over NVLink 4, bf16, async TP: a chunk holds T/8 of
-# the micro-batch's T tokens. Find the T at which one chunk's matmul (at the modelled mfu ×
-# peak) takes exactly as long as the message carrying the chunk (latency alpha + bytes /
-# effective bandwidth). `hardware.cluster("8xH100-NVLink")` has `.mfu`, `.gpu.bf16_flops` and
-# the link `.intra` with `.latency` and `.effective_bandwidth`.
+# the micro-batch's T tokens. Find the T at which one chunk's matmul (at the in-step GEMM rate,
+# `in_step_gemm_rate(gpu)` in FLOP/s) takes exactly as long as the message carrying the chunk
+# (latency alpha + bytes / effective bandwidth). `hardware.cluster("8xH100-NVLink")` has `.gpu`
+# and the link `.intra` with `.latency` and `.effective_bandwidth`.
 
 # %% tags=["solution"]
 node = hardware.cluster("8xH100-NVLink")
-matmul_s_per_token = 2 * 8192 * (28672 / 8) / (node.gpu.bf16_flops * node.mfu)
+matmul_s_per_token = 2 * 8192 * (28672 / 8) / in_step_gemm_rate(node.gpu)
 message_s_per_token = 8192 * 2 / node.intra.effective_bandwidth
 # (T/8) * matmul_s_per_token = alpha + (T/8) * message_s_per_token, solved for T
 break_even = 8 * node.intra.latency / (matmul_s_per_token - message_s_per_token)

@@ -219,8 +219,9 @@ for ep in (1, 2, 4, 8):
 # The source article: distributing the 16 experts of a hypothetical model one per GPU could raise
 # inference throughput "about eightfold", 10,000 → 80,000 tokens a day. The model below
 # (`theory.moe.moe_step`) takes Mixtral's shapes with 16 experts, puts one expert per H100 and
-# the dense part on every GPU, and charges compute (2 × active params per token at 50 % of peak),
-# weight reads (the weights any token touches, at HBM bandwidth) and two all-to-alls per layer.
+# the dense part on every GPU, and charges compute (2 × active params per token at the in-step
+# GEMM rate), weight reads (the weights any token touches, at HBM bandwidth) and two all-to-alls
+# per layer.
 # It compares against the same model on one GPU (as if it fitted: it does not) and against a
 # dense model with the same total parameters on the same 16 GPUs. All numbers are modelled.
 
