@@ -35,6 +35,7 @@ from collections import Counter
 from . import hardware, kernels
 from .memory import dtype_bytes
 from .plan_cluster import achievable_fraction
+from .step_rate import in_step_gemm_rate
 from .time import collective_time  # noqa: F401  (the collectives' price, alpha-beta)
 from .weights import layer_param_split, weight_bytes
 
@@ -93,9 +94,7 @@ def linear_layer_rate(g, weights="bf16") -> float:
     """FLOP/s of the linear layers' GEMMs: fp8 weights on a GPU with fp8 tensor cores run
     fp8 x fp8 GEMMs (TensorRT-LLM's and vLLM's fp8 W8A8) at the fp8 peak x its MAMF ceiling;
     weight-only formats (int8, int4) dequantise to bf16 and run at bf16's."""
-    if weights == "fp8" and g.fp8_flops:
-        return g.flops("fp8") * achievable_fraction(g, "fp8") * kernels.IN_STEP_GEMM_FRACTION
-    return g.bf16_flops * achievable_fraction(g) * kernels.IN_STEP_GEMM_FRACTION
+    return in_step_gemm_rate(g, "fp8" if weights == "fp8" and g.fp8_flops else "bf16")
 
 
 def host_time(kernels_, execution="graph", enqueue_s=None) -> float:

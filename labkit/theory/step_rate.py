@@ -1,11 +1,11 @@
 """The FLOP/s of compute inside a step: one rate for every modelled second (issue 43).
 
-A GEMM reaches the GPU's measured MAMF ceiling (MAMF / peak, data/hardware.csv; achievable_fraction)
-in a microbenchmark, and `kernels.IN_STEP_GEMM_FRACTION` of that inside a training step (the one
-fitted number, data/kernels.csv). `in_step_gemm_rate` is peak x both: the rate the training
-planner gives a large GEMM (shape efficiency 1), serving's linear layers run at
-(pricing.linear_layer_rate), and the run clock, theory.time's step times, the async-TP, context-
-parallel and MoE step models time compute at. H100 bf16: 0.619 of peak; A100 0.670; B200 0.598.
+A GEMM reaches the GPU's measured MAMF ceiling (MAMF / peak, data/hardware.csv;
+achievable_fraction) in a microbenchmark, and `kernels.IN_STEP_GEMM_FRACTION` of that inside a
+training step (fitted on declared calibration rows, data/kernels.csv). `in_step_gemm_rate` is
+peak x both: the rate the training planner gives a large GEMM (shape efficiency 1), serving's
+linear layers run at (pricing.linear_layer_rate), and the run clock, theory.time's step times,
+the async-TP, context-parallel and MoE step models time compute at.
 `compute_rate` with a given `mfu` is the constant-MFU rule instead (mfu x peak): a comparison,
 an assumption with no source, never the lab's own model.
 """

@@ -376,9 +376,9 @@ there to show that the modelled picture comes from a real run.
 #
 # `theory.time.dp_step_time` is the closed form: compute (6 FLOPs per matmul weight + 12·L·h·s for
 # the attention scores) per token, tokens/N of them per GPU, at the in-step GEMM rate (the run
-# clock's and the planner's; the input embedding is a lookup, no FLOPs; s = 4,096 for Llama 3 8B), plus the
-# all-reduce of 2Ψ bytes of bf16 gradients in 25 MiB buckets, of which everything but the last
-# bucket hides under backward. Within a node the ring runs on NVLink; beyond 8 GPUs it crosses
+# clock's and the planner's; the input embedding is a lookup, no FLOPs; s = 4,096 for Llama 3
+# 8B), plus the all-reduce of 2Ψ bytes of bf16 gradients in 25 MiB buckets, of which
+# everything but the last bucket hides under backward. Within a node the ring runs on NVLink; beyond 8 GPUs it crosses
 # InfiniBand, and the curve bends.
 #
 # Memory comes first, though: every replica holds the whole model's states, 16 bytes per

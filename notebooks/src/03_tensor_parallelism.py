@@ -379,10 +379,10 @@ print(f"KV cache on each rank: {cache_bytes:,} bytes (half of the heads)")
 #
 # Pick a model, TP degree, sequence parallelism, the link and the batch shape. All three panels
 # are modelled by `labkit.theory` (mixed-precision Adam training memory; ring collectives; compute
-# at the in-step GEMM rate); a redraw takes milliseconds. An NVLink domain is one 8-GPU node, so at TP=16
-# the group spans two nodes and the link list offers InfiniBand only. Compare TP=8 over NVLink
-# with TP=8 over PCIe (no NVLink) and with TP=16 over InfiniBand, and watch SP take the
-# activations down.
+# at the in-step GEMM rate); a redraw takes milliseconds. An NVLink domain is one 8-GPU node,
+# so at TP=16 the group spans two nodes and the link list offers InfiniBand only. Compare TP=8
+# over NVLink with TP=8 over PCIe (no NVLink) and with TP=16 over InfiniBand, and watch SP take
+# the activations down.
 
 # %%
 tp_explorer()
