@@ -1,0 +1,137 @@
+"""Collective times read off published nccl-tests curves (labkit/tables/collective_curves.csv).
+
+A collective's bus bandwidth grows with its message size: a few KB pay only latency, GBs run
+near the link's effective rate. Where data/collective_curves.csv holds a measured nccl-tests
+curve for an op on a link, `curve_time` returns the curve's time: the bus bandwidth
+(busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather and reduce_scatter, with
+the size the whole buffer; nccl-tests doc/PERFORMANCE.md) is interpolated linearly in
+log(bytes) between the measured sizes, and time = the busbw-convention bytes / that busbw, so
+the table's own points come back exactly; a point whose time dips below a smaller message's
+(run-to-run noise) takes the larger, so time never falls as bytes grow. Beyond the largest size
+the largest busbw holds; below the smallest, time falls linearly to the latency floor (the
+smaller of the smallest message's time and the alpha-beta ring steps x link latency). A group of
+n ranks on a curve measured with n_c: the floor scales with ring steps (2(n-1) for all_reduce)
+and the rest with the bus bytes factor, so n = n_c gives the curve itself (a simplification:
+NVLS and tree algorithms do not grow their latency with ring steps). Sources, one a row: 8 H100
+SXM on NVLink 4 (nccl-tests issue 290, NVLS all_reduce) and 4 nodes of 8 H100 with 8 NDR NICs
+each (nccl-tests issue 309). A link and op without a curve keeps time.py's alpha-beta model.
+"""
+from __future__ import annotations
+
+import bisect
+import csv
+import functools
+import math
+from dataclasses import dataclass
+
+from . import hardware
+
+CURVES_CSV = hardware.TABLES / "collective_curves.csv"
+
+
+@dataclass(frozen=True)
+class Curve:
+    link: str
+    op: str
+    ranks: int
+    algo: str
+    sizes: tuple        # nccl-tests size S in bytes, ascending
+    times: tuple        # measured seconds at each size
+    source: str
+
+    @property
+    def busbws(self) -> tuple:
+        """Bytes/s: bus bytes / measured time (the table's busbw column, unrounded)."""
+        f = bus_factor(self.op, self.ranks)
+        return tuple(f * s / t for s, t in zip(self.sizes, self.times))
+
+
+def bus_factor(op, n) -> float:
+    """nccl-tests' busbw / algbw for op over n ranks (doc/PERFORMANCE.md)."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0   # broadcast, reduce, send
+
+
+def nccl_size(op, nbytes, n) -> float:
+    """nccl-tests' size S of a call whose rank hands the op nbytes: all_gather's S is the
+    gathered output (n x the shard); the others' S is the buffer each rank holds."""
+    return n * nbytes if op == "all_gather" else float(nbytes)
+
+
+def _steps(op, n) -> int:
+    from .time import ring_steps   # time.py imports this module: a late import, no circle
+    return ring_steps(op, n)
+
+
+@functools.lru_cache(maxsize=None)
+def curves() -> dict:
+    """(link name, op) -> Curve, from labkit/tables/collective_curves.csv."""
+    rows = {}
+    with CURVES_CSV.open(newline="") as f:
+        for r in csv.DictReader(f):
+            rows.setdefault((r["link"], r["op"]), []).append(r)
+    out = {}
+    for key, rs in rows.items():
+        rs.sort(key=lambda r: float(r["bytes"]))
+        out[key] = Curve(key[0], key[1], int(rs[0]["ranks"]), rs[0]["algo"],
+                         tuple(float(r["bytes"]) for r in rs),
+                         tuple(float(r["time_us"]) * 1e-6 for r in rs), rs[0]["source"])
+    return out
+
+
+def curve(link, op):
+    """The measured curve for op on link (a Link or its name), or None."""
+    name = link.name if isinstance(link, hardware.Link) else str(link)
+    return curves().get((name, op))
+
+
+def busbw(c: Curve, size) -> float:
+    """The curve's bus bandwidth (bytes/s) at nccl-tests size `size`, interpolated linearly in
+    log(bytes); the largest size's beyond it, the smallest's below it."""
+    sizes, bws = c.sizes, c.busbws
+    if size >= sizes[-1]:
+        return bws[-1]
+    if size <= sizes[0]:
+        return bws[0]
+    i = bisect.bisect_right(sizes, size) - 1
+    x = (math.log(size) - math.log(sizes[i])) / (math.log(sizes[i + 1]) - math.log(sizes[i]))
+    return bws[i] + x * (bws[i + 1] - bws[i])
+
+
+def _floor(c: Curve, link) -> float:
+    """Seconds a message of (almost) no bytes takes on the curve's own rank count."""
+    ln = hardware.link(link) if not isinstance(link, hardware.Link) else link
+    return min(c.times[0], _steps(c.op, c.ranks) * ln.latency)
+
+
+def curve_own_time(c: Curve, size, link) -> float:
+    """Seconds for nccl-tests size `size` at the curve's own rank count."""
+    f = bus_factor(c.op, c.ranks)
+    if size < c.sizes[0]:
+        floor = _floor(c, link)
+        return floor + (c.times[0] - floor) * max(size, 0.0) / c.sizes[0]
+    t = f * size / busbw(c, size)
+    i = bisect.bisect_right(c.sizes, size)
+    return max(t, max(c.times[:i]))   # never below a smaller measured message's time
+
+
+def curve_time(op, nbytes, group_size, link):
+    """Seconds for `op` of nbytes (what each rank hands the op, as time.collective_time) over
+    group_size ranks on `link`, from its measured curve; None when the link has no curve for
+    op. group_size != the curve's ranks: the latency floor x ring steps(n) / steps(n_c), the
+    rest x bus factor(n) / bus factor(n_c)."""
+    c = curve(link, op)
+    if c is None or group_size <= 1:
+        return None
+    own = curve_own_time(c, nccl_size(op, nbytes, group_size), link)
+    if group_size == c.ranks:
+        return own
+    floor = min(_floor(c, link), own)
+    steps = _steps(op, group_size) / _steps(op, c.ranks)
+    wide = bus_factor(op, group_size) / bus_factor(op, c.ranks)
+    return floor * steps + (own - floor) * wide
