@@ -39,7 +39,7 @@ def test_the_curve_returns_its_own_points():
         for i, (size, t) in enumerate(zip(c.sizes, c.times)):
             assert cc.busbw(c, size) == c.busbws[i]
             if t >= max(c.times[:i + 1]):   # not a dip below a smaller message's time
-                assert cc.curve_own_time(c, size, ln) == pytest.approx(t, rel=1e-12)
+                assert cc.curve_own_time(c, size, ln, T.ring_steps) == pytest.approx(t, rel=1e-12)
                 assert T.collective_time(c.op, size, c.ranks, ln) == pytest.approx(t, rel=1e-12)
 
 
@@ -54,7 +54,7 @@ def test_busbw_never_exceeds_the_line_rate():
     for c in cc.curves().values():
         ln = link_of(c.link)
         for size in (2.0 ** k for k in range(3, 40)):
-            t = cc.curve_own_time(c, size, ln)
+            t = cc.curve_own_time(c, size, ln, T.ring_steps)
             assert cc.bus_factor(c.op, c.ranks) * size / t <= max(c.busbws) * (1 + 1e-12)
 
 

@@ -18,7 +18,6 @@ each (nccl-tests issue 309). A link and op without a curve keeps time.py's alpha
 """
 from __future__ import annotations
 
-import bisect
 import csv
 import functools
 import math
@@ -63,9 +62,9 @@ def nccl_size(op, nbytes, n) -> float:
     return n * nbytes if op == "all_gather" else float(nbytes)
 
 
-def _steps(op, n) -> int:
-    from .time import ring_steps   # time.py imports this module: a late import, no circle
-    return ring_steps(op, n)
+def _below(sizes, size) -> int:
+    """How many of the ascending sizes are <= size."""
+    return sum(1 for s in sizes if s <= size)
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,40 +97,39 @@ def busbw(c: Curve, size) -> float:
         return bws[-1]
     if size <= sizes[0]:
         return bws[0]
-    i = bisect.bisect_right(sizes, size) - 1
+    i = _below(sizes, size) - 1
     x = (math.log(size) - math.log(sizes[i])) / (math.log(sizes[i + 1]) - math.log(sizes[i]))
     return bws[i] + x * (bws[i + 1] - bws[i])
 
 
-def _floor(c: Curve, link) -> float:
+def _floor(c: Curve, link, steps) -> float:
     """Seconds a message of (almost) no bytes takes on the curve's own rank count."""
-    ln = hardware.link(link) if not isinstance(link, hardware.Link) else link
-    return min(c.times[0], _steps(c.op, c.ranks) * ln.latency)
+    return min(c.times[0], steps(c.op, c.ranks) * hardware.link(link).latency)
 
 
-def curve_own_time(c: Curve, size, link) -> float:
-    """Seconds for nccl-tests size `size` at the curve's own rank count."""
+def curve_own_time(c: Curve, size, link, steps) -> float:
+    """Seconds for nccl-tests size `size` at the curve's own rank count; steps(op, n) is the
+    ring's message count (time.ring_steps, passed in: time.py imports this module)."""
     f = bus_factor(c.op, c.ranks)
     if size < c.sizes[0]:
-        floor = _floor(c, link)
+        floor = _floor(c, link, steps)
         return floor + (c.times[0] - floor) * max(size, 0.0) / c.sizes[0]
     t = f * size / busbw(c, size)
-    i = bisect.bisect_right(c.sizes, size)
-    return max(t, max(c.times[:i]))   # never below a smaller measured message's time
+    return max(t, max(c.times[:_below(c.sizes, size)]))   # never below a smaller message's
 
 
-def curve_time(op, nbytes, group_size, link):
+def curve_time(op, nbytes, group_size, link, steps):
     """Seconds for `op` of nbytes (what each rank hands the op, as time.collective_time) over
     group_size ranks on `link`, from its measured curve; None when the link has no curve for
-    op. group_size != the curve's ranks: the latency floor x ring steps(n) / steps(n_c), the
-    rest x bus factor(n) / bus factor(n_c)."""
+    op; steps = time.ring_steps. group_size != the curve's ranks: the latency floor x ring
+    steps(n) / steps(n_c), the rest x bus factor(n) / bus factor(n_c)."""
     c = curve(link, op)
     if c is None or group_size <= 1:
         return None
-    own = curve_own_time(c, nccl_size(op, nbytes, group_size), link)
+    own = curve_own_time(c, nccl_size(op, nbytes, group_size), link, steps)
     if group_size == c.ranks:
         return own
-    floor = min(_floor(c, link), own)
-    steps = _steps(op, group_size) / _steps(op, c.ranks)
+    floor = min(_floor(c, link, steps), own)
+    more = steps(op, group_size) / steps(op, c.ranks)
     wide = bus_factor(op, group_size) / bus_factor(op, c.ranks)
-    return floor * steps + (own - floor) * wide
+    return floor * more + (own - floor) * wide

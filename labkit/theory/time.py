@@ -83,7 +83,7 @@ def collective_time(op, nbytes, group_size, link) -> float:
     if group_size <= 1:
         return 0.0
     ln = hardware.link(link)
-    measured = collective_curves.curve_time(op, nbytes, group_size, ln)
+    measured = collective_curves.curve_time(op, nbytes, group_size, ln, ring_steps)
     if measured is not None:
         return measured
     wire = busiest_rank_bytes("send" if op == "recv" else op, nbytes, group_size)
