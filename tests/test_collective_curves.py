@@ -1,6 +1,5 @@
 """theory/collective_curves.py: measured nccl-tests curves behind time.collective_time."""
 import csv
-import re
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -12,11 +11,7 @@ ROWS = list(csv.DictReader(cc.CURVES_CSV.open(newline="")))
 
 def link_of(name):
     """The Link a curve names: a table link, or ring_link's 'X x k NICs' (k of X at once)."""
-    wide = re.fullmatch(r"(.+) x (\d+) NICs", name)
-    if wide:
-        base = hardware.link(wide[1])
-        return hardware.Link(name, int(wide[2]) * base.bandwidth, base.latency, base.efficiency)
-    return hardware.link(name)
+    return cc.measured_link(next(c for c in cc.curves().values() if c.link == name))
 
 
 def test_every_row_has_a_source():
@@ -39,7 +34,7 @@ def test_the_curve_returns_its_own_points():
         for i, (size, t) in enumerate(zip(c.sizes, c.times)):
             assert cc.busbw(c, size) == c.busbws[i]
             if t >= max(c.times[:i + 1]):   # not a dip below a smaller message's time
-                assert cc.curve_own_time(c, size, ln, T.ring_steps) == pytest.approx(t, rel=1e-12)
+                assert cc.curve_own_time(c, size, T.ring_steps) == pytest.approx(t, rel=1e-12)
                 assert T.collective_time(c.op, size, c.ranks, ln) == pytest.approx(t, rel=1e-12)
 
 
@@ -54,7 +49,7 @@ def test_busbw_never_exceeds_the_line_rate():
     for c in cc.curves().values():
         ln = link_of(c.link)
         for size in (2.0 ** k for k in range(3, 40)):
-            t = cc.curve_own_time(c, size, ln, T.ring_steps)
+            t = cc.curve_own_time(c, size, T.ring_steps)
             assert cc.bus_factor(c.op, c.ranks) * size / t <= max(c.busbws) * (1 + 1e-12)
 
 

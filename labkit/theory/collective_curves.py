@@ -21,7 +21,8 @@ from __future__ import annotations
 import csv
 import functools
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 from . import hardware
 
@@ -102,17 +103,27 @@ def busbw(c: Curve, size) -> float:
     return bws[i] + x * (bws[i + 1] - bws[i])
 
 
-def _floor(c: Curve, link, steps) -> float:
+def measured_link(c: Curve) -> hardware.Link:
+    """The link the curve was measured on: a table link, or ring_link's 'X x k NICs' (k of
+    link X at once)."""
+    wide = re.fullmatch(r"(.+) x (\d+) NICs", c.link)
+    if not wide:
+        return hardware.link(c.link)
+    base = hardware.link(wide[1])
+    return replace(base, name=c.link, bandwidth=int(wide[2]) * base.bandwidth)
+
+
+def _floor(c: Curve, steps) -> float:
     """Seconds a message of (almost) no bytes takes on the curve's own rank count."""
-    return min(c.times[0], steps(c.op, c.ranks) * hardware.link(link).latency)
+    return min(c.times[0], steps(c.op, c.ranks) * measured_link(c).latency)
 
 
-def curve_own_time(c: Curve, size, link, steps) -> float:
+def curve_own_time(c: Curve, size, steps) -> float:
     """Seconds for nccl-tests size `size` at the curve's own rank count; steps(op, n) is the
     ring's message count (time.ring_steps, passed in: time.py imports this module)."""
     f = bus_factor(c.op, c.ranks)
     if size < c.sizes[0]:
-        floor = _floor(c, link, steps)
+        floor = _floor(c, steps)
         return floor + (c.times[0] - floor) * max(size, 0.0) / c.sizes[0]
     t = f * size / busbw(c, size)
     return max(t, max(c.times[:_below(c.sizes, size)]))   # never below a smaller message's
@@ -122,14 +133,17 @@ def curve_time(op, nbytes, group_size, link, steps):
     """Seconds for `op` of nbytes (what each rank hands the op, as time.collective_time) over
     group_size ranks on `link`, from its measured curve; None when the link has no curve for
     op; steps = time.ring_steps. group_size != the curve's ranks: the latency floor x ring
-    steps(n) / steps(n_c), the rest x bus factor(n) / bus factor(n_c)."""
+    steps(n) / steps(n_c), the rest x bus factor(n) / bus factor(n_c); a link named as the
+    curve's but with other latency or bandwidth scales the two parts by their ratios."""
     c = curve(link, op)
     if c is None or group_size <= 1:
         return None
-    own = curve_own_time(c, nccl_size(op, nbytes, group_size), link, steps)
-    if group_size == c.ranks:
-        return own
-    floor = min(_floor(c, link, steps), own)
+    own = curve_own_time(c, nccl_size(op, nbytes, group_size), steps)
+    floor = min(_floor(c, steps), own)
     more = steps(op, group_size) / steps(op, c.ranks)
     wide = bus_factor(op, group_size) / bus_factor(op, c.ranks)
-    return floor * more + (own - floor) * wide
+    # a link of the curve's name but other numbers (a what-if): its latency and effective
+    # bandwidth against the measured link's scale the two parts
+    ln, base = hardware.link(link), measured_link(c)
+    slower = base.effective_bandwidth / ln.effective_bandwidth
+    return floor * more * ln.latency / base.latency + (own - floor) * wide * slower
