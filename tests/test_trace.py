@@ -9,14 +9,14 @@ import labkit
 from labkit.cli import main
 from labkit.runtime import trace
 from labkit.theory import hardware, kernels
+from labkit.theory.time import collective_time
 
 # By hand from data/hardware.csv (not through theory/'s formulas): an H100 runs compute at its
-# measured MAMF (bf16) x the fitted in-step GEMM fraction (data/kernels.csv); NVLink 4 moves
-# 450e9 * 0.8 bytes/s after 2 us per ring step.
+# measured MAMF (bf16) x the fitted in-step GEMM fraction (data/kernels.csv).
 H100_FLOP_S = hardware.gpu("H100").mamf_bf16_flops * kernels.IN_STEP_GEMM_FRACTION
-NVLINK_B_S, NVLINK_ALPHA = 450e9 * 0.8, 2e-6
-# a 1 MB all-reduce on 2 ranks: 2 ring steps, 2 (n-1)/n * 1e6 = 1e6 bytes sent by each rank
-ALL_REDUCE_1MB = 2 * NVLINK_ALPHA + 1e6 / NVLINK_B_S
+# a 1 MB all-reduce on 2 ranks of NVLink 4: what the clock's time model says
+# (theory/time.collective_time: NVLink 4's measured all_reduce curve)
+ALL_REDUCE_1MB = collective_time("all_reduce", 1e6, 2, "NVLink 4")
 SHORT_FLOPS = 1e9     # 1.6 us of compute: shorter than the all-reduce
 
 

@@ -1,8 +1,10 @@
 """Closed-form step times: compute at the in-step GEMM rate (step_rate.in_step_gemm_rate, the
-planner's and the run clock's one rate), collectives by the alpha-beta model.
+planner's and the run clock's one rate), collectives from measured nccl-tests curves where
+data/collective_curves.csv has one (theory/collective_curves.py), else alpha-beta.
 
-A ring collective over n ranks takes steps * alpha + the busiest rank's bytes / beta (all-reduce:
-2(n-1) steps, 2(n-1)/n * S bytes; broadcast: the root sends all S); training costs 6 FLOPs per
+Without a curve a ring collective over n ranks takes steps * alpha + the busiest rank's bytes /
+beta (all-reduce: 2(n-1) steps, 2(n-1)/n * S bytes; broadcast: the root sends all S), beta the
+link's bandwidth x its efficiency (data/hardware.csv); training costs 6 FLOPs per
 matmul weight per token plus the attention scores (the input embedding is a lookup, no FLOPs);
 a pipeline idles (P-1)/(M+P-1).
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from . import catalog, hardware
+from . import catalog, collective_curves, hardware
 from .memory import dtype_bytes
 from .step_rate import compute_rate
 from .transformer import model_flops_per_token
@@ -74,13 +76,18 @@ def ring_steps(op, group_size) -> int:
 
 
 def collective_time(op, nbytes, group_size, link) -> float:
-    """Alpha-beta time in seconds: steps * link.latency + the busiest rank's bytes / effective
-    bandwidth (Hockney's model; ring costs as in Thakur et al. 2005 and NCCL). A recv takes as
-    long as the matching send: the receiver waits for the nbytes to arrive."""
+    """Seconds for op: the link's measured nccl-tests curve for op where one exists
+    (collective_curves.curve_time: busbw interpolated in log bytes), else alpha-beta:
+    steps * link.latency + the busiest rank's bytes / effective bandwidth (Hockney's model;
+    ring costs as in Thakur et al. 2005 and NCCL). A recv takes as long as the matching send:
+    the receiver waits for the nbytes to arrive."""
     _check_op(op)
     if group_size <= 1:
         return 0.0
     ln = hardware.link(link)
+    measured = collective_curves.curve_time(op, nbytes, group_size, ln, ring_steps)
+    if measured is not None:
+        return measured
     wire = busiest_rank_bytes("send" if op == "recv" else op, nbytes, group_size)
     return ring_steps(op, group_size) * ln.latency + wire / ln.effective_bandwidth
 
