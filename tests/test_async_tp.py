@@ -157,15 +157,18 @@ def test_the_chunk_timeline_figure():
 
 def test_the_break_even_exercise():
     from labkit.exercises.tensor_parallel import check_break_even_tokens
-    from labkit.theory import hardware
+    from labkit.theory import hardware, kernels
     node = hardware.cluster("8xH100-NVLink")
     link, peak = node.intra, node.gpu.bf16_flops
+    in_step = node.gpu.mamf_bf16_flops * kernels.IN_STEP_GEMM_FRACTION   # MAMF x the fit
 
-    def solve(flops_per_s=peak * node.mfu, value_bytes=2, bandwidth=link.effective_bandwidth):
+    def solve(flops_per_s=in_step, value_bytes=2, bandwidth=link.effective_bandwidth):
         per_token = 8192 * (2 * 28672 / 8 / flops_per_s - value_bytes / bandwidth)
         return 8 * link.latency / per_token
     assert check_break_even_tokens(solve(), verbose=False).ok   # derived here, by hand
-    for wrong, problem in ((solve(flops_per_s=peak), "peak"), (solve(value_bytes=4), "fp32"),
+    for wrong, problem in ((solve(flops_per_s=peak), "peak"),
+                           (solve(flops_per_s=peak * node.mfu), "constant MFU"),
+                           (solve(value_bytes=4), "fp32"),
                            (solve(bandwidth=link.bandwidth), "line rate"), (0, "no latency")):
         check = check_break_even_tokens(wrong, verbose=False)
         assert not check.ok and check.problem == problem, (wrong, check)
