@@ -32,33 +32,40 @@ from labkit.theory import hardware, planner, published, transformer as tf  # noq
 LLM_ANALYSIS_EFFICIENCY = 0.5
 
 
-def llm_analysis_tflops(r):
-    """llm-analysis's TFLOP/s per GPU for row `r` (labkit's FLOPs per token over its step time),
-    or None where the package is not installed or refuses the row."""
-    try:
-        from llm_analysis import analysis as la
-        from llm_analysis.config import (DtypeConfig, GPUConfig, ModelConfig,
-                                         ParallelismConfig)
-    except ImportError:
-        return None
-    m, g = planner.parse_model(r["model"]), hardware.gpu(r["gpu"])
-    intra = hardware.link(r["intra_link"]).bandwidth / 1e9
-    inter = hardware.link(r["inter_link"]).bandwidth / 1e9 * int(r["gpus_per_node"])
-    gpus, seq, batch = int(r["gpus"]), int(r["seq"]), int(r["global_batch"])
-    tp, pp = int(r["tp"] or 1), int(r["pp"] or 1)
-    dp = gpus // (tp * pp)
-    mbs = int(r["micro_batch_size"] or 1)
-    model = ModelConfig(name=r["name"], num_layers=m.layers, n_head=m.heads,
+def llm_analysis_configs(name, m, g, seq, intra_link, inter_link, gpus_per_node):
+    """llm-analysis's ModelConfig and GPUConfig for labkit's model shape `m` on GPU `g` (the
+    row's own links; the inter-node bandwidth is the node's NICs together)."""
+    from llm_analysis.config import GPUConfig, ModelConfig
+    model = ModelConfig(name=name, num_layers=m.layers, n_head=m.heads,
                         hidden_dim=m.hidden, vocab_size=m.vocab, max_seq_len=seq,
                         num_key_value_heads=m.kv_heads, ffn_embed_dim=m.ffn,
                         expansion_ratio=m.ffn / m.hidden,
                         moe_num_experts=m.experts, moe_top_k=m.top_k)
     gpu = GPUConfig(name=g.name, mem_per_GPU_in_GB=g.memory_bytes / 1e9,
                     hbm_bandwidth_in_GB_per_sec=g.memory_bw / 1e9,
-                    intra_node_bandwidth_in_GB_per_sec=intra,
+                    intra_node_bandwidth_in_GB_per_sec=hardware.link(intra_link).bandwidth / 1e9,
                     intra_node_min_message_latency=8e-6,
                     peak_fp16_TFLOPS=g.bf16_flops / 1e12,
-                    inter_node_bandwidth_in_GB_per_sec=inter)
+                    inter_node_bandwidth_in_GB_per_sec=hardware.link(inter_link).bandwidth
+                    / 1e9 * gpus_per_node)
+    return model, gpu
+
+
+def llm_analysis_tflops(r):
+    """llm-analysis's TFLOP/s per GPU for row `r` (labkit's FLOPs per token over its step time),
+    or None where the package is not installed or refuses the row."""
+    try:
+        from llm_analysis import analysis as la
+        from llm_analysis.config import DtypeConfig, ParallelismConfig
+    except ImportError:
+        return None
+    m, g = planner.parse_model(r["model"]), hardware.gpu(r["gpu"])
+    gpus, seq, batch = int(r["gpus"]), int(r["seq"]), int(r["global_batch"])
+    tp, pp = int(r["tp"] or 1), int(r["pp"] or 1)
+    dp = gpus // (tp * pp)
+    mbs = int(r["micro_batch_size"] or 1)
+    model, gpu = llm_analysis_configs(r["name"], m, g, seq, r["intra_link"], r["inter_link"],
+                                      int(r["gpus_per_node"]))
     recompute = {"": 0, "none": 0, "selective": 1, "full": 2}[r["recompute"]]
     analysis = la.LLMAnalysis(model, gpu, DtypeConfig(),
                               ParallelismConfig(tp_size=tp, pp_size=pp, dp_size=dp,
