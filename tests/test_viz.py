@@ -533,6 +533,26 @@ def test_serving_tpot_bars_add_up_to_the_modelled_tpot():
                 (model, layout, batch)
 
 
+def test_the_host_figure_shows_a_short_prompt_waiting_for_the_host():
+    """Lesson 09's host figure: enqueued kernel by kernel is never faster than a replayed
+    graph, its short prompts sit on the host's floor (kernels x ENQUEUE_S), a long prompt is
+    the same either way, and the shaded span ends at the last host-bound prompt."""
+    from labkit.theory import pricing
+    from labkit.viz.serving_widgets import host_figure
+    prompts = [16, 64, 256, 1024, 4096]
+    fig = host_figure("llama-3-8b", prompts=prompts)
+    graph, enqueue = (line.get_ydata() for line in fig.axes[0].get_lines()[:2])
+    assert all(e >= g for e, g in zip(enqueue, graph))
+    floor = (32 * 11 + 2) * pricing.ENQUEUE_S * 1e3         # 354 kernels of Llama 3 8B
+    assert enqueue[0] == pytest.approx(floor) and enqueue[0] > graph[0]
+    assert enqueue[-1] == graph[-1]
+    bound = [p for p, g, e in zip(prompts, graph, enqueue) if e > g]
+    span = fig.axes[0].patches[0].get_path().transformed(
+        fig.axes[0].patches[0].get_patch_transform()).vertices[:, 0]
+    assert max(span) == pytest.approx(bound[-1]) and bound[-1] < prompts[-1]
+    plt.close(fig)
+
+
 def _extents(fig, artists):
     renderer = fig.canvas.get_renderer()
     return [a.get_window_extent(renderer) for a in artists]

@@ -220,3 +220,34 @@ def roofline_figure(model="Llama 3 70B", gpus=("H100", "H200", "A100"), contexts
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     return fig
+
+
+def host_figure(model="Llama 3 8B", gpu="H100", prompts=None, batch=1, weights="fp8", ax=None):
+    """Modelled TTFT against prompt length with CUDA graphs (the host hidden) and enqueued
+    kernel by kernel (the host's ENQUEUE_S a kernel: pricing.step_total): a short prompt waits
+    for the host, a long one keeps the GPU busier than the host, and the two lines meet."""
+    fig, ax = (plt.subplots(figsize=(7.5, 4.2)) if ax is None else (ax.figure, ax))
+    prompts = prompts or [2 ** k for k in range(4, 14)]
+    ttft = {e: [theory.serving_time(model, gpu=gpu, batch=batch, prompt_len=p, new_tokens=1,
+                                    weights=weights, kv_dtype=weights if weights == "fp8"
+                                    else "bf16", execution=e)["ttft_s"] * 1e3 for p in prompts]
+            for e in ("graph", "enqueue")}
+    ax.plot(prompts, ttft["graph"], "-o", markersize=3, color="#2ca02c",
+            label="CUDA graph replayed: the GPU's time")
+    ax.plot(prompts, ttft["enqueue"], "--s", markersize=3, color="#d62728",
+            label="enqueued kernel by kernel: max(GPU, host)")
+    host = [p for p, g, e in zip(prompts, ttft["graph"], ttft["enqueue"]) if e > g]
+    if host:
+        ax.axvspan(prompts[0], host[-1], color="#d62728", alpha=0.08,
+                   label=f"host-bound (up to {host[-1]:,} tokens)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(prompts[::2], [f"{p:,}" for p in prompts[::2]])
+    ax.set_xlabel(f"prompt tokens (batch {batch})")
+    ax.set_ylabel("time to first token, ms (modelled)")
+    ax.set_title(f"{catalog.model(model).display_name}, {weights} weights, one "
+                 f"{hardware.gpu(gpu).name}: who waits for whom (modelled)", fontsize=10)
+    ax.legend(loc="upper left", fontsize=8, frameon=False)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig

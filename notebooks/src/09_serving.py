@@ -59,8 +59,8 @@ from labkit.parallel import parallelize_module
 from labkit.parallel.serving import KVCache, generate, generate_without_cache
 from labkit.runs import serve
 from labkit.theory import catalog, moe as tmoe, serving as theory
-from labkit.viz.serving_widgets import (roofline_figure, serving_explorer, serving_figure,
-                                       tpot_terms)
+from labkit.viz.serving_widgets import (host_figure, roofline_figure, serving_explorer,
+                                       serving_figure, tpot_terms)
 
 pd.set_option("display.precision", 3)
 torch.set_num_threads(1)   # tiny models: one thread beats two here
@@ -342,6 +342,16 @@ for prompt in (128, 2048):
     print(f"Llama 3 8B, one H100, prompt {prompt:>5,}: TTFT {graph['ttft_s'] * 1e3:5.1f} ms with "
           f"CUDA graphs, {enqueue['ttft_s'] * 1e3:5.1f} ms enqueued kernel by kernel; TPOT "
           f"{graph['tpot_s'] * 1e3:.2f} vs {enqueue['tpot_s'] * 1e3:.2f} ms (modelled)")
+
+# %% [markdown]
+# Drawn over prompt lengths, with the fp8 weights of the published rows (a smaller read, so the
+# GPU finishes sooner and the host shows more): below a few hundred tokens the enqueued engine
+# waits on its host at a floor of kernels × `ENQUEUE_S`, whatever the prompt; above it the two
+# lines are one.
+
+# %%
+host_figure("llama-3-8b", gpu="H100")
+plt.show()
 
 # %% [markdown]
 # Read `plan --serve`'s tokens/s as the range it prints under its table; a batch-1 token and a
