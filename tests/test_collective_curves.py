@@ -17,7 +17,8 @@ def link_of(name):
 def test_every_row_has_a_source():
     assert ROWS
     for r in ROWS:
-        assert r["source"].startswith("https://github.com/NVIDIA/nccl-tests/issues/"), r
+        assert r["source"].startswith(("https://github.com/NVIDIA/nccl-tests/issues/",
+                                       "https://github.com/stas00/ml-engineering/")), r
 
 
 def test_the_table_busbw_matches_its_time():
@@ -98,3 +99,20 @@ def test_no_torch_import():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_bus_bytes_are_the_ring_wire_bytes(op, n):
+    """nccl-tests' bus bytes (bus factor x size S; all_gather's S the gathered output,
+    reduce_scatter's the input each rank holds) = time.py's ring bytes a rank sends."""
+    nbytes = 3e6
+    bus = cc.bus_factor(op, n) * cc.nccl_size(op, nbytes, n)
+    assert bus == pytest.approx(T.wire_bytes_per_rank(op, nbytes, n))
+
+
+def test_a100_nvlink3_all_reduce_reads_its_curve():
+    c = cc.curve("NVLink 3", "all_reduce")
+    assert c is not None and c.ranks == 8
+    assert T.collective_time("all_reduce", 2 ** 34, 8, "NVLink 3") == pytest.approx(127997e-6)
+    assert c.busbws[-1] / 1e9 == pytest.approx(234.89, rel=1e-3)

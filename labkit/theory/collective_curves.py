@@ -13,8 +13,11 @@ smaller of the smallest message's time and the alpha-beta ring steps x link late
 n ranks on a curve measured with n_c: the floor scales with ring steps (2(n-1) for all_reduce)
 and the rest with the bus bytes factor, so n = n_c gives the curve itself (a simplification:
 NVLS and tree algorithms do not grow their latency with ring steps). Sources, one a row: 8 H100
-SXM on NVLink 4 (nccl-tests issue 290, NVLS all_reduce) and 4 nodes of 8 H100 with 8 NDR NICs
-each (nccl-tests issue 309). A link and op without a curve keeps time.py's alpha-beta model.
+SXM on NVLink 4 (nccl-tests issue 290, NVLS all_reduce), 4 nodes of 8 H100 with 8 NDR NICs
+each (nccl-tests issue 309) and 8 A100 SXM on NVLink 3 (all_reduce 32 KB-16 GB, Stas Bekman's
+ml-engineering network/README.md). A link and op without a curve keeps time.py's alpha-beta
+model; all_gather and reduce_scatter curves would follow nccl_size's and bus_factor's
+conventions, but no published table with the numbers in text was found for them yet.
 """
 from __future__ import annotations
 
