@@ -27,9 +27,9 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from . import hardware
+from .hardware import TABLES, Link, link as find_link
 
-CURVES_CSV = hardware.TABLES / "collective_curves.csv"
+CURVES_CSV = TABLES / "collective_curves.csv"
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def curves() -> dict:
 
 def curve(link, op):
     """The measured curve for op on link (a Link or its name), or None."""
-    name = link.name if isinstance(link, hardware.Link) else str(link)
+    name = link.name if isinstance(link, Link) else str(link)
     return curves().get((name, op))
 
 
@@ -106,13 +106,13 @@ def busbw(c: Curve, size) -> float:
     return bws[i] + x * (bws[i + 1] - bws[i])
 
 
-def measured_link(c: Curve) -> hardware.Link:
+def measured_link(c: Curve) -> Link:
     """The link the curve was measured on: a table link, or ring_link's 'X x k NICs' (k of
     link X at once)."""
     wide = re.fullmatch(r"(.+) x (\d+) NICs", c.link)
     if not wide:
-        return hardware.link(c.link)
-    base = hardware.link(wide[1])
+        return find_link(c.link)
+    base = find_link(wide[1])
     return replace(base, name=c.link, bandwidth=int(wide[2]) * base.bandwidth)
 
 
@@ -147,6 +147,6 @@ def curve_time(op, nbytes, group_size, link, steps):
     wide = bus_factor(op, group_size) / bus_factor(op, c.ranks)
     # a link of the curve's name but other numbers (a what-if): its latency and effective
     # bandwidth against the measured link's scale the two parts
-    ln, base = hardware.link(link), measured_link(c)
+    ln, base = find_link(link), measured_link(c)
     slower = base.effective_bandwidth / ln.effective_bandwidth
     return floor * more * ln.latency / base.latency + (own - floor) * wide * slower

@@ -122,7 +122,7 @@ def serving_pass(m, gpu, pieces, *, tp=1, pp=1, ep=1, weights="bf16", kv_dtype="
     tokens = sum(n for n, _ in pieces)
     layers = m.layers / pp
     dense_s, dense_k, head_s, head_k = _dense_part(m, g, tokens, tp, ep, linear_rate,
-                                                   rate * kernels.IN_STEP_GEMM_FRACTION)
+                                                   in_step_gemm_rate(g))
     attention_s = attention_k = 0.0
     for (new, cached), count in Counter(pieces).items():
         s, k = _attention_part(m, g, new, cached, count, tp, rate)
